@@ -1,0 +1,48 @@
+#pragma once
+// A credential value in memory. Never printable: streaming or formatting it prints
+// "<redacted>". Its bytes live in a buffer that is mlock'ed (best effort, so they stay out of
+// swap) and wiped with OPENSSL_cleanse when the value is destroyed.
+#include <cstddef>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "common/result.h"
+
+namespace egress::credstore {
+
+class SecretValue {
+public:
+    explicit SecretValue(std::string_view bytes);
+    ~SecretValue();
+    SecretValue(const SecretValue&) = delete;
+    SecretValue& operator=(const SecretValue&) = delete;
+
+    /// The raw bytes. Callers must not log, copy into long-lived strings, or return them.
+    std::string_view reveal() const { return {data_, size_}; }
+    size_t size() const { return size_; }
+
+private:
+    char* data_ = nullptr;
+    size_t size_ = 0;
+    size_t capacity_ = 0;
+};
+
+using SecretPtr = std::shared_ptr<const SecretValue>;
+
+std::ostream& operator<<(std::ostream& os, const SecretValue&);  // prints "<redacted>"
+
+/// Checks a value that is about to become a secret: non-empty, at most 16 KiB, no CR, LF or
+/// NUL (a secret with CR/LF could split a header when injected).
+Result<bool> validate_secret_bytes(std::string_view bytes);
+
+/// Reads a mounted secret file. One trailing "\n" or "\r\n" is removed (files written by
+/// `echo` or by Kubernetes often have one); then validate_secret_bytes applies. The error
+/// message names the path and the problem, never the content.
+Result<SecretPtr> load_secret_file(const std::string& path);
+
+/// Constant-time comparison for tokens.
+bool constant_time_equals(std::string_view a, std::string_view b);
+
+}  // namespace egress::credstore

@@ -1,0 +1,32 @@
+#pragma once
+// Which headers may cross the proxy and which headers configuration may set.
+// All names are compared case-insensitively.
+#include <string_view>
+
+#include "policy/request_head.h"
+
+namespace egress::policy {
+
+/// Hop-by-hop (RFC 9110 7.6.1) plus proxy credentials: connection, keep-alive,
+/// proxy-connection, te, trailer, transfer-encoding, upgrade, and every proxy-* header.
+bool is_hop_by_hop(std::string_view name);
+
+/// Headers configuration may never set or inject into: host, content-length, connection,
+/// transfer-encoding, te, upgrade, keep-alive, trailer, every proxy-*, every pseudo-header
+/// (":..."), and the proxy's own namespace x-egress-*.
+bool is_transport_header(std::string_view name);
+
+/// The proxy's own namespace, "x-egress-*": the sandbox may not send these.
+bool is_egress_namespace(std::string_view name);
+
+/// RFC 9110 token characters, non-empty.
+bool valid_header_name(std::string_view name);
+/// No CR, LF or NUL (other CTLs except HTAB refused too); obs-text allowed.
+bool valid_header_value(std::string_view value);
+
+/// Removes hop-by-hop headers, every header named in a Connection header's tokens, and
+/// Proxy-*. `te: trailers` is kept when `keep_te_trailers` (HTTP/2 upstreams); any other te
+/// is removed. Returns the number removed.
+size_t strip_hop_by_hop(RequestHead& head, bool keep_te_trailers = false);
+
+}  // namespace egress::policy

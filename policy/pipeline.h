@@ -1,0 +1,56 @@
+#pragma once
+// The request pipeline: runs exactly once per request on the protocol-neutral head, for
+// HTTP/1.1 and HTTP/2 alike. Serializers after it never decide policy.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "policy/host.h"
+#include "policy/request_head.h"
+#include "policy/run_policy.h"
+
+namespace egress::policy {
+
+struct RequestContext {
+    const GlobalPolicy* global = nullptr;
+    const RunPolicy* run = nullptr;
+    HostPort target;                 // CONNECT target, or the absolute-form URI's authority
+    std::optional<std::string> sni;  // normalized TLS SNI on the intercepted leg, if any
+    bool tls = false;                // request arrived inside an intercepted TLS session
+    bool upstream_h2 = false;        // keep "te: trailers" for an HTTP/2 upstream
+    TimePoint now{};
+};
+
+/// What the pipeline decided. status == 0 means forward.
+struct Decision {
+    int status = 0;
+    std::string reason;              // machine-readable, e.g. "host_mismatch"
+    const Pin* pin = nullptr;        // the pin whose credential was injected, if any
+    std::string injected_header;     // lowercase header name, if injected
+    /// Byte strings that must not reach the sandbox in the response (the secret and the
+    /// injected header value). WARNING: holds secret bytes; feed to a Scrubber only.
+    std::vector<std::string> scrub;
+
+    bool forward() const { return status == 0; }
+};
+
+/// The fixed filter chain:
+///  1. host agreement: the head's authority (Host / :authority; missing → 400
+///     "missing_host", unparsable → 400 "bad_host") must equal ctx.target (host and port,
+///     default port from the scheme), and ctx.sni, when set, must equal ctx.target.host;
+///     else 421 "host_mismatch" / "sni_mismatch".
+///  2. hygiene: strip hop-by-hop and proxy-* headers; any x-egress-* header from the
+///     sandbox → 403 "forged_egress_header"; a name or value with CR/LF/NUL → 400
+///     "bad_header".
+///  3. pin match (only when ctx.tls): the matching pin's credential replaces every value the
+///     client sent for that header, and accept-encoding is set to "identity" so the scrubber
+///     can see the body. No pin matches but the host has pins → forwarded without a credential
+///     if the host is also allowed, else 403 "no_matching_pin". Over cleartext nothing is
+///     injected (reason "cleartext_no_credential" is recorded while forwarding).
+///  4. expiry: an expired or revoked run → 403 "run_expired" / "run_revoked".
+class RequestPipeline {
+public:
+    Decision run(RequestHead& head, const RequestContext& ctx) const;
+};
+
+}  // namespace egress::policy

@@ -1,0 +1,37 @@
+#pragma once
+// The protocol-neutral request head. The HTTP/1.1 codec (Beast) and the HTTP/2 codec
+// (nghttp2) both produce it; the pipeline runs on it once; dumb serializers write it out.
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace egress::policy {
+
+struct Header {
+    std::string name;  // lowercase
+    std::string value;
+};
+
+struct RequestHead {
+    std::string method;     // as sent, e.g. "GET"
+    std::string scheme;     // "https" or "http"
+    std::string authority;  // Host / :authority exactly as the client sent it ("" if absent)
+    std::string path;       // origin-form: "/a/b?q=1"
+    std::vector<Header> headers;  // in order, lowercase names; never contains "host"
+
+    /// First value for `name` (lowercase), or nullptr.
+    const std::string* find(std::string_view name) const;
+    size_t count(std::string_view name) const;
+    /// Removes every header named `name`; returns how many were removed.
+    size_t remove(std::string_view name);
+    /// Removes every `name` header, then appends one with `value`.
+    void set(std::string_view name, std::string value);
+    /// Path without the query string.
+    std::string_view path_only() const;
+};
+
+/// Lowercases ASCII in place and returns it.
+std::string ascii_lower(std::string_view s);
+bool iequals(std::string_view a, std::string_view b);
+
+}  // namespace egress::policy

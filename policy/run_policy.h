@@ -1,0 +1,96 @@
+#pragma once
+// What one run may reach and which credential applies: destination policy and pin matching.
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/result.h"
+#include "credstore/secret.h"
+#include "policy/host.h"
+
+namespace egress::policy {
+
+using Clock = std::chrono::system_clock;
+using TimePoint = Clock::time_point;
+
+enum class Unpinned : uint8_t { Tunnel, Intercept };
+
+enum class InjectType : uint8_t { Bearer, Basic, Header };
+
+struct InjectSpec {
+    InjectType type = InjectType::Bearer;
+    std::string username;                  // basic
+    std::string header_name;               // header (lowercase after validation)
+    std::string value_template = "{secret}";  // header: must contain "{secret}" once
+};
+
+/// Validates an injection: header names must be valid tokens and not transport headers
+/// (is_transport_header) nor x-egress-*; the template has exactly one "{secret}" and no
+/// CR/LF/NUL; a basic username has no ':' nor CR/LF/NUL. Returns the spec with the header
+/// name lowercased. Errors name the field ("inject.name: ...").
+Result<InjectSpec> validate_injection(InjectSpec spec);
+
+/// The header name an injection writes ("authorization" for bearer and basic).
+std::string injected_header_name(const InjectSpec& spec);
+/// The header value for a secret: "Bearer S", "Basic b64(user:S)", or the template filled.
+/// WARNING: the result contains the secret; never log it.
+std::string injected_header_value(const InjectSpec& spec, std::string_view secret);
+
+struct Pin {
+    std::string id;
+    HostPattern host;
+    std::vector<std::string> path_prefixes;  // empty: any path
+    std::vector<std::string> methods;        // uppercase; empty: any method
+    std::string secret_name;                 // for audit and explain; never the value
+    InjectSpec inject;
+    credstore::SecretPtr secret;             // resolved value
+    TimePoint expires_at = TimePoint::max();
+};
+
+struct RunPolicy {
+    std::string id;
+    std::vector<HostPattern> allow_hosts;
+    std::vector<Pin> pins;
+    TimePoint expires_at = TimePoint::max();
+    bool revoked = false;
+};
+
+struct GlobalPolicy {
+    Unpinned unpinned = Unpinned::Tunnel;
+    std::vector<HostPattern> allow_hosts;
+    std::vector<uint16_t> allowed_ports{443};
+};
+
+enum class Carry : uint8_t { Deny, Tunnel, Intercept };
+
+struct DestinationDecision {
+    Carry carry = Carry::Deny;
+    /// Deny reasons: "run_expired", "run_revoked", "host_not_allowed", "port_not_allowed".
+    std::string reason;
+    bool pinned = false;  // some live pin of the run matches host (and port)
+};
+
+/// Decides how a CONNECT (or absolute-form) destination is carried, before any byte leaves.
+/// A host is pinned when a live pin matches it; allowed when the run's or the global allow
+/// list matches it. Pinned → Intercept. Allowed, unpinned → global.unpinned. Otherwise Deny.
+/// Port rule: a matching pattern that names its own port allows that port; a pattern without
+/// a port allows `allowed_ports` only. Expired or revoked runs are denied.
+DestinationDecision decide_destination(const GlobalPolicy& global, const RunPolicy& run,
+                                       const HostPort& dest, TimePoint now);
+
+/// True if any allow pattern (run or global) matches dest under the port rule above.
+bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest);
+
+/// The first live pin matching host, port, method (exact, case-sensitive, uppercase) and path
+/// prefix. `path` is the origin-form path (query ignored). Paths containing dot segments
+/// ("/./", "/../", trailing "/.." ), encoded dots or slashes ("%2e", "%2f", case-insensitive)
+/// or backslashes never match a pin that has path prefixes, so a prefix cannot be escaped.
+const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
+                     std::string_view path, TimePoint now);
+
+/// True if a live pin matches host and port (ignoring path and method).
+bool host_pinned(const RunPolicy& run, const HostPort& dest, TimePoint now);
+
+}  // namespace egress::policy

@@ -1,0 +1,40 @@
+#pragma once
+// Streaming replacement of secret bytes in a response, across chunk boundaries.
+// Replacements keep the length of what they replace ("[REDACTED]" cut or padded with '*'),
+// so Content-Length framing stays valid and nothing needs buffering beyond a short tail.
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace egress::policy {
+
+class Scrubber {
+public:
+    Scrubber() = default;
+    /// Empty needles are ignored. WARNING: holds secret bytes; never log a Scrubber.
+    explicit Scrubber(std::vector<std::string> needles);
+    ~Scrubber();  // wipes the needles and the held-back tail
+
+    bool active() const { return !needles_.empty(); }
+
+    /// Appends scrubbed bytes of `in` to `out`. Holds back at most (longest needle - 1) bytes
+    /// that could begin a match; they are emitted by a later feed or by finish().
+    void feed(std::string_view in, std::string& out);
+    /// Emits whatever is held back (scrubbed).
+    void finish(std::string& out);
+
+    /// Scrubs one complete value (a header value).
+    std::string scrub_value(std::string_view value);
+
+    size_t replacements() const { return replacements_; }
+
+private:
+    void scrub_in_place(std::string& buf, size_t& safe_len);
+    std::vector<std::string> needles_;
+    std::string tail_;
+    size_t max_len_ = 0;
+    size_t replacements_ = 0;
+};
+
+}  // namespace egress::policy

@@ -1,0 +1,99 @@
+#pragma once
+// Configuration in two layers (STYLE.md 15): YAML → validated, immutable Config.
+// No Asio here; loading does no network I/O. Errors are collected, each naming its YAML path
+// ("runs[0].pins[1].inject.type: unknown value 'token' (expected bearer, basic or header)").
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/result.h"
+#include "policy/address.h"
+#include "policy/host.h"
+#include "policy/run_policy.h"
+
+namespace egress::proxy {
+
+struct ListenAddress {
+    std::string host;       // "127.0.0.1", "::1", "0.0.0.0" (IP literal only)
+    uint16_t port = 0;      // 0 = pick any free port
+    std::string unix_path;  // set for "unix:/path.sock" (admin only)
+    bool is_unix() const { return !unix_path.empty(); }
+    std::string to_string() const;
+};
+
+struct Limits {
+    size_t max_header_bytes = 65536;
+    std::chrono::milliseconds header_timeout{10'000};
+    std::chrono::milliseconds idle_timeout{60'000};
+    std::chrono::milliseconds connect_timeout{5'000};
+    std::chrono::milliseconds tls_timeout{5'000};
+    std::chrono::milliseconds dns_timeout{5'000};
+    std::chrono::milliseconds drain_timeout{30'000};
+    size_t connections_per_run = 512;
+    size_t h2_max_concurrent_streams = 100;
+    size_t leaf_cache_size = 1024;     // per run
+    size_t max_upstream_idle_per_host = 32;
+};
+
+struct PinConfig {
+    policy::HostPattern host;
+    std::string secret_file;  // exactly one of secret_file / secret is set
+    std::string secret;       // name in the store (control plane)
+    policy::InjectSpec inject;
+    std::vector<std::string> path_prefixes;
+    std::vector<std::string> methods;  // uppercased
+    std::string yaml_path;             // "runs[0].pins[1]" for error messages
+};
+
+struct RunConfig {
+    std::string id;
+    std::optional<std::string> token_file;
+    std::optional<std::chrono::seconds> ttl;
+    std::string ca_cert_out;
+    std::vector<policy::Cidr> sources;
+    std::vector<policy::HostPattern> allow_hosts;
+    std::vector<PinConfig> pins;
+    std::string yaml_path;  // "runs[0]"
+};
+
+struct AuditConfig {
+    std::string path = "var/audit.jsonl";  // "-" = standard output
+    bool durable = false;
+};
+
+struct Config {
+    ListenAddress proxy{"127.0.0.1", 3128, {}};
+    ListenAddress admin{"127.0.0.1", 9901, {}};
+    std::optional<ListenAddress> transparent;
+    std::string admin_token_file = "var/admin.token";
+    std::string state_backend = "file";
+    std::string state_path = "var/state";
+    std::vector<std::string> etcd_endpoints{"http://127.0.0.1:2379"};
+    std::string etcd_prefix = "/egressd/";
+    std::string master_key_file = "var/master.key";
+    std::optional<std::string> kms_command;
+    std::string upstream_ca_file = "system";
+    std::map<std::string, std::vector<policy::IpAddress>> resolver_overrides;  // normalized host
+    std::vector<std::string> resolver_servers;  // "127.0.0.1:5353"; empty = system resolv.conf
+    policy::GlobalPolicy policy;                // unpinned, allow_hosts, allowed_ports
+    std::vector<policy::Cidr> allow_networks;
+    Limits limits;
+    AuditConfig audit;
+    std::string log_level = "info";   // trace|debug|info|warn|error|off
+    std::vector<RunConfig> runs;
+    std::string source;               // file path, for messages
+};
+
+/// Parses and validates YAML text. Unknown keys, wrong types and bad values are errors; all
+/// of them are collected and returned joined by '\n', each "path: problem".
+Result<Config> parse_config(const std::string& yaml_text, const std::string& source_name);
+/// Reads the file, then parse_config. A missing or unreadable file is an error naming it.
+Result<Config> load_config_file(const std::string& path);
+
+/// "10s", "500ms", "2m", "1h", or a bare integer of seconds.
+Result<std::chrono::milliseconds> parse_duration(const std::string& text);
+
+}  // namespace egress::proxy

@@ -1,0 +1,36 @@
+#pragma once
+// Server (client-facing, intercepted) and client (upstream) TLS contexts. Create each
+// SSL_CTX once; per-connection state goes on the SSL object.
+#include <string>
+#include <vector>
+
+#include "common/result.h"
+#include "tls/openssl_ptr.h"
+#include "tls/run_ca.h"
+
+namespace egress::tls {
+
+/// Server context for intercepted connections: TLS 1.2 minimum, renegotiation refused
+/// (SSL_OP_NO_RENEGOTIATION), session tickets on, ECDHE only, ALPN chosen in server
+/// preference order from `alpn` (e.g. {"h2", "http/1.1"}); no overlap → no ALPN (the
+/// client then speaks HTTP/1.1). No certificate is set on the context: use_leaf() sets one
+/// per connection.
+Result<SslCtxPtr> make_server_context(std::vector<std::string> alpn);
+
+/// Puts the leaf (and its key) on one connection before the handshake.
+Result<bool> use_leaf(SSL* ssl, const Leaf& leaf);
+
+/// Client context for upstream connections: verifies peers against `ca_file` ("system" =
+/// the default verify paths), TLS 1.2 minimum, client session cache on (resumption),
+/// ALPN list `alpn`.
+Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<std::string> alpn);
+
+/// Per-connection upstream setup: SNI (names only, not IP literals) and hostname (or IP)
+/// verification against `host` via X509_VERIFY_PARAM, so the handshake fails unless the
+/// certificate is valid for exactly that host.
+Result<bool> prepare_client(SSL* ssl, const std::string& host);
+
+/// The ALPN protocol negotiated on `ssl` ("" if none).
+std::string negotiated_alpn(const SSL* ssl);
+
+}  // namespace egress::tls

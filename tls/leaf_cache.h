@@ -1,0 +1,42 @@
+#pragma once
+// Bounded LRU of minted leaves per normalized host, for one run. Only one mint in flight per
+// host: concurrent callers for the same host wait for that mint instead of minting again.
+// Entries are re-minted when less than a quarter of their validity remains.
+#include <condition_variable>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "common/result.h"
+#include "tls/run_ca.h"
+
+namespace egress::tls {
+
+class LeafCache {
+public:
+    LeafCache(const RunCa& ca, size_t capacity);
+
+    /// Thread-safe. `host` must be normalized and must already have passed policy.
+    Result<std::shared_ptr<const Leaf>> get(const std::string& host);
+
+    size_t size() const;
+    size_t capacity() const { return capacity_; }
+    uint64_t hits() const;
+    uint64_t misses() const;
+
+private:
+    struct Entry;
+    const RunCa& ca_;
+    size_t capacity_;
+    mutable std::mutex mu_;
+    std::condition_variable minted_;
+    std::list<std::string> lru_;  // front = most recent
+    std::unordered_map<std::string, std::shared_ptr<Entry>> map_;
+    uint64_t hits_ = 0;
+    uint64_t misses_ = 0;
+};
+
+}  // namespace egress::tls

@@ -1,0 +1,49 @@
+#pragma once
+// A certificate authority that belongs to one run: ECDSA P-256 key and self-signed
+// certificate, created in memory; the key is never written anywhere.
+#include <chrono>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "common/result.h"
+#include "tls/openssl_ptr.h"
+
+namespace egress::tls {
+
+/// A minted leaf: certificate for one host, signed by the run CA, with the run's leaf key.
+struct Leaf {
+    X509Ptr cert;
+    PKeyPtr key;  // the run's shared leaf key (ref-counted by EVP_PKEY_up_ref)
+    std::chrono::system_clock::time_point not_after;
+};
+
+class RunCa {
+public:
+    /// Creates the CA key, the self-signed CA certificate (CN "egressd run <run_id>",
+    /// basicConstraints CA:TRUE critical, keyUsage keyCertSign|cRLSign critical, SKID,
+    /// pathlen 0), valid from now - 5 min to now + validity, and one EC P-256 leaf key shared
+    /// by every leaf of the run (minting is then only a signature).
+    static Result<std::unique_ptr<RunCa>> create(std::string_view run_id,
+                                                 std::chrono::seconds validity);
+
+    std::string cert_pem() const;
+    X509* cert() const { return cert_.get(); }
+    std::chrono::system_clock::time_point not_after() const { return not_after_; }
+
+    /// Mints a leaf for a normalized host: SAN DNS (or SAN IP for an IP literal), CN = host,
+    /// EKU serverAuth, keyUsage digitalSignature, random 128-bit serial, AKID, valid from
+    /// now - 5 min to min(CA not_after, now + leaf_validity). Thread-safe.
+    Result<std::shared_ptr<const Leaf>> mint(const std::string& host,
+                                             std::chrono::seconds leaf_validity =
+                                                 std::chrono::hours(24)) const;
+
+private:
+    RunCa() = default;
+    PKeyPtr ca_key_;
+    PKeyPtr leaf_key_;
+    X509Ptr cert_;
+    std::chrono::system_clock::time_point not_after_;
+};
+
+}  // namespace egress::tls
