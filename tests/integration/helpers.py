@@ -1,0 +1,386 @@
+"""Helpers shared by the integration tests: the egressd process, raw proxy clients, curl."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import yaml
+
+DEADLINE_READY_S = 10.0
+
+
+def poll(pred, timeout: float, what: str, interval: float = 0.02):
+    """Calls pred() until it returns a truthy value or `timeout` seconds pass (then fails)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = pred()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last={last!r})")
+        time.sleep(interval)
+
+
+def clean_env(**extra) -> dict:
+    """The environment for client subprocesses: no proxy or CA variables inherited."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
+                                "ssl_cert_file", "curl_ca_bundle", "requests_ca_bundle")}
+    env.update(extra)
+    return env
+
+
+def basic_auth(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+# ---------------------------------------------------------------------------------------------
+# egressd process
+
+
+class Egressd:
+    def __init__(self, binary: str, workdir: str, config: dict, secrets: dict[str, str]):
+        self.binary = binary
+        self.workdir = workdir
+        self.config = config
+        self.secrets = secrets  # name -> value, for leak checks
+        self.proc: subprocess.Popen | None = None
+        self.config_path = os.path.join(workdir, "egressd.yaml")
+        self.stdout_path = os.path.join(workdir, "egressd.stdout")
+        self.stderr_path = os.path.join(workdir, "egressd.stderr")
+        self.proxy_port = int(config["listen"]["proxy"].rsplit(":", 1)[1])
+        self.admin_port = int(config["listen"]["admin"].rsplit(":", 1)[1])
+        self.audit_path = config["audit"]["path"]
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def write_config(self):
+        os.makedirs(self.workdir, exist_ok=True)
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(self.config, f, sort_keys=False)
+
+    def check(self) -> subprocess.CompletedProcess:
+        self.write_config()
+        return subprocess.run([self.binary, "--check", "--config", self.config_path],
+                              cwd=self.workdir, capture_output=True, timeout=30, text=True)
+
+    def start(self):
+        self.write_config()
+        self._out = open(self.stdout_path, "ab")
+        self._err = open(self.stderr_path, "ab")
+        self.proc = subprocess.Popen([self.binary, "--config", self.config_path], cwd=self.workdir,
+                                     stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
+                                     env=clean_env())
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def admin_get(self, path: str, timeout: float = 2.0):
+        """(status, body) of GET http://admin/path, or None if the connection fails."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.admin_port), timeout=timeout) as s:
+                s.settimeout(timeout)
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.admin_port}\r\n"
+                          "Connection: close\r\n\r\n".encode())
+                resp = read_response(Conn(s))
+                return resp.status, resp.body
+        except (OSError, ValueError, ConnectionError):
+            return None
+
+    def wait_ready(self, timeout: float = DEADLINE_READY_S):
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"egressd exited with {self.proc.returncode} before ready; "
+                                     f"stderr:\n{self.stderr_text()[-4000:]}")
+            r = self.admin_get("/readyz", timeout=0.5)
+            return r is not None and r[0] == 200
+        poll(ready, timeout, "egressd /readyz", interval=0.05)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait; returns the exit status (kills and fails if it does not exit)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"egressd did not exit within {timeout}s of SIGTERM")
+        self._close_logs()
+        return self.proc.returncode
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._close_logs()
+
+    def _close_logs(self):
+        for f in (getattr(self, "_out", None), getattr(self, "_err", None)):
+            if f is not None and not f.closed:
+                f.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- observation ------------------------------------------------------------------------
+    def stderr_text(self) -> str:
+        try:
+            with open(self.stderr_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def vm_hwm_kib(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        raise AssertionError("no VmHWM in /proc/PID/status")
+
+    def audit_records(self) -> list[dict]:
+        try:
+            with open(self.audit_path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in data.split(b"\n"):
+            if not line.strip():
+                continue
+            out.append(json.loads(line))  # every line must be one JSON object
+        return out
+
+    def wait_audit(self, pred, count: int = 1, timeout: float = 5.0) -> list[dict]:
+        """Polls the audit file until at least `count` records satisfy pred; returns them."""
+        def got():
+            if not os.path.exists(self.audit_path):
+                return None
+            recs = [r for r in self.audit_records() if pred(r)]
+            return recs if len(recs) >= count else None
+        return poll(got, timeout, f"{count} audit record(s)")
+
+    def ca_paths(self) -> list[str]:
+        return [r["ca_cert_out"] for r in self.config.get("runs", [])]
+
+    def written_files(self) -> list[str]:
+        """Everything egressd wrote: logs, audit, run CA files, and the whole var dir."""
+        files = [self.stdout_path, self.stderr_path, self.audit_path, *self.ca_paths()]
+        var = os.path.join(self.workdir, "var")
+        for root, _dirs, names in os.walk(var):
+            files.extend(os.path.join(root, n) for n in names)
+        return [p for p in files if os.path.isfile(p)]
+
+    def leaks(self, extra_needles: list[bytes] = ()) -> list[tuple[str, str]]:
+        """(file, secret name) for every secret whose bytes appear in a file egressd wrote."""
+        needles = {n: v.encode() for n, v in self.secrets.items()}
+        for i, b in enumerate(extra_needles):
+            needles[f"extra[{i}]"] = b
+        found = []
+        for p in self.written_files():
+            with open(p, "rb") as f:
+                data = f.read()
+            for name, needle in needles.items():
+                if needle and needle in data:
+                    found.append((p, name))
+        return found
+
+    def proxy_url(self, run: str | None = None, token: str | None = None) -> str:
+        if run is None:
+            return f"http://127.0.0.1:{self.proxy_port}"
+        return f"http://{run}:{token}@127.0.0.1:{self.proxy_port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw HTTP/1.1 over a socket (plain or TLS)
+
+
+class Conn:
+    """A socket with a read buffer, bounded reads and a deadline per operation."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.buf = b""
+
+    def send(self, data: bytes):
+        self.sock.sendall(data)
+
+    def _fill(self) -> bool:
+        b = self.sock.recv(65536)
+        if not b:
+            return False
+        self.buf += b
+        return True
+
+    def read_until(self, sep: bytes, limit: int = 1 << 20) -> bytes:
+        for _ in range(100000):
+            i = self.buf.find(sep)
+            if i >= 0:
+                out, self.buf = self.buf[:i + len(sep)], self.buf[i + len(sep):]
+                return out
+            if len(self.buf) > limit:
+                raise ValueError("line too long")
+            if not self._fill():
+                raise ConnectionError(f"eof before {sep!r} (have {self.buf[:200]!r})")
+        raise ValueError("too many reads")
+
+    def read_exact(self, n: int) -> bytes:
+        for _ in range(10_000_000):
+            if len(self.buf) >= n:
+                out, self.buf = self.buf[:n], self.buf[n:]
+                return out
+            if not self._fill():
+                raise ConnectionError(f"eof with {len(self.buf)} of {n} bytes")
+        raise ValueError("too many reads")
+
+    def read_to_eof(self, limit: int = 64 << 20) -> bytes:
+        for _ in range(10_000_000):
+            try:
+                if not self._fill():
+                    break
+            except (ssl.SSLError, ConnectionResetError):
+                break
+            if len(self.buf) > limit:
+                raise ValueError("body too long")
+        out, self.buf = self.buf, b""
+        return out
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+@dataclass
+class Response:
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    chunks: list[bytes] = field(default_factory=list)
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None
+
+    def header_all(self, name: str) -> list[str]:
+        return [v for k, v in self.headers if k.lower() == name.lower()]
+
+    @property
+    def egress_reason(self) -> str | None:
+        return self.header("X-Egress-Reason")
+
+    def raw_head(self) -> str:
+        return "\n".join(f"{k}: {v}" for k, v in self.headers)
+
+
+def read_response(c: Conn, head_request: bool = False, connect: bool = False) -> Response:
+    head = c.read_until(b"\r\n\r\n", limit=256 * 1024).decode("latin-1")
+    lines = head.split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+        raise ValueError(f"bad status line {lines[0]!r}")
+    status = int(parts[1])
+    headers = []
+    for ln in lines[1:]:
+        if not ln:
+            continue
+        k, _, v = ln.partition(":")
+        headers.append((k.strip(), v.strip()))
+    r = Response(status, parts[2] if len(parts) > 2 else "", headers)
+    if head_request or status in (204, 304) or 100 <= status < 200 or (connect and status == 200):
+        return r
+    te = (r.header("Transfer-Encoding") or "").lower()
+    if "chunked" in te:
+        body = []
+        for _ in range(10_000_000):
+            size = int(c.read_until(b"\r\n").split(b";")[0].strip(), 16)
+            if size == 0:
+                for _ in range(1000):
+                    if c.read_until(b"\r\n") == b"\r\n":
+                        break
+                break
+            chunk = c.read_exact(size)
+            r.chunks.append(chunk)
+            body.append(chunk)
+            c.read_exact(2)
+        r.body = b"".join(body)
+    elif r.header("Content-Length") is not None:
+        r.body = c.read_exact(int(r.header("Content-Length")))
+    else:
+        r.body = c.read_to_eof()
+    return r
+
+
+def proxy_connect(proxy_port: int, target: str, auth: str | None = None,
+                  extra: str = "", timeout: float = 10.0, host_header: str | None = None):
+    """Sends CONNECT target; returns (Conn, Response). The Conn stays open (tunnel on 200)."""
+    s = socket.create_connection(("127.0.0.1", proxy_port), timeout=timeout)
+    s.settimeout(timeout)
+    c = Conn(s)
+    req = f"CONNECT {target} HTTP/1.1\r\nHost: {host_header or target}\r\n"
+    if auth:
+        req += f"Proxy-Authorization: {auth}\r\n"
+    req += extra + "\r\n"
+    c.send(req.encode())
+    return c, read_response(c, connect=True)
+
+
+def tls_wrap(c: Conn, server_hostname: str, cafile: str | None, check_hostname: bool = True,
+             timeout: float = 10.0) -> Conn:
+    ctx = ssl.create_default_context(cafile=cafile) if cafile else ssl._create_unverified_context()
+    if cafile:
+        ctx.check_hostname = check_hostname
+        if not check_hostname:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.set_alpn_protocols(["http/1.1"])
+    assert not c.buf, f"bytes after CONNECT response: {c.buf[:100]!r}"
+    s = ctx.wrap_socket(c.sock, server_hostname=server_hostname)
+    s.settimeout(timeout)
+    return Conn(s)
+
+
+def tunnel(proxy_port: int, host: str, port: int, auth: str | None, cafile: str,
+           sni: str | None = None, check_hostname: bool = True) -> Conn:
+    """CONNECT + TLS through egressd; fails the test unless the CONNECT got 200."""
+    c, r = proxy_connect(proxy_port, f"{host}:{port}", auth)
+    assert r.status == 200, f"CONNECT {host}:{port} -> {r.status} {r.egress_reason}: {r.body!r}"
+    return tls_wrap(c, sni or host, cafile, check_hostname=check_hostname)
+
+
+def request(c: Conn, method: str, target: str, host: str, headers: list[tuple[str, str]] = (),
+            body: bytes | None = None) -> Response:
+    req = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"
+    for k, v in headers:
+        req += f"{k}: {v}\r\n"
+    if body is not None:
+        req += f"Content-Length: {len(body)}\r\n"
+    c.send(req.encode() + b"\r\n" + (body or b""))
+    return read_response(c, head_request=(method == "HEAD"))
+
+
+# ---------------------------------------------------------------------------------------------
+# curl
+
+
+def curl(args: list[str], env: dict | None = None, timeout: float = 60.0,
+         check: bool = False) -> subprocess.CompletedProcess:
+    cmd = ["curl", "-sS", "--http1.1", "--max-time", str(int(timeout)), *args]
+    r = subprocess.run(cmd, env=env or clean_env(), capture_output=True, timeout=timeout + 10)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{cmd} -> rc {r.returncode}: {r.stderr.decode(errors='replace')}")
+    return r

@@ -1,0 +1,395 @@
+"""Test upstreams for the egressd integration tests.
+
+* ``make_pki(dir)``: a test CA, a server certificate it signed (SANs api.test, basic.test,
+  hdr.test, other.test, tunnel.test, lim.test, ..., localhost, 127.0.0.1), and an UNTRUSTED CA
+  with its own server certificate, all made with the ``openssl`` command line.
+* ``Upstream``: a threaded HTTP/1.1 keep-alive server on 127.0.0.1 (TLS or cleartext) that
+  records every request it sees, with endpoints:
+    /echo            JSON: method, path, headers ([name, value] pairs), body length and sha256
+    /bytes/N         N deterministic bytes, Content-Length, written in 64 KiB pieces
+    /chunked/N       the same bytes, chunked transfer coding
+    /upload          reads the body as a stream, replies JSON length + sha256
+    /reflect         echoes the request's Authorization / X-Api-Key value into the response
+                     header X-Seen and into a chunked body, the value split across two chunks
+                     (?split=1: one byte per chunk; ?cl=1: a Content-Length body instead)
+    /redirect?to=U   302 to U
+    /status/N        an empty response with status N
+* ``SilentListener``: accepts TCP connections and never sends a byte.
+"""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import socket
+import socketserver
+import ssl
+import subprocess
+import threading
+import urllib.parse
+from dataclasses import dataclass, field
+
+SAN_HOSTS = [
+    "api.test", "basic.test", "hdr.test", "other.test", "tunnel.test", "lim.test",
+    "plain.test", "slow.test", "down.test", "self.test", "deny.test", "localhost",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic payloads. The period is a prime, so it never lines up with 64 KiB writes or
+# with any buffer size the proxy is likely to use: a dropped or repeated buffer changes the hash.
+_PERIOD = 65521
+_BLOCK = hashlib.shake_256(b"egressd-integration").digest(_PERIOD)
+_DOUBLE = _BLOCK + _BLOCK
+
+
+def payload(offset: int, n: int) -> bytes:
+    """Bytes [offset, offset+n) of the infinite deterministic stream (n <= _PERIOD)."""
+    start = offset % _PERIOD
+    return _DOUBLE[start:start + n]
+
+
+def iter_payload(total: int, piece: int = 65536):
+    off = 0
+    while off < total:
+        n = min(piece, total - off, _PERIOD)
+        yield payload(off, n)
+        off += n
+
+
+def payload_sha256(total: int) -> str:
+    h = hashlib.sha256()
+    for chunk in iter_payload(total):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# PKI
+
+
+def _openssl(*args: str, cwd: str) -> None:
+    r = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, timeout=60)
+    if r.returncode != 0:
+        raise RuntimeError(f"openssl {' '.join(args)} failed: {r.stderr.decode(errors='replace')}")
+
+
+def _make_ca(d: str, name: str) -> None:
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{name}.key", cwd=d)
+    _openssl("req", "-x509", "-new", "-key", f"{name}.key", "-sha256", "-days", "2",
+             "-subj", f"/CN=egressd integration {name}", "-out", f"{name}.pem",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+
+
+def _make_leaf(d: str, ca: str, name: str, hosts: list[str]) -> None:
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{name}.key", cwd=d)
+    _openssl("req", "-new", "-key", f"{name}.key", "-subj", f"/CN={hosts[0]}",
+             "-out", f"{name}.csr", cwd=d)
+    sans = ",".join([f"DNS:{h}" for h in hosts] + ["IP:127.0.0.1", "IP:::1"])
+    with open(os.path.join(d, f"{name}.ext"), "w") as f:
+        f.write("basicConstraints=critical,CA:FALSE\n"
+                "keyUsage=critical,digitalSignature\n"
+                "extendedKeyUsage=serverAuth\n"
+                f"subjectAltName={sans}\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-days", "2", "-sha256", "-extfile", f"{name}.ext",
+             "-out", f"{name}.pem", cwd=d)
+
+
+@dataclass
+class Pki:
+    dir: str
+    ca: str              # trusted test CA (egressd's upstream.ca_file)
+    server_cert: str
+    server_key: str
+    untrusted_ca: str    # a CA nobody trusts
+    bad_cert: str        # same names, signed by the untrusted CA
+    bad_key: str
+
+
+def make_pki(d: str) -> Pki:
+    os.makedirs(d, exist_ok=True)
+    _make_ca(d, "testca")
+    _make_leaf(d, "testca", "server", SAN_HOSTS)
+    _make_ca(d, "untrustedca")
+    _make_leaf(d, "untrustedca", "bad", SAN_HOSTS)
+    j = lambda n: os.path.join(d, n)  # noqa: E731
+    return Pki(d, j("testca.pem"), j("server.pem"), j("server.key"), j("untrustedca.pem"),
+               j("bad.pem"), j("bad.key"))
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP upstream
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body_len: int = 0
+    sni: str | None = None
+
+    def header(self, name: str) -> list[str]:
+        return [v for k, v in self.headers if k.lower() == name.lower()]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "integration-upstream/1"
+    sys_version = ""
+
+    def log_message(self, fmt, *args):  # quiet
+        pass
+
+    def version_string(self):
+        return self.server_version
+
+    # -- body reading ---------------------------------------------------------------------
+    def _iter_body(self):
+        te = (self.headers.get("Transfer-Encoding") or "").lower()
+        if "chunked" in te:
+            for _ in range(10_000_000):
+                line = self.rfile.readline(1024)
+                if not line:
+                    raise ConnectionError("eof in chunk size")
+                size = int(line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    # trailers
+                    for _ in range(1000):
+                        t = self.rfile.readline(65536)
+                        if t in (b"\r\n", b"\n", b""):
+                            break
+                    return
+                left = size
+                while left:
+                    b = self.rfile.read(min(left, 65536))
+                    if not b:
+                        raise ConnectionError("eof in chunk")
+                    left -= len(b)
+                    yield b
+                self.rfile.readline(16)
+            return
+        n = int(self.headers.get("Content-Length") or 0)
+        while n:
+            b = self.rfile.read(min(n, 65536))
+            if not b:
+                raise ConnectionError("eof in body")
+            n -= len(b)
+            yield b
+
+    def _consume_body(self):
+        h = hashlib.sha256()
+        n = 0
+        for b in self._iter_body():
+            h.update(b)
+            n += len(b)
+        return n, h.hexdigest()
+
+    # -- responses ------------------------------------------------------------------------
+    def _send(self, status: int, body: bytes, ctype="application/json", extra=()):
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in extra:
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _chunk(self, data: bytes):
+        self.wfile.write(b"%x\r\n" % len(data) + data + b"\r\n")
+
+    def _handle(self):
+        url = urllib.parse.urlsplit(self.path)
+        q = dict(urllib.parse.parse_qsl(url.query))
+        parts = url.path.split("/")
+        base = "/" + parts[1] if len(parts) > 1 else "/"  # "/echo/<marker>" routes like "/echo"
+        seen = Seen(self.command, self.path, [(k, v) for k, v in self.headers.items()],
+                    sni=getattr(self.connection, "egress_sni", None))
+        if base == "/upload":
+            self.server.record(seen)
+            n, digest = self._consume_body()
+            seen.body_len = n
+            self._send(200, json.dumps({"length": n, "sha256": digest}).encode())
+            return
+        n, digest = self._consume_body()
+        seen.body_len = n
+        self.server.record(seen)
+        if base == "/echo":
+            body = json.dumps({
+                "method": self.command, "path": self.path,
+                "headers": [[k, v] for k, v in self.headers.items()],
+                "body_length": n, "body_sha256": digest, "sni": seen.sni,
+            }).encode()
+            self._send(200, body)
+        elif len(parts) == 3 and parts[1] in ("bytes", "chunked") and parts[2].isdigit():
+            total = int(parts[2])
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            if parts[1] == "bytes":
+                self.send_header("Content-Length", str(total))
+            else:
+                self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for piece in iter_payload(total):
+                if parts[1] == "bytes":
+                    self.wfile.write(piece)
+                else:
+                    self._chunk(piece)
+            if parts[1] == "chunked":
+                self.wfile.write(b"0\r\n\r\n")
+        elif base == "/reflect":
+            value = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
+            body = b"seen=" + value.encode("latin-1") + b";end\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("X-Seen", value)
+            self.send_header("Set-Cookie", "auth=" + value.replace(" ", "_"))
+            if q.get("cl"):
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            if q.get("split"):
+                for i in range(len(body)):
+                    self._chunk(body[i:i + 1])
+            else:
+                # Split in the middle of the value, so the secret spans two chunks.
+                cut = len(b"seen=") + max(1, len(value) - max(3, len(value) // 3))
+                self._chunk(body[:cut])
+                self.wfile.flush()
+                self._chunk(body[cut:])
+            self.wfile.write(b"0\r\n\r\n")
+        elif base == "/redirect":
+            self._send(302, b"", "text/plain", [("Location", q.get("to", "/echo"))])
+        elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():
+            self._send(int(parts[2]), b"", "text/plain")
+        else:
+            self._send(404, b"not found\n", "text/plain")
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle
+
+
+class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, addr, ctx: ssl.SSLContext | None):
+        self.ctx = ctx
+        self.lock = threading.Lock()
+        self.requests_seen: list[Seen] = []
+        self.connections = 0
+        super().__init__(addr, _Handler)
+
+    def record(self, seen: Seen):
+        with self.lock:
+            self.requests_seen.append(seen)
+
+    def finish_request(self, request, client_address):
+        # The TLS handshake runs in the connection's own thread, never in the accept loop.
+        with self.lock:
+            self.connections += 1
+        request.settimeout(30)
+        if self.ctx is not None:
+            try:
+                request = self.ctx.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError):
+                return
+        try:
+            super().finish_request(request, client_address)
+        except (OSError, ssl.SSLError, ConnectionError, ValueError):
+            pass
+        finally:
+            try:
+                request.close()
+            except OSError:
+                pass
+
+    def handle_error(self, request, client_address):
+        pass
+
+
+class Upstream:
+    """An HTTP/1.1 server on 127.0.0.1 with TLS (cert/key given) or cleartext."""
+
+    def __init__(self, cert: str | None = None, key: str | None = None):
+        ctx = None
+        if cert:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(cert, key)
+            ctx.set_alpn_protocols(["http/1.1"])
+
+            def on_sni(sslsock, name, _ctx):
+                try:
+                    sslsock.egress_sni = name  # read back by the handler
+                except AttributeError:
+                    pass
+                return None
+            ctx.sni_callback = on_sni
+        self.server = _Server(("127.0.0.1", 0), ctx)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever,
+                                       kwargs={"poll_interval": 0.1}, daemon=True)
+        self.thread.start()
+
+    @property
+    def requests(self) -> list[Seen]:
+        with self.server.lock:
+            return list(self.server.requests_seen)
+
+    def find(self, marker: str) -> list[Seen]:
+        """Requests whose target contains `marker` (tests put a unique token in the query)."""
+        return [r for r in self.requests if marker in r.path]
+
+    def all_header_values(self) -> list[str]:
+        return [v for r in self.requests for _, v in r.headers]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class SilentListener:
+    """Accepts TCP connections on 127.0.0.1 and never answers (TLS handshakes time out)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.conns.append(c)
+
+    def close(self):
+        self._stop.set()
+        self.thread.join(timeout=5)
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (bind to 0, read, close)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
