@@ -233,11 +233,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            sent = 0
             for piece in iter_payload(total):
                 if parts[1] == "bytes":
                     self.wfile.write(piece)
                 else:
                     self._chunk(piece)
+                sent += len(piece)
+                if q.get("id"):
+                    self.server.progress[q["id"]] = sent  # how far the writer got (backpressure)
             if parts[1] == "chunked":
                 self.wfile.write(b"0\r\n\r\n")
         elif base == "/reflect":
@@ -285,6 +289,7 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.lock = threading.Lock()
         self.requests_seen: list[Seen] = []
         self.connections = 0
+        self.progress: dict[str, int] = {}
         super().__init__(addr, _Handler)
 
     def record(self, seen: Seen):
@@ -346,6 +351,9 @@ class Upstream:
     def find(self, marker: str) -> list[Seen]:
         """Requests whose target contains `marker` (tests put a unique token in the query)."""
         return [r for r in self.requests if marker in r.path]
+
+    def progress(self, ident: str) -> int:
+        return self.server.progress.get(ident, 0)
 
     def all_header_values(self) -> list[str]:
         return [v for r in self.requests for _, v in r.headers]

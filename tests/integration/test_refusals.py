@@ -1,0 +1,288 @@
+"""Every refusal: status, text/plain body, X-Egress-Reason, nothing forwarded, one audit record
+with decision "deny". CONNECT-level refusals are read from the CONNECT response with a raw
+socket; in-tunnel refusals from the response to the request sent through the run-CA TLS."""
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+
+import pytest
+import requests
+
+import helpers
+from clients import curl_via, requests_session, run_ca
+from upstream import free_port
+
+
+def assert_refusal(r: helpers.Response, status: int, reason: str | None, prefix=False):
+    assert r.status == status, f"want {status} {reason}, got {r.status} " \
+                               f"{r.egress_reason!r} {r.body[:200]!r}"
+    if reason is not None:
+        got = r.egress_reason or ""
+        assert (got.startswith(reason) if prefix else got == reason), \
+            f"X-Egress-Reason {got!r}, want {reason!r}"
+    ctype = (r.header("Content-Type") or "").lower()
+    assert ctype.startswith("text/plain"), f"Content-Type {ctype!r}"
+
+
+def connect_refused(e, target, auth, status, reason, prefix=False):
+    c, r = helpers.proxy_connect(e.proxy_port, target, auth)
+    c.close()
+    assert_refusal(r, status, reason, prefix)
+    return r
+
+
+def in_tunnel(e, w, host, port, method="GET", path="/echo/x", host_header=None, headers=(),
+              sni=None, check_hostname=True, body=None):
+    """CONNECT host:port (must be 200), TLS, one request; returns the response."""
+    c, r = helpers.proxy_connect(e.proxy_port, f"{host}:{port}", w.auth())
+    if r.status != 200:
+        c.close()
+        return r  # a refusal at CONNECT time
+    t = helpers.tls_wrap(c, sni or host, run_ca(e, "r1"), check_hostname=check_hostname)
+    try:
+        return helpers.request(t, method, path, host_header or f"{host}:{port}", headers, body)
+    finally:
+        t.close()
+
+
+def audited(e, reason, status, prefix=False, **match):
+    def pred(a):
+        rs = a.get("reason") or ""
+        ok = rs.startswith(reason) if prefix else rs == reason
+        return ok and a.get("decision") == "deny" and all(a.get(k) == v for k, v in match.items())
+    recs = e.wait_audit(pred)
+    assert recs[-1]["status"] == status, recs[-1]
+    return recs[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# identity
+
+
+def test_no_identity_407(world, egressd, marker):
+    r = connect_refused(egressd, f"api.test:{world.U}", None, 407, "no_identity")
+    assert r.header("Proxy-Authenticate") == 'Basic realm="egressd"'
+    audited(egressd, "no_identity", 407)
+    # curl without credentials
+    res = curl_via(world, egressd, f"https://api.test:{world.U}/echo/{marker}", run=None)
+    assert res.returncode != 0
+    assert b"407" in res.stderr, res.stderr
+    # requests without credentials
+    with requests_session(world, egressd, run=None) as s:
+        with pytest.raises(requests.exceptions.ProxyError) as ei:
+            s.get(f"https://api.test:{world.U}/echo/{marker}", timeout=30)
+    assert "407" in str(ei.value)
+    assert world.upstream.find(marker) == []
+
+
+def test_wrong_identity_407(world, egressd, marker):
+    bad = [helpers.basic_auth("r1", "wrong-token"),
+           helpers.basic_auth("nosuchrun", world.tokens["r1"]),
+           helpers.basic_auth("r2", world.tokens["r1"]),   # token of another run
+           "Basic !!!not-base64!!!",
+           "Bearer " + world.tokens["r1"]]
+    for auth in bad:
+        r = connect_refused(egressd, f"api.test:{world.U}", auth, 407, None)
+        assert r.egress_reason in ("bad_identity", "no_identity"), (auth, r.egress_reason)
+        assert r.header("Proxy-Authenticate") == 'Basic realm="egressd"'
+    r = connect_refused(egressd, f"api.test:{world.U}", bad[0], 407, "bad_identity")
+    audited(egressd, "bad_identity", 407)
+    res = curl_via(world, egressd, f"https://api.test:{world.U}/echo/{marker}",
+                   token="wrong-token")
+    assert res.returncode != 0 and b"407" in res.stderr, res.stderr
+    with requests_session(world, egressd, token="wrong-token") as s:
+        with pytest.raises(requests.exceptions.ProxyError):
+            s.get(f"https://api.test:{world.U}/echo/{marker}", timeout=30)
+    assert world.upstream.find(marker) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# destination policy (CONNECT level)
+
+
+def test_host_not_allowed_403(world, egressd, marker):
+    connect_refused(egressd, f"unlisted.test:{world.U}", world.auth(), 403, "host_not_allowed")
+    connect_refused(egressd, f"example.com:{world.U}", world.auth(), 403, "host_not_allowed")
+    audited(egressd, "host_not_allowed", 403, host="unlisted.test", method="CONNECT")
+    res = curl_via(world, egressd, f"https://unlisted.test:{world.U}/echo/{marker}")
+    assert res.returncode != 0 and b"403" in res.stderr, res.stderr
+    with requests_session(world, egressd) as s:
+        with pytest.raises(requests.exceptions.ProxyError) as ei:
+            s.get(f"https://unlisted.test:{world.U}/echo/{marker}", timeout=30)
+    assert "403" in str(ei.value)
+
+
+def test_port_not_allowed_403(world, egressd):
+    port = free_port()
+    while port in egressd.config["policy"]["allowed_ports"]:
+        port = free_port()
+    connect_refused(egressd, f"tunnel.test:{port}", world.auth(), 403, "port_not_allowed")
+    connect_refused(egressd, f"tunnel.test:22", world.auth(), 403, "port_not_allowed")
+    audited(egressd, "port_not_allowed", 403)
+
+
+def test_denied_addresses_403(world, egressd):
+    # deny.test resolves to 127.0.0.2: loopback, and only 127.0.0.1/32 is an exception
+    connect_refused(egressd, f"deny.test:{world.U}", world.auth(), 403, "denied_address:loopback")
+    audited(egressd, "denied_address:loopback", 403)
+    connect_refused(egressd, f"meta.test:{world.U}", world.auth(), 403, "denied_address:",
+                    prefix=True)
+
+
+def test_self_connection_403(world, egressd):
+    for port in (egressd.proxy_port, egressd.admin_port):
+        connect_refused(egressd, f"self.test:{port}", world.auth(), 403, "self_connection")
+    audited(egressd, "self_connection", 403)
+    # egressd is still serving afterwards (no loop through itself)
+    assert egressd.admin_get("/healthz")[0] == 200
+
+
+def test_dns_failure_502(world, egressd):
+    connect_refused(egressd, f"nx-egressd-test.invalid:{world.U}", world.auth(), 502,
+                    "dns_failure")
+    audited(egressd, "dns_failure", 502)
+
+
+def test_connect_failed_502(world, egressd, marker):
+    # unpinned tunnel to a closed port: refused at CONNECT
+    connect_refused(egressd, f"tunnel.test:{world.closed_port}", world.auth(), 502,
+                    "connect_failed")
+    # pinned host on a closed port: refused at CONNECT or inside the tunnel
+    r = in_tunnel(egressd, world, "down.test", world.closed_port, path=f"/echo/{marker}")
+    assert_refusal(r, 502, "connect_failed")
+    audited(egressd, "connect_failed", 502)
+
+
+def test_upstream_tls_timeout_504(world, egressd):
+    t0 = time.monotonic()
+    r = in_tunnel(egressd, world, "slow.test", world.silent.port)
+    assert_refusal(r, 504, "upstream_tls_timeout")
+    assert time.monotonic() - t0 < 8, "tls_timeout is 1s"
+    audited(egressd, "upstream_tls_timeout", 504)
+
+
+def test_upstream_tls_failed_502(world, egressd, marker):
+    # upstream cert signed by a CA egressd does not trust
+    r = in_tunnel(egressd, world, "bad.test", world.bad.port, path=f"/echo/{marker}")
+    assert_refusal(r, 502, "upstream_tls_failed")
+    assert world.bad.find(marker) == [], "a request went to an unverified upstream"
+    # trusted CA, but the certificate does not name wrongname.test
+    r = in_tunnel(egressd, world, "wrongname.test", world.U, path=f"/echo/{marker}")
+    assert_refusal(r, 502, "upstream_tls_failed")
+    assert world.upstream.find(marker) == []
+    audited(egressd, "upstream_tls_failed", 502)
+
+
+# ---------------------------------------------------------------------------------------------
+# inside the tunnel
+
+
+def test_host_mismatch_421(world, egressd, marker):
+    r = in_tunnel(egressd, world, "api.test", world.U, path=f"/echo/{marker}-1",
+                  host_header=f"other.test:{world.U}")
+    assert_refusal(r, 421, "host_mismatch")
+    # port included: Host without a port means 443, not the CONNECT port
+    r = in_tunnel(egressd, world, "api.test", world.U, path=f"/echo/{marker}-2",
+                  host_header="api.test")
+    assert_refusal(r, 421, "host_mismatch")
+    # curl, with a Host header that disagrees with the URL
+    res = curl_via(world, egressd, f"https://api.test:{world.U}/echo/{marker}-3", "-i",
+                   "-H", f"Host: other.test:{world.U}")
+    assert res.stdout.startswith(b"HTTP/1.1 421"), res.stdout[:200] + res.stderr
+    assert world.upstream.find(marker) == [], "nothing may be forwarded on a host mismatch"
+    audited(egressd, "host_mismatch", 421)
+
+
+def test_sni_mismatch_421(world, egressd, marker):
+    try:
+        r = in_tunnel(egressd, world, "api.test", world.U, path=f"/echo/{marker}",
+                      sni="other.test", check_hostname=False)
+    except (ssl.SSLError, ConnectionError) as ex:
+        pytest.fail(f"expected a 421 response inside the tunnel, TLS failed instead: {ex}")
+    assert_refusal(r, 421, "sni_mismatch")
+    assert world.upstream.find(marker) == []
+    audited(egressd, "sni_mismatch", 421)
+
+
+def test_forged_egress_header_403(world, egressd, marker):
+    r = in_tunnel(egressd, world, "api.test", world.U, path=f"/echo/{marker}",
+                  headers=[("X-Egress-Run", "r2")])
+    assert_refusal(r, 403, "forged_egress_header")
+    with requests_session(world, egressd) as s:
+        rr = s.get(f"https://api.test:{world.U}/echo/{marker}", headers={"x-egress-foo": "1"},
+                   timeout=30)
+    assert rr.status_code == 403
+    assert rr.headers.get("X-Egress-Reason") == "forged_egress_header"
+    assert world.upstream.find(marker) == []
+    audited(egressd, "forged_egress_header", 403)
+
+
+def test_no_matching_pin_403(world, egressd, marker):
+    # lim.test's pin allows GET under /echo only
+    r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/bytes/10?{marker}")
+    assert_refusal(r, 403, "no_matching_pin")
+    r = in_tunnel(egressd, world, "lim.test", world.U, method="POST", path=f"/echo/{marker}",
+                  body=b"x")
+    assert_refusal(r, 403, "no_matching_pin")
+    assert world.upstream.find(marker) == []
+    r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}-ok")
+    assert r.status == 200
+    [up] = world.upstream.find(marker + "-ok")
+    assert up.header("Authorization") == [f"Bearer {world.secrets['lim_token']}"]
+    audited(egressd, "no_matching_pin", 403, host="lim.test")
+
+
+def test_bad_request_400(world, egressd):
+    # malformed request line inside the tunnel
+    c, r = helpers.proxy_connect(egressd.proxy_port, f"api.test:{world.U}", world.auth())
+    assert r.status == 200
+    t = helpers.tls_wrap(c, "api.test", run_ca(egressd, "r1"))
+    t.send(b"THIS IS NOT HTTP\r\n\r\n")
+    assert_refusal(helpers.read_response(t), 400, "bad_request")
+    t.close()
+    # malformed request line on the proxy port itself
+    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    c.send(b"GARBAGE\r\n\r\n")
+    assert_refusal(helpers.read_response(c), 400, "bad_request")
+    c.close()
+    # CONNECT without a port
+    c, r = helpers.proxy_connect(egressd.proxy_port, "api.test", world.auth())
+    c.close()
+    assert r.status == 400, r
+    audited(egressd, "bad_request", 400)
+
+
+def test_oversized_header_refused(world, egressd, marker):
+    r = in_tunnel(egressd, world, "api.test", world.U, path=f"/echo/{marker}",
+                  headers=[("X-Big", "a" * 70000)])
+    assert r.status in (400, 431), r
+    assert world.upstream.find(marker) == []
+
+
+def test_slow_request_head_times_out(world, egressd):
+    # header_timeout is 5s: a client that never finishes its head is cut off
+    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=15)
+    s.settimeout(15)
+    s.sendall(b"CONNECT api.test:443 HTTP/1.1\r\nHost: api")
+    t0 = time.monotonic()
+    data = b""
+    for _ in range(1000):
+        try:
+            b = s.recv(4096)
+        except (socket.timeout, ConnectionResetError):
+            break
+        if not b:
+            break
+        data += b
+    s.close()
+    took = time.monotonic() - t0
+    assert took < 12, f"connection still open {took:.1f}s after a stalled head"
+    assert data == b"" or data.startswith(b"HTTP/1.1 408") or data.startswith(b"HTTP/1.1 400"), data
+
+
+def test_egressd_still_healthy(egressd):
+    assert egressd.alive()
+    assert egressd.admin_get("/healthz")[0] == 200

@@ -1,0 +1,228 @@
+"""Scrubbing (a response that echoes the injected credential has it replaced, in headers and
+bodies, across chunk boundaries, length preserved), the audit log (one JSON line per request,
+the documented fields, no secret values), and a grep of everything egressd wrote."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+import pytest
+
+import helpers
+from clients import curl_via, requests_session, run_ca
+
+AUDIT_FIELDS = ["time", "run", "method", "scheme", "host", "port", "path", "status", "pin",
+                "secret", "decision", "reason", "bytes_in", "bytes_out", "duration_ms",
+                "upstream_addr", "proto_in", "proto_out"]
+
+
+def injected_value(w, host: str) -> tuple[str, str]:
+    """(the injected header value, the secret) for a pinned host."""
+    if host == "api.test":
+        return f"Bearer {w.secrets['api_token']}", w.secrets["api_token"]
+    if host == "basic.test":
+        return helpers.basic_auth("itest-user", w.secrets["basic_pw"]), w.secrets["basic_pw"]
+    if host == "hdr.test":
+        return f"Key {w.secrets['hdr_key']}", w.secrets["hdr_key"]
+    raise KeyError(host)
+
+
+def assert_scrubbed(original: str, seen: bytes | str, secret: str):
+    """`seen` is what the client got where `original` (containing the secret) was echoed."""
+    if isinstance(seen, bytes):
+        seen = seen.decode("latin-1")
+    assert secret not in seen, "secret reached the client"
+    assert original not in seen, "injected credential reached the client"
+    assert "[REDACTED" in seen or "*" * 4 in seen, f"no redaction marker in {seen!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# scrubbing
+
+
+@pytest.mark.parametrize("host", ["api.test", "basic.test", "hdr.test"])
+def test_reflected_credential_is_scrubbed_curl(world, egressd, host, marker):
+    value, secret = injected_value(world, host)
+    r = curl_via(world, egressd, f"https://{host}:{world.U}/reflect/{marker}", "-i", "-f")
+    assert r.returncode == 0, r.stderr
+    head, _, body = r.stdout.partition(b"\r\n\r\n")
+    headers = {}
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    assert_scrubbed(value, headers["x-seen"], secret)
+    assert len(headers["x-seen"]) == len(value), "replacement must keep the length"
+    assert_scrubbed(value, headers["set-cookie"], secret)
+    assert_scrubbed(value, body, secret)
+    assert body.startswith(b"seen=") and body.endswith(b";end\n"), body
+    assert len(body) == len("seen=") + len(value) + len(";end\n")
+    [up] = world.upstream.find(marker)  # the upstream did get the real credential
+    assert value in [v for _, v in up.headers]
+
+
+@pytest.mark.parametrize("host", ["api.test", "basic.test", "hdr.test"])
+def test_reflected_credential_is_scrubbed_requests(world, egressd, host, marker):
+    value, secret = injected_value(world, host)
+    with requests_session(world, egressd) as s:
+        r = s.get(f"https://{host}:{world.U}/reflect/{marker}", timeout=30)
+    assert r.status_code == 200
+    assert_scrubbed(value, r.headers["X-Seen"], secret)
+    assert_scrubbed(value, r.content, secret)
+    assert len(r.content) == len("seen=") + len(value) + len(";end\n")
+
+
+def test_scrub_across_chunk_boundaries(world, egressd, marker):
+    """The echoed credential is split across two chunks, and (split=1) one byte per chunk."""
+    value, secret = injected_value(world, "api.test")
+    for q in ("", "?split=1", "?cl=1"):
+        c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(),
+                           run_ca(egressd, "r1"))
+        r = helpers.request(c, "GET", f"/reflect/{marker}{q}", f"api.test:{world.U}")
+        c.close()
+        assert r.status == 200, (q, r)
+        assert_scrubbed(value, r.body, secret)
+        assert len(r.body) == len("seen=") + len(value) + len(";end\n"), q
+        assert_scrubbed(value, r.header("X-Seen"), secret)
+        if q == "?cl=1":
+            assert r.header("Content-Length") == str(len(r.body))
+
+
+def test_echo_body_with_credential_is_scrubbed(world, egressd, marker):
+    """/echo returns the request headers (with the credential) in a JSON body."""
+    for host in ("api.test", "basic.test", "hdr.test"):
+        value, secret = injected_value(world, host)
+        with requests_session(world, egressd) as s:
+            r = s.get(f"https://{host}:{world.U}/echo/{marker}", timeout=30)
+        assert r.status_code == 200
+        assert_scrubbed(value, r.content, secret)
+        json.loads(r.content)  # same-length replacement keeps the JSON intact
+
+
+def test_unrelated_bytes_are_not_scrubbed(world, egressd, marker):
+    with requests_session(world, egressd) as s:
+        r = s.get(f"https://api.test:{world.U}/echo/{marker}",
+                  headers={"X-Note": "Bearer not-the-secret"}, timeout=30)
+    assert r.status_code == 200
+    assert ["X-Note", "Bearer not-the-secret"] in r.json()["headers"]
+
+
+# ---------------------------------------------------------------------------------------------
+# audit
+
+
+def test_audit_one_json_line_per_request(world, factory, marker):
+    e = factory.start()
+    U = world.U
+    expect = []  # (path-or-host, predicate on the record)
+
+    with requests_session(world, e) as s:
+        for i in range(3):  # three requests on one keep-alive connection
+            assert s.get(f"https://api.test:{U}/echo/{marker}/{i}?token=abc", timeout=30).ok
+            expect.append(f"/echo/{marker}/{i}")
+        assert s.post(f"https://hdr.test:{U}/upload/{marker}", data=b"z" * 5000, timeout=30).ok
+        expect.append(f"/upload/{marker}")
+        assert s.get(f"https://basic.test:{U}/bytes/70000?{marker}", timeout=30).ok
+        r = s.get(f"https://api.test:{U}/echo/{marker}/forged", headers={"X-Egress-X": "1"},
+                  timeout=30)
+        assert r.status_code == 403
+        expect.append(f"/echo/{marker}/forged")
+    assert curl_via(world, e, f"http://plain.test:{world.plain.port}/echo/{marker}/plain",
+                    "-f").returncode == 0
+    expect.append(f"/echo/{marker}/plain")
+
+    recs = e.wait_audit(lambda a: marker in (a.get("path") or ""), count=len(expect))
+    by_path = {}
+    for a in recs:
+        by_path.setdefault(a["path"], []).append(a)
+    for p in expect:
+        assert len(by_path.get(p, [])) == 1, f"{p}: {by_path.get(p)}"
+    for a in recs:
+        missing = [f for f in AUDIT_FIELDS if f not in a]
+        assert not missing, f"audit record lacks {missing}: {a}"
+        assert a["run"] == "r1"
+        assert "?" not in a["path"], "query must be removed"
+        assert "abc" not in json.dumps(a)
+
+    ok = by_path[f"/echo/{marker}/0"][0]
+    assert ok["method"] == "GET" and ok["scheme"] == "https" and ok["host"] == "api.test"
+    assert int(ok["port"]) == U and ok["status"] == 200
+    assert ok["decision"] == "allow" and ok["pin"] is not None and ok["secret"] == "api_token"
+    assert ok["upstream_addr"] in (f"127.0.0.1:{U}", "127.0.0.1")
+    assert ok["bytes_out"] > 0 or ok["bytes_in"] > 0
+    assert ok["duration_ms"] >= 0
+    assert ok["proto_in"] and ok["proto_out"]
+
+    up = by_path[f"/upload/{marker}"][0]
+    assert up["method"] == "POST" and up["secret"] == "hdr_key"
+    assert max(up["bytes_in"], up["bytes_out"]) >= 5000
+
+    dl = [a for a in e.audit_records() if a.get("path") == "/bytes/70000"]
+    assert len(dl) >= 1 and dl[-1]["secret"] == "basic_pw"
+    assert max(dl[-1]["bytes_in"], dl[-1]["bytes_out"]) >= 70000
+
+    forged = by_path[f"/echo/{marker}/forged"][0]
+    assert forged["decision"] == "deny" and forged["status"] == 403
+    assert forged["reason"] == "forged_egress_header"
+
+    plain = by_path[f"/echo/{marker}/plain"][0]
+    assert plain["scheme"] == "http" and plain["decision"] == "allow"
+    assert plain["secret"] is None, "cleartext requests never carry a credential"
+
+    # refusals at CONNECT time and tunnels are audited too
+    c, r = helpers.proxy_connect(e.proxy_port, f"unlisted.test:{U}", world.auth())
+    c.close()
+    c, r = helpers.proxy_connect(e.proxy_port, f"unlisted.test:{U}", None)
+    c.close()
+    assert curl_via(world, e, f"https://tunnel.test:{U}/echo/{marker}/t",
+                    cafile=world.pki.ca).returncode == 0
+    deny = e.wait_audit(lambda a: a.get("host") == "unlisted.test", count=2)
+    assert {a["status"] for a in deny} == {403, 407}
+    assert all(a["decision"] == "deny" and a["method"] == "CONNECT" for a in deny)
+    t = e.wait_audit(lambda a: a.get("host") == "tunnel.test")
+    assert len(t) == 1 and t[0]["method"] == "CONNECT" and t[0]["decision"] == "allow"
+
+    # every line of the file is one JSON object
+    with open(e.audit_path, "rb") as f:
+        for line in f.read().splitlines():
+            assert isinstance(json.loads(line), dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing egressd writes contains a secret
+
+
+def test_no_secret_in_anything_egressd_wrote(world, factory, marker):
+    e = factory.start()
+    U = world.U
+    with requests_session(world, e) as s:
+        for host in ("api.test", "basic.test", "hdr.test"):
+            s.get(f"https://{host}:{U}/reflect/{marker}", timeout=30)
+            s.get(f"https://{host}:{U}/echo/{marker}?x=1", timeout=30)
+            s.get(f"https://{host}:{U}/echo/{marker}", headers={"X-Egress-A": "1"}, timeout=30)
+        s.get(f"https://lim.test:{U}/bytes/5", timeout=30)  # no_matching_pin
+    for target, auth in ((f"bad.test:{world.bad.port}", world.auth()),
+                         (f"slow.test:{world.silent.port}", world.auth()),
+                         (f"down.test:{world.closed_port}", world.auth()),
+                         (f"api.test:{U}", helpers.basic_auth("r1", "nope"))):
+        c, r = helpers.proxy_connect(e.proxy_port, target, auth)
+        if r.status == 200:
+            try:
+                t = helpers.tls_wrap(c, target.split(":")[0], run_ca(e, "r1"))
+                helpers.request(t, "GET", "/echo/x", target)
+                t.close()
+            except (OSError, ValueError):
+                pass
+        c.close()
+    e.wait_audit(lambda a: a.get("host") == "slow.test")
+    rc = e.stop()
+    assert rc == 0, f"egressd exit status {rc} after SIGTERM"
+    written = e.written_files()
+    assert e.audit_path in written and e.stderr_path in written
+    extra = [helpers.basic_auth("itest-user", world.secrets["basic_pw"]).split()[1].encode(),
+             base64.b64encode(world.secrets["api_token"].encode())]
+    leaks = e.leaks(extra)
+    assert leaks == [], f"secret bytes found in files egressd wrote: {leaks}"
+    # and the token files / secret files were not rewritten or copied anywhere under var/
+    for p in written:
+        assert not os.path.basename(p).startswith(("api_token", "basic_pw", "hdr_key")), p

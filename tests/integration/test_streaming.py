@@ -1,0 +1,170 @@
+"""Large bodies stream through the injecting path with bounded memory: a 50 MiB download and a
+20 MiB upload (curl and requests, Content-Length and chunked), parallel transfers, backpressure
+from a stalled reader; egressd's peak RSS (VmHWM) stays under 64 MiB."""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+
+import helpers
+from clients import curl_via, requests_session, run_ca
+from upstream import iter_payload, payload_sha256
+
+MiB = 1 << 20
+RSS_LIMIT_KIB = 64 * 1024
+
+
+def sha_file(path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        for _ in range(1 << 20):
+            b = f.read(1 << 20)
+            if not b:
+                break
+            h.update(b)
+            n += len(b)
+    return n, h.hexdigest()
+
+
+def check_rss(e):
+    hwm = e.vm_hwm_kib()
+    assert hwm < RSS_LIMIT_KIB, f"egressd peak RSS {hwm} KiB >= {RSS_LIMIT_KIB} KiB"
+    return hwm
+
+
+def test_download_50mib_curl(world, egressd, marker, tmp_path):
+    n = 50 * MiB
+    out = tmp_path / "dl.bin"
+    r = curl_via(world, egressd, f"https://api.test:{world.U}/bytes/{n}?{marker}", "-f",
+                 "-o", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sha_file(out) == (n, payload_sha256(n))
+    [up] = world.upstream.find(marker)
+    assert up.header("Authorization") == [f"Bearer {world.secrets['api_token']}"]
+    out.unlink()
+    check_rss(egressd)
+
+
+def test_download_50mib_chunked_requests(world, egressd, marker):
+    n = 50 * MiB
+    h = hashlib.sha256()
+    got = 0
+    with requests_session(world, egressd) as s:
+        with s.get(f"https://basic.test:{world.U}/chunked/{n}?{marker}", stream=True,
+                   timeout=60) as r:
+            assert r.status_code == 200
+            for chunk in r.iter_content(256 * 1024):
+                h.update(chunk)
+                got += len(chunk)
+    assert (got, h.hexdigest()) == (n, payload_sha256(n))
+    [up] = world.upstream.find(marker)
+    assert up.header("Authorization") == [helpers.basic_auth("itest-user",
+                                                             world.secrets["basic_pw"])]
+    check_rss(egressd)
+
+
+def test_upload_20mib_curl(world, egressd, marker, tmp_path):
+    n = 20 * MiB
+    src = tmp_path / "up.bin"
+    with open(src, "wb") as f:
+        for piece in iter_payload(n):
+            f.write(piece)
+    r = curl_via(world, egressd, f"https://hdr.test:{world.U}/upload/{marker}", "-f",
+                 "-T", str(src), "-H", "Expect:", timeout=120)
+    assert r.returncode == 0, r.stderr
+    import json
+    j = json.loads(r.stdout)
+    assert (j["length"], j["sha256"]) == (n, payload_sha256(n))
+    [up] = world.upstream.find(marker)
+    assert up.header("X-Api-Key") == ["Key " + world.secrets["hdr_key"]]
+    src.unlink()
+    check_rss(egressd)
+
+
+def test_upload_20mib_chunked_requests(world, egressd, marker):
+    n = 20 * MiB
+    with requests_session(world, egressd) as s:
+        r = s.post(f"https://api.test:{world.U}/upload/{marker}", data=iter_payload(n),
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert (r.json()["length"], r.json()["sha256"]) == (n, payload_sha256(n))
+    [up] = world.upstream.find(marker)
+    assert "chunked" in (up.header("Transfer-Encoding") or [""])[0].lower() or \
+        up.header("Content-Length") == [str(n)]
+    assert up.header("Authorization") == [f"Bearer {world.secrets['api_token']}"]
+    check_rss(egressd)
+
+
+def test_parallel_transfers(world, egressd, marker):
+    n = 16 * MiB
+    want = payload_sha256(n)
+    results: dict[int, object] = {}
+
+    def worker(i):
+        try:
+            h = hashlib.sha256()
+            got = 0
+            with requests_session(world, egressd) as s:
+                with s.get(f"https://api.test:{world.U}/bytes/{n}?{marker}-{i}", stream=True,
+                           timeout=60) as r:
+                    for chunk in r.iter_content(128 * 1024):
+                        h.update(chunk)
+                        got += len(chunk)
+            results[i] = (r.status_code, got, h.hexdigest())
+        except Exception as ex:  # reported below
+            results[i] = ex
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(not t.is_alive() for t in threads), "a transfer hung"
+    for i in range(4):
+        assert results[i] == (200, n, want), (i, results[i])
+    check_rss(egressd)
+
+
+def test_backpressure_stalled_reader(world, egressd, marker):
+    """A client that stops reading stops the upstream writer; egressd does not buffer it all."""
+    n = 64 * MiB
+    ident = marker
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    c.send(f"GET /bytes/{n}?id={ident} HTTP/1.1\r\nHost: api.test:{world.U}\r\n\r\n".encode())
+    head = c.read_until(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    first = c.read_exact(1 * MiB)
+
+    # Wait (bounded) until the upstream writer has stopped making progress.
+    deadline = time.monotonic() + 20
+    last, stable_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        cur = world.upstream.progress(ident)
+        if cur != last:
+            last, stable_since = cur, time.monotonic()
+        elif time.monotonic() - stable_since > 0.5:
+            break
+        time.sleep(0.05)
+    stalled_at = world.upstream.progress(ident)
+    assert stalled_at < n, "the upstream wrote everything: egressd read without backpressure"
+    assert stalled_at - len(first) < 40 * MiB, \
+        f"{(stalled_at - len(first)) / MiB:.1f} MiB in flight for a stalled reader"
+    check_rss(egressd)
+
+    h = hashlib.sha256(first)
+    left = n - len(first)
+    while left:
+        b = c.read_exact(min(left, MiB))
+        h.update(b)
+        left -= len(b)
+    c.close()
+    assert h.hexdigest() == payload_sha256(n)
+
+
+def test_peak_rss_after_all_transfers(egressd):
+    hwm = check_rss(egressd)
+    print(f"egressd VmHWM {hwm} KiB")
