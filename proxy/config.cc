@@ -1,1 +1,1005 @@
-// implementation pending
+// Config loading: YAML text → raw nodes → validated, immutable Config (STYLE.md 15).
+//
+// Every mapping is walked in document order through one helper (`Parser::fields`) that also
+// rejects unknown, duplicate and non-string keys, so errors come out in the order a reader
+// meets them in the file. Nothing here throws: yaml-cpp exceptions become error lines, and
+// all problems are collected and returned together, each as "yaml.path: problem".
+#include "proxy/config.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <set>
+#include <string_view>
+#include <utility>
+
+namespace egress::proxy {
+namespace {
+
+constexpr size_t kMaxEchoedValue = 64;  // longest value quoted back in a message
+constexpr size_t kMaxConfigBytes = 16 * 1024 * 1024;
+constexpr size_t kMaxUnixPath = 107;  // sizeof(sockaddr_un::sun_path) - 1
+constexpr std::string_view kDurationHint = "(expected e.g. 500ms, 10s, 2m, 1h)";
+
+std::string quoted(std::string_view text) {
+    std::string out = "'";
+    if (text.size() > kMaxEchoedValue) {
+        out.append(text.substr(0, kMaxEchoedValue)).append("...");
+    } else {
+        out.append(text);
+    }
+    return out + "'";
+}
+
+/// What a node is, for "expected X, got Y" messages.
+std::string describe(const YAML::Node& node) {
+    switch (node.Type()) {
+        case YAML::NodeType::Null:
+            return "null";
+        case YAML::NodeType::Scalar:
+            return quoted(node.Scalar());
+        case YAML::NodeType::Sequence:
+            return "a list";
+        case YAML::NodeType::Map:
+            return "a mapping";
+        case YAML::NodeType::Undefined:
+            break;
+    }
+    return "nothing";
+}
+
+std::string join_path(const std::string& path, std::string_view key) {
+    return path.empty() ? std::string(key) : path + "." + std::string(key);
+}
+
+std::string index_path(const std::string& path, size_t i) {
+    return path + "[" + std::to_string(i) + "]";
+}
+
+/// "a, b or c"
+std::string one_of(const std::vector<std::string_view>& names) {
+    std::string out;
+    for (size_t i = 0; i < names.size(); ++i) {
+        if (i > 0) {
+            out += (i + 1 == names.size()) ? " or " : ", ";
+        }
+        out += names[i];
+    }
+    return out;
+}
+
+bool is_tchar(char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) ||
+           std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+bool valid_run_id(std::string_view id) {
+    if (id.empty() || id.size() > 64) {
+        return false;
+    }
+    return std::all_of(id.begin(), id.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
+    });
+}
+
+/// Decimal digits only (no sign, no spaces), at most `max_digits` of them.
+std::optional<uint64_t> parse_digits(std::string_view text, size_t max_digits = 19) {
+    if (text.empty() || text.size() > max_digits) {
+        return std::nullopt;
+    }
+    uint64_t value = 0;
+    auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || ptr != text.data() + text.size()) {
+        return std::nullopt;
+    }
+    return value;
+}
+
+std::optional<uint16_t> parse_port(std::string_view text) {
+    auto v = parse_digits(text, 5);
+    if (!v || *v > 65535) {
+        return std::nullopt;
+    }
+    return static_cast<uint16_t>(*v);
+}
+
+/// "127.0.0.1:3128", "[::1]:3128", or "unix:/path.sock" when allowed. The host must be an IP
+/// literal: a listener never resolves names.
+Result<ListenAddress> parse_listen(std::string_view text, bool allow_unix) {
+    constexpr std::string_view kUnix = "unix:";
+    if (text.substr(0, kUnix.size()) == kUnix) {
+        if (!allow_unix) {
+            return make_error("unix sockets are only supported for listen.admin");
+        }
+        std::string_view path = text.substr(kUnix.size());
+        if (path.empty()) {
+            return make_error("expected unix:/path.sock, got " + quoted(text));
+        }
+        if (path.size() > kMaxUnixPath) {
+            return make_error("unix socket path too long (max " + std::to_string(kMaxUnixPath) +
+                              " bytes)");
+        }
+        ListenAddress out;
+        out.unix_path = std::string(path);
+        return out;
+    }
+    const std::string expected = "expected host:port (e.g. 127.0.0.1:3128 or [::1]:3128";
+    std::string_view host;
+    std::string_view port;
+    if (!text.empty() && text.front() == '[') {
+        size_t close = text.find(']');
+        if (close == std::string_view::npos || close + 1 >= text.size() || text[close + 1] != ':') {
+            return make_error(expected + "), got " + quoted(text));
+        }
+        host = text.substr(1, close - 1);
+        port = text.substr(close + 2);
+    } else {
+        size_t colon = text.rfind(':');
+        if (colon == std::string_view::npos) {
+            return make_error(expected + "), got " + quoted(text));
+        }
+        host = text.substr(0, colon);
+        port = text.substr(colon + 1);
+        if (host.find(':') != std::string_view::npos) {
+            return make_error(expected + "; put an IPv6 address in brackets), got " + quoted(text));
+        }
+    }
+    if (host.empty()) {
+        return make_error(expected + "), got " + quoted(text));
+    }
+    auto ip = policy::IpAddress::parse(host);
+    if (!ip) {
+        return make_error("host must be an IP address (e.g. 127.0.0.1), got " + quoted(host));
+    }
+    auto p = parse_port(port);
+    if (!p) {
+        return make_error("bad port " + quoted(port) + " (expected 0..65535)");
+    }
+    ListenAddress out;
+    out.host = ip->to_string();
+    out.port = *p;
+    return out;
+}
+
+/// resolver.servers entry: "ip", "ip:port" or "[v6]:port"; port 1..65535.
+Result<bool> check_dns_server(std::string_view text) {
+    if (policy::IpAddress::parse(text)) {
+        return true;  // bare address ("1.2.3.4", "::1", "[::1]"): port 53
+    }
+    std::string_view host;
+    std::string_view port;
+    if (!text.empty() && text.front() == '[') {
+        size_t close = text.find("]:");
+        if (close == std::string_view::npos) {
+            return make_error("expected ip or ip:port, got " + quoted(text));
+        }
+        host = text.substr(1, close - 1);
+        port = text.substr(close + 2);
+    } else {
+        size_t colon = text.find(':');
+        if (colon == std::string_view::npos || text.find(':', colon + 1) != text.npos) {
+            return make_error("expected ip or ip:port, got " + quoted(text));
+        }
+        host = text.substr(0, colon);
+        port = text.substr(colon + 1);
+    }
+    if (!policy::IpAddress::parse(host)) {
+        return make_error("bad IP address " + quoted(host));
+    }
+    auto p = parse_port(port);
+    if (!p || *p == 0) {
+        return make_error("bad port " + quoted(port) + " (expected 1..65535)");
+    }
+    return true;
+}
+
+using Handler = std::function<void(const YAML::Node& value, const std::string& path)>;
+
+struct Field {
+    std::string_view key;
+    Handler handle;
+};
+
+/// Collects errors while converting nodes. Accessors report a problem under `path` and return
+/// nullopt; callers keep going so that one pass reports everything. The `set_*` helpers build
+/// handlers for `fields`, so each section below reads as its schema.
+class Parser {
+public:
+    std::vector<std::string> errors;
+    std::string source;  // names the top level in messages
+
+    void error(const std::string& path, const std::string& problem) {
+        errors.push_back(path + ": " + problem);
+    }
+
+    /// Walks a mapping in document order, dispatching each key to its handler. A null node (a
+    /// section whose keys are all commented out) is an empty mapping. Returns the keys seen.
+    std::set<std::string> fields(const YAML::Node& node, const std::string& path,
+                                 const std::vector<Field>& known) {
+        std::set<std::string> seen;
+        const std::string& where = path.empty() ? source : path;
+        if (node.IsNull()) {
+            return seen;
+        }
+        if (!node.IsMap()) {
+            error(where, "expected a mapping, got " + describe(node));
+            return seen;
+        }
+        for (const auto& kv : node) {
+            if (!kv.first.IsScalar()) {
+                error(where, "keys must be strings, got " + describe(kv.first));
+                continue;
+            }
+            const std::string& key = kv.first.Scalar();
+            std::string key_path = join_path(path, key);
+            auto it = std::find_if(known.begin(), known.end(),
+                                   [&](const Field& f) { return f.key == key; });
+            if (it == known.end()) {
+                std::vector<std::string_view> names;
+                for (const auto& f : known) {
+                    names.push_back(f.key);
+                }
+                error(key_path, "unknown key (expected " + one_of(names) + ")");
+            } else if (!seen.insert(key).second) {
+                error(key_path, "duplicate key");
+            } else {
+                it->handle(kv.second, key_path);
+            }
+        }
+        return seen;
+    }
+
+    Handler section(std::vector<Field> known) {
+        return [this, known = std::move(known)](const YAML::Node& v, const std::string& p) {
+            fields(v, p, known);
+        };
+    }
+
+    /// Calls `item` for each element of a list; null is an empty list.
+    void list(const YAML::Node& node, const std::string& path, const Handler& item) {
+        if (node.IsNull()) {
+            return;
+        }
+        if (!node.IsSequence()) {
+            error(path, "expected a list, got " + describe(node));
+            return;
+        }
+        for (size_t i = 0; i < node.size(); ++i) {
+            item(node[i], index_path(path, i));
+        }
+    }
+
+    /// A list whose items are converted by `convert` (nullopt = error already reported).
+    template <class T, class F>
+    std::vector<T> list_of(const YAML::Node& node, const std::string& path, F convert) {
+        std::vector<T> out;
+        list(node, path, [&](const YAML::Node& item, const std::string& p) {
+            if (std::optional<T> v = convert(item, p)) {
+                out.push_back(std::move(*v));
+            }
+        });
+        return out;
+    }
+
+    std::optional<std::string> string(const YAML::Node& node, const std::string& path,
+                                      bool allow_empty = false) {
+        if (!node.IsScalar()) {
+            error(path, "expected a string, got " + describe(node));
+            return std::nullopt;
+        }
+        if (!allow_empty && node.Scalar().empty()) {
+            error(path, "must not be empty");
+            return std::nullopt;
+        }
+        return node.Scalar();
+    }
+
+    std::optional<uint64_t> integer(const YAML::Node& node, const std::string& path, uint64_t min,
+                                    uint64_t max) {
+        std::optional<uint64_t> v;
+        if (node.IsScalar()) {
+            v = parse_digits(node.Scalar());
+        }
+        if (!v || *v < min || *v > max) {
+            error(path, "expected an integer in " + std::to_string(min) + ".." +
+                            std::to_string(max) + ", got " + describe(node));
+            return std::nullopt;
+        }
+        return v;
+    }
+
+    /// A duration greater than 0.
+    std::optional<std::chrono::milliseconds> duration(const YAML::Node& node,
+                                                      const std::string& path) {
+        if (!node.IsScalar()) {
+            error(path,
+                  "expected a duration " + std::string(kDurationHint) + ", got " + describe(node));
+            return std::nullopt;
+        }
+        auto d = parse_duration(node.Scalar());
+        if (!d) {
+            error(path, d.error());
+            return std::nullopt;
+        }
+        if (d->count() <= 0) {
+            error(path, "must be greater than 0");
+            return std::nullopt;
+        }
+        return *d;
+    }
+
+    /// One of `names`; returns its index.
+    std::optional<size_t> choice(const YAML::Node& node, const std::string& path,
+                                 const std::vector<std::string_view>& names) {
+        auto s = string(node, path, /*allow_empty=*/true);
+        if (!s) {
+            return std::nullopt;
+        }
+        for (size_t i = 0; i < names.size(); ++i) {
+            if (*s == names[i]) {
+                return i;
+            }
+        }
+        error(path, "unknown value " + quoted(*s) + " (expected " + one_of(names) + ")");
+        return std::nullopt;
+    }
+
+    std::optional<policy::HostPattern> host_pattern(const YAML::Node& node,
+                                                    const std::string& path) {
+        auto s = string(node, path);
+        if (!s) {
+            return std::nullopt;
+        }
+        auto pattern = policy::HostPattern::parse(*s);
+        if (!pattern) {
+            error(path, pattern.error());
+            return std::nullopt;
+        }
+        return std::move(*pattern);
+    }
+
+    std::optional<policy::Cidr> cidr(const YAML::Node& node, const std::string& path) {
+        auto s = string(node, path);
+        if (!s) {
+            return std::nullopt;
+        }
+        auto c = policy::Cidr::parse(*s);
+        if (!c) {
+            error(path, c.error());
+            return std::nullopt;
+        }
+        return std::move(*c);
+    }
+
+    // --- handler builders: each assigns its target only when the value is valid ----------
+
+    Handler set_string(std::string& out) {
+        return [this, &out](const YAML::Node& v, const std::string& p) {
+            if (auto s = string(v, p)) {
+                out = std::move(*s);
+            }
+        };
+    }
+
+    /// null or a non-empty string.
+    Handler set_optional_string(std::optional<std::string>& out) {
+        return [this, &out](const YAML::Node& v, const std::string& p) {
+            if (v.IsNull()) {
+                out.reset();
+            } else if (auto s = string(v, p)) {
+                out = std::move(*s);
+            }
+        };
+    }
+
+    Handler set_count(size_t& out, uint64_t min, uint64_t max) {
+        return [this, &out, min, max](const YAML::Node& v, const std::string& p) {
+            if (auto n = integer(v, p, min, max)) {
+                out = static_cast<size_t>(*n);
+            }
+        };
+    }
+
+    Handler set_timeout(std::chrono::milliseconds& out) {
+        return [this, &out](const YAML::Node& v, const std::string& p) {
+            if (auto d = duration(v, p)) {
+                out = *d;
+            }
+        };
+    }
+
+    Handler set_bool(bool& out) {
+        return [this, &out](const YAML::Node& v, const std::string& p) {
+            bool b = false;
+            if (!v.IsScalar() || !YAML::convert<bool>::decode(v, b)) {
+                error(p, "expected true or false, got " + describe(v));
+            } else {
+                out = b;
+            }
+        };
+    }
+
+    /// An enumeration spelled by `names`; stores the value at the same index of `values`.
+    template <class T>
+    Handler set_choice(T& out, std::vector<std::string_view> names, std::vector<T> values) {
+        return [this, &out, names = std::move(names), values = std::move(values)](
+                   const YAML::Node& v, const std::string& p) {
+            if (auto i = choice(v, p, names)) {
+                out = values[*i];
+            }
+        };
+    }
+
+    Handler set_listen(ListenAddress& out, bool allow_unix) {
+        return [this, &out, allow_unix](const YAML::Node& v, const std::string& p) {
+            if (auto a = listen(v, p, allow_unix)) {
+                out = std::move(*a);
+            }
+        };
+    }
+
+    Handler set_patterns(std::vector<policy::HostPattern>& out) {
+        return [this, &out](const YAML::Node& v, const std::string& p) {
+            out = list_of<policy::HostPattern>(
+                v, p,
+                [this](const YAML::Node& n, const std::string& np) { return host_pattern(n, np); });
+        };
+    }
+
+    Handler set_cidrs(std::vector<policy::Cidr>& out) {
+        return [this, &out](const YAML::Node& v, const std::string& p) {
+            out = list_of<policy::Cidr>(
+                v, p, [this](const YAML::Node& n, const std::string& np) { return cidr(n, np); });
+        };
+    }
+
+    std::optional<ListenAddress> listen(const YAML::Node& node, const std::string& path,
+                                        bool allow_unix) {
+        auto s = string(node, path);
+        if (!s) {
+            return std::nullopt;
+        }
+        auto addr = parse_listen(*s, allow_unix);
+        if (!addr) {
+            error(path, addr.error());
+            return std::nullopt;
+        }
+        return std::move(*addr);
+    }
+
+    // --- sections ------------------------------------------------------------------------
+
+    void parse_root(const YAML::Node& root, Config& c) {
+        using policy::Unpinned;
+        constexpr uint64_t kMaxCount = std::numeric_limits<int32_t>::max();
+        Limits& l = c.limits;
+        fields(
+            root, "",
+            {{"listen", section({{"proxy", set_listen(c.proxy, false)},
+                                 {"admin", set_listen(c.admin, true)},
+                                 {"transparent",
+                                  [this, &c](const YAML::Node& v, const std::string& p) {
+                                      if (v.IsNull()) {
+                                          c.transparent.reset();
+                                      } else if (auto a = listen(v, p, false)) {
+                                          c.transparent = std::move(*a);
+                                      }
+                                  }}})},
+             {"admin", section({{"token_file", set_string(c.admin_token_file)}})},
+             {"state",
+              [this, &c](const YAML::Node& v, const std::string& p) { parse_state(v, p, c); }},
+             {"keys", section({{"master_key_file", set_string(c.master_key_file)},
+                               {"kms_command", set_optional_string(c.kms_command)}})},
+             {"upstream", section({{"ca_file", set_string(c.upstream_ca_file)}})},
+             {"resolver", section({{"overrides",
+                                    [this, &c](const YAML::Node& v, const std::string& p) {
+                                        parse_overrides(v, p, c.resolver_overrides);
+                                    }},
+                                   {"servers",
+                                    [this, &c](const YAML::Node& v, const std::string& p) {
+                                        parse_dns_servers(v, p, c.resolver_servers);
+                                    }}})},
+             {"policy", section({{"unpinned", set_choice(c.policy.unpinned, {"tunnel", "intercept"},
+                                                         {Unpinned::Tunnel, Unpinned::Intercept})},
+                                 {"allow_hosts", set_patterns(c.policy.allow_hosts)},
+                                 {"allow_networks", set_cidrs(c.allow_networks)},
+                                 {"allowed_ports",
+                                  [this, &c](const YAML::Node& v, const std::string& p) {
+                                      c.policy.allowed_ports = list_of<uint16_t>(
+                                          v, p, [this](const YAML::Node& n, const std::string& np) {
+                                              auto port = integer(n, np, 1, 65535);
+                                              return port ? std::optional<uint16_t>(*port)
+                                                          : std::nullopt;
+                                          });
+                                  }}})},
+             {"limits",
+              section({{"max_header_bytes", set_count(l.max_header_bytes, 256, 16 << 20)},
+                       {"header_timeout", set_timeout(l.header_timeout)},
+                       {"idle_timeout", set_timeout(l.idle_timeout)},
+                       {"connect_timeout", set_timeout(l.connect_timeout)},
+                       {"tls_timeout", set_timeout(l.tls_timeout)},
+                       {"dns_timeout", set_timeout(l.dns_timeout)},
+                       {"drain_timeout", set_timeout(l.drain_timeout)},
+                       {"connections_per_run", set_count(l.connections_per_run, 1, kMaxCount)},
+                       {"h2_max_concurrent_streams",
+                        set_count(l.h2_max_concurrent_streams, 1, kMaxCount)},
+                       {"leaf_cache_size", set_count(l.leaf_cache_size, 1, kMaxCount)},
+                       {"max_upstream_idle_per_host",
+                        set_count(l.max_upstream_idle_per_host, 0, kMaxCount)}})},
+             {"audit", section({{"path", set_string(c.audit.path)},
+                                {"durable", set_bool(c.audit.durable)}})},
+             {"log", section({{"level",
+                               set_choice<std::string>(
+                                   c.log_level, {"trace", "debug", "info", "warn", "error", "off"},
+                                   {"trace", "debug", "info", "warn", "error", "off"})}})},
+             {"runs",
+              [this, &c](const YAML::Node& v, const std::string& p) { parse_runs(v, p, c); }}});
+        check_listeners(c);
+    }
+
+    void parse_state(const YAML::Node& node, const std::string& path, Config& c) {
+        bool endpoints_set = false;
+        auto endpoints = [&](const YAML::Node& v, const std::string& p) {
+            endpoints_set = true;
+            c.etcd_endpoints =
+                list_of<std::string>(v, p, [this](const YAML::Node& n, const std::string& np) {
+                    auto s = string(n, np);
+                    if (s && s->rfind("http://", 0) != 0 && s->rfind("https://", 0) != 0) {
+                        error(np, "expected an http:// or https:// URL, got " + quoted(*s));
+                        s.reset();
+                    }
+                    return s;
+                });
+        };
+        fields(
+            node, path,
+            {{"backend",
+              set_choice<std::string>(c.state_backend, {"file", "etcd"}, {"file", "etcd"})},
+             {"path", set_string(c.state_path)},
+             {"etcd", section({{"endpoints", endpoints}, {"prefix", set_string(c.etcd_prefix)}})}});
+        if (endpoints_set && c.state_backend == "etcd" && c.etcd_endpoints.empty()) {
+            error(join_path(path, "etcd.endpoints"),
+                  "must not be empty when state.backend is etcd");
+        }
+    }
+
+    void parse_overrides(const YAML::Node& node, const std::string& path,
+                         std::map<std::string, std::vector<policy::IpAddress>>& out) {
+        out.clear();
+        if (node.IsNull()) {
+            return;
+        }
+        if (!node.IsMap()) {
+            error(path, "expected a mapping of host to addresses, got " + describe(node));
+            return;
+        }
+        for (const auto& kv : node) {
+            if (!kv.first.IsScalar()) {
+                error(path, "keys must be host names, got " + describe(kv.first));
+                continue;
+            }
+            std::string host_path = join_path(path, kv.first.Scalar());
+            auto host = policy::normalize_host(kv.first.Scalar());
+            if (!host) {
+                error(host_path, host.error());
+                continue;
+            }
+            auto addrs = list_of<policy::IpAddress>(
+                kv.second, host_path, [this](const YAML::Node& n, const std::string& np) {
+                    auto s = string(n, np);
+                    std::optional<policy::IpAddress> ip;
+                    if (s && !(ip = policy::IpAddress::parse(*s))) {
+                        error(np, "bad IP address " + quoted(*s));
+                    }
+                    return ip;
+                });
+            if (kv.second.IsSequence() && kv.second.size() == 0) {
+                error(host_path, "must list at least one address");
+            }
+            if (!out.emplace(*host, std::move(addrs)).second) {
+                error(host_path, "duplicate host " + quoted(*host));
+            }
+        }
+    }
+
+    void parse_dns_servers(const YAML::Node& node, const std::string& path,
+                           std::vector<std::string>& out) {
+        out = list_of<std::string>(node, path, [this](const YAML::Node& n, const std::string& np) {
+            auto s = string(n, np);
+            if (s) {
+                if (auto ok = check_dns_server(*s); !ok) {
+                    error(np, ok.error());
+                    s.reset();
+                }
+            }
+            return s;
+        });
+    }
+
+    std::optional<policy::InjectSpec> parse_inject(const YAML::Node& node,
+                                                   const std::string& path) {
+        using policy::InjectType;
+        const size_t errors_before = errors.size();
+        policy::InjectSpec spec;
+        auto seen = fields(
+            node, path,
+            {{"type", set_choice(spec.type, {"bearer", "basic", "header"},
+                                 {InjectType::Bearer, InjectType::Basic, InjectType::Header})},
+             {"username", set_string(spec.username)},
+             {"name", set_string(spec.header_name)},
+             {"template", set_string(spec.value_template)}});
+        if (node.IsNull()) {
+            error(path, "expected a mapping such as {type: bearer}, got null");
+        }
+        if (errors.size() != errors_before) {
+            return std::nullopt;
+        }
+        if (seen.count("type") == 0) {
+            error(join_path(path, "type"), "required (bearer, basic or header)");
+            return std::nullopt;
+        }
+        // Each type takes only its own options, so a typo cannot silently change meaning.
+        auto only_for = [&](const char* key, InjectType type, const char* type_name) {
+            if (seen.count(key) != 0 && spec.type != type) {
+                error(join_path(path, key), std::string("only valid with type ") + type_name);
+            }
+        };
+        only_for("username", InjectType::Basic, "basic");
+        only_for("name", InjectType::Header, "header");
+        only_for("template", InjectType::Header, "header");
+        if (spec.type == InjectType::Basic && seen.count("username") == 0) {
+            error(join_path(path, "username"), "required for type basic");
+        }
+        if (spec.type == InjectType::Header && seen.count("name") == 0) {
+            error(join_path(path, "name"), "required for type header");
+        }
+        if (errors.size() != errors_before) {
+            return std::nullopt;
+        }
+        auto valid = policy::validate_injection(std::move(spec));
+        if (!valid) {
+            // validate_injection names the field ("inject.name: ..."); anchor it at the pin.
+            const std::string& msg = valid.error();
+            if (msg.rfind("inject.", 0) == 0 || msg.rfind("inject:", 0) == 0) {
+                errors.push_back(path.substr(0, path.size() - std::strlen("inject")) + msg);
+            } else {
+                error(path, msg);
+            }
+            return std::nullopt;
+        }
+        return std::move(*valid);
+    }
+
+    std::optional<std::string> path_prefix(const YAML::Node& node, const std::string& path) {
+        auto s = string(node, path);
+        if (!s) {
+            return s;
+        }
+        bool plain = s->find_first_of("?#") == std::string::npos &&
+                     std::none_of(s->begin(), s->end(), [](char c) {
+                         return static_cast<unsigned char>(c) <= 0x20 || c == 0x7f;
+                     });
+        if (s->front() != '/') {
+            error(path, "must start with '/', got " + quoted(*s));
+            s.reset();
+        } else if (!plain) {
+            error(path,
+                  "must be a plain path (no query, fragment, spaces or control "
+                  "characters), got " +
+                      quoted(*s));
+            s.reset();
+        }
+        return s;
+    }
+
+    std::optional<std::string> method(const YAML::Node& node, const std::string& path) {
+        auto s = string(node, path);
+        if (s && !std::all_of(s->begin(), s->end(), is_tchar)) {
+            error(path, "not an HTTP method token: " + quoted(*s));
+            s.reset();
+        } else if (s) {
+            std::transform(s->begin(), s->end(), s->begin(),
+                           [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+        }
+        return s;
+    }
+
+    std::optional<PinConfig> parse_pin(const YAML::Node& node, const std::string& path) {
+        const size_t errors_before = errors.size();
+        PinConfig pin;
+        pin.yaml_path = path;
+        std::optional<policy::InjectSpec> inject;
+        auto seen = fields(node, path,
+                           {{"host",
+                             [&](const YAML::Node& v, const std::string& p) {
+                                 if (auto h = host_pattern(v, p)) {
+                                     pin.host = std::move(*h);
+                                 }
+                             }},
+                            {"secret_file", set_string(pin.secret_file)},
+                            {"secret", set_string(pin.secret)},
+                            {"inject", [&](const YAML::Node& v,
+                                           const std::string& p) { inject = parse_inject(v, p); }},
+                            {"path_prefixes",
+                             [&](const YAML::Node& v, const std::string& p) {
+                                 pin.path_prefixes = list_of<std::string>(
+                                     v, p, [this](const YAML::Node& n, const std::string& np) {
+                                         return path_prefix(n, np);
+                                     });
+                             }},
+                            {"methods", [&](const YAML::Node& v, const std::string& p) {
+                                 pin.methods = list_of<std::string>(
+                                     v, p, [this](const YAML::Node& n, const std::string& np) {
+                                         return method(n, np);
+                                     });
+                             }}});
+        if (node.IsNull()) {
+            error(path, "expected a mapping, got null");
+        }
+        if (!node.IsMap()) {
+            return std::nullopt;
+        }
+        if (seen.count("host") == 0) {
+            error(join_path(path, "host"), "required");
+        }
+        bool has_file = seen.count("secret_file") != 0;
+        bool has_name = seen.count("secret") != 0;
+        if (has_file && has_name) {
+            error(path, "secret_file and secret are mutually exclusive; set exactly one");
+        } else if (!has_file && !has_name) {
+            error(path, "one of secret_file or secret is required");
+        }
+        if (seen.count("inject") == 0) {
+            error(join_path(path, "inject"), "required (e.g. {type: bearer})");
+        }
+        if (errors.size() != errors_before || !inject) {
+            return std::nullopt;
+        }
+        pin.inject = std::move(*inject);
+        return pin;
+    }
+
+    /// Returns the run and whether it is valid; an invalid run still carries its id and
+    /// token_file so that the checks across runs can report on it.
+    std::pair<RunConfig, bool> parse_run(const YAML::Node& node, const std::string& path) {
+        const size_t errors_before = errors.size();
+        RunConfig run;
+        run.yaml_path = path;
+        auto seen = fields(node, path,
+                           {{"id",
+                             [&](const YAML::Node& v, const std::string& p) {
+                                 auto s = string(v, p, /*allow_empty=*/true);
+                                 if (s && !valid_run_id(*s)) {
+                                     error(p, "bad run id " + quoted(*s) +
+                                                  " (expected 1 to 64 of A-Z a-z 0-9 _ . -)");
+                                 } else if (s) {
+                                     run.id = std::move(*s);
+                                 }
+                             }},
+                            {"token_file",
+                             [&](const YAML::Node& v, const std::string& p) {
+                                 // A bad value still counts as "has a token file", so the
+                                 // only-static-run rule does not add a second, misleading error.
+                                 run.token_file = v.IsNull()
+                                                      ? std::nullopt
+                                                      : std::optional(string(v, p).value_or(""));
+                             }},
+                            {"ttl",
+                             [&](const YAML::Node& v, const std::string& p) {
+                                 if (v.IsNull()) {
+                                     run.ttl.reset();
+                                 } else if (auto d = duration(v, p); d && d->count() % 1000 != 0) {
+                                     error(p, "must be a whole number of seconds");
+                                 } else if (d) {
+                                     run.ttl = std::chrono::duration_cast<std::chrono::seconds>(*d);
+                                 }
+                             }},
+                            {"ca_cert_out", set_string(run.ca_cert_out)},
+                            {"sources", set_cidrs(run.sources)},
+                            {"allow_hosts", set_patterns(run.allow_hosts)},
+                            {"pins", [&](const YAML::Node& v, const std::string& p) {
+                                 run.pins = list_of<PinConfig>(
+                                     v, p, [this](const YAML::Node& n, const std::string& np) {
+                                         return parse_pin(n, np);
+                                     });
+                             }}});
+        if (node.IsNull()) {
+            error(path, "expected a mapping, got null");
+        }
+        if (node.IsMap() && seen.count("id") == 0) {
+            error(join_path(path, "id"), "required");
+        }
+        if (seen.count("ca_cert_out") == 0) {
+            run.ca_cert_out = "var/run-" + run.id + "-ca.pem";
+        }
+        return {std::move(run), errors.size() == errors_before};
+    }
+
+    void parse_runs(const YAML::Node& node, const std::string& path, Config& c) {
+        std::map<std::string, std::string> first_path;  // id → path of its first run
+        std::vector<std::string> anonymous;             // paths of runs with token_file null
+        size_t count = 0;
+        list(node, path, [&](const YAML::Node& item, const std::string& p) {
+            ++count;
+            auto [run, ok] = parse_run(item, p);
+            if (!item.IsMap()) {
+                return;
+            }
+            if (!run.token_file) {
+                anonymous.push_back(p);
+            }
+            if (!run.id.empty()) {
+                auto [it, inserted] = first_path.emplace(run.id, p);
+                if (!inserted) {
+                    error(join_path(p, "id"),
+                          "duplicate run id " + quoted(run.id) + " (first at " + it->second + ")");
+                    ok = false;
+                }
+            }
+            if (ok) {
+                c.runs.push_back(std::move(run));
+            }
+        });
+        if (count > 1) {
+            for (const auto& p : anonymous) {
+                error(join_path(p, "token_file"),
+                      "null (requests without proxy credentials belong to this run) is allowed "
+                      "only when it is the only static run; set a token_file");
+            }
+        }
+    }
+
+    /// Two listeners on one TCP address would fail at bind time with a less helpful message.
+    void check_listeners(const Config& c) {
+        auto same = [](const ListenAddress& a, const ListenAddress& b) {
+            return !a.is_unix() && !b.is_unix() && a.port != 0 && a.port == b.port &&
+                   a.host == b.host;
+        };
+        if (same(c.proxy, c.admin)) {
+            error("listen.admin", "same address as listen.proxy (" + c.proxy.to_string() + ")");
+        }
+        if (c.transparent && same(c.proxy, *c.transparent)) {
+            error("listen.transparent",
+                  "same address as listen.proxy (" + c.proxy.to_string() + ")");
+        }
+        if (c.transparent && same(c.admin, *c.transparent)) {
+            error("listen.transparent",
+                  "same address as listen.admin (" + c.admin.to_string() + ")");
+        }
+    }
+};
+
+std::string join_errors(const std::vector<std::string>& errors) {
+    std::string out;
+    for (const auto& e : errors) {
+        if (!out.empty()) {
+            out += '\n';
+        }
+        out += e;
+    }
+    return out;
+}
+
+}  // namespace
+
+std::string ListenAddress::to_string() const {
+    if (is_unix()) {
+        return "unix:" + unix_path;
+    }
+    if (host.find(':') != std::string::npos) {
+        return "[" + host + "]:" + std::to_string(port);
+    }
+    return host + ":" + std::to_string(port);
+}
+
+Result<std::chrono::milliseconds> parse_duration(const std::string& text) {
+    auto bad = [&] {
+        return make_error("bad duration " + quoted(text) + " " + std::string(kDurationHint));
+    };
+    size_t digits = 0;
+    while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) {
+        ++digits;
+    }
+    // At most 9 digits: 999999999h still fits milliseconds in int64.
+    auto value = parse_digits(std::string_view(text).substr(0, digits), 9);
+    if (!value) {
+        return bad();
+    }
+    std::string_view unit = std::string_view(text).substr(digits);
+    int64_t ms_per_unit = 0;
+    if (unit.empty() || unit == "s") {
+        ms_per_unit = 1000;
+    } else if (unit == "ms") {
+        ms_per_unit = 1;
+    } else if (unit == "m") {
+        ms_per_unit = 60 * 1000;
+    } else if (unit == "h") {
+        ms_per_unit = 60 * 60 * 1000;
+    } else {
+        return bad();
+    }
+    return std::chrono::milliseconds(static_cast<int64_t>(*value) * ms_per_unit);
+}
+
+Result<Config> parse_config(const std::string& yaml_text, const std::string& source_name) {
+    const std::string source = source_name.empty() ? "config" : source_name;
+    std::vector<YAML::Node> docs;
+    try {
+        docs = YAML::LoadAll(yaml_text);
+    } catch (const YAML::Exception& e) {
+        std::string what = e.msg.empty() ? std::string(e.what()) : e.msg;
+        if (e.mark.is_null()) {
+            return make_error(source + ": " + what);
+        }
+        return make_error(source + ": line " + std::to_string(e.mark.line + 1) + ": " + what +
+                          " (column " + std::to_string(e.mark.column + 1) + ")");
+    } catch (const std::exception& e) {
+        return make_error(source + ": " + e.what());
+    }
+    if (docs.size() > 1) {
+        return make_error(source + ": expected one YAML document, found " +
+                          std::to_string(docs.size()));
+    }
+    Config config;
+    config.source = source_name;
+    Parser parser;
+    parser.source = source;
+    try {
+        if (!docs.empty() && !docs.front().IsNull() && !docs.front().IsMap()) {
+            parser.error(source,
+                         "expected a mapping of sections (listen, policy, runs, ...) at the "
+                         "top level, got " +
+                             describe(docs.front()));
+        } else if (!docs.empty()) {
+            parser.parse_root(docs.front(), config);
+        }
+    } catch (const std::exception& e) {
+        // yaml-cpp conversions are guarded above; this is a last line of defence so that a bad
+        // file can never take the process down from inside the parser.
+        parser.errors.push_back(source + ": " + e.what());
+    }
+    if (!parser.errors.empty()) {
+        return make_error(join_errors(parser.errors));
+    }
+    return config;
+}
+
+Result<Config> load_config_file(const std::string& path) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return make_error(path + ": cannot read: " + std::strerror(errno));
+    }
+    std::string text;
+    char buf[16384];
+    for (;;) {
+        ssize_t n = ::read(fd, buf, sizeof buf);
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            int err = errno;
+            ::close(fd);
+            return make_error(path + ": cannot read: " + std::strerror(err));
+        }
+        if (n == 0) {
+            break;
+        }
+        text.append(buf, static_cast<size_t>(n));
+        if (text.size() > kMaxConfigBytes) {
+            ::close(fd);
+            return make_error(path + ": cannot read: file larger than 16 MiB");
+        }
+    }
+    ::close(fd);
+    return parse_config(text, path);
+}
+
+}  // namespace egress::proxy

@@ -1,0 +1,685 @@
+// Config loading: defaults, a full round trip, the example configs, and one table row per
+// error class, each checking that the message names the YAML path (STYLE.md 15, 19).
+#include "proxy/config.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace egress::proxy {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+std::vector<std::string> lines_of(const std::string& text) {
+    std::vector<std::string> out;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) {
+        out.push_back(line);
+    }
+    return out;
+}
+
+bool has_line_starting_with(const std::string& message, const std::string& prefix) {
+    for (const auto& line : lines_of(message)) {
+        if (line.rfind(prefix, 0) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/// The repository root, from this file's path (tests/config/config_test.cc).
+std::filesystem::path source_root() {
+    std::filesystem::path here(__FILE__);
+    if (here.is_relative()) {
+        here = std::filesystem::current_path() / here;
+    }
+    return here.parent_path().parent_path().parent_path();
+}
+
+// --- defaults ---------------------------------------------------------------------------
+
+void expect_default(const Config& c) {
+    const Config d;
+    EXPECT_EQ(c.proxy.to_string(), "127.0.0.1:3128");
+    EXPECT_EQ(c.admin.to_string(), "127.0.0.1:9901");
+    EXPECT_FALSE(c.transparent.has_value());
+    EXPECT_EQ(c.admin_token_file, d.admin_token_file);
+    EXPECT_EQ(c.state_backend, "file");
+    EXPECT_EQ(c.state_path, d.state_path);
+    EXPECT_EQ(c.etcd_endpoints, d.etcd_endpoints);
+    EXPECT_EQ(c.etcd_prefix, d.etcd_prefix);
+    EXPECT_EQ(c.master_key_file, d.master_key_file);
+    EXPECT_FALSE(c.kms_command.has_value());
+    EXPECT_EQ(c.upstream_ca_file, "system");
+    EXPECT_TRUE(c.resolver_overrides.empty());
+    EXPECT_TRUE(c.resolver_servers.empty());
+    EXPECT_EQ(c.policy.unpinned, policy::Unpinned::Tunnel);
+    EXPECT_TRUE(c.policy.allow_hosts.empty());
+    EXPECT_EQ(c.policy.allowed_ports, std::vector<uint16_t>{443});
+    EXPECT_TRUE(c.allow_networks.empty());
+    EXPECT_EQ(c.limits.max_header_bytes, d.limits.max_header_bytes);
+    EXPECT_EQ(c.limits.header_timeout, milliseconds(10'000));
+    EXPECT_EQ(c.limits.idle_timeout, d.limits.idle_timeout);
+    EXPECT_EQ(c.limits.connect_timeout, d.limits.connect_timeout);
+    EXPECT_EQ(c.limits.tls_timeout, d.limits.tls_timeout);
+    EXPECT_EQ(c.limits.dns_timeout, d.limits.dns_timeout);
+    EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
+    EXPECT_EQ(c.limits.connections_per_run, d.limits.connections_per_run);
+    EXPECT_EQ(c.limits.h2_max_concurrent_streams, d.limits.h2_max_concurrent_streams);
+    EXPECT_EQ(c.limits.leaf_cache_size, d.limits.leaf_cache_size);
+    EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
+    EXPECT_EQ(c.audit.path, "var/audit.jsonl");
+    EXPECT_FALSE(c.audit.durable);
+    EXPECT_EQ(c.log_level, "info");
+    EXPECT_TRUE(c.runs.empty());
+}
+
+TEST(ConfigDefaults, EmptyDocumentsGiveTheStructDefaults) {
+    for (const char* text : {"", "{}", "# only a comment\n", "---\n", "listen:\nlimits:\nruns:\n",
+                             "policy: {}\nruns: []\n"}) {
+        SCOPED_TRACE(text);
+        auto c = parse_config(text, "t.yaml");
+        ASSERT_TRUE(c.ok()) << c.error();
+        expect_default(*c);
+        EXPECT_EQ(c->source, "t.yaml");
+    }
+}
+
+// --- full round trip --------------------------------------------------------------------
+
+constexpr const char* kFull = R"(
+listen:
+  proxy: 0.0.0.0:0
+  admin: unix:/run/egressd/admin.sock
+  transparent: "[::1]:3129"
+admin:
+  token_file: /etc/egressd/admin.token
+state:
+  backend: etcd
+  path: /var/lib/egressd
+  etcd: {endpoints: [http://10.0.0.1:2379, https://10.0.0.2:2379], prefix: /e/}
+keys:
+  master_key_file: /etc/egressd/master.key
+  kms_command: /usr/bin/unwrap-key
+upstream:
+  ca_file: /etc/egressd/upstream-ca.pem
+resolver:
+  overrides:
+    API.Example.TEST.: [127.0.0.1, "::1"]
+  servers: [127.0.0.1:5353, 10.0.0.53, "[::1]:53"]
+policy:
+  unpinned: intercept
+  allow_hosts: [pypi.org, "*.s3.amazonaws.com", "files.example.test:8443"]
+  allow_networks: [127.0.0.1/32, "fd00::/8"]
+  allowed_ports: [443, 8443]
+limits:
+  max_header_bytes: 32768
+  header_timeout: 500ms
+  idle_timeout: 2m
+  connect_timeout: 3
+  tls_timeout: 4s
+  dns_timeout: 1s
+  drain_timeout: 1h
+  connections_per_run: 64
+  h2_max_concurrent_streams: 50
+  leaf_cache_size: 16
+  max_upstream_idle_per_host: 0
+audit:
+  path: "-"
+  durable: true
+log:
+  level: debug
+runs:
+  - id: app-1
+    token_file: /etc/egressd/app.token
+    ttl: 30m
+    sources: [10.1.0.0/16]
+    allow_hosts: [example.org]
+    pins:
+      - host: api.github.com
+        secret_file: /run/secrets/gh
+        inject: {type: bearer}
+        path_prefixes: [/repos/acme/]
+        methods: [get, Post]
+      - host: registry.example.test:8443
+        secret: npm_token
+        inject: {type: basic, username: ci}
+      - host: "*.api.example.test"
+        secret: key
+        inject: {type: header, name: X-Api-Key, template: "Token {secret}"}
+  - id: other.run_2
+    token_file: /etc/egressd/other.token
+    ttl: null
+    ca_cert_out: /tmp/other-ca.pem
+)";
+
+TEST(ConfigParse, FullConfigRoundTrip) {
+    auto r = parse_config(kFull, "full.yaml");
+    ASSERT_TRUE(r.ok()) << r.error();
+    const Config& c = *r;
+    EXPECT_EQ(c.proxy.host, "0.0.0.0");
+    EXPECT_EQ(c.proxy.port, 0);
+    EXPECT_TRUE(c.admin.is_unix());
+    EXPECT_EQ(c.admin.unix_path, "/run/egressd/admin.sock");
+    EXPECT_EQ(c.admin.to_string(), "unix:/run/egressd/admin.sock");
+    ASSERT_TRUE(c.transparent.has_value());
+    EXPECT_EQ(c.transparent->host, "::1");
+    EXPECT_EQ(c.transparent->port, 3129);
+    EXPECT_EQ(c.transparent->to_string(), "[::1]:3129");
+    EXPECT_EQ(c.admin_token_file, "/etc/egressd/admin.token");
+    EXPECT_EQ(c.state_backend, "etcd");
+    EXPECT_EQ(c.state_path, "/var/lib/egressd");
+    EXPECT_EQ(c.etcd_endpoints,
+              (std::vector<std::string>{"http://10.0.0.1:2379", "https://10.0.0.2:2379"}));
+    EXPECT_EQ(c.etcd_prefix, "/e/");
+    EXPECT_EQ(c.master_key_file, "/etc/egressd/master.key");
+    EXPECT_EQ(c.kms_command, "/usr/bin/unwrap-key");
+    EXPECT_EQ(c.upstream_ca_file, "/etc/egressd/upstream-ca.pem");
+
+    ASSERT_EQ(c.resolver_overrides.size(), 1u);
+    auto it = c.resolver_overrides.find("api.example.test");
+    ASSERT_NE(it, c.resolver_overrides.end());
+    ASSERT_EQ(it->second.size(), 2u);
+    EXPECT_EQ(it->second[0], policy::IpAddress::v4(127, 0, 0, 1));
+    EXPECT_FALSE(it->second[1].is_v4());
+    EXPECT_EQ(c.resolver_servers,
+              (std::vector<std::string>{"127.0.0.1:5353", "10.0.0.53", "[::1]:53"}));
+
+    EXPECT_EQ(c.policy.unpinned, policy::Unpinned::Intercept);
+    ASSERT_EQ(c.policy.allow_hosts.size(), 3u);
+    EXPECT_TRUE(c.policy.allow_hosts[1].wildcard());
+    EXPECT_EQ(c.policy.allow_hosts[2].port(), 8443);
+    ASSERT_EQ(c.allow_networks.size(), 2u);
+    EXPECT_EQ(c.allow_networks[0].prefix, 32);
+    EXPECT_EQ(c.allow_networks[1].prefix, 8);
+    EXPECT_EQ(c.policy.allowed_ports, (std::vector<uint16_t>{443, 8443}));
+
+    EXPECT_EQ(c.limits.max_header_bytes, 32768u);
+    EXPECT_EQ(c.limits.header_timeout, milliseconds(500));
+    EXPECT_EQ(c.limits.idle_timeout, milliseconds(120'000));
+    EXPECT_EQ(c.limits.connect_timeout, milliseconds(3'000));
+    EXPECT_EQ(c.limits.tls_timeout, milliseconds(4'000));
+    EXPECT_EQ(c.limits.dns_timeout, milliseconds(1'000));
+    EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
+    EXPECT_EQ(c.limits.connections_per_run, 64u);
+    EXPECT_EQ(c.limits.h2_max_concurrent_streams, 50u);
+    EXPECT_EQ(c.limits.leaf_cache_size, 16u);
+    EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
+    EXPECT_EQ(c.audit.path, "-");
+    EXPECT_TRUE(c.audit.durable);
+    EXPECT_EQ(c.log_level, "debug");
+
+    ASSERT_EQ(c.runs.size(), 2u);
+    const RunConfig& a = c.runs[0];
+    EXPECT_EQ(a.id, "app-1");
+    EXPECT_EQ(a.yaml_path, "runs[0]");
+    EXPECT_EQ(a.token_file, "/etc/egressd/app.token");
+    EXPECT_EQ(a.ttl, seconds(1800));
+    EXPECT_EQ(a.ca_cert_out, "var/run-app-1-ca.pem");  // default
+    ASSERT_EQ(a.sources.size(), 1u);
+    EXPECT_EQ(a.sources[0].prefix, 16);
+    ASSERT_EQ(a.allow_hosts.size(), 1u);
+    ASSERT_EQ(a.pins.size(), 3u);
+
+    const PinConfig& bearer = a.pins[0];
+    EXPECT_EQ(bearer.yaml_path, "runs[0].pins[0]");
+    EXPECT_TRUE(bearer.host.matches_host("api.github.com"));
+    EXPECT_EQ(bearer.secret_file, "/run/secrets/gh");
+    EXPECT_TRUE(bearer.secret.empty());
+    EXPECT_EQ(bearer.inject.type, policy::InjectType::Bearer);
+    EXPECT_EQ(bearer.path_prefixes, std::vector<std::string>{"/repos/acme/"});
+    EXPECT_EQ(bearer.methods, (std::vector<std::string>{"GET", "POST"}));
+
+    const PinConfig& basic = a.pins[1];
+    EXPECT_EQ(basic.host.port(), 8443);
+    EXPECT_EQ(basic.secret, "npm_token");
+    EXPECT_TRUE(basic.secret_file.empty());
+    EXPECT_EQ(basic.inject.type, policy::InjectType::Basic);
+    EXPECT_EQ(basic.inject.username, "ci");
+
+    const PinConfig& header = a.pins[2];
+    EXPECT_TRUE(header.host.wildcard());
+    EXPECT_EQ(header.inject.type, policy::InjectType::Header);
+    EXPECT_EQ(header.inject.header_name, "x-api-key");  // lowercased by validate_injection
+    EXPECT_EQ(header.inject.value_template, "Token {secret}");
+
+    const RunConfig& b = c.runs[1];
+    EXPECT_EQ(b.id, "other.run_2");
+    EXPECT_FALSE(b.ttl.has_value());
+    EXPECT_EQ(b.ca_cert_out, "/tmp/other-ca.pem");
+    EXPECT_TRUE(b.pins.empty());
+}
+
+TEST(ConfigParse, SingleRunWithoutTokenFileAndDefaults) {
+    auto r = parse_config(R"(
+runs:
+  - id: app
+    token_file: null
+    pins:
+      - host: api.test
+        secret_file: s
+        inject: {type: header, name: X-Key}
+)",
+                          "t");
+    ASSERT_TRUE(r.ok()) << r.error();
+    ASSERT_EQ(r->runs.size(), 1u);
+    EXPECT_FALSE(r->runs[0].token_file.has_value());
+    EXPECT_FALSE(r->runs[0].ttl.has_value());
+    EXPECT_EQ(r->runs[0].ca_cert_out, "var/run-app-ca.pem");
+    EXPECT_EQ(r->runs[0].pins[0].inject.value_template, "{secret}");
+}
+
+// --- durations --------------------------------------------------------------------------
+
+TEST(ParseDuration, Table) {
+    struct Row {
+        const char* text;
+        long long ms;  // -1: error
+    };
+    const Row rows[] = {
+        {"500ms", 500}, {"10s", 10'000}, {"2m", 120'000}, {"1h", 3'600'000},
+        {"7", 7'000},   {"0s", 0},       {"0", 0},        {"999999999h", 999999999LL * 3600000},
+        {"", -1},       {"s", -1},       {"10 s", -1},    {"10 parsecs", -1},
+        {"-5s", -1},    {"+5s", -1},     {"1.5s", -1},    {"10S", -1},
+        {"1d", -1},     {" 10s", -1},    {"10s ", -1},    {"1000000000h", -1},
+        {"10msec", -1}, {"5mm", -1},     {"0x10", -1},
+    };
+    for (const auto& row : rows) {
+        SCOPED_TRACE(row.text);
+        auto d = parse_duration(row.text);
+        if (row.ms < 0) {
+            ASSERT_FALSE(d.ok());
+            EXPECT_EQ(d.error(), "bad duration '" + std::string(row.text) +
+                                     "' (expected e.g. 500ms, 10s, 2m, 1h)");
+        } else {
+            ASSERT_TRUE(d.ok()) << d.error();
+            EXPECT_EQ(d->count(), row.ms);
+        }
+    }
+}
+
+// --- listen addresses -------------------------------------------------------------------
+
+TEST(ConfigParse, ListenAddresses) {
+    struct Row {
+        const char* key;
+        const char* value;
+        const char* expect;  // to_string() on success, or the error's first line
+    };
+    const Row rows[] = {
+        {"proxy", "127.0.0.1:3128", "127.0.0.1:3128"},
+        {"proxy", "0.0.0.0:0", "0.0.0.0:0"},
+        {"proxy", "'[::1]:3128'", "[::1]:3128"},
+        {"admin", "unix:/tmp/egressd.sock", "unix:/tmp/egressd.sock"},
+        {"transparent", "127.0.0.1:3129", "127.0.0.1:3129"},
+        {"proxy", "3128", "listen.proxy: expected host:port"},
+        {"proxy", "localhost:3128", "listen.proxy: host must be an IP address"},
+        {"proxy", "'::1:3128'", "listen.proxy: expected host:port"},
+        {"proxy", "127.0.0.1:65536", "listen.proxy: bad port '65536'"},
+        {"proxy", "'127.0.0.1:'", "listen.proxy: bad port ''"},
+        {"proxy", "127.0.0.1:http", "listen.proxy: bad port 'http'"},
+        {"proxy", "unix:/tmp/p.sock", "listen.proxy: unix sockets are only supported"},
+        {"transparent", "unix:/tmp/p.sock", "listen.transparent: unix sockets are only"},
+        {"admin", "'unix:'", "listen.admin: expected unix:/path.sock"},
+        {"admin", "[1, 2]", "listen.admin: expected a string, got a list"},
+        {"admin", "null", "listen.admin: expected a string, got null"},
+    };
+    for (const auto& row : rows) {
+        std::string yaml = std::string("listen:\n  ") + row.key + ": " + row.value + "\n";
+        SCOPED_TRACE(yaml);
+        auto r = parse_config(yaml, "t");
+        std::string expect = row.expect;
+        if (expect.rfind("listen.", 0) == 0) {
+            ASSERT_FALSE(r.ok());
+            EXPECT_EQ(lines_of(r.error())[0].rfind(expect, 0), 0u) << r.error();
+            continue;
+        }
+        ASSERT_TRUE(r.ok()) << r.error();
+        std::string key = row.key;
+        const ListenAddress& got = key == "proxy"   ? r->proxy
+                                   : key == "admin" ? r->admin
+                                                    : *r->transparent;
+        EXPECT_EQ(got.to_string(), expect);
+    }
+}
+
+TEST(ConfigParse, ListenersMustNotCollide) {
+    auto r = parse_config("listen: {proxy: 127.0.0.1:9000, admin: 127.0.0.1:9000}\n", "t");
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(has_line_starting_with(r.error(), "listen.admin: same address as listen.proxy"));
+    // Port 0 means "any free port", so two of them never collide.
+    EXPECT_TRUE(parse_config("listen: {proxy: 127.0.0.1:0, admin: 127.0.0.1:0}\n", "t").ok());
+}
+
+// --- one row per error class ------------------------------------------------------------
+
+/// A minimal valid run with one pin; `pin_extra` replaces the pin body after its host.
+std::string run_with_pin(const std::string& pin_body) {
+    return "runs:\n  - id: app\n    token_file: t\n    pins:\n      - host: api.test\n" + pin_body;
+}
+
+struct ErrorRow {
+    const char* name;
+    std::string yaml;
+    std::string line_prefix;  // some line of the message starts with this
+};
+
+class ConfigErrors : public testing::TestWithParam<ErrorRow> {};
+
+TEST_P(ConfigErrors, MessageNamesThePath) {
+    const ErrorRow& row = GetParam();
+    SCOPED_TRACE(row.yaml);
+    auto r = parse_config(row.yaml, "test.yaml");
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(has_line_starting_with(r.error(), row.line_prefix))
+        << "message:\n"
+        << r.error() << "\nwanted a line starting with: " << row.line_prefix;
+}
+
+const ErrorRow kErrorRows[] = {
+    // unknown keys, at each level
+    {"UnknownTopLevelKey", "listne: {proxy: 127.0.0.1:1}\n",
+     "listne: unknown key (expected listen, admin, state"},
+    {"UnknownNestedKey", "limits:\n  header_timeuot: 5s\n", "limits.header_timeuot: unknown key"},
+    {"UnknownEtcdKey", "state: {etcd: {endpoint: [http://x]}}\n",
+     "state.etcd.endpoint: unknown key"},
+    {"UnknownRunKey", "runs:\n  - id: a\n    tokenfile: x\n", "runs[0].tokenfile: unknown key"},
+    {"UnknownPinKey",
+     run_with_pin("        secret: s\n        inject: {type: bearer}\n"
+                  "        header: x\n"),
+     "runs[0].pins[0].header: unknown key"},
+    {"UnknownInjectKey",
+     run_with_pin("        secret: s\n        inject: {type: bearer, value: x}\n"),
+     "runs[0].pins[0].inject.value: unknown key"},
+    {"DuplicateKey", "audit:\n  path: a\n  path: b\n", "audit.path: duplicate key"},
+    // wrong types
+    {"SectionNotAMapping", "limits: [1, 2]\n", "limits: expected a mapping, got a list"},
+    {"IntegerGotString", "limits: {max_header_bytes: lots}\n",
+     "limits.max_header_bytes: expected an integer"},
+    {"IntegerOutOfRange", "limits: {connections_per_run: 0}\n",
+     "limits.connections_per_run: expected an integer in 1.."},
+    {"NegativeInteger", "limits: {h2_max_concurrent_streams: -1}\n",
+     "limits.h2_max_concurrent_streams: expected an integer"},
+    {"StringGotMapping", "audit: {path: {a: b}}\n", "audit.path: expected a string, got a mapping"},
+    {"BoolGotString", "audit: {durable: maybe}\n", "audit.durable: expected true or false"},
+    {"ListGotScalar", "policy: {allow_hosts: pypi.org}\n",
+     "policy.allow_hosts: expected a list, got 'pypi.org'"},
+    {"RunsNotAList", "runs: {id: a}\n", "runs: expected a list, got a mapping"},
+    {"EmptyString", "admin: {token_file: ''}\n", "admin.token_file: must not be empty"},
+    {"TopLevelNotAMapping", "- a\n- b\n", "test.yaml: expected a mapping"},
+    // durations
+    {"BadDuration", "limits:\n  header_timeout: 10 parsecs\n",
+     "limits.header_timeout: bad duration '10 parsecs' (expected e.g. 500ms, 10s, 2m, 1h)"},
+    {"ZeroTimeout", "limits: {idle_timeout: 0s}\n", "limits.idle_timeout: must be greater than 0"},
+    {"TtlNotWholeSeconds", "runs: [{id: a, ttl: 1500ms}]\n",
+     "runs[0].ttl: must be a whole number of seconds"},
+    {"BadTtl", "runs: [{id: a, ttl: forever}]\n", "runs[0].ttl: bad duration 'forever'"},
+    // ports, addresses, networks, hosts
+    {"BadListenPort", "listen: {proxy: '127.0.0.1:70000'}\n", "listen.proxy: bad port '70000'"},
+    {"BadAllowedPort", "policy: {allowed_ports: [443, 0]}\n",
+     "policy.allowed_ports[1]: expected an integer in 1..65535"},
+    {"BadCidr", "policy: {allow_networks: [127.0.0.1/33]}\n", "policy.allow_networks[0]: "},
+    {"BadSourceCidr", "runs: [{id: a, sources: [not-a-net]}]\n", "runs[0].sources[0]: "},
+    {"WildcardTld", "policy: {allow_hosts: [pypi.org, '*.com']}\n", "policy.allow_hosts[1]: "},
+    {"BareWildcard", "runs: [{id: a, allow_hosts: ['*']}]\n", "runs[0].allow_hosts[0]: "},
+    {"BadPinHost", "runs: [{id: a, pins: [{host: '*.com', secret: s, inject: {type: bearer}}]}]\n",
+     "runs[0].pins[0].host: "},
+    {"BadOverrideAddress", "resolver: {overrides: {a.test: [1.2.3]}}\n",
+     "resolver.overrides.a.test[0]: bad IP address '1.2.3'"},
+    {"BadOverrideHost", "resolver: {overrides: {'a b': [1.2.3.4]}}\n", "resolver.overrides.a b: "},
+    {"EmptyOverride", "resolver: {overrides: {a.test: []}}\n",
+     "resolver.overrides.a.test: must list at least one address"},
+    {"BadDnsServer", "resolver: {servers: ['127.0.0.1:0']}\n", "resolver.servers[0]: bad port"},
+    {"BadEtcdEndpoint", "state: {etcd: {endpoints: [10.0.0.1:2379]}}\n",
+     "state.etcd.endpoints[0]: expected an http:// or https:// URL"},
+    // enumerations
+    {"BadUnpinned", "policy: {unpinned: block}\n",
+     "policy.unpinned: unknown value 'block' (expected tunnel or intercept)"},
+    {"BadBackend", "state: {backend: redis}\n",
+     "state.backend: unknown value 'redis' (expected file or etcd)"},
+    {"BadLogLevel", "log: {level: verbose}\n", "log.level: unknown value 'verbose'"},
+    {"BadInjectType", run_with_pin("        secret: s\n        inject: {type: token}\n"),
+     "runs[0].pins[0].inject.type: unknown value 'token' (expected bearer, basic or header)"},
+    // injection rules
+    {"HeaderInjectionIntoContentLength",
+     run_with_pin("        secret: s\n        inject: {type: header, name: Content-Length}\n"),
+     "runs[0].pins[0].inject"},
+    {"HeaderInjectionIntoProxyHeader",
+     run_with_pin("        secret: s\n        inject: {type: header, name: proxy-authorization}\n"),
+     "runs[0].pins[0].inject"},
+    {"TemplateWithoutSecret",
+     run_with_pin(
+         "        secret: s\n        inject: {type: header, name: x-key, template: abc}\n"),
+     "runs[0].pins[0].inject"},
+    {"BasicWithoutUsername", run_with_pin("        secret: s\n        inject: {type: basic}\n"),
+     "runs[0].pins[0].inject.username: required for type basic"},
+    {"HeaderWithoutName", run_with_pin("        secret: s\n        inject: {type: header}\n"),
+     "runs[0].pins[0].inject.name: required for type header"},
+    {"UsernameWithBearer",
+     run_with_pin("        secret: s\n        inject: {type: bearer, username: u}\n"),
+     "runs[0].pins[0].inject.username: only valid with type basic"},
+    {"InjectMissing", run_with_pin("        secret: s\n"), "runs[0].pins[0].inject: required"},
+    {"InjectTypeMissing", run_with_pin("        secret: s\n        inject: {username: u}\n"),
+     "runs[0].pins[0].inject.type: required"},
+    // pins
+    {"SecretFileAndSecret",
+     run_with_pin("        secret: s\n        secret_file: f\n        inject: {type: bearer}\n"),
+     "runs[0].pins[0]: secret_file and secret are mutually exclusive"},
+    {"NeitherSecretNorFile", run_with_pin("        inject: {type: bearer}\n"),
+     "runs[0].pins[0]: one of secret_file or secret is required"},
+    {"PinWithoutHost",
+     "runs: [{id: a, token_file: t, pins: [{secret: s, inject: {type: bearer}}]}]\n",
+     "runs[0].pins[0].host: required"},
+    {"PathPrefixWithoutSlash",
+     run_with_pin(
+         "        secret: s\n        inject: {type: bearer}\n        path_prefixes: [repos]\n"),
+     "runs[0].pins[0].path_prefixes[0]: must start with '/'"},
+    {"MethodNotAToken",
+     run_with_pin(
+         "        secret: s\n        inject: {type: bearer}\n        methods: [GET, 'PO ST']\n"),
+     "runs[0].pins[0].methods[1]: not an HTTP method token"},
+    // runs
+    {"RunWithoutId", "runs: [{token_file: t}]\n", "runs[0].id: required"},
+    {"BadRunId", "runs: [{id: 'a/b'}]\n", "runs[0].id: bad run id 'a/b'"},
+    {"DuplicateRunIds", "runs:\n  - {id: app, token_file: a}\n  - {id: app, token_file: b}\n",
+     "runs[1].id: duplicate run id 'app' (first at runs[0])"},
+    {"TwoRunsOneWithoutTokenFile",
+     "runs:\n  - {id: a, token_file: a}\n  - {id: b, token_file: null}\n",
+     "runs[1].token_file: null (requests without proxy credentials belong to this run) is "
+     "allowed only when it is the only static run"},
+    {"TwoRunsTokenFileAbsent", "runs:\n  - {id: a}\n  - {id: b, token_file: b}\n",
+     "runs[0].token_file: null"},
+    // YAML syntax
+    {"YamlSyntaxError", "listen:\n  proxy: [127.0.0.1:3128\n", "test.yaml: line 3: "},
+    {"YamlBadIndent", "listen:\n  proxy: 127.0.0.1:1\n admin: x\n", "test.yaml: line "},
+    {"YamlUndefinedAlias", "audit: {path: *nope}\n", "test.yaml: line 1: "},
+    {"TwoDocuments", "audit: {path: a}\n---\naudit: {path: b}\n",
+     "test.yaml: expected one YAML document, found 2"},
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, ConfigErrors, testing::ValuesIn(kErrorRows),
+                         [](const testing::TestParamInfo<ErrorRow>& info) {
+                             return std::string(info.param.name);
+                         });
+
+TEST(ConfigErrorsExact, FirstLineIsTheFirstErrorInDocumentOrder) {
+    auto r = parse_config(R"(
+listen:
+  proxy: nowhere
+limits:
+  header_timeout: 10 parsecs
+  bogus: 1
+policy:
+  unpinned: sometimes
+  allow_hosts: ['*.com']
+runs:
+  - id: a
+    pins:
+      - host: api.test
+        inject: {type: token}
+  - id: a
+    token_file: null
+)",
+                          "t.yaml");
+    ASSERT_FALSE(r.ok());
+    auto lines = lines_of(r.error());
+    ASSERT_GE(lines.size(), 7u) << r.error();
+    EXPECT_EQ(lines[0].rfind("listen.proxy: expected host:port", 0), 0u) << r.error();
+    EXPECT_EQ(lines[1],
+              "limits.header_timeout: bad duration '10 parsecs' (expected e.g. 500ms, "
+              "10s, 2m, 1h)");
+    EXPECT_EQ(lines[2].rfind("limits.bogus: unknown key", 0), 0u);
+    EXPECT_EQ(lines[3],
+              "policy.unpinned: unknown value 'sometimes' (expected tunnel or intercept)");
+    EXPECT_EQ(lines[4].rfind("policy.allow_hosts[0]: ", 0), 0u);
+    EXPECT_EQ(
+        lines[5],
+        "runs[0].pins[0].inject.type: unknown value 'token' (expected bearer, basic or header)");
+    EXPECT_EQ(lines[6], "runs[0].pins[0]: one of secret_file or secret is required");
+    for (const auto& line : lines) {
+        EXPECT_EQ(line.find("t.yaml"), std::string::npos) << "semantic errors carry the YAML path";
+    }
+}
+
+TEST(ConfigErrorsExact, NeverThrowsOnTruncatedInput) {
+    // Every prefix of a valid config: syntax errors, half-written keys, dangling lists.
+    const std::string full = kFull;
+    for (size_t n = 0; n <= full.size(); ++n) {
+        EXPECT_NO_THROW((void)parse_config(full.substr(0, n), "t")) << "prefix length " << n;
+    }
+    for (const char* text : {"\t", "\xff\xfe", "\xef\xbb\xbf", "\0", "key: \xc3\x28"}) {
+        EXPECT_NO_THROW((void)parse_config(text, "t")) << text;
+    }
+    // These are all errors, never exceptions.
+    for (const char* text :
+         {"[", "{", ":", "- - -", "? [a]\n: b\n", "!!binary AAAA", "&a [*a]", "runs: [[]]",
+          "runs: [null]", "runs: [{pins: [null]}]", "runs: [{id: a, pins: [{inject: null}]}]",
+          "{[a]: b}", "limits: {max_header_bytes: 99999999999999999999999}",
+          "limits: {idle_timeout: 99999999999999999999s}"}) {
+        SCOPED_TRACE(text);
+        Result<Config> r = make_error("unset");
+        EXPECT_NO_THROW(r = parse_config(text, "t"));
+        EXPECT_FALSE(r.ok());
+    }
+}
+
+TEST(ConfigErrorsExact, ErrorsDoNotEchoSecretFields) {
+    auto r = parse_config(run_with_pin("        secret: s\n        secret_file: ghp_TOPSECRET\n"
+                                       "        inject: {type: bearer}\n"),
+                          "t");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().find("ghp_TOPSECRET"), std::string::npos) << r.error();
+}
+
+// --- normalization ----------------------------------------------------------------------
+
+TEST(ConfigParse, NormalizesOverrideHostsAndMethods) {
+    auto r = parse_config(R"(
+resolver:
+  overrides: {"Upstream.TEST.": ["127.0.0.1"]}
+runs:
+  - id: a
+    pins:
+      - {host: a.test, secret: s, inject: {type: bearer}, methods: [get, delete]}
+)",
+                          "t");
+    ASSERT_TRUE(r.ok()) << r.error();
+    EXPECT_EQ(r->resolver_overrides.count("upstream.test"), 1u);
+    EXPECT_EQ(r->runs[0].pins[0].methods, (std::vector<std::string>{"GET", "DELETE"}));
+}
+
+TEST(ConfigParse, DuplicateOverrideHostsAfterNormalization) {
+    auto r = parse_config("resolver: {overrides: {a.test: [1.2.3.4], A.TEST: [1.2.3.5]}}\n", "t");
+    ASSERT_FALSE(r.ok());
+    EXPECT_TRUE(has_line_starting_with(r.error(), "resolver.overrides.A.TEST: duplicate host"));
+}
+
+// --- files ------------------------------------------------------------------------------
+
+TEST(LoadConfigFile, MissingFileNamesPathAndReason) {
+    auto r = load_config_file("/nonexistent/egressd.yaml");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error(), "/nonexistent/egressd.yaml: cannot read: No such file or directory");
+}
+
+TEST(LoadConfigFile, DirectoryIsNotAConfig) {
+    auto r = load_config_file("/");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().rfind("/: cannot read: ", 0), 0u) << r.error();
+}
+
+TEST(LoadConfigFile, ReadsAndNamesTheSource) {
+    auto path = std::filesystem::temp_directory_path() /
+                ("egress_config_test_" + std::to_string(::getpid()) + ".yaml");
+    {
+        std::ofstream out(path);
+        out << "listen:\n  proxy: 127.0.0.1:0\nlimits:\n  idle_timeout: 5x\n";
+    }
+    auto bad = load_config_file(path.string());
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.error(),
+              "limits.idle_timeout: bad duration '5x' (expected e.g. 500ms, 10s, "
+              "2m, 1h)");
+    {
+        std::ofstream out(path);
+        out << "listen:\n  proxy: 127.0.0.1:0\n";
+    }
+    auto good = load_config_file(path.string());
+    std::filesystem::remove(path);
+    ASSERT_TRUE(good.ok()) << good.error();
+    EXPECT_EQ(good->source, path.string());
+    EXPECT_EQ(good->proxy.port, 0);
+}
+
+TEST(ExampleConfigs, QuickstartParses) {
+    auto path = source_root() / "configs" / "quickstart.yaml";
+    auto r = load_config_file(path.string());
+    ASSERT_TRUE(r.ok()) << r.error();
+    EXPECT_EQ(r->proxy.to_string(), "127.0.0.1:3128");
+    EXPECT_EQ(r->admin.to_string(), "127.0.0.1:9901");
+    EXPECT_EQ(r->audit.path, "var/audit.jsonl");
+    EXPECT_EQ(r->policy.unpinned, policy::Unpinned::Tunnel);
+    ASSERT_EQ(r->policy.allow_hosts.size(), 2u);
+    EXPECT_EQ(r->policy.allow_hosts[0].text(), "pypi.org");
+    EXPECT_EQ(r->policy.allow_hosts[1].text(), "files.pythonhosted.org");
+    ASSERT_EQ(r->runs.size(), 1u);
+    const RunConfig& run = r->runs[0];
+    EXPECT_EQ(run.id, "quickstart");
+    EXPECT_FALSE(run.token_file.has_value());
+    EXPECT_EQ(run.ca_cert_out, "var/quickstart-ca.pem");
+    ASSERT_EQ(run.pins.size(), 1u);
+    EXPECT_EQ(run.pins[0].host.text(), "api.github.com");
+    EXPECT_EQ(run.pins[0].secret_file, "var/github.token");
+    EXPECT_EQ(run.pins[0].inject.type, policy::InjectType::Bearer);
+}
+
+TEST(ExampleConfigs, SidecarParses) {
+    auto path = source_root() / "configs" / "sidecar.yaml";
+    auto r = load_config_file(path.string());
+    ASSERT_TRUE(r.ok()) << r.error();
+    EXPECT_EQ(r->proxy.to_string(), "127.0.0.1:3128");
+    EXPECT_EQ(r->admin.to_string(), "0.0.0.0:9901");
+    ASSERT_EQ(r->runs.size(), 1u);
+    const RunConfig& run = r->runs[0];
+    EXPECT_EQ(run.id, "app");
+    EXPECT_FALSE(run.token_file.has_value());
+    EXPECT_EQ(run.ca_cert_out, "/run/egress/ca.pem");
+    ASSERT_EQ(run.pins.size(), 1u);
+    EXPECT_EQ(run.pins[0].host.text(), "api.github.com");
+    EXPECT_EQ(run.pins[0].secret_file, "/var/run/secrets/github/token");
+    EXPECT_EQ(run.pins[0].inject.type, policy::InjectType::Bearer);
+    EXPECT_TRUE(run.pins[0].methods.empty());
+    EXPECT_TRUE(run.pins[0].path_prefixes.empty());
+}
+
+}  // namespace
+}  // namespace egress::proxy
