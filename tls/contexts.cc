@@ -1,1 +1,216 @@
-// implementation pending
+#include "tls/contexts.h"
+
+#include <openssl/err.h>
+#include <openssl/x509v3.h>
+
+namespace egress::tls {
+namespace {
+
+constexpr const char* kServerCiphers12 = "ECDHE+AESGCM:ECDHE+CHACHA20";
+constexpr const char* kGroups = "X25519:P-256:P-384";
+constexpr unsigned char kSessionIdContext[] = "egressd";
+
+Error ssl_error(const std::string& what) { return make_error(what + ": " + last_ssl_error()); }
+
+/// ALPN protocols in wire format (length-prefixed), or an error for an empty/oversized name.
+Result<std::string> alpn_wire(const std::vector<std::string>& protos) {
+    std::string wire;
+    for (const auto& p : protos) {
+        if (p.empty() || p.size() > 255) {
+            return make_error("invalid ALPN protocol name '" + p + "'");
+        }
+        wire.push_back(static_cast<char>(p.size()));
+        wire += p;
+    }
+    return wire;
+}
+
+/// The server's ALPN list lives in SSL_CTX ex_data: OpenSSL frees it with the context.
+void free_alpn_list(void* /*parent*/, void* ptr, CRYPTO_EX_DATA* /*ad*/, int /*idx*/, long /*argl*/,
+                    void* /*argp*/) {
+    delete static_cast<std::vector<std::string>*>(ptr);
+}
+
+int alpn_ex_index() {
+    static const int index = SSL_CTX_get_ex_new_index(0, nullptr, nullptr, nullptr, free_alpn_list);
+    return index;
+}
+
+/// Server preference: the first of our protocols that the client offered. No overlap → no
+/// ALPN extension in the reply (the client then speaks HTTP/1.1).
+int select_alpn(SSL* /*ssl*/, const unsigned char** out, unsigned char* outlen,
+                const unsigned char* in, unsigned int inlen, void* arg) {
+    const auto* ours = static_cast<const std::vector<std::string>*>(arg);
+    if (ours == nullptr) {
+        return SSL_TLSEXT_ERR_NOACK;
+    }
+    for (const auto& proto : *ours) {
+        unsigned int i = 0;
+        while (i < inlen) {
+            const unsigned int len = in[i];
+            if (len == 0 || i + 1 + len > inlen) {
+                break;  // malformed client list: stop reading it
+            }
+            const unsigned char* name = in + i + 1;
+            if (len == proto.size() &&
+                proto.compare(0, len, reinterpret_cast<const char*>(name), len) == 0) {
+                *out = name;
+                *outlen = static_cast<unsigned char>(len);
+                return SSL_TLSEXT_ERR_OK;
+            }
+            i += 1 + len;
+        }
+    }
+    return SSL_TLSEXT_ERR_NOACK;
+}
+
+size_t count_certificates(X509_STORE* store) {
+    size_t n = 0;
+    STACK_OF(X509_OBJECT)* objs = X509_STORE_get0_objects(store);
+    for (int i = 0; i < sk_X509_OBJECT_num(objs); ++i) {
+        if (X509_OBJECT_get_type(sk_X509_OBJECT_value(objs, i)) == X509_LU_X509) {
+            ++n;
+        }
+    }
+    return n;
+}
+
+bool is_ip_literal(const std::string& host) {
+    ASN1_OCTET_STRING* ip = a2i_IPADDRESS(host.c_str());
+    ERR_clear_error();
+    const bool is_ip = ip != nullptr;
+    ASN1_OCTET_STRING_free(ip);
+    return is_ip;
+}
+
+}  // namespace
+
+Result<SslCtxPtr> make_server_context(std::vector<std::string> alpn) {
+    auto wire = alpn_wire(alpn);  // validates names
+    if (!wire) {
+        return make_error(wire.error());
+    }
+    SslCtxPtr ctx(SSL_CTX_new(TLS_server_method()));
+    if (ctx == nullptr) {
+        return ssl_error("SSL_CTX_new (server) failed");
+    }
+    if (SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION) != 1) {
+        return ssl_error("setting the server TLS minimum version failed");
+    }
+    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE |
+                                       SSL_OP_NO_COMPRESSION);
+    SSL_CTX_clear_options(ctx.get(), SSL_OP_NO_TICKET);
+    SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);
+    if (SSL_CTX_set_session_id_context(ctx.get(), kSessionIdContext,
+                                       sizeof(kSessionIdContext) - 1) != 1 ||
+        SSL_CTX_set_cipher_list(ctx.get(), kServerCiphers12) != 1 ||
+        SSL_CTX_set1_groups_list(ctx.get(), kGroups) != 1) {
+        return ssl_error("configuring the server TLS context failed");
+    }
+    if (!alpn.empty()) {
+        const int index = alpn_ex_index();
+        if (index < 0) {
+            return ssl_error("SSL_CTX_get_ex_new_index failed");
+        }
+        auto* list = new std::vector<std::string>(std::move(alpn));
+        if (SSL_CTX_set_ex_data(ctx.get(), index, list) != 1) {
+            delete list;
+            return ssl_error("SSL_CTX_set_ex_data failed");
+        }
+        SSL_CTX_set_alpn_select_cb(ctx.get(), select_alpn, list);
+    }
+    return ctx;
+}
+
+Result<bool> use_leaf(SSL* ssl, const Leaf& leaf) {
+    if (ssl == nullptr || leaf.cert == nullptr || leaf.key == nullptr) {
+        return make_error("use_leaf: missing connection, certificate or key");
+    }
+    if (SSL_use_certificate(ssl, leaf.cert.get()) != 1 ||
+        SSL_use_PrivateKey(ssl, leaf.key.get()) != 1 || SSL_check_private_key(ssl) != 1) {
+        return ssl_error("installing the leaf certificate failed");
+    }
+    return true;
+}
+
+Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<std::string> alpn) {
+    auto wire = alpn_wire(alpn);
+    if (!wire) {
+        return make_error(wire.error());
+    }
+    SslCtxPtr ctx(SSL_CTX_new(TLS_client_method()));
+    if (ctx == nullptr) {
+        return ssl_error("SSL_CTX_new (client) failed");
+    }
+    if (SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION) != 1) {
+        return ssl_error("setting the client TLS minimum version failed");
+    }
+    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION);
+    SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
+    if (ca_file == "system") {
+        if (SSL_CTX_set_default_verify_paths(ctx.get()) != 1) {
+            return ssl_error("loading the system CA store failed");
+        }
+    } else {
+        if (ca_file.empty()) {
+            return make_error("upstream CA file is empty (use \"system\" for the system store)");
+        }
+        if (SSL_CTX_load_verify_locations(ctx.get(), ca_file.c_str(), nullptr) != 1) {
+            return ssl_error("cannot load upstream CA file '" + ca_file + "'");
+        }
+        if (count_certificates(SSL_CTX_get_cert_store(ctx.get())) == 0) {
+            ERR_clear_error();
+            return make_error("upstream CA file '" + ca_file + "' contains no certificate");
+        }
+    }
+    X509_VERIFY_PARAM_set_hostflags(SSL_CTX_get0_param(ctx.get()),
+                                    X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_CLIENT);
+    if (!wire->empty() &&
+        SSL_CTX_set_alpn_protos(ctx.get(), reinterpret_cast<const unsigned char*>(wire->data()),
+                                static_cast<unsigned int>(wire->size())) != 0) {
+        return ssl_error("setting the client ALPN list failed");  // note: 0 means success
+    }
+    return ctx;
+}
+
+Result<bool> prepare_client(SSL* ssl, const std::string& host_in) {
+    if (ssl == nullptr) {
+        return make_error("prepare_client: no connection");
+    }
+    std::string host = host_in;
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+        host = host.substr(1, host.size() - 2);
+    }
+    if (host.empty()) {
+        return make_error("prepare_client: empty host");
+    }
+    X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+    X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    if (is_ip_literal(host)) {
+        // No SNI for IP literals (RFC 6066 3); verify the certificate's SAN IP instead.
+        if (X509_VERIFY_PARAM_set1_ip_asc(param, host.c_str()) != 1) {
+            return ssl_error("setting the upstream IP to verify failed for '" + host + "'");
+        }
+        return true;
+    }
+    if (SSL_set_tlsext_host_name(ssl, host.c_str()) != 1) {
+        return ssl_error("setting SNI failed for '" + host + "'");
+    }
+    if (SSL_set1_host(ssl, host.c_str()) != 1) {
+        return ssl_error("setting the upstream host to verify failed for '" + host + "'");
+    }
+    return true;
+}
+
+std::string negotiated_alpn(const SSL* ssl) {
+    const unsigned char* data = nullptr;
+    unsigned int len = 0;
+    SSL_get0_alpn_selected(ssl, &data, &len);
+    if (data == nullptr || len == 0) {
+        return {};
+    }
+    return std::string(reinterpret_cast<const char*>(data), len);
+}
+
+}  // namespace egress::tls

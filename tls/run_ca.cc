@@ -1,1 +1,273 @@
-// implementation pending
+#include "tls/run_ca.h"
+
+#include <openssl/bn.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/rand.h>
+#include <openssl/x509v3.h>
+
+#include <algorithm>
+#include <array>
+#include <ctime>
+#include <string>
+
+namespace egress::tls {
+namespace {
+
+using Clock = std::chrono::system_clock;
+
+constexpr std::chrono::seconds kBackdate = std::chrono::minutes(5);
+// A run "that lives as long as the process" may ask for any validity; keep dates sane.
+constexpr std::chrono::seconds kMaxValidity = std::chrono::hours(24 * 365 * 50);
+constexpr size_t kMaxCommonName = 64;  // ub_common_name (RFC 5280)
+constexpr size_t kMaxDnsName = 253;
+
+struct BioDeleter {
+    void operator()(BIO* p) const { BIO_free(p); }
+};
+struct BnDeleter {
+    void operator()(BIGNUM* p) const { BN_free(p); }
+};
+struct GeneralNamesDeleter {
+    void operator()(GENERAL_NAMES* p) const { GENERAL_NAMES_free(p); }
+};
+struct OctetDeleter {
+    void operator()(ASN1_OCTET_STRING* p) const { ASN1_OCTET_STRING_free(p); }
+};
+using BioPtr = std::unique_ptr<BIO, BioDeleter>;
+using BnPtr = std::unique_ptr<BIGNUM, BnDeleter>;
+using GeneralNamesPtr = std::unique_ptr<GENERAL_NAMES, GeneralNamesDeleter>;
+using OctetPtr = std::unique_ptr<ASN1_OCTET_STRING, OctetDeleter>;
+
+Error ssl_error(const std::string& what) { return make_error(what + ": " + last_ssl_error()); }
+
+PKeyPtr make_p256_key() { return PKeyPtr(EVP_PKEY_Q_keygen(nullptr, nullptr, "EC", "P-256")); }
+
+/// Random positive 128-bit serial (top bit cleared so DER needs no sign byte, never zero).
+bool set_random_serial(X509* cert) {
+    std::array<unsigned char, 16> bytes{};
+    if (RAND_bytes(bytes.data(), static_cast<int>(bytes.size())) != 1) {
+        return false;
+    }
+    bytes[0] &= 0x7f;
+    bytes[0] |= 0x40;  // keeps the serial 16 bytes long and non-zero
+    BnPtr bn(BN_bin2bn(bytes.data(), static_cast<int>(bytes.size()), nullptr));
+    return bn != nullptr && BN_to_ASN1_INTEGER(bn.get(), X509_get_serialNumber(cert)) != nullptr;
+}
+
+bool set_validity(X509* cert, std::time_t not_before, std::time_t not_after) {
+    return ASN1_TIME_set(X509_getm_notBefore(cert), not_before) != nullptr &&
+           ASN1_TIME_set(X509_getm_notAfter(cert), not_after) != nullptr;
+}
+
+bool add_ext(X509* cert, X509V3_CTX* ctx, int nid, const char* value) {
+    X509_EXTENSION* ext = X509V3_EXT_conf_nid(nullptr, ctx, nid, value);
+    if (ext == nullptr) {
+        return false;
+    }
+    const int ok = X509_add_ext(cert, ext, -1);
+    X509_EXTENSION_free(ext);
+    return ok == 1;
+}
+
+bool add_common_name(X509_NAME* name, std::string_view cn) {
+    return X509_NAME_add_entry_by_NID(name, NID_commonName, MBSTRING_UTF8,
+                                      reinterpret_cast<const unsigned char*>(cn.data()),
+                                      static_cast<int>(cn.size()), -1, 0) == 1;
+}
+
+/// Cuts `s` to at most `max` bytes without splitting a UTF-8 sequence.
+std::string_view truncate_utf8(std::string_view s, size_t max) {
+    if (s.size() <= max) {
+        return s;
+    }
+    size_t n = max;
+    while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xc0) == 0x80) {
+        --n;
+    }
+    return s.substr(0, n);
+}
+
+/// A DNS name as it may appear in a SAN: LDH (and '_') labels, no empty label. The host
+/// has passed policy normalization already; this is a last guard before it is signed.
+bool valid_dns_name(std::string_view host) {
+    if (host.empty() || host.size() > kMaxDnsName || host.front() == '.' || host.back() == '.') {
+        return false;
+    }
+    char prev = '\0';
+    for (char c : host) {
+        const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                        (c >= '0' && c <= '9') || c == '-' || c == '_' || c == '.';
+        if (!ok || (c == '.' && prev == '.')) {
+            return false;
+        }
+        prev = c;
+    }
+    return true;
+}
+
+/// subjectAltName built from typed values (no config-string parsing of the host).
+bool add_san(X509* cert, std::string_view host, ASN1_OCTET_STRING* ip, bool critical) {
+    GeneralNamesPtr names(sk_GENERAL_NAME_new_null());
+    GENERAL_NAME* gn = GENERAL_NAME_new();
+    if (names == nullptr || gn == nullptr) {
+        GENERAL_NAME_free(gn);
+        return false;
+    }
+    if (ip != nullptr) {
+        ASN1_OCTET_STRING* copy = ASN1_OCTET_STRING_dup(ip);
+        if (copy == nullptr) {
+            GENERAL_NAME_free(gn);
+            return false;
+        }
+        GENERAL_NAME_set0_value(gn, GEN_IPADD, copy);
+    } else {
+        ASN1_IA5STRING* dns = ASN1_IA5STRING_new();
+        if (dns == nullptr ||
+            ASN1_STRING_set(dns, host.data(), static_cast<int>(host.size())) != 1) {
+            ASN1_IA5STRING_free(dns);
+            GENERAL_NAME_free(gn);
+            return false;
+        }
+        GENERAL_NAME_set0_value(gn, GEN_DNS, dns);
+    }
+    if (sk_GENERAL_NAME_push(names.get(), gn) <= 0) {
+        GENERAL_NAME_free(gn);
+        return false;
+    }
+    return X509_add1_ext_i2d(cert, NID_subject_alt_name, names.get(), critical ? 1 : 0,
+                             X509V3_ADD_DEFAULT) == 1;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<RunCa>> RunCa::create(std::string_view run_id,
+                                             std::chrono::seconds validity) {
+    if (validity <= std::chrono::seconds(0)) {
+        return make_error("run CA validity must be positive");
+    }
+    validity = std::min(validity, kMaxValidity);
+
+    std::unique_ptr<RunCa> ca(new RunCa());
+    ca->ca_key_ = make_p256_key();
+    if (ca->ca_key_ == nullptr) {
+        return ssl_error("run CA key generation failed");
+    }
+    ca->leaf_key_ = make_p256_key();
+    if (ca->leaf_key_ == nullptr) {
+        return ssl_error("run leaf key generation failed");
+    }
+
+    X509Ptr cert(X509_new());
+    if (cert == nullptr) {
+        return ssl_error("X509_new failed");
+    }
+    const std::time_t now = Clock::to_time_t(Clock::now());
+    const std::time_t not_after = now + static_cast<std::time_t>(validity.count());
+    const std::string cn = "egressd run " + std::string(run_id);
+    X509_NAME* name = X509_get_subject_name(cert.get());
+    if (X509_set_version(cert.get(), X509_VERSION_3) != 1 || !set_random_serial(cert.get()) ||
+        !set_validity(cert.get(), now - kBackdate.count(), not_after) ||
+        X509_NAME_add_entry_by_txt(name, "O", MBSTRING_UTF8,
+                                   reinterpret_cast<const unsigned char*>("egressd"), -1, -1,
+                                   0) != 1 ||
+        !add_common_name(name, truncate_utf8(cn, kMaxCommonName)) ||
+        X509_set_issuer_name(cert.get(), name) != 1 ||
+        X509_set_pubkey(cert.get(), ca->ca_key_.get()) != 1) {
+        return ssl_error("building the run CA certificate failed");
+    }
+
+    X509V3_CTX ctx;
+    X509V3_set_ctx(&ctx, cert.get(), cert.get(), nullptr, nullptr, 0);
+    if (!add_ext(cert.get(), &ctx, NID_basic_constraints, "critical,CA:TRUE,pathlen:0") ||
+        !add_ext(cert.get(), &ctx, NID_key_usage, "critical,keyCertSign,cRLSign") ||
+        !add_ext(cert.get(), &ctx, NID_subject_key_identifier, "hash")) {
+        return ssl_error("adding run CA extensions failed");
+    }
+    if (X509_sign(cert.get(), ca->ca_key_.get(), EVP_sha256()) <= 0) {
+        return ssl_error("signing the run CA certificate failed");
+    }
+    // Fill OpenSSL's lazily computed extension cache now, while only this thread sees the
+    // certificate; concurrent mint() calls then only read it.
+    X509_check_purpose(cert.get(), -1, 0);
+    ca->cert_ = std::move(cert);
+    ca->not_after_ = Clock::from_time_t(not_after);
+    return ca;
+}
+
+std::string RunCa::cert_pem() const {
+    BioPtr bio(BIO_new(BIO_s_mem()));
+    if (bio == nullptr || PEM_write_bio_X509(bio.get(), cert_.get()) != 1) {
+        ERR_clear_error();
+        return {};
+    }
+    char* data = nullptr;
+    const long len = BIO_get_mem_data(bio.get(), &data);
+    return len > 0 ? std::string(data, static_cast<size_t>(len)) : std::string();
+}
+
+Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
+                                                std::chrono::seconds leaf_validity) const {
+    if (leaf_validity <= std::chrono::seconds(0)) {
+        return make_error("leaf validity must be positive");
+    }
+    std::string_view host = host_in;
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+        host = host.substr(1, host.size() - 2);
+    }
+    const std::string host_str(host);
+    OctetPtr ip(a2i_IPADDRESS(host_str.c_str()));
+    ERR_clear_error();  // a2i_IPADDRESS queues an error for names
+    if (ip == nullptr && !valid_dns_name(host)) {
+        return make_error("cannot mint a certificate for invalid host '" + host_in + "'");
+    }
+
+    const auto now_tp = Clock::now();
+    const std::time_t now = Clock::to_time_t(now_tp);
+    const std::time_t ca_not_after = Clock::to_time_t(not_after_);
+    if (now >= ca_not_after) {
+        return make_error("run CA has expired");
+    }
+    const std::time_t wanted =
+        now + static_cast<std::time_t>(std::min(leaf_validity, kMaxValidity).count());
+    const std::time_t not_after = std::min(ca_not_after, wanted);
+
+    X509Ptr cert(X509_new());
+    if (cert == nullptr) {
+        return ssl_error("X509_new failed");
+    }
+    X509_NAME* subject = X509_get_subject_name(cert.get());
+    const bool has_cn = host.size() <= kMaxCommonName;
+    if (X509_set_version(cert.get(), X509_VERSION_3) != 1 || !set_random_serial(cert.get()) ||
+        !set_validity(cert.get(), now - kBackdate.count(), not_after) ||
+        (has_cn && !add_common_name(subject, host)) ||
+        X509_set_issuer_name(cert.get(), X509_get_subject_name(cert_.get())) != 1 ||
+        X509_set_pubkey(cert.get(), leaf_key_.get()) != 1) {
+        return ssl_error("building the leaf certificate for '" + host_in + "' failed");
+    }
+
+    X509V3_CTX ctx;
+    X509V3_set_ctx(&ctx, cert_.get(), cert.get(), nullptr, nullptr, 0);
+    // An empty subject requires a critical subjectAltName (RFC 5280 4.2.1.6).
+    if (!add_ext(cert.get(), &ctx, NID_basic_constraints, "critical,CA:FALSE") ||
+        !add_ext(cert.get(), &ctx, NID_key_usage, "critical,digitalSignature") ||
+        !add_ext(cert.get(), &ctx, NID_ext_key_usage, "serverAuth") ||
+        !add_ext(cert.get(), &ctx, NID_authority_key_identifier, "keyid:always") ||
+        !add_san(cert.get(), host, ip.get(), !has_cn)) {
+        return ssl_error("adding leaf extensions for '" + host_in + "' failed");
+    }
+    if (X509_sign(cert.get(), ca_key_.get(), EVP_sha256()) <= 0) {
+        return ssl_error("signing the leaf for '" + host_in + "' failed");
+    }
+
+    auto leaf = std::make_shared<Leaf>();
+    leaf->cert = std::move(cert);
+    if (EVP_PKEY_up_ref(leaf_key_.get()) != 1) {
+        return ssl_error("EVP_PKEY_up_ref failed");
+    }
+    leaf->key.reset(leaf_key_.get());
+    leaf->not_after = Clock::from_time_t(not_after);
+    return std::shared_ptr<const Leaf>(std::move(leaf));
+}
+
+}  // namespace egress::tls
