@@ -1,1 +1,89 @@
-int main() { return 0; }
+// egressd: credential-injecting egress forward proxy.
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "proxy/config.h"
+#include "proxy/runtime.h"
+#include "proxy/server.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: egressd --config FILE [--check]\n"
+    "  --config FILE   YAML configuration (see configs/quickstart.yaml)\n"
+    "  --check         validate the configuration and exit (non-zero with messages naming\n"
+    "                  the bad keys)\n";
+
+void harden_process() {
+    // No core dumps: they would contain keys and secrets.
+    rlimit none{0, 0};
+    setrlimit(RLIMIT_CORE, &none);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    std::string config_path;
+    bool check = false;
+    for (int i = 1; i < argc; ++i) {
+        std::string a = argv[i];
+        if (a == "--config" && i + 1 < argc) {
+            config_path = argv[++i];
+        } else if (a.rfind("--config=", 0) == 0) {
+            config_path = a.substr(9);
+        } else if (a == "--check" || a == "--check-config") {
+            check = true;
+        } else if (a == "--help" || a == "-h") {
+            std::fputs(kUsage, stdout);
+            return 0;
+        } else if (a == "--version") {
+            std::puts("egressd 0.1.0");
+            return 0;
+        } else {
+            std::fprintf(stderr, "egressd: unknown argument '%s'\n%s", a.c_str(), kUsage);
+            return 2;
+        }
+    }
+    if (config_path.empty()) {
+        std::fputs(kUsage, stderr);
+        return 2;
+    }
+    auto cfg = egress::proxy::load_config_file(config_path);
+    if (!cfg) {
+        std::fprintf(stderr, "egressd: invalid configuration %s:\n%s\n", config_path.c_str(),
+                     cfg.error().c_str());
+        return 1;
+    }
+    if (check) {
+        std::printf("egressd: %s is valid\n", config_path.c_str());
+        return 0;
+    }
+    harden_process();
+    auto logger = spdlog::stderr_color_mt("egressd");
+    spdlog::set_default_logger(logger);
+    spdlog::set_level(spdlog::level::from_str(cfg->log_level));
+
+    auto config = std::make_shared<const egress::proxy::Config>(std::move(*cfg));
+    egress::proxy::BuildWarnings warnings;
+    auto runtime = egress::proxy::build_runtime(config, warnings);
+    for (const auto& w : warnings.lines) {
+        spdlog::warn("{}", w);
+    }
+    if (!runtime) {
+        spdlog::error("cannot start:\n{}", runtime.error());
+        return 1;
+    }
+    try {
+        egress::proxy::Server server(*runtime);
+        return server.run();
+    } catch (const std::exception& e) {
+        spdlog::error("cannot start: {}", e.what());
+        return 1;
+    }
+}

@@ -1,1 +1,189 @@
-// placeholder
+#include "proxy/server.h"
+
+#include <thread>
+
+#include "proxy/upstream.h"
+#include "proxy/worker.h"
+#include "tls/contexts.h"
+
+namespace egress::proxy {
+
+Worker::Worker(Shared& s) : shared(s) {
+    auto rt = s.runtime.load();
+    const auto& cfg = *rt->config;
+    resolver = std::make_unique<Resolver>(ioc, cfg.resolver_servers, cfg.resolver_overrides,
+                                          cfg.limits.dns_timeout);
+    pool = std::make_unique<UpstreamPool>(cfg.limits.max_upstream_idle_per_host);
+}
+
+Worker::~Worker() {
+    pool.reset();
+    resolver.reset();
+}
+
+namespace {
+
+tcp::endpoint endpoint_of(const ListenAddress& a) {
+    return {net::ip::make_address(a.host), a.port};
+}
+
+void log_spawn_error(std::exception_ptr e) {
+    if (!e) {
+        return;
+    }
+    try {
+        std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+        spdlog::error("connection task failed: {}", ex.what());
+    }
+}
+
+}  // namespace
+
+struct Server::Impl {
+    Shared shared;
+    std::vector<std::unique_ptr<Worker>> workers;
+    std::unique_ptr<tcp::acceptor> proxy_acceptor;
+    std::unique_ptr<tcp::acceptor> admin_acceptor;
+    size_t next_worker = 0;
+
+    Worker& pick_worker() {
+        auto& w = *workers[next_worker];
+        next_worker = (next_worker + 1) % workers.size();
+        return w;
+    }
+
+    awaitable<void> accept_loop(tcp::acceptor& acceptor, bool admin) {
+        for (;;) {
+            Worker& w = admin ? *workers[0] : pick_worker();
+            auto [ec, sock] = co_await acceptor.async_accept(w.ioc, use_nothrow);
+            if (ec == net::error::operation_aborted || !acceptor.is_open()) {
+                co_return;
+            }
+            if (ec) {
+                spdlog::warn("accept: {}", ec.message());
+                continue;  // e.g. EMFILE: keep serving the connections we have
+            }
+            if (admin) {
+                net::co_spawn(w.ioc, serve_admin_client(std::move(sock), w), log_spawn_error);
+            } else {
+                net::co_spawn(w.ioc, serve_proxy_client(std::move(sock), w), log_spawn_error);
+            }
+        }
+    }
+};
+
+Server::Server(std::shared_ptr<const Runtime> runtime) : impl_(std::make_unique<Impl>()) {
+    auto& s = impl_->shared;
+    s.runtime.store(runtime);
+    const auto& cfg = *runtime->config;
+    auto audit = AuditLog::open(cfg.audit.path);
+    if (!audit) {
+        throw std::runtime_error(audit.error());
+    }
+    s.audit = std::move(*audit);
+    auto server_ctx = tls::make_server_context({"http/1.1"});
+    if (!server_ctx) {
+        throw std::runtime_error("server TLS context: " + server_ctx.error());
+    }
+    s.server_ctx = std::make_unique<ssl::context>(server_ctx->release());
+    auto client_ctx = tls::make_client_context(cfg.upstream_ca_file, {"http/1.1"});
+    if (!client_ctx) {
+        throw std::runtime_error("upstream.ca_file: " + client_ctx.error());
+    }
+    s.client_ctx = std::make_unique<ssl::context>(client_ctx->release());
+    s.metrics.runs_active.store(static_cast<int64_t>(runtime->runs.size()));
+
+    size_t n = std::max(1u, std::thread::hardware_concurrency());
+    for (size_t i = 0; i < n; ++i) {
+        impl_->workers.push_back(std::make_unique<Worker>(s));
+    }
+    auto& ioc0 = impl_->workers[0]->ioc;
+    auto open = [&](const ListenAddress& a, const char* key) {
+        auto acc = std::make_unique<tcp::acceptor>(ioc0);
+        auto ep = endpoint_of(a);
+        acc->open(ep.protocol());
+        acc->set_option(tcp::acceptor::reuse_address(true));
+        error_code ec;
+        acc->bind(ep, ec);
+        if (ec) {
+            throw std::runtime_error(std::string(key) + ": cannot listen on " + a.to_string() +
+                                     ": " + ec.message());
+        }
+        acc->listen(net::socket_base::max_listen_connections);
+        return acc;
+    };
+    impl_->proxy_acceptor = open(cfg.proxy, "listen.proxy");
+    s.own_listeners.push_back(impl_->proxy_acceptor->local_endpoint());
+    if (cfg.admin.is_unix()) {
+        throw std::runtime_error("listen.admin: unix sockets are not supported yet");
+    }
+    impl_->admin_acceptor = open(cfg.admin, "listen.admin");
+    s.own_listeners.push_back(impl_->admin_acceptor->local_endpoint());
+    if (!net::ip::make_address(cfg.admin.host).is_loopback()) {
+        spdlog::warn("listen.admin {} is beyond loopback: the admin API is reachable from the "
+                     "network; protect it",
+                     cfg.admin.to_string());
+    }
+}
+
+Server::~Server() = default;
+
+int Server::run() {
+    auto& s = impl_->shared;
+    auto& ioc0 = impl_->workers[0]->ioc;
+    auto rt = s.runtime.load();
+    spdlog::info("egressd listening: proxy {} admin {} ({} workers)",
+                 impl_->proxy_acceptor->local_endpoint().port(),
+                 impl_->admin_acceptor->local_endpoint().port(), impl_->workers.size());
+    net::co_spawn(ioc0, impl_->accept_loop(*impl_->proxy_acceptor, false), log_spawn_error);
+    net::co_spawn(ioc0, impl_->accept_loop(*impl_->admin_acceptor, true), log_spawn_error);
+
+    net::signal_set signals(ioc0, SIGINT, SIGTERM);
+    signals.async_wait([this, &s, rt](error_code ec, int sig) {
+        if (ec) {
+            return;
+        }
+        spdlog::info("signal {}: draining (up to {} ms)", sig, rt->config->limits.drain_timeout.count());
+        s.draining.store(true);
+        error_code ignored;
+        impl_->proxy_acceptor->close(ignored);
+        // Wait for in-flight requests and tunnels, bounded by drain_timeout.
+        net::co_spawn(
+            impl_->workers[0]->ioc,
+            [this, &s, rt]() -> awaitable<void> {
+                auto deadline = std::chrono::steady_clock::now() + rt->config->limits.drain_timeout;
+                net::steady_timer t(co_await net::this_coro::executor);
+                while (s.inflight.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+                    t.expires_after(std::chrono::milliseconds(20));
+                    co_await t.async_wait(use_nothrow);
+                }
+                if (s.inflight.load() > 0) {
+                    spdlog::warn("drain timeout: closing {} in-flight requests", s.inflight.load());
+                }
+                error_code ig;
+                impl_->admin_acceptor->close(ig);
+                for (auto& w : impl_->workers) {
+                    w->ioc.stop();
+                }
+            },
+            log_spawn_error);
+    });
+
+    std::vector<std::thread> threads;
+    std::vector<net::executor_work_guard<net::io_context::executor_type>> guards;
+    for (auto& w : impl_->workers) {
+        guards.emplace_back(w->ioc.get_executor());
+    }
+    for (size_t i = 1; i < impl_->workers.size(); ++i) {
+        threads.emplace_back([w = impl_->workers[i].get()] { w->ioc.run(); });
+    }
+    ioc0.run();
+    for (auto& t : threads) {
+        t.join();
+    }
+    spdlog::info("egressd stopped");
+    return 0;
+}
+
+}  // namespace egress::proxy

@@ -1,0 +1,238 @@
+#include "proxy/resolver.h"
+
+#include <ares.h>
+#include <netdb.h>
+
+#include <unordered_map>
+
+#include "proxy/net.h"
+
+namespace egress::proxy {
+
+namespace {
+
+using AddrList = std::vector<policy::IpAddress>;
+
+/// One pending lookup; owns the awaiting coroutine's completion handler (type-erased).
+struct Pending {
+    virtual ~Pending() = default;
+    virtual void complete(int status, AddrList addrs) = 0;
+};
+
+template <class Handler>
+struct PendingImpl final : Pending {
+    explicit PendingImpl(Handler h) : handler(std::move(h)) {}
+    void complete(int status, AddrList addrs) override {
+        auto ex = net::get_associated_executor(handler);
+        // Post: never resume the coroutine from inside a c-ares callback.
+        net::post(ex, [h = std::move(handler), status, a = std::move(addrs)]() mutable {
+            std::move(h)(status, std::move(a));
+        });
+    }
+    Handler handler;
+};
+
+}  // namespace
+
+struct Resolver::Impl {
+    struct Watch {
+        std::unique_ptr<net::posix::stream_descriptor> sd;
+        bool want_read = false, want_write = false;
+        bool reading = false, writing = false;
+        uint64_t gen = 0;
+    };
+
+    net::io_context& ioc;
+    ares_channel channel = nullptr;
+    std::unordered_map<int, Watch> watches;
+    net::steady_timer timer;
+    uint64_t next_gen = 1;
+    std::map<std::string, AddrList> overrides;
+    bool init_ok = false;
+    std::string init_error;
+
+    Impl(net::io_context& io, std::map<std::string, AddrList> ov)
+        : ioc(io), timer(io), overrides(std::move(ov)) {}
+
+    ~Impl() {
+        if (channel != nullptr) {
+            ares_destroy(channel);  // fails pending queries with ARES_EDESTRUCTION
+        }
+        for (auto& [fd, w] : watches) {
+            error_code ec;
+            w.sd->cancel(ec);
+            w.sd->release();  // c-ares owns the fd
+        }
+    }
+
+    static void sock_state_cb(void* data, ares_socket_t fd, int readable, int writable) {
+        static_cast<Impl*>(data)->on_sock_state(fd, readable != 0, writable != 0);
+    }
+
+    void on_sock_state(int fd, bool r, bool w) {
+        if (!r && !w) {
+            auto it = watches.find(fd);
+            if (it != watches.end()) {
+                error_code ec;
+                it->second.sd->cancel(ec);
+                it->second.sd->release();
+                watches.erase(it);
+            }
+            return;
+        }
+        auto& watch = watches[fd];
+        if (!watch.sd) {
+            watch.sd = std::make_unique<net::posix::stream_descriptor>(ioc, fd);
+            watch.gen = next_gen++;
+        }
+        watch.want_read = r;
+        watch.want_write = w;
+        arm(fd);
+    }
+
+    void arm(int fd) {
+        auto it = watches.find(fd);
+        if (it == watches.end()) {
+            return;
+        }
+        auto& w = it->second;
+        if (w.want_read && !w.reading) {
+            w.reading = true;
+            w.sd->async_wait(net::posix::descriptor_base::wait_read,
+                             [this, fd, gen = w.gen](error_code ec) { on_ready(fd, gen, ec, true); });
+        }
+        if (w.want_write && !w.writing) {
+            w.writing = true;
+            w.sd->async_wait(net::posix::descriptor_base::wait_write,
+                             [this, fd, gen = w.gen](error_code ec) { on_ready(fd, gen, ec, false); });
+        }
+    }
+
+    void on_ready(int fd, uint64_t gen, error_code ec, bool read) {
+        auto it = watches.find(fd);
+        if (it == watches.end() || it->second.gen != gen) {
+            return;  // socket closed by c-ares meanwhile
+        }
+        (read ? it->second.reading : it->second.writing) = false;
+        if (ec) {
+            return;
+        }
+        ares_process_fd(channel, read ? fd : ARES_SOCKET_BAD, read ? ARES_SOCKET_BAD : fd);
+        arm(fd);
+        rearm_timer();
+    }
+
+    void rearm_timer() {
+        timeval tv{};
+        if (ares_timeout(channel, nullptr, &tv) == nullptr) {
+            timer.cancel();
+            return;
+        }
+        // +1us so a zero timeout never spins (nghttpx adds 1e-9 s for the same reason).
+        auto d = std::chrono::seconds(tv.tv_sec) + std::chrono::microseconds(tv.tv_usec + 1);
+        timer.expires_after(d);
+        timer.async_wait([this](error_code ec) {
+            if (ec) {
+                return;
+            }
+            ares_process_fd(channel, ARES_SOCKET_BAD, ARES_SOCKET_BAD);
+            rearm_timer();
+        });
+    }
+
+    static void on_addrinfo(void* arg, int status, int /*timeouts*/, ares_addrinfo* res) {
+        std::unique_ptr<Pending> pending(static_cast<Pending*>(arg));
+        AddrList out;
+        if (status == ARES_SUCCESS && res != nullptr) {
+            for (auto* n = res->nodes; n != nullptr; n = n->ai_next) {
+                policy::IpAddress ip;
+                if (n->ai_family == AF_INET) {
+                    auto* sa = reinterpret_cast<sockaddr_in*>(n->ai_addr);
+                    ip.family = policy::IpAddress::Family::V4;
+                    std::memcpy(ip.bytes.data(), &sa->sin_addr, 4);
+                } else if (n->ai_family == AF_INET6) {
+                    auto* sa = reinterpret_cast<sockaddr_in6*>(n->ai_addr);
+                    ip.family = policy::IpAddress::Family::V6;
+                    std::memcpy(ip.bytes.data(), &sa->sin6_addr, 16);
+                } else {
+                    continue;
+                }
+                if (std::find(out.begin(), out.end(), ip) == out.end()) {
+                    out.push_back(ip);
+                }
+            }
+        }
+        if (res != nullptr) {
+            ares_freeaddrinfo(res);
+        }
+        pending->complete(status, std::move(out));
+    }
+};
+
+Resolver::Resolver(net::io_context& ioc, std::vector<std::string> servers,
+                   std::map<std::string, AddrList> overrides, std::chrono::milliseconds timeout)
+    : impl_(std::make_unique<Impl>(ioc, std::move(overrides))) {
+    static const int lib_init = ares_library_init(ARES_LIB_INIT_ALL);
+    (void)lib_init;
+    ares_options opts{};
+    opts.sock_state_cb = &Impl::sock_state_cb;
+    opts.sock_state_cb_data = impl_.get();
+    opts.timeout = static_cast<int>(std::max<int64_t>(timeout.count() / 2, 100));
+    opts.tries = 2;
+    int mask = ARES_OPT_SOCK_STATE_CB | ARES_OPT_TIMEOUTMS | ARES_OPT_TRIES;
+    int rc = ares_init_options(&impl_->channel, &opts, mask);
+    if (rc != ARES_SUCCESS) {
+        impl_->init_error = ares_strerror(rc);
+        impl_->channel = nullptr;
+        return;
+    }
+    if (!servers.empty()) {
+        std::string csv;
+        for (const auto& s : servers) {
+            csv += (csv.empty() ? "" : ",") + s;
+        }
+        rc = ares_set_servers_ports_csv(impl_->channel, csv.c_str());
+        if (rc != ARES_SUCCESS) {
+            impl_->init_error = std::string("bad resolver.servers: ") + ares_strerror(rc);
+            return;
+        }
+    }
+    impl_->init_ok = true;
+}
+
+Resolver::~Resolver() = default;
+
+net::awaitable<Result<AddrList>> Resolver::resolve(std::string host) {
+    if (auto ip = policy::IpAddress::parse(host)) {
+        co_return AddrList{*ip};
+    }
+    if (auto it = impl_->overrides.find(host); it != impl_->overrides.end()) {
+        co_return it->second;
+    }
+    if (!impl_->init_ok) {
+        co_return make_error("dns_failure: resolver unavailable: " + impl_->init_error);
+    }
+    Impl* impl = impl_.get();
+    auto [status, addrs] = co_await net::async_initiate<decltype(net::use_awaitable),
+                                                        void(int, AddrList)>(
+        [impl, &host](auto handler) {
+            using H = decltype(handler);
+            auto* pending = new PendingImpl<H>(std::move(handler));
+            ares_addrinfo_hints hints{};
+            hints.ai_family = AF_UNSPEC;
+            hints.ai_socktype = SOCK_STREAM;
+            ares_getaddrinfo(impl->channel, host.c_str(), nullptr, &hints, &Impl::on_addrinfo,
+                             pending);
+            impl->rearm_timer();
+        },
+        net::use_awaitable);
+    if (status != ARES_SUCCESS) {
+        co_return make_error(std::string("dns_failure: ") + ares_strerror(status));
+    }
+    if (addrs.empty()) {
+        co_return make_error("dns_failure: no addresses");
+    }
+    co_return addrs;
+}
+
+}  // namespace egress::proxy

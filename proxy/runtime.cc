@@ -1,0 +1,174 @@
+#include "proxy/runtime.h"
+
+#include <openssl/evp.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace egress::proxy {
+
+namespace {
+
+constexpr auto kProcessRunValidity = std::chrono::hours(24);
+
+Result<bool> write_file_atomic(const std::string& path, const std::string& content, mode_t mode) {
+    std::error_code ec;
+    auto parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) {
+        std::filesystem::create_directories(parent, ec);
+    }
+    std::string tmp = path + ".tmp";
+    {
+        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+        if (!out) {
+            return make_error("cannot write " + tmp);
+        }
+        out << content;
+        if (!out.flush()) {
+            return make_error("cannot write " + tmp);
+        }
+    }
+    ::chmod(tmp.c_str(), mode);
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) {
+        return make_error("cannot rename " + tmp + ": " + ec.message());
+    }
+    return true;
+}
+
+}  // namespace
+
+std::shared_ptr<Run> Runtime::find(const std::string& id) const {
+    auto it = runs.find(id);
+    return it == runs.end() ? nullptr : it->second;
+}
+
+Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
+                                               BuildWarnings& warnings) {
+    auto rt = std::make_shared<Runtime>();
+    rt->config = config;
+    rt->addresses = policy::AddressPolicy(config->allow_networks);
+    std::vector<std::string> errors;
+    auto now = policy::Clock::now();
+
+    for (const auto& rc : config->runs) {
+        auto run = std::make_shared<Run>();
+        run->policy.id = rc.id;
+        run->policy.allow_hosts = rc.allow_hosts;
+        auto validity = rc.ttl ? *rc.ttl : std::chrono::seconds(kProcessRunValidity);
+        if (rc.ttl) {
+            run->policy.expires_at = now + *rc.ttl;
+        }
+        if (rc.token_file) {
+            auto tok = credstore::load_secret_file(*rc.token_file);
+            if (!tok) {
+                errors.push_back(rc.yaml_path + ".token_file: " + tok.error());
+                continue;
+            }
+            run->token = *tok;
+        }
+        for (size_t i = 0; i < rc.pins.size(); ++i) {
+            const auto& pc = rc.pins[i];
+            policy::Pin pin;
+            pin.id = rc.id + "-pin-" + std::to_string(i);
+            pin.host = pc.host;
+            pin.path_prefixes = pc.path_prefixes;
+            pin.methods = pc.methods;
+            pin.inject = pc.inject;
+            pin.expires_at = run->policy.expires_at;
+            if (!pc.secret_file.empty()) {
+                pin.secret_name = std::filesystem::path(pc.secret_file).filename().string();
+                std::error_code ec;
+                if (!std::filesystem::exists(pc.secret_file, ec)) {
+                    warnings.lines.push_back(pc.yaml_path + ".secret_file: " + pc.secret_file +
+                                             " does not exist; pin for " + pc.host.text() +
+                                             " disabled until it does (then reload)");
+                    run->unavailable_pins.push_back(pc.host);
+                    continue;
+                }
+                auto s = credstore::load_secret_file(pc.secret_file);
+                if (!s) {
+                    errors.push_back(pc.yaml_path + ".secret_file: " + s.error());
+                    continue;
+                }
+                pin.secret = *s;
+            } else {
+                // Named secrets come from the state store (control plane).
+                warnings.lines.push_back(pc.yaml_path + ".secret: store-backed secrets are not "
+                                         "available in static runs yet; pin disabled");
+                pin.secret_name = pc.secret;
+                run->unavailable_pins.push_back(pc.host);
+                continue;
+            }
+            run->policy.pins.push_back(std::move(pin));
+        }
+        auto ca = tls::RunCa::create(rc.id, validity);
+        if (!ca) {
+            errors.push_back(rc.yaml_path + ": cannot create run CA: " + ca.error());
+            continue;
+        }
+        run->ca = std::move(*ca);
+        run->leaves = std::make_unique<tls::LeafCache>(*run->ca, config->limits.leaf_cache_size);
+        if (!rc.ca_cert_out.empty()) {
+            auto w = write_file_atomic(rc.ca_cert_out, run->ca->cert_pem(), 0644);
+            if (!w) {
+                errors.push_back(rc.yaml_path + ".ca_cert_out: " + w.error());
+                continue;
+            }
+        }
+        if (!run->token) {
+            rt->anonymous = run;
+        }
+        rt->runs[rc.id] = std::move(run);
+    }
+    if (!errors.empty()) {
+        std::string msg;
+        for (const auto& e : errors) {
+            msg += (msg.empty() ? "" : "\n") + e;
+        }
+        return make_error(msg);
+    }
+    return rt;
+}
+
+bool parse_proxy_basic(std::string_view v, std::string& user, std::string& pass) {
+    constexpr std::string_view kBasic = "basic ";
+    if (v.size() <= kBasic.size()) {
+        return false;
+    }
+    for (size_t i = 0; i < kBasic.size(); ++i) {
+        if (std::tolower(static_cast<unsigned char>(v[i])) != kBasic[i]) {
+            return false;
+        }
+    }
+    v.remove_prefix(kBasic.size());
+    while (!v.empty() && v.front() == ' ') {
+        v.remove_prefix(1);
+    }
+    while (!v.empty() && v.back() == ' ') {
+        v.remove_suffix(1);
+    }
+    if (v.empty() || v.size() % 4 != 0 || v.size() > 4096) {
+        return false;
+    }
+    std::string out(v.size() / 4 * 3, '\0');
+    int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                            reinterpret_cast<const unsigned char*>(v.data()),
+                            static_cast<int>(v.size()));
+    if (n < 0) {
+        return false;
+    }
+    size_t pad = (v.back() == '=') + (v.size() > 1 && v[v.size() - 2] == '=');
+    out.resize(static_cast<size_t>(n) - pad);
+    auto colon = out.find(':');
+    if (colon == std::string::npos) {
+        return false;
+    }
+    user = out.substr(0, colon);
+    pass = out.substr(colon + 1);
+    OPENSSL_cleanse(out.data(), out.size());
+    return true;
+}
+
+}  // namespace egress::proxy

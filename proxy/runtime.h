@@ -1,0 +1,54 @@
+#pragma once
+// The state the data path reads: runs (policy, CA, leaf cache, token) and global policy,
+// built from a validated Config. A Runtime is an immutable snapshot shared by every
+// connection (shared_ptr<const Runtime>); only counters inside a Run change. No Asio here.
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/result.h"
+#include "credstore/secret.h"
+#include "policy/address.h"
+#include "policy/run_policy.h"
+#include "proxy/config.h"
+#include "tls/leaf_cache.h"
+#include "tls/run_ca.h"
+
+namespace egress::proxy {
+
+struct Run {
+    policy::RunPolicy policy;
+    credstore::SecretPtr token;  // null: the anonymous run (sole static run, no token_file)
+    std::unique_ptr<tls::RunCa> ca;
+    std::unique_ptr<tls::LeafCache> leaves;
+    /// Pins whose secret could not be loaded (e.g. a secret file not mounted yet): their
+    /// hosts are refused with "secret_unavailable" instead of "host_not_allowed".
+    std::vector<policy::HostPattern> unavailable_pins;
+    std::atomic<size_t> connections{0};
+};
+
+struct Runtime {
+    std::shared_ptr<const Config> config;
+    policy::AddressPolicy addresses;
+    std::map<std::string, std::shared_ptr<Run>> runs;
+    std::shared_ptr<Run> anonymous;  // set when the only static run has no token
+
+    std::shared_ptr<Run> find(const std::string& id) const;
+};
+
+struct BuildWarnings {
+    std::vector<std::string> lines;
+};
+
+/// Reads token and secret files, creates each run's CA (writing its certificate to
+/// ca_cert_out), and returns the snapshot. Errors name the YAML path of the bad key.
+/// Secret files that do not exist yet produce a warning and an unavailable pin.
+Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
+                                               BuildWarnings& warnings);
+
+/// Decodes "Basic b64(user:pass)". Returns false if absent or malformed.
+bool parse_proxy_basic(std::string_view header_value, std::string& user, std::string& pass);
+
+}  // namespace egress::proxy

@@ -1,0 +1,153 @@
+#include "proxy/upstream.h"
+
+#include <sys/socket.h>
+
+#include "tls/contexts.h"
+
+namespace egress::proxy {
+
+namespace {
+
+constexpr auto kMaxIdleAge = std::chrono::seconds(30);
+
+tcp::endpoint to_endpoint(const policy::IpAddress& ip, uint16_t port) {
+    if (ip.is_v4()) {
+        net::ip::address_v4::bytes_type b{};
+        std::copy_n(ip.bytes.begin(), 4, b.begin());
+        return {net::ip::address_v4(b), port};
+    }
+    net::ip::address_v6::bytes_type b{};
+    std::copy_n(ip.bytes.begin(), 16, b.begin());
+    return {net::ip::address_v6(b), port};
+}
+
+bool is_self(const Shared& s, const tcp::endpoint& ep) {
+    for (const auto& own : s.own_listeners) {
+        if (own.port() != ep.port()) {
+            continue;
+        }
+        auto a = ep.address();
+        if (a.is_v6() && a.to_v6().is_v4_mapped()) {
+            a = net::ip::make_address_v4(net::ip::v4_mapped, a.to_v6());
+        }
+        if (own.address().is_unspecified() || a == own.address() || a.is_loopback() ||
+            a.is_unspecified()) {
+            return true;
+        }
+    }
+    return false;
+}
+
+}  // namespace
+
+awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
+                                         const policy::HostPort& dest) {
+    const auto& limits = rt.config->limits;
+    auto addrs = co_await w.resolver->resolve(dest.host);
+    if (!addrs) {
+        spdlog::info("dns: {}: {}", dest.host, addrs.error());
+        co_return Refusal{502, "dns_failure", "dns"};
+    }
+    std::vector<tcp::endpoint> endpoints;
+    for (const auto& ip : *addrs) {
+        auto verdict = rt.addresses.vet(ip);
+        if (!verdict.allowed) {
+            spdlog::info("denied address {} for {}: {}", ip.to_string(), dest.host,
+                         verdict.reason);
+            co_return Refusal{403, verdict.reason.empty() ? "denied_address" : verdict.reason, ""};
+        }
+        auto ep = to_endpoint(ip, dest.port);
+        if (is_self(w.shared, ep)) {
+            co_return Refusal{403, "self_connection", ""};
+        }
+        endpoints.push_back(ep);
+    }
+    bool timed_out = false;
+    for (const auto& ep : endpoints) {
+        auto stream = std::make_unique<TcpStream>(w.ioc);
+        stream->expires_after(limits.connect_timeout);
+        auto [ec] = co_await stream->async_connect(ep, use_nothrow);
+        if (!ec) {
+            stream->socket().set_option(tcp::no_delay(true), ec);
+            stream->expires_never();
+            co_return Dialed{std::move(stream), ep};
+        }
+        timed_out = timed_out || ec == beast::error::timeout;
+        spdlog::info("connect {}:{} ({}) failed: {}", dest.host, dest.port,
+                     ep.address().to_string(), ec.message());
+    }
+    if (timed_out) {
+        co_return Refusal{504, "connect_timeout", "connect_timeout"};
+    }
+    co_return Refusal{502, "connect_failed", "connect"};
+}
+
+awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
+                                                         const std::string& host) {
+    auto conn = std::make_unique<TlsConn>();
+    conn->peer = d.peer;
+    conn->stream = std::make_unique<TlsStream>(std::move(*d.stream), *w.shared.client_ctx);
+    SSL* ssl = conn->stream->native_handle();
+    if (auto ok = tls::prepare_client(ssl, host); !ok) {
+        spdlog::warn("tls setup for {}: {}", host, ok.error());
+        co_return Refusal{502, "upstream_tls_failed", "tls"};
+    }
+    auto& lowest = beast::get_lowest_layer(*conn->stream);
+    lowest.expires_after(rt.config->limits.tls_timeout);
+    auto [ec] = co_await conn->stream->async_handshake(ssl::stream_base::client, use_nothrow);
+    if (ec) {
+        if (ec == beast::error::timeout) {
+            co_return Refusal{504, "upstream_tls_timeout", "tls_timeout"};
+        }
+        long verify = SSL_get_verify_result(ssl);
+        spdlog::info("upstream tls {} ({}): {}{}", host, d.peer.address().to_string(),
+                     ec.message(),
+                     verify != X509_V_OK
+                         ? std::string("; verify: ") + X509_verify_cert_error_string(verify)
+                         : std::string());
+        co_return Refusal{502, "upstream_tls_failed", "tls"};
+    }
+    lowest.expires_never();
+    conn->alpn = tls::negotiated_alpn(ssl);
+    co_return conn;
+}
+
+std::string UpstreamPool::key(const std::string& run, const policy::HostPort& dest) {
+    return run + '\n' + dest.authority();
+}
+
+std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key) {
+    auto it = idle_.find(key);
+    if (it == idle_.end()) {
+        return nullptr;
+    }
+    auto& q = it->second;
+    auto now = std::chrono::steady_clock::now();
+    while (!q.empty()) {
+        auto conn = std::move(q.back());
+        q.pop_back();
+        if (now - conn->idle_since > kMaxIdleAge || conn->buffer.size() != 0) {
+            continue;
+        }
+        // A peer that closed (0) or sent unsolicited bytes (>0) is not reusable.
+        char byte;
+        int fd = beast::get_lowest_layer(*conn->stream).socket().native_handle();
+        ssize_t n = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            return conn;
+        }
+    }
+    idle_.erase(it);
+    return nullptr;
+}
+
+void UpstreamPool::release(std::unique_ptr<TlsConn> conn) {
+    auto& q = idle_[conn->key];
+    if (q.size() >= max_idle_) {
+        q.pop_front();
+    }
+    conn->idle_since = std::chrono::steady_clock::now();
+    q.push_back(std::move(conn));
+}
+
+}  // namespace egress::proxy

@@ -1,0 +1,65 @@
+#pragma once
+// Internal to proxy/: the per-thread worker (one io_context per core, STYLE.md §4) and the
+// process-wide shared state. Includes Asio: only proxy/*.cc include this.
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "policy/pipeline.h"
+#include "proxy/audit.h"
+#include "proxy/metrics.h"
+#include "proxy/net.h"
+#include "proxy/resolver.h"
+#include "proxy/runtime.h"
+#include "tls/openssl_ptr.h"
+
+namespace egress::proxy {
+
+class UpstreamPool;
+
+/// Process-wide state, shared read-mostly by every worker.
+struct Shared {
+    std::atomic<std::shared_ptr<const Runtime>> runtime;
+    std::unique_ptr<AuditLog> audit;
+    Metrics metrics;
+    // asio's ssl::context adopts an SSL_CTX made by tls/ (and frees it).
+    std::unique_ptr<ssl::context> server_ctx;  // intercepted leg
+    std::unique_ptr<ssl::context> client_ctx;  // upstream leg
+    policy::RequestPipeline pipeline;
+    std::vector<tcp::endpoint> own_listeners;  // for the self-connection check
+    std::atomic<bool> draining{false};
+    std::atomic<int64_t> inflight{0};  // requests and tunnels in progress (drain waits on it)
+    std::atomic<uint64_t> next_conn_id{1};
+};
+
+/// Counts one request or tunnel in flight for the drain on SIGTERM.
+class InflightGuard {
+public:
+    explicit InflightGuard(Shared& s) : s_(s) { s_.inflight.fetch_add(1); }
+    ~InflightGuard() { s_.inflight.fetch_sub(1); }
+    InflightGuard(const InflightGuard&) = delete;
+    InflightGuard& operator=(const InflightGuard&) = delete;
+
+private:
+    Shared& s_;
+};
+
+/// One event loop on one thread. Everything on it runs without locks.
+struct Worker {
+    explicit Worker(Shared& s);
+    ~Worker();
+    net::io_context ioc{1};
+    Shared& shared;
+    std::unique_ptr<Resolver> resolver;
+    std::unique_ptr<UpstreamPool> pool;
+};
+
+/// Serves one client connection on the forward-proxy port (CONNECT and absolute-form).
+awaitable<void> serve_proxy_client(tcp::socket socket, Worker& worker);
+/// Serves one admin connection (/healthz, /readyz, /metrics).
+awaitable<void> serve_admin_client(tcp::socket socket, Worker& worker);
+
+}  // namespace egress::proxy
