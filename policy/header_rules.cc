@@ -1,1 +1,110 @@
-// implementation pending
+#include "policy/header_rules.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace egress::policy {
+
+namespace {
+
+bool istarts_with(std::string_view s, std::string_view prefix) {
+    return s.size() >= prefix.size() && iequals(s.substr(0, prefix.size()), prefix);
+}
+
+bool is_one_of(std::string_view name, std::initializer_list<std::string_view> names) {
+    return std::any_of(names.begin(), names.end(),
+                       [&](std::string_view n) { return iequals(name, n); });
+}
+
+bool is_tchar(char c) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) {
+        return true;
+    }
+    return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
+}
+
+std::string_view trim_ows(std::string_view s) {
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) {
+        s.remove_prefix(1);
+    }
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) {
+        s.remove_suffix(1);
+    }
+    return s;
+}
+
+// Lowercased tokens of every Connection header.
+std::vector<std::string> connection_tokens(const RequestHead& head) {
+    std::vector<std::string> tokens;
+    for (const Header& h : head.headers) {
+        if (!iequals(h.name, "connection")) {
+            continue;
+        }
+        std::string_view v = h.value;
+        while (!v.empty()) {
+            const size_t comma = v.find(',');
+            const std::string_view token = trim_ows(v.substr(0, comma));
+            if (!token.empty()) {
+                tokens.push_back(ascii_lower(token));
+            }
+            if (comma == std::string_view::npos) {
+                break;
+            }
+            v.remove_prefix(comma + 1);
+        }
+    }
+    return tokens;
+}
+
+}  // namespace
+
+bool is_hop_by_hop(std::string_view name) {
+    return is_one_of(name, {"connection", "keep-alive", "proxy-connection", "te", "trailer",
+                            "transfer-encoding", "upgrade"}) ||
+           istarts_with(name, "proxy-");
+}
+
+bool is_transport_header(std::string_view name) {
+    return is_one_of(name, {"host", "content-length", "connection", "transfer-encoding", "te",
+                            "upgrade", "keep-alive", "trailer"}) ||
+           istarts_with(name, "proxy-") || istarts_with(name, ":") || is_egress_namespace(name);
+}
+
+bool is_egress_namespace(std::string_view name) {
+    return istarts_with(name, "x-egress-");
+}
+
+bool valid_header_name(std::string_view name) {
+    return !name.empty() && std::all_of(name.begin(), name.end(), is_tchar);
+}
+
+bool valid_header_value(std::string_view value) {
+    return std::none_of(value.begin(), value.end(), [](char ch) {
+        const auto c = static_cast<unsigned char>(ch);
+        return (c < 0x20 && c != '\t') || c == 0x7f;
+    });
+}
+
+size_t strip_hop_by_hop(RequestHead& head, bool keep_te_trailers) {
+    const std::vector<std::string> tokens = connection_tokens(head);
+    const size_t before = head.headers.size();
+    std::erase_if(head.headers, [&](const Header& h) {
+        if (keep_te_trailers && iequals(h.name, "te") && iequals(trim_ows(h.value), "trailers")) {
+            return false;
+        }
+        if (is_hop_by_hop(h.name)) {
+            return true;
+        }
+        // Connection may name extra hop-by-hop headers, but never the message framing: a
+        // "Connection: content-length" must not let the sandbox strip the body length.
+        if (iequals(h.name, "content-length")) {
+            return false;
+        }
+        return std::any_of(tokens.begin(), tokens.end(),
+                           [&](const std::string& t) { return iequals(h.name, t); });
+    });
+    return before - head.headers.size();
+}
+
+}  // namespace egress::policy

@@ -1,1 +1,148 @@
-// implementation pending
+#include "policy/pipeline.h"
+
+#include <cassert>
+
+#include "policy/header_rules.h"
+
+namespace egress::policy {
+
+namespace {
+
+Decision refuse(int status, std::string reason) {
+    Decision d;
+    d.status = status;
+    d.reason = std::move(reason);
+    return d;
+}
+
+uint16_t default_port(const RequestHead& head, const RequestContext& ctx) {
+    if (iequals(head.scheme, "https")) {
+        return 443;
+    }
+    if (iequals(head.scheme, "http")) {
+        return 80;
+    }
+    return ctx.tls ? 443 : 80;
+}
+
+// Step 1: the authority, the CONNECT target and the SNI name one destination.
+std::optional<Decision> check_host_agreement(RequestHead& head, const RequestContext& ctx) {
+    if (head.authority.empty()) {
+        return refuse(400, "missing_host");
+    }
+    Result<HostPort> authority = parse_authority(head.authority, default_port(head, ctx));
+    if (!authority) {
+        return refuse(400, "bad_host");
+    }
+    if (*authority != ctx.target) {
+        return refuse(421, "host_mismatch");
+    }
+    // The head never carries a Host header beside its authority; a codec that let one through
+    // must not produce two different hosts on the wire.
+    for (const Header& h : head.headers) {
+        if (iequals(h.name, "host") && h.value != head.authority) {
+            return refuse(421, "host_mismatch");
+        }
+    }
+    head.remove("host");
+    if (ctx.sni) {
+        Result<std::string> sni = normalize_host(*ctx.sni);
+        if (!sni || *sni != ctx.target.host) {
+            return refuse(421, "sni_mismatch");
+        }
+    }
+    return std::nullopt;
+}
+
+// Step 2: hop-by-hop and proxy headers go; the proxy's namespace and broken fields are refused.
+std::optional<Decision> check_hygiene(RequestHead& head, const RequestContext& ctx) {
+    strip_hop_by_hop(head, ctx.upstream_h2);
+    for (const Header& h : head.headers) {
+        if (is_egress_namespace(h.name)) {
+            return refuse(403, "forged_egress_header");
+        }
+    }
+    for (const Header& h : head.headers) {
+        if (!valid_header_name(h.name) || !valid_header_value(h.value)) {
+            return refuse(400, "bad_header");
+        }
+    }
+    return std::nullopt;
+}
+
+void inject(RequestHead& head, const Pin& pin, Decision& d) {
+    const std::string_view secret = pin.secret->reveal();
+    const std::string name = injected_header_name(pin.inject);
+    std::string value = injected_header_value(pin.inject, secret);
+    d.scrub.emplace_back(secret);
+    d.scrub.push_back(value);
+    if (pin.inject.type == InjectType::Basic) {
+        d.scrub.push_back(value.substr(6));  // the base64 blob after "Basic "
+    }
+    head.set(name, std::move(value));  // replaces every client-sent value, never merges
+    head.set("accept-encoding", "identity");
+    d.pin = &pin;
+    d.injected_header = name;
+    d.reason = "injected";
+}
+
+}  // namespace
+
+Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) const {
+    assert(ctx.run != nullptr);
+    if (ctx.run == nullptr) {
+        return refuse(403, "no_run");
+    }
+    static const GlobalPolicy kDefaultGlobal;
+    const GlobalPolicy& global = ctx.global != nullptr ? *ctx.global : kDefaultGlobal;
+    const RunPolicy& run = *ctx.run;
+
+    // Expiry comes first: an expired or revoked run gets nothing, not even a 421.
+    if (run.revoked) {
+        return refuse(403, "run_revoked");
+    }
+    if (run.expires_at <= ctx.now) {
+        return refuse(403, "run_expired");
+    }
+    if (std::optional<Decision> d = check_host_agreement(head, ctx)) {
+        return std::move(*d);
+    }
+    if (std::optional<Decision> d = check_hygiene(head, ctx)) {
+        return std::move(*d);
+    }
+    // The destination is checked again here, so a request can never reach a host the
+    // CONNECT-time decision would have refused.
+    const DestinationDecision dest = decide_destination(global, run, ctx.target, ctx.now);
+    if (dest.carry == Carry::Deny) {
+        return refuse(403, dest.reason);
+    }
+
+    Decision d;
+    const Pin* pin = match_pin(run, ctx.target, head.method, head.path, ctx.now);
+    if (!ctx.tls) {
+        if (pin != nullptr || host_pinned(run, ctx.target, ctx.now)) {
+            d.reason = "cleartext_no_credential";
+        } else {
+            d.reason = "allowed";
+        }
+        return d;
+    }
+    if (pin != nullptr) {
+        if (!pin->secret) {
+            return refuse(503, "secret_unavailable");  // fail closed, never forward bare
+        }
+        inject(head, *pin, d);
+        return d;
+    }
+    if (host_pinned(run, ctx.target, ctx.now)) {
+        if (!host_allowed(global, run, ctx.target)) {
+            return refuse(403, "no_matching_pin");
+        }
+        d.reason = "no_matching_pin_allowed";
+        return d;
+    }
+    d.reason = "allowed";
+    return d;
+}
+
+}  // namespace egress::policy

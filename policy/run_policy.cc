@@ -1,1 +1,244 @@
-// implementation pending
+#include "policy/run_policy.h"
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+
+#include <algorithm>
+
+#include "policy/header_rules.h"
+#include "policy/request_head.h"
+
+namespace egress::policy {
+
+namespace {
+
+constexpr std::string_view kSecretPlaceholder = "{secret}";
+
+bool has_ctl(std::string_view s) {
+    return std::any_of(s.begin(), s.end(), [](char ch) {
+        const auto c = static_cast<unsigned char>(ch);
+        return c < 0x20 || c == 0x7f;
+    });
+}
+
+size_t count_occurrences(std::string_view s, std::string_view needle) {
+    size_t n = 0;
+    for (size_t pos = s.find(needle); pos != std::string_view::npos;
+         pos = s.find(needle, pos + needle.size())) {
+        ++n;
+    }
+    return n;
+}
+
+std::string base64(std::string_view in) {
+    std::string out(4 * ((in.size() + 2) / 3) + 1, '\0');
+    const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
+                                  reinterpret_cast<const unsigned char*>(in.data()),
+                                  static_cast<int>(in.size()));
+    out.resize(static_cast<size_t>(n));
+    return out;
+}
+
+bool run_live(const RunPolicy& run, TimePoint now) {
+    return !run.revoked && now < run.expires_at;
+}
+
+bool pin_live(const Pin& pin, TimePoint now) {
+    return now < pin.expires_at;
+}
+
+// The port rule: a pattern naming a port allows that port, otherwise `allowed_ports`.
+bool pattern_allows(const HostPattern& p, const HostPort& dest, const GlobalPolicy& global) {
+    if (!p.matches_host(dest.host)) {
+        return false;
+    }
+    if (p.port()) {
+        return *p.port() == dest.port;
+    }
+    return std::find(global.allowed_ports.begin(), global.allowed_ports.end(), dest.port) !=
+           global.allowed_ports.end();
+}
+
+// A path that could climb out of a prefix once the upstream normalizes it.
+bool dangerous_path(std::string_view path) {
+    if (path.empty() || path.front() != '/') {
+        return true;
+    }
+    for (char ch : path) {
+        const auto c = static_cast<unsigned char>(ch);
+        if (ch == '\\' || c < 0x20 || c == 0x7f) {
+            return true;
+        }
+    }
+    const std::string lower = ascii_lower(path);
+    if (lower.find("%2e") != std::string::npos || lower.find("%2f") != std::string::npos ||
+        lower.find("%5c") != std::string::npos) {
+        return true;
+    }
+    // Dot segments, also with a path parameter ("..;/" is ".." to some servers).
+    size_t start = 1;
+    while (start <= path.size()) {
+        size_t end = path.find('/', start);
+        if (end == std::string_view::npos) {
+            end = path.size();
+        }
+        std::string_view segment = path.substr(start, end - start);
+        segment = segment.substr(0, segment.find(';'));
+        if (segment == "." || segment == "..") {
+            return true;
+        }
+        start = end + 1;
+    }
+    return false;
+}
+
+bool path_matches(const Pin& pin, std::string_view path) {
+    if (pin.path_prefixes.empty()) {
+        return true;
+    }
+    if (dangerous_path(path)) {
+        return false;
+    }
+    return std::any_of(pin.path_prefixes.begin(), pin.path_prefixes.end(),
+                       [&](const std::string& prefix) { return path.starts_with(prefix); });
+}
+
+bool method_matches(const Pin& pin, std::string_view method) {
+    return pin.methods.empty() ||
+           std::find(pin.methods.begin(), pin.methods.end(), method) != pin.methods.end();
+}
+
+}  // namespace
+
+Result<InjectSpec> validate_injection(InjectSpec spec) {
+    switch (spec.type) {
+        case InjectType::Bearer: break;
+        case InjectType::Basic:
+            if (spec.username.find(':') != std::string::npos) {
+                return make_error("inject.username: must not contain ':'");
+            }
+            if (has_ctl(spec.username)) {
+                return make_error("inject.username: must not contain control characters");
+            }
+            break;
+        case InjectType::Header:
+            if (!valid_header_name(spec.header_name)) {
+                return make_error("inject.name: not a valid header name");
+            }
+            if (is_transport_header(spec.header_name) || is_egress_namespace(spec.header_name)) {
+                return make_error("inject.name: \"" + spec.header_name +
+                                  "\" is a transport or reserved header");
+            }
+            spec.header_name = ascii_lower(spec.header_name);
+            if (count_occurrences(spec.value_template, kSecretPlaceholder) != 1) {
+                return make_error("inject.template: must contain \"{secret}\" exactly once");
+            }
+            if (!valid_header_value(spec.value_template)) {
+                return make_error("inject.template: must not contain control characters");
+            }
+            break;
+    }
+    return spec;
+}
+
+std::string injected_header_name(const InjectSpec& spec) {
+    if (spec.type == InjectType::Header) {
+        return ascii_lower(spec.header_name);
+    }
+    return "authorization";
+}
+
+std::string injected_header_value(const InjectSpec& spec, std::string_view secret) {
+    switch (spec.type) {
+        case InjectType::Bearer: {
+            std::string value;
+            value.reserve(7 + secret.size());
+            value.append("Bearer ").append(secret);
+            return value;
+        }
+        case InjectType::Basic: {
+            std::string credentials;
+            credentials.reserve(spec.username.size() + 1 + secret.size());
+            credentials.append(spec.username).append(":").append(secret);
+            std::string blob = base64(credentials);
+            std::string value = "Basic " + blob;
+            OPENSSL_cleanse(credentials.data(), credentials.size());
+            OPENSSL_cleanse(blob.data(), blob.size());
+            return value;
+        }
+        case InjectType::Header: {
+            std::string value = spec.value_template;
+            const size_t pos = value.find(kSecretPlaceholder);
+            if (pos != std::string::npos) {
+                value.replace(pos, kSecretPlaceholder.size(), secret);
+            }
+            return value;
+        }
+    }
+    return {};
+}
+
+DestinationDecision decide_destination(const GlobalPolicy& global, const RunPolicy& run,
+                                       const HostPort& dest, TimePoint now) {
+    DestinationDecision d;
+    if (run.revoked) {
+        d.reason = "run_revoked";
+        return d;
+    }
+    if (!run_live(run, now)) {
+        d.reason = "run_expired";
+        return d;
+    }
+    d.pinned = std::any_of(run.pins.begin(), run.pins.end(), [&](const Pin& pin) {
+        return pin_live(pin, now) && pattern_allows(pin.host, dest, global);
+    });
+    if (d.pinned) {
+        d.carry = Carry::Intercept;
+        return d;
+    }
+    if (host_allowed(global, run, dest)) {
+        d.carry = global.unpinned == Unpinned::Intercept ? Carry::Intercept : Carry::Tunnel;
+        return d;
+    }
+    // Tell a wrong port apart from a host nobody named.
+    auto host_named = [&](const HostPattern& p) { return p.matches_host(dest.host); };
+    const bool named =
+        std::any_of(run.allow_hosts.begin(), run.allow_hosts.end(), host_named) ||
+        std::any_of(global.allow_hosts.begin(), global.allow_hosts.end(), host_named) ||
+        std::any_of(run.pins.begin(), run.pins.end(),
+                    [&](const Pin& pin) { return pin_live(pin, now) && host_named(pin.host); });
+    d.reason = named ? "port_not_allowed" : "host_not_allowed";
+    return d;
+}
+
+bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest) {
+    auto allows = [&](const HostPattern& p) { return pattern_allows(p, dest, global); };
+    return std::any_of(run.allow_hosts.begin(), run.allow_hosts.end(), allows) ||
+           std::any_of(global.allow_hosts.begin(), global.allow_hosts.end(), allows);
+}
+
+const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
+                     std::string_view path, TimePoint now) {
+    if (!run_live(run, now)) {
+        return nullptr;
+    }
+    const std::string_view path_only = path.substr(0, path.find('?'));
+    for (const Pin& pin : run.pins) {
+        if (pin_live(pin, now) && pin.host.matches(dest) && method_matches(pin, method) &&
+            path_matches(pin, path_only)) {
+            return &pin;
+        }
+    }
+    return nullptr;
+}
+
+bool host_pinned(const RunPolicy& run, const HostPort& dest, TimePoint now) {
+    if (!run_live(run, now)) {
+        return false;
+    }
+    return std::any_of(run.pins.begin(), run.pins.end(), [&](const Pin& pin) {
+        return pin_live(pin, now) && pin.host.matches(dest);
+    });
+}
+
+}  // namespace egress::policy

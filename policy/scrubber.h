@@ -30,11 +30,15 @@ public:
     size_t replacements() const { return replacements_; }
 
 private:
+    /// Scrubs `buf` in place as far as the bytes are final; `safe_len` receives how many.
     void scrub_in_place(std::string& buf, size_t& safe_len);
-    std::vector<std::string> needles_;
+    std::vector<std::string> needles_;  // longest first
     std::string tail_;
     size_t max_len_ = 0;
     size_t replacements_ = 0;
+    // Where the stream stands inside a replacement that started in an earlier feed().
+    size_t covered_left_ = 0;  // bytes still covered by a match already found
+    size_t run_pos_ = 0;       // offset into the replacement text of the next covered byte
 };
 
 }  // namespace egress::policy

@@ -1,0 +1,116 @@
+#include "policy/header_rules.h"
+
+#include <gtest/gtest.h>
+
+namespace egress::policy {
+namespace {
+
+struct NameCase {
+    std::string name;
+    bool hop_by_hop;
+    bool transport;
+    bool egress;
+};
+
+class HeaderNameTest : public ::testing::TestWithParam<NameCase> {};
+
+TEST_P(HeaderNameTest, Classifies) {
+    const NameCase& c = GetParam();
+    EXPECT_EQ(is_hop_by_hop(c.name), c.hop_by_hop) << c.name;
+    EXPECT_EQ(is_transport_header(c.name), c.transport) << c.name;
+    EXPECT_EQ(is_egress_namespace(c.name), c.egress) << c.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, HeaderNameTest,
+    ::testing::Values(
+        NameCase{"connection", true, true, false}, NameCase{"Connection", true, true, false},
+        NameCase{"keep-alive", true, true, false}, NameCase{"proxy-connection", true, true, false},
+        NameCase{"proxy-authorization", true, true, false},
+        NameCase{"Proxy-Authenticate", true, true, false}, NameCase{"te", true, true, false},
+        NameCase{"trailer", true, true, false}, NameCase{"transfer-encoding", true, true, false},
+        NameCase{"upgrade", true, true, false}, NameCase{"host", false, true, false},
+        NameCase{"content-length", false, true, false}, NameCase{":authority", false, true, false},
+        NameCase{":path", false, true, false}, NameCase{"x-egress-run", false, true, true},
+        NameCase{"X-Egress-Reason", false, true, true}, NameCase{"x-egress", false, false, false},
+        NameCase{"authorization", false, false, false}, NameCase{"x-api-key", false, false, false},
+        NameCase{"proxy", false, false, false}, NameCase{"accept-encoding", false, false, false}));
+
+TEST(HeaderRules, ValidName) {
+    EXPECT_TRUE(valid_header_name("x-api-key"));
+    EXPECT_TRUE(valid_header_name("X_Weird!#$%&'*+.^`|~1"));
+    for (const char* bad :
+         {"", "a b", "a:b", ":path", "a\r\nb", "a/b", "a\"b", "a(b", "\xc3\xa4"}) {
+        EXPECT_FALSE(valid_header_name(bad)) << bad;
+    }
+    EXPECT_FALSE(valid_header_name(std::string_view("a\0b", 3)));
+}
+
+TEST(HeaderRules, ValidValue) {
+    EXPECT_TRUE(valid_header_value(""));
+    EXPECT_TRUE(valid_header_value("Bearer abc.def"));
+    EXPECT_TRUE(valid_header_value("a\tb"));
+    EXPECT_TRUE(valid_header_value("caf\xc3\xa9"));  // obs-text
+    for (const char* bad : {"a\rb", "a\nb", "a\r\nX-Evil: 1", "\x01", "a\x7f"}) {
+        EXPECT_FALSE(valid_header_value(bad)) << bad;
+    }
+    EXPECT_FALSE(valid_header_value(std::string_view("a\0b", 3)));
+}
+
+RequestHead head_with(std::vector<Header> headers) {
+    RequestHead h;
+    h.method = "GET";
+    h.scheme = "https";
+    h.authority = "a.test";
+    h.path = "/";
+    h.headers = std::move(headers);
+    return h;
+}
+
+TEST(StripHopByHop, RemovesHopByHopAndProxyHeaders) {
+    RequestHead h = head_with({{"accept", "*/*"},
+                               {"connection", "keep-alive, X-Custom ,x-other"},
+                               {"keep-alive", "timeout=5"},
+                               {"proxy-authorization", "Basic abc"},
+                               {"proxy-connection", "keep-alive"},
+                               {"x-custom", "1"},
+                               {"x-other", "2"},
+                               {"transfer-encoding", "chunked"},
+                               {"upgrade", "h2c"},
+                               {"te", "gzip"},
+                               {"trailer", "x"},
+                               {"user-agent", "curl"}});
+    EXPECT_EQ(strip_hop_by_hop(h), 10U);
+    ASSERT_EQ(h.headers.size(), 2U);
+    EXPECT_EQ(h.headers[0].name, "accept");
+    EXPECT_EQ(h.headers[1].name, "user-agent");
+}
+
+TEST(StripHopByHop, TeTrailersKeptOnlyWhenAsked) {
+    RequestHead h1 = head_with({{"te", "trailers"}, {"connection", "te"}});
+    EXPECT_EQ(strip_hop_by_hop(h1, true), 1U);
+    ASSERT_EQ(h1.headers.size(), 1U);
+    EXPECT_EQ(h1.headers[0].value, "trailers");
+
+    RequestHead h2 = head_with({{"te", "trailers"}});
+    EXPECT_EQ(strip_hop_by_hop(h2, false), 1U);
+    EXPECT_TRUE(h2.headers.empty());
+
+    RequestHead h3 = head_with({{"te", "gzip, trailers"}});
+    EXPECT_EQ(strip_hop_by_hop(h3, true), 1U);
+}
+
+TEST(StripHopByHop, ConnectionCannotStripFraming) {
+    RequestHead h = head_with({{"connection", "content-length"}, {"content-length", "5"}});
+    EXPECT_EQ(strip_hop_by_hop(h), 1U);
+    EXPECT_EQ(h.count("content-length"), 1U);
+}
+
+TEST(StripHopByHop, NothingToStrip) {
+    RequestHead h = head_with({{"accept", "*/*"}});
+    EXPECT_EQ(strip_hop_by_hop(h), 0U);
+    EXPECT_EQ(h.headers.size(), 1U);
+}
+
+}  // namespace
+}  // namespace egress::policy

@@ -1,0 +1,274 @@
+#include "policy/run_policy.h"
+
+#include <gtest/gtest.h>
+
+namespace egress::policy {
+namespace {
+
+using std::chrono::minutes;
+
+const TimePoint kNow = TimePoint{} + std::chrono::hours(1000);
+
+HostPattern pattern(std::string_view text) {
+    Result<HostPattern> p = HostPattern::parse(text);
+    EXPECT_TRUE(p.ok()) << text;
+    return p.ok() ? *p : HostPattern{};
+}
+
+Pin make_pin(std::string id, std::string_view host, std::vector<std::string> prefixes = {},
+             std::vector<std::string> methods = {}) {
+    Pin pin;
+    pin.id = std::move(id);
+    pin.host = pattern(host);
+    pin.path_prefixes = std::move(prefixes);
+    pin.methods = std::move(methods);
+    pin.secret_name = "tok";
+    pin.secret = std::make_shared<const credstore::SecretValue>("s3cr3t");
+    return pin;
+}
+
+TEST(ValidateInjection, AcceptsAndLowercases) {
+    InjectSpec h;
+    h.type = InjectType::Header;
+    h.header_name = "X-Api-Key";
+    h.value_template = "token {secret}";
+    Result<InjectSpec> v = validate_injection(h);
+    ASSERT_TRUE(v.ok()) << v.error();
+    EXPECT_EQ(v->header_name, "x-api-key");
+
+    EXPECT_TRUE(validate_injection(InjectSpec{}).ok());
+    InjectSpec b;
+    b.type = InjectType::Basic;
+    b.username = "x-access-token";
+    EXPECT_TRUE(validate_injection(b).ok());
+    b.username = "";
+    EXPECT_TRUE(validate_injection(b).ok());
+}
+
+struct BadInjection {
+    InjectType type;
+    std::string name;
+    std::string value_template;
+    std::string username;
+    std::string field;  // expected prefix of the error
+};
+
+class ValidateInjectionBad : public ::testing::TestWithParam<BadInjection> {};
+
+TEST_P(ValidateInjectionBad, Refuses) {
+    const BadInjection& c = GetParam();
+    InjectSpec spec;
+    spec.type = c.type;
+    spec.header_name = c.name;
+    spec.value_template = c.value_template;
+    spec.username = c.username;
+    Result<InjectSpec> v = validate_injection(spec);
+    ASSERT_FALSE(v.ok()) << c.name << " " << c.value_template;
+    EXPECT_EQ(v.error().rfind(c.field, 0), 0U) << v.error();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, ValidateInjectionBad,
+    ::testing::Values(
+        BadInjection{InjectType::Header, "", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "x key", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "Host", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "content-length", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "transfer-encoding", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "connection", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "te", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "upgrade", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "keep-alive", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "proxy-authorization", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, ":authority", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "X-Egress-Run", "{secret}", "", "inject.name"},
+        BadInjection{InjectType::Header, "x-key", "no placeholder", "", "inject.template"},
+        BadInjection{InjectType::Header, "x-key", "{secret}{secret}", "", "inject.template"},
+        BadInjection{InjectType::Header, "x-key", "{secret}\r\nX-Evil: 1", "", "inject.template"},
+        BadInjection{InjectType::Basic, "", "", "a:b", "inject.username"},
+        BadInjection{InjectType::Basic, "", "", "a\nb", "inject.username"}));
+
+TEST(InjectedHeader, NamesAndValues) {
+    InjectSpec bearer;
+    EXPECT_EQ(injected_header_name(bearer), "authorization");
+    EXPECT_EQ(injected_header_value(bearer, "tok"), "Bearer tok");
+
+    InjectSpec basic;
+    basic.type = InjectType::Basic;
+    basic.username = "user";
+    EXPECT_EQ(injected_header_name(basic), "authorization");
+    // base64("user:pass") and base64("x:a") with padding.
+    EXPECT_EQ(injected_header_value(basic, "pass"), "Basic dXNlcjpwYXNz");
+    basic.username = "x";
+    EXPECT_EQ(injected_header_value(basic, "a"), "Basic eDph");
+    basic.username = "";
+    EXPECT_EQ(injected_header_value(basic, "ab"), "Basic OmFi");
+    EXPECT_EQ(injected_header_value(basic, "abcd"), "Basic OmFiY2Q=");
+
+    InjectSpec header;
+    header.type = InjectType::Header;
+    header.header_name = "X-Api-Key";
+    header.value_template = "key={secret};v=1";
+    EXPECT_EQ(injected_header_name(header), "x-api-key");
+    EXPECT_EQ(injected_header_value(header, "k"), "key=k;v=1");
+}
+
+struct DestCase {
+    std::string name;
+    std::string host;
+    uint16_t port;
+    Carry carry;
+    std::string reason;
+    bool pinned;
+};
+
+class DecideDestinationTest : public ::testing::TestWithParam<DestCase> {};
+
+TEST_P(DecideDestinationTest, Decides) {
+    const DestCase& c = GetParam();
+    GlobalPolicy global;
+    global.unpinned = Unpinned::Tunnel;
+    global.allow_hosts = {pattern("pypi.org"), pattern("files.test:8443")};
+    global.allowed_ports = {443};
+    RunPolicy run;
+    run.id = "r1";
+    run.expires_at = kNow + minutes(30);
+    run.allow_hosts = {pattern("*.npmjs.test")};
+    run.pins = {make_pin("p1", "api.github.com"), make_pin("p2", "*.s3.test:9000")};
+    Pin expired = make_pin("p3", "old.test");
+    expired.expires_at = kNow;
+    run.pins.push_back(expired);
+
+    const DestinationDecision d = decide_destination(global, run, HostPort{c.host, c.port}, kNow);
+    EXPECT_EQ(d.carry, c.carry) << c.name;
+    EXPECT_EQ(d.reason, c.reason) << c.name;
+    EXPECT_EQ(d.pinned, c.pinned) << c.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, DecideDestinationTest,
+    ::testing::Values(
+        DestCase{"pinned", "api.github.com", 443, Carry::Intercept, "", true},
+        DestCase{"pinned_bad_port", "api.github.com", 8443, Carry::Deny, "port_not_allowed", false},
+        DestCase{"pinned_own_port", "b.s3.test", 9000, Carry::Intercept, "", true},
+        DestCase{"pinned_own_port_only", "b.s3.test", 443, Carry::Deny, "port_not_allowed", false},
+        DestCase{"global_allowed", "pypi.org", 443, Carry::Tunnel, "", false},
+        DestCase{"run_allowed", "registry.npmjs.test", 443, Carry::Tunnel, "", false},
+        DestCase{"run_wildcard_apex", "npmjs.test", 443, Carry::Deny, "host_not_allowed", false},
+        DestCase{"allowed_own_port", "files.test", 8443, Carry::Tunnel, "", false},
+        DestCase{"allowed_wrong_port", "files.test", 443, Carry::Deny, "port_not_allowed", false},
+        DestCase{"expired_pin", "old.test", 443, Carry::Deny, "host_not_allowed", false},
+        DestCase{"unknown", "evil.test", 443, Carry::Deny, "host_not_allowed", false}),
+    [](const ::testing::TestParamInfo<DestCase>& info) { return info.param.name; });
+
+TEST(DecideDestination, InterceptModeAndRunState) {
+    GlobalPolicy global;
+    global.unpinned = Unpinned::Intercept;
+    global.allow_hosts = {pattern("pypi.org")};
+    RunPolicy run;
+    run.expires_at = kNow + minutes(1);
+    const HostPort pypi{"pypi.org", 443};
+    EXPECT_EQ(decide_destination(global, run, pypi, kNow).carry, Carry::Intercept);
+    EXPECT_TRUE(host_allowed(global, run, pypi));
+    EXPECT_FALSE(host_allowed(global, run, HostPort{"pypi.org", 80}));
+
+    run.expires_at = kNow;
+    DestinationDecision d = decide_destination(global, run, pypi, kNow);
+    EXPECT_EQ(d.carry, Carry::Deny);
+    EXPECT_EQ(d.reason, "run_expired");
+
+    run.expires_at = kNow + minutes(1);
+    run.revoked = true;
+    d = decide_destination(global, run, pypi, kNow);
+    EXPECT_EQ(d.carry, Carry::Deny);
+    EXPECT_EQ(d.reason, "run_revoked");
+}
+
+struct PinCase {
+    std::string name;
+    std::string host;
+    uint16_t port;
+    std::string method;
+    std::string path;
+    std::string want;  // pin id, "" for none
+};
+
+class MatchPinTest : public ::testing::TestWithParam<PinCase> {};
+
+TEST_P(MatchPinTest, Matches) {
+    const PinCase& c = GetParam();
+    RunPolicy run;
+    run.expires_at = kNow + minutes(30);
+    run.pins = {make_pin("repos", "api.github.com", {"/repos/acme/"}, {"GET", "HEAD"}),
+                make_pin("any", "uploads.github.com"),
+                make_pin("port", "*.s3.test:9000", {"/bucket/"}),
+                make_pin("later", "api.github.com", {"/user"}, {"POST"})};
+    Pin expired = make_pin("expired", "old.test");
+    expired.expires_at = kNow;
+    run.pins.push_back(expired);
+    Pin live = make_pin("live", "old.test");
+    live.expires_at = kNow + std::chrono::seconds(1);
+    run.pins.push_back(live);
+
+    const Pin* pin = match_pin(run, HostPort{c.host, c.port}, c.method, c.path, kNow);
+    EXPECT_EQ(pin == nullptr ? "" : pin->id, c.want) << c.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, MatchPinTest,
+    ::testing::Values(
+        PinCase{"prefix", "api.github.com", 443, "GET", "/repos/acme/web", "repos"},
+        PinCase{"prefix_query", "api.github.com", 443, "GET", "/repos/acme/web?x=/../", "repos"},
+        PinCase{"prefix_other_org", "api.github.com", 443, "GET", "/repos/evil/web", ""},
+        PinCase{"prefix_missing_slash", "api.github.com", 443, "GET", "/repos/acme", ""},
+        PinCase{"method_head", "api.github.com", 443, "HEAD", "/repos/acme/x", "repos"},
+        PinCase{"method_post", "api.github.com", 443, "POST", "/repos/acme/x", ""},
+        PinCase{"method_case", "api.github.com", 443, "get", "/repos/acme/x", ""},
+        PinCase{"second_pin", "api.github.com", 443, "POST", "/user/keys", "later"},
+        PinCase{"any_path", "uploads.github.com", 443, "PUT", "/whatever/../x", "any"},
+        PinCase{"any_port", "uploads.github.com", 8443, "GET", "/", "any"},
+        PinCase{"dotdot", "api.github.com", 443, "GET", "/repos/acme/../evil/x", ""},
+        PinCase{"dot", "api.github.com", 443, "GET", "/repos/acme/./x", ""},
+        PinCase{"trailing_dotdot", "api.github.com", 443, "GET", "/repos/acme/x/..", ""},
+        PinCase{"dotdot_param", "api.github.com", 443, "GET", "/repos/acme/..;/evil", ""},
+        PinCase{"encoded_dot", "api.github.com", 443, "GET", "/repos/acme/%2e%2e/evil", ""},
+        PinCase{"encoded_dot_upper", "api.github.com", 443, "GET", "/repos/acme/%2E%2E/e", ""},
+        PinCase{"encoded_slash", "api.github.com", 443, "GET", "/repos/acme/..%2fevil", ""},
+        PinCase{"encoded_slash_upper", "api.github.com", 443, "GET", "/repos/acme/x%2Fy", ""},
+        PinCase{"backslash", "api.github.com", 443, "GET", "/repos/acme/..\\evil", ""},
+        PinCase{"dots_in_name_ok", "api.github.com", 443, "GET", "/repos/acme/a..b/.x", "repos"},
+        PinCase{"not_origin_form", "api.github.com", 443, "GET", "*", ""},
+        PinCase{"wildcard_port", "b.s3.test", 9000, "GET", "/bucket/k", "port"},
+        PinCase{"wildcard_wrong_port", "b.s3.test", 443, "GET", "/bucket/k", ""},
+        PinCase{"wildcard_apex", "s3.test", 9000, "GET", "/bucket/k", ""},
+        PinCase{"wildcard_deep", "a.b.s3.test", 9000, "GET", "/bucket/k", ""},
+        PinCase{"expired_skipped", "old.test", 443, "GET", "/", "live"},
+        PinCase{"other_host", "github.com", 443, "GET", "/repos/acme/x", ""}),
+    [](const ::testing::TestParamInfo<PinCase>& info) { return info.param.name; });
+
+TEST(MatchPin, ExpiryAndRunState) {
+    RunPolicy run;
+    run.expires_at = kNow + minutes(30);
+    run.pins = {make_pin("p", "a.test")};
+    run.pins[0].expires_at = kNow + minutes(5);
+    const HostPort dest{"a.test", 443};
+    EXPECT_NE(match_pin(run, dest, "GET", "/", kNow), nullptr);
+    EXPECT_TRUE(host_pinned(run, dest, kNow));
+    EXPECT_EQ(match_pin(run, dest, "GET", "/", kNow + minutes(5)), nullptr);
+    EXPECT_FALSE(host_pinned(run, dest, kNow + minutes(5)));
+
+    run.revoked = true;
+    EXPECT_EQ(match_pin(run, dest, "GET", "/", kNow), nullptr);
+    EXPECT_FALSE(host_pinned(run, dest, kNow));
+}
+
+TEST(HostPinned, IgnoresPathAndMethod) {
+    RunPolicy run;
+    run.pins = {make_pin("p", "a.test:8443", {"/only/"}, {"GET"})};
+    EXPECT_TRUE(host_pinned(run, HostPort{"a.test", 8443}, kNow));
+    EXPECT_FALSE(host_pinned(run, HostPort{"a.test", 443}, kNow));
+    EXPECT_FALSE(host_pinned(run, HostPort{"b.test", 8443}, kNow));
+}
+
+}  // namespace
+}  // namespace egress::policy

@@ -1,0 +1,182 @@
+#include "policy/scrubber.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace egress::policy {
+namespace {
+
+std::string whole(Scrubber& s, std::string_view body) {
+    std::string out;
+    s.feed(body, out);
+    s.finish(out);
+    return out;
+}
+
+// Feeds `body` split at `cuts` (sorted positions) and returns the output.
+std::string split_feed(const std::vector<std::string>& needles, std::string_view body,
+                       const std::vector<size_t>& cuts) {
+    Scrubber s(needles);
+    std::string out;
+    size_t prev = 0;
+    for (size_t cut : cuts) {
+        s.feed(body.substr(prev, cut - prev), out);
+        prev = cut;
+    }
+    s.feed(body.substr(prev), out);
+    s.finish(out);
+    return out;
+}
+
+TEST(Scrubber, InactiveIsIdentity) {
+    Scrubber none;
+    EXPECT_FALSE(none.active());
+    EXPECT_EQ(whole(none, "abc"), "abc");
+    Scrubber empty({"", ""});
+    EXPECT_FALSE(empty.active());
+    EXPECT_EQ(empty.scrub_value("x"), "x");
+}
+
+struct ValueCase {
+    std::vector<std::string> needles;
+    std::string input;
+    std::string want;
+};
+
+class ScrubValueTest : public ::testing::TestWithParam<ValueCase> {};
+
+TEST_P(ScrubValueTest, KeepsLengthAndReplaces) {
+    const ValueCase& c = GetParam();
+    Scrubber s(c.needles);
+    const std::string got = s.scrub_value(c.input);
+    EXPECT_EQ(got, c.want);
+    EXPECT_EQ(got.size(), c.input.size());
+    Scrubber streaming(c.needles);
+    EXPECT_EQ(whole(streaming, c.input), c.want);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, ScrubValueTest,
+    ::testing::Values(
+        ValueCase{{"secret"}, "no match", "no match"}, ValueCase{{"secret"}, "secret", "[REDAC"},
+        ValueCase{
+            {"ghp_0123456789abcdef"}, "tok=ghp_0123456789abcdef;", "tok=[REDACTED]**********;"},
+        ValueCase{{"0123456789"}, "x0123456789y", "x[REDACTED]y"},
+        ValueCase{{"ab"}, "abab ab", "[R[R [R"}, ValueCase{{"s"}, "sss", "[[["},
+        // Longest match wins at a position.
+        ValueCase{{"abc", "abcdefgh"}, "abcdefgh!", "[REDACTE!"},
+        ValueCase{{"abcdefgh", "abc"},
+                  "abcdefg!",
+                  "[RE"
+                  "defg!"},
+        // Overlapping needles: every byte of either occurrence is covered.
+        ValueCase{{"abc", "bcdef"}, "abcdef", "[REDAC"}, ValueCase{{"aa"}, "aaaaa", "[REDA"},
+        ValueCase{{"Bearer tok", "tok"}, "Bearer tok tok", "[REDACTED] [RE"}));
+
+TEST(Scrubber, HoldsBackAtMostLongestMinusOne) {
+    Scrubber s({"abcdef"});
+    std::string out;
+    s.feed("xxabcde", out);
+    EXPECT_EQ(out, "xx");
+    s.feed("f", out);
+    EXPECT_EQ(out, "xx[REDAC");
+    s.feed("abc", out);
+    EXPECT_EQ(out, "xx[REDAC");
+    s.feed("x", out);
+    EXPECT_EQ(out, "xx[REDACabcx");
+    s.finish(out);
+    EXPECT_EQ(out, "xx[REDACabcx");
+    EXPECT_EQ(s.replacements(), 1U);
+}
+
+TEST(Scrubber, FinishFlushesPartialMatch) {
+    Scrubber s({"secret"});
+    std::string out;
+    s.feed("data secr", out);
+    EXPECT_EQ(out, "data ");
+    s.finish(out);
+    EXPECT_EQ(out, "data secr");
+}
+
+// Property: for every split position (and every pair of split positions), the streamed output
+// equals the one-shot output, and no needle survives.
+TEST(Scrubber, EverySplitPositionGivesTheSameResult) {
+    const std::vector<std::vector<std::string>> needle_sets = {
+        {"ghp_s3cr3t"}, {"ghp_s3cr3t", "Bearer ghp_s3cr3t"}, {"abc", "bcdef", "abcdefgh"},
+        {"aa", "aaa"},  {"x:tok", "eDp0b2s=", "tok"},
+    };
+    const std::vector<std::string> bodies = {
+        "{\"token\":\"ghp_s3cr3t\",\"auth\":\"Bearer ghp_s3cr3t\"}ghp_s3cr3",
+        "abcdefghabcdefabcbcdefgh abc ab",
+        "aaaaaaa a aa aaa",
+        "x:tok eDp0b2s= tok tokx:to",
+        "ghp_s3cr3ghp_s3cr3tghp_s3cr3t",
+    };
+    for (const auto& needles : needle_sets) {
+        for (const std::string& body : bodies) {
+            Scrubber one(needles);
+            const std::string expected = one.scrub_value(body);
+            ASSERT_EQ(expected.size(), body.size());
+            for (const std::string& n : needles) {
+                EXPECT_EQ(expected.find(n), std::string::npos) << n << " in " << expected;
+            }
+            for (size_t i = 0; i <= body.size(); ++i) {
+                EXPECT_EQ(split_feed(needles, body, {i}), expected) << "cut " << i;
+                for (size_t j = i; j <= body.size(); ++j) {
+                    ASSERT_EQ(split_feed(needles, body, {i, j}), expected)
+                        << "cuts " << i << "," << j;
+                }
+            }
+            // One byte at a time.
+            std::vector<size_t> all;
+            for (size_t i = 1; i < body.size(); ++i) {
+                all.push_back(i);
+            }
+            EXPECT_EQ(split_feed(needles, body, all), expected);
+        }
+    }
+}
+
+TEST(Scrubber, RandomBodiesAndSplits) {
+    std::mt19937 rng(12345);
+    const std::vector<std::string> needles = {"abab", "bab", "abba", "b"};
+    for (int iter = 0; iter < 300; ++iter) {
+        std::string body(static_cast<size_t>(rng() % 40), 'a');
+        for (char& c : body) {
+            c = "abx"[rng() % 3];
+        }
+        Scrubber one(needles);
+        const std::string expected = one.scrub_value(body);
+        for (const std::string& n : needles) {
+            ASSERT_EQ(expected.find(n), std::string::npos) << body;
+        }
+        std::vector<size_t> cuts;
+        for (size_t i = 1; i < body.size(); ++i) {
+            if (rng() % 3 == 0) {
+                cuts.push_back(i);
+            }
+        }
+        ASSERT_EQ(split_feed(needles, body, cuts), expected) << body;
+    }
+}
+
+TEST(Scrubber, LargeBodyStreams) {
+    const std::string secret = "ghp_0123456789abcdefghijklmnopqrstuvwxyz";
+    std::string body;
+    for (int i = 0; i < 2000; ++i) {
+        body += "filler-" + std::to_string(i) + (i % 97 == 0 ? secret : "");
+    }
+    Scrubber s({secret});
+    std::string out;
+    for (size_t off = 0; off < body.size(); off += 16384) {
+        s.feed(std::string_view(body).substr(off, 16384), out);
+    }
+    s.finish(out);
+    EXPECT_EQ(out.size(), body.size());
+    EXPECT_EQ(out.find(secret), std::string::npos);
+    EXPECT_EQ(s.replacements(), 21U);
+}
+
+}  // namespace
+}  // namespace egress::policy
