@@ -189,6 +189,7 @@ def test_host_mismatch_421(world, egressd, marker):
     assert_refusal(r, 421, "host_mismatch")
     # curl, with a Host header that disagrees with the URL
     res = curl_via(world, egressd, f"https://api.test:{world.U}/echo/{marker}-3", "-i",
+                   "--suppress-connect-headers",
                    "-H", f"Host: other.test:{world.U}")
     assert res.stdout.startswith(b"HTTP/1.1 421"), res.stdout[:200] + res.stderr
     assert world.upstream.find(marker) == [], "nothing may be forwarded on a host mismatch"

@@ -233,6 +233,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            if self.command == "HEAD":
+                return
             sent = 0
             for piece in iter_payload(total):
                 if parts[1] == "bytes":
