@@ -42,10 +42,15 @@ def assert_scrubbed(original: str, seen: bytes | str, secret: str):
 # scrubbing
 
 
+FRAMING = {"chunked": "", "content-length": "?cl=1"}
+
+
+@pytest.mark.parametrize("framing", FRAMING)
 @pytest.mark.parametrize("host", ["api.test", "basic.test", "hdr.test"])
-def test_reflected_credential_is_scrubbed_curl(world, egressd, host, marker):
+def test_reflected_credential_is_scrubbed_curl(world, egressd, host, framing, marker):
     value, secret = injected_value(world, host)
-    r = curl_via(world, egressd, f"https://{host}:{world.U}/reflect/{marker}", "-i", "-f",
+    r = curl_via(world, egressd, f"https://{host}:{world.U}/reflect/{marker}{FRAMING[framing]}",
+                 "-i", "-f",
                  "--suppress-connect-headers")
     assert r.returncode == 0, r.stderr
     head, _, body = r.stdout.partition(b"\r\n\r\n")
@@ -63,31 +68,46 @@ def test_reflected_credential_is_scrubbed_curl(world, egressd, host, marker):
     assert value in [v for _, v in up.headers]
 
 
+@pytest.mark.parametrize("framing", FRAMING)
 @pytest.mark.parametrize("host", ["api.test", "basic.test", "hdr.test"])
-def test_reflected_credential_is_scrubbed_requests(world, egressd, host, marker):
+def test_reflected_credential_is_scrubbed_requests(world, egressd, host, framing, marker):
     value, secret = injected_value(world, host)
     with requests_session(world, egressd) as s:
-        r = s.get(f"https://{host}:{world.U}/reflect/{marker}", timeout=30)
+        r = s.get(f"https://{host}:{world.U}/reflect/{marker}{FRAMING[framing]}", timeout=30)
     assert r.status_code == 200
     assert_scrubbed(value, r.headers["X-Seen"], secret)
     assert_scrubbed(value, r.content, secret)
     assert len(r.content) == len("seen=") + len(value) + len(";end\n")
 
 
-def test_scrub_across_chunk_boundaries(world, egressd, marker):
-    """The echoed credential is split across two chunks, and (split=1) one byte per chunk."""
+@pytest.mark.parametrize("query", [
+    "",                         # chunked, the value split across two chunks
+    "?split=1",                 # chunked, one byte per chunk
+    "?cl=1",                    # Content-Length, the value split across two writes
+    "?cl=1&pad=65530",          # ... straddling a 64 KiB boundary
+    "?pad=65530",               # chunked, straddling a 64 KiB boundary
+    "?cl=1&pad=1000000",        # a large body around it
+])
+def test_scrub_across_chunk_boundaries(world, egressd, marker, query):
     value, secret = injected_value(world, "api.test")
-    for q in ("", "?split=1", "?cl=1"):
-        c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(),
-                           run_ca(egressd, "r1"))
-        r = helpers.request(c, "GET", f"/reflect/{marker}{q}", f"api.test:{world.U}")
-        c.close()
-        assert r.status == 200, (q, r)
-        assert_scrubbed(value, r.body, secret)
-        assert len(r.body) == len("seen=") + len(value) + len(";end\n"), q
+    pad = int(dict(p.split("=") for p in query.lstrip("?").split("&") if p).get("pad", 0))
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(),
+                       run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/reflect/{marker}{query}", f"api.test:{world.U}")
+        assert r.status == 200, r
+        assert len(r.body) == pad + len("seen=") + len(value) + len(";end\n"), \
+            f"body length {len(r.body)} (replacement must keep the length; truncated?)"
+        assert r.body[:pad] == b"a" * pad
+        assert_scrubbed(value, r.body[pad:], secret)
         assert_scrubbed(value, r.header("X-Seen"), secret)
-        if q == "?cl=1":
+        if "cl=1" in query:
             assert r.header("Content-Length") == str(len(r.body))
+        # the connection stays usable after a scrubbed response
+        r2 = helpers.request(c, "GET", f"/echo/{marker}-after", f"api.test:{world.U}")
+        assert r2.status == 200
+    finally:
+        c.close()
 
 
 def test_echo_body_with_credential_is_scrubbed(world, egressd, marker):

@@ -248,7 +248,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"0\r\n\r\n")
         elif base == "/reflect":
             value = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
-            body = b"seen=" + value.encode("latin-1") + b";end\n"
+            pad = b"a" * int(q.get("pad", "0"))  # filler before the echoed value
+            body = pad + b"seen=" + value.encode("latin-1") + b";end\n"
+            # Cut in the middle of the value, so the secret spans two chunks / two writes.
+            cut = len(pad) + len(b"seen=") + max(1, len(value) - max(3, len(value) // 3))
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
             self.send_header("X-Seen", value)
@@ -256,16 +259,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if q.get("cl"):
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(body[:cut])
+                self.wfile.flush()
+                self.wfile.write(body[cut:])
                 return
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             if q.get("split"):
-                for i in range(len(body)):
+                self._chunk(body[:len(pad)]) if pad else None
+                for i in range(len(pad), len(body)):
                     self._chunk(body[i:i + 1])
             else:
-                # Split in the middle of the value, so the secret spans two chunks.
-                cut = len(b"seen=") + max(1, len(value) - max(3, len(value) // 3))
                 self._chunk(body[:cut])
                 self.wfile.flush()
                 self._chunk(body[cut:])
