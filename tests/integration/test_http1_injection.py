@@ -346,3 +346,38 @@ def test_single_run_without_proxy_credentials(world, anonymous, marker):
     up = only(world.upstream.find(marker + "-r"), marker)
     assert up.header("Authorization") == [helpers.basic_auth("itest-user",
                                                              world.secrets["basic_pw"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked framing on the injecting path (both directions)
+
+
+def test_chunked_response_framing_intact(world, egressd, marker):
+    from upstream import payload_sha256
+    import hashlib
+    n = 100_000
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/chunked/{n}?{marker}", f"api.test:{world.U}")
+        assert r.status == 200
+        assert len(r.body) == n, f"chunked body cut at {len(r.body)} of {n} bytes " \
+                                 f"(first chunk sizes {[len(x) for x in r.chunks[:5]]})"
+        assert hashlib.sha256(r.body).hexdigest() == payload_sha256(n)
+        # and the connection is still in sync
+        assert helpers.request(c, "GET", f"/echo/{marker}-2", f"api.test:{world.U}").status == 200
+    finally:
+        c.close()
+
+
+def test_chunked_request_body_framing_intact(world, egressd, marker):
+    import hashlib
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        c.send(f"POST /upload/{marker} HTTP/1.1\r\nHost: api.test:{world.U}\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n3\r\nabc\r\n0\r\n\r\n".encode())
+        r = helpers.read_response(c)
+        assert r.status == 200, (r.status, r.egress_reason, r.body)
+        j = json.loads(r.body)
+        assert j["length"] == 8 and j["sha256"] == hashlib.sha256(b"helloabc").hexdigest()
+    finally:
+        c.close()
