@@ -46,6 +46,15 @@ def basic_auth(user: str, password: str) -> str:
 # egressd process
 
 
+def _die_with_parent():
+    """In the child before exec: SIGTERM egressd if the test process dies (no orphans)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class Egressd:
     def __init__(self, binary: str, workdir: str, config: dict, secrets: dict[str, str]):
         self.binary = binary
@@ -77,7 +86,7 @@ class Egressd:
         self._err = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen([self.binary, "--config", self.config_path], cwd=self.workdir,
                                      stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
-                                     env=clean_env())
+                                     env=clean_env(), preexec_fn=_die_with_parent)
         try:
             self.wait_ready()
         except BaseException:

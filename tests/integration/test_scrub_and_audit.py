@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import requests
 
 import helpers
 from clients import curl_via, requests_session, run_ca
@@ -221,12 +222,22 @@ def test_audit_one_json_line_per_request(world, factory, marker):
 def test_no_secret_in_anything_egressd_wrote(world, factory, marker):
     e = factory.start()
     U = world.U
-    with requests_session(world, e) as s:
-        for host in ("api.test", "basic.test", "hdr.test"):
-            s.get(f"https://{host}:{U}/reflect/{marker}", timeout=30)
-            s.get(f"https://{host}:{U}/echo/{marker}?x=1", timeout=30)
-            s.get(f"https://{host}:{U}/echo/{marker}", headers={"X-Egress-A": "1"}, timeout=30)
-        s.get(f"https://lim.test:{U}/bytes/5", timeout=30)  # no_matching_pin
+    # Traffic of every kind; this test is about what egressd writes, not about the responses,
+    # so a failing request does not stop it.
+    urls = []
+    for host in ("api.test", "basic.test", "hdr.test"):
+        urls += [(f"https://{host}:{U}/reflect/{marker}", {}),
+                 (f"https://{host}:{U}/reflect/{marker}?cl=1", {}),
+                 (f"https://{host}:{U}/echo/{marker}?x=1", {}),
+                 (f"https://{host}:{U}/echo/{marker}", {"X-Egress-A": "1"}),
+                 (f"https://{host}:{U}/echo/{marker}", {"Host": f"other.test:{U}"})]
+    urls.append((f"https://lim.test:{U}/bytes/5", {}))  # no_matching_pin
+    for url, hdrs in urls:
+        with requests_session(world, e) as s:
+            try:
+                s.get(url, headers=hdrs, timeout=30)
+            except requests.RequestException:
+                pass
     for target, auth in ((f"bad.test:{world.bad.port}", world.auth()),
                          (f"slow.test:{world.silent.port}", world.auth()),
                          (f"down.test:{world.closed_port}", world.auth()),
