@@ -84,7 +84,12 @@ awaitable<RelayStats> relay_body(In& in, beast::flat_buffer& inbuf,
                 }
                 chunk = scrubbed;
             }
-            msg.body().data = const_cast<char*>(chunk.data());
+            if (chunk.empty() && !p.is_done()) {
+                continue;  // an empty buffer with more=true would serialize as the last chunk
+            }
+            // An empty but non-null buffer would serialize as a zero-size chunk, which is a
+            // last-chunk of its own: pass nullptr so only one terminator is written.
+            msg.body().data = chunk.empty() ? nullptr : const_cast<char*>(chunk.data());
             msg.body().size = chunk.size();
             msg.body().more = !p.is_done();
         } else {
@@ -265,39 +270,41 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
     std::unique_ptr<TcpStream> plain_conn;
     beast::flat_buffer plain_buf;
     tcp::endpoint peer;
-    std::optional<Refusal> refusal;
-    if (scope.tls) {
-        auto key = UpstreamPool::key(scope.run->policy.id, scope.target);
-        tls_conn = w.pool->acquire(key);
-        if (!tls_conn) {
+    bool reused = false;
+    auto connect = [&](bool allow_pool) -> awaitable<std::optional<Refusal>> {
+        reused = false;
+        if (scope.tls) {
+            auto key = UpstreamPool::key(scope.run->policy.id, scope.target);
+            tls_conn = allow_pool ? w.pool->acquire(key) : nullptr;
+            if (tls_conn) {
+                reused = true;
+                peer = tls_conn->peer;
+                co_return std::nullopt;
+            }
             auto dialed = co_await dial_upstream(w, rt, scope.target);
             if (auto* r = std::get_if<Refusal>(&dialed)) {
-                refusal = *r;
-            } else {
-                auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)),
-                                                 scope.target.host);
-                if (auto* r2 = std::get_if<Refusal>(&conn)) {
-                    refusal = *r2;
-                } else {
-                    tls_conn = std::move(std::get<std::unique_ptr<TlsConn>>(conn));
-                    tls_conn->key = key;
-                }
+                co_return *r;
             }
-        }
-        if (tls_conn) {
+            auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)),
+                                             scope.target.host);
+            if (auto* r = std::get_if<Refusal>(&conn)) {
+                co_return *r;
+            }
+            tls_conn = std::move(std::get<std::unique_ptr<TlsConn>>(conn));
+            tls_conn->key = key;
             peer = tls_conn->peer;
+            co_return std::nullopt;
         }
-    } else {
         auto dialed = co_await dial_upstream(w, rt, scope.target);
         if (auto* r = std::get_if<Refusal>(&dialed)) {
-            refusal = *r;
-        } else {
-            auto& d = std::get<Dialed>(dialed);
-            plain_conn = std::move(d.stream);
-            peer = d.peer;
+            co_return *r;
         }
-    }
-    if (refusal) {
+        auto& d = std::get<Dialed>(dialed);
+        plain_conn = std::move(d.stream);
+        peer = d.peer;
+        co_return std::nullopt;
+    };
+    if (auto refusal = co_await connect(true)) {
         if (!refusal->kind.empty()) {
             shared.metrics.upstream_error(refusal->kind);
         }
@@ -353,18 +360,28 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
                      rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out, rec.duration_ms);
     };
 
-    auto exchange = [&](auto& up, beast::flat_buffer& ubuf) -> awaitable<std::pair<bool, bool>> {
+    // A pooled connection the upstream closed while idle fails before any response byte;
+    // a request without a body is then retried once on a fresh connection (nothing of it
+    // can have been processed).
+    enum class Exchange { Done, Retry };
+    bool client_ka = false;
+    bool upstream_reusable = false;
+    auto exchange = [&](auto& up, beast::flat_buffer& ubuf) -> awaitable<Exchange> {
+        const bool may_retry = reused && !body_expected;
         // Request body: client → upstream.
         auto sent = co_await relay_body(client, cbuf, parser, up, ureq, nullptr, limits.idle_timeout);
         rec.bytes_in = sent.bytes;
+        if (sent.write_ec && may_retry) {
+            co_return Exchange::Retry;
+        }
         if (sent.read_ec) {
             finish(0, "client_aborted", "");
-            co_return std::pair{false, false};
+            co_return Exchange::Done;
         }
         if (sent.write_ec) {
             co_await write_refusal(client, 502, "upstream_write_failed", false);
             finish(502, "upstream_write_failed", "write");
-            co_return std::pair{false, false};
+            co_return Exchange::Done;
         }
         // Response head (skipping interim 1xx responses).
         std::optional<http::response_parser<http::buffer_body>> rp;
@@ -377,6 +394,9 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
             }
             lowest(up).expires_after(limits.idle_timeout);
             auto [ec, n] = co_await http::async_read_header(up, ubuf, *rp, use_nothrow);
+            if (ec && may_retry && ec != beast::error::timeout) {
+                co_return Exchange::Retry;
+            }
             if (ec) {
                 bool timeout = ec == beast::error::timeout;
                 co_await write_refusal(client, timeout ? 504 : 502,
@@ -384,7 +404,7 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
                                        false);
                 finish(timeout ? 504 : 502, timeout ? "upstream_timeout" : "upstream_bad_response",
                        timeout ? "response_timeout" : "response");
-                co_return std::pair{false, false};
+                co_return Exchange::Done;
             }
             int code = rp->get().result_int();
             if (code >= 100 && code < 200 && code != 101) {
@@ -422,22 +442,33 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
         if (!got.ok()) {
             finish(ures.result_int(), got.read_ec ? "upstream_aborted" : "client_aborted",
                    got.read_ec ? "response_body" : "");
-            co_return std::pair{false, false};
+            co_return Exchange::Done;
         }
         finish(ures.result_int(), "", "");
-        co_return std::pair{client_keep_alive, ures.keep_alive() && rp->is_done()};
+        client_ka = client_keep_alive;
+        upstream_reusable = ures.keep_alive() && rp->is_done();
+        co_return Exchange::Done;
     };
 
-    std::pair<bool, bool> result;
-    if (tls_conn) {
-        result = co_await exchange(*tls_conn->stream, tls_conn->buffer);
-        if (result.second) {
-            w.pool->release(std::move(tls_conn));
+    for (int attempt = 0;; ++attempt) {
+        Exchange ex = tls_conn ? co_await exchange(*tls_conn->stream, tls_conn->buffer)
+                               : co_await exchange(*plain_conn, plain_buf);
+        if (ex == Exchange::Done || attempt > 0) {
+            break;
         }
-    } else {
-        result = co_await exchange(*plain_conn, plain_buf);
+        spdlog::debug("conn={} pooled upstream connection was closed; retrying", scope.conn_id);
+        tls_conn.reset();
+        if (auto refusal = co_await connect(false)) {
+            co_await write_refusal(client, refusal->status, refusal->reason, false);
+            audit_refusal(scope, method, head.path, refusal->status, refusal->reason, started);
+            co_return false;
+        }
+        rec.upstream_addr = peer.address().to_string() + ":" + std::to_string(peer.port());
     }
-    co_return result.first;
+    if (tls_conn && upstream_reusable) {
+        w.pool->release(std::move(tls_conn));
+    }
+    co_return client_ka;
 }
 
 }  // namespace

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs everything egressd needs to build and to run its whole test suite on Debian 12.
+# Debian packages only (see DEVELOPERS.md / README "Dependencies").
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update
+$SUDO apt-get install -y --no-install-recommends \
+  build-essential cmake ninja-build pkg-config ccache \
+  libboost1.81-dev libboost-json1.81-dev libboost-url1.81-dev \
+  libssl-dev libnghttp2-dev libc-ares-dev libyaml-cpp-dev libspdlog-dev \
+  libgtest-dev libgmock-dev libbenchmark-dev \
+  ca-certificates openssl curl git procps \
+  python3 python3-pytest python3-requests python3-h2 python3-httpx \
+  nghttp2-client nghttp2-server
