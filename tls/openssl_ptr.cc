@@ -1,12 +1,17 @@
 #include "tls/openssl_ptr.h"
 
 #include <openssl/err.h>
+#include <openssl/ssl.h>
 
 #include <string>
 
 namespace egress::tls {
 
 std::string last_ssl_error() {
+    // Error strings of libssl are loaded lazily by OpenSSL 3; make sure they are there even
+    // when no SSL object was created yet (e.g. a failure while building a context).
+    static const int loaded = OPENSSL_init_ssl(OPENSSL_INIT_LOAD_SSL_STRINGS, nullptr);
+    (void)loaded;
     std::string out;
     const char* data = nullptr;
     int flags = 0;
