@@ -1,0 +1,124 @@
+#pragma once
+// Control-plane state: sealed secrets, runs and their pins. The data path reads immutable
+// snapshots without locks (atomic shared_ptr); updates are applied atomically and durably.
+// Backends: FileStateStore (embedded default, state.path); an etcd backend implements the
+// same interface later.
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/result.h"
+#include "credstore/envelope.h"
+#include "credstore/scope.h"
+
+namespace egress::credstore {
+
+struct InjectRecord {
+    std::string type;  // "bearer" | "basic" | "header"
+    std::string username;
+    std::string name;
+    std::string value_template = "{secret}";
+};
+
+struct PinRecord {
+    std::string id;     // "pin_<hex>"
+    std::string host;   // host pattern text, optionally with ":port"
+    std::string secret; // secret name (resolved by scope at use time)
+    InjectRecord inject;
+    std::vector<std::string> path_prefixes;
+    std::vector<std::string> methods;
+    int64_t expires_at = 0;  // unix seconds; never later than the run's
+};
+
+struct RunRecord {
+    std::string id;          // "run_<hex>"
+    Scope scope;
+    std::string token_sha256;  // hex SHA-256 of the proxy token; the token itself is not kept
+    int64_t created_at = 0;
+    int64_t expires_at = 0;  // unix seconds
+    bool revoked = false;
+    std::vector<std::string> allow_hosts;
+    std::vector<std::string> source_cidrs;
+    std::vector<PinRecord> pins;
+    std::string ca_cert_pem;   // public
+    SealedSecret ca_key;       // the CA private key (PEM), sealed like a secret, name "ca:<run id>"
+};
+
+struct StateSnapshot {
+    uint64_t revision = 0;
+    /// Keyed by secret_key(name, scope).
+    std::map<std::string, SealedSecret> secrets;
+    std::map<std::string, RunRecord> runs;
+};
+
+std::string secret_key(const std::string& name, const Scope& scope);
+
+/// One atomic change. Exactly one of the members is meaningful, chosen by `kind`.
+struct Mutation {
+    enum class Kind { PutSecret, DeleteSecret, PutRun, DeleteRun, ReplaceSecrets };
+    Kind kind = Kind::PutSecret;
+    SealedSecret secret;                 // PutSecret
+    std::string name;                    // DeleteSecret: every scope of this name unless scope set
+    std::optional<Scope> scope;          // DeleteSecret
+    RunRecord run;                       // PutRun (insert or replace)
+    std::string run_id;                  // DeleteRun
+    std::vector<SealedSecret> secrets;   // ReplaceSecrets (KEK rotation: all at once)
+};
+
+class StateStore {
+public:
+    virtual ~StateStore() = default;
+    /// The current snapshot. Lock-free; never null.
+    virtual std::shared_ptr<const StateSnapshot> snapshot() const = 0;
+    /// Applies the mutations atomically (all or nothing) and durably: when this returns ok,
+    /// the new state survives a crash. Returns the new revision.
+    virtual Result<uint64_t> apply(const std::vector<Mutation>& mutations) = 0;
+    /// Called (on the applying thread) after each successful apply with the new snapshot.
+    virtual void on_change(std::function<void(std::shared_ptr<const StateSnapshot>)> cb) = 0;
+};
+
+/// Applies mutations to a copy of `base` (pure; shared by every backend). Errors:
+/// DeleteSecret/DeleteRun of something absent → "not_found: ...".
+Result<StateSnapshot> apply_mutations(const StateSnapshot& base,
+                                      const std::vector<Mutation>& mutations);
+
+/// JSON (de)serialization of a snapshot (boost::json), shared by every backend.
+std::string snapshot_to_json(const StateSnapshot& s);
+Result<StateSnapshot> snapshot_from_json(const std::string& text);
+
+/// File backend: the whole state in `<dir>/state.json`, rewritten on every apply with
+/// write-temp, fsync, rename, fsync-dir, so a kill -9 at any moment leaves either the old or
+/// the new state. Writes are serialized by a mutex; reads are lock-free snapshots.
+class FileStateStore final : public StateStore {
+public:
+    static Result<std::unique_ptr<FileStateStore>> open(const std::string& dir);
+    std::shared_ptr<const StateSnapshot> snapshot() const override;
+    Result<uint64_t> apply(const std::vector<Mutation>& mutations) override;
+    void on_change(std::function<void(std::shared_ptr<const StateSnapshot>)> cb) override;
+
+private:
+    std::string dir_;
+    std::mutex write_mu_;
+    std::atomic<std::shared_ptr<const StateSnapshot>> current_;
+    std::vector<std::function<void(std::shared_ptr<const StateSnapshot>)>> listeners_;
+};
+
+/// Scope resolution: among the sealed secrets named `name`, the most specific whose scope
+/// contains `run_scope`, or nullptr. `chain`, if given, receives every candidate of that name
+/// in decreasing specificity with whether it matched (for explain).
+struct ScopeCandidate {
+    Scope scope;
+    uint64_t version = 0;
+    bool matches = false;
+};
+const SealedSecret* resolve_secret(const StateSnapshot& s, const std::string& name,
+                                   const Scope& run_scope,
+                                   std::vector<ScopeCandidate>* chain = nullptr);
+
+}  // namespace egress::credstore
