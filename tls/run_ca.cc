@@ -206,6 +206,56 @@ std::string RunCa::cert_pem() const {
     return len > 0 ? std::string(data, static_cast<size_t>(len)) : std::string();
 }
 
+std::string RunCa::key_pem() const {
+    BioPtr bio(BIO_new(BIO_s_secmem()));
+    if (bio == nullptr ||
+        PEM_write_bio_PrivateKey(bio.get(), ca_key_.get(), nullptr, nullptr, 0, nullptr,
+                                 nullptr) != 1) {
+        ERR_clear_error();
+        return {};
+    }
+    char* data = nullptr;
+    const long len = BIO_get_mem_data(bio.get(), &data);
+    std::string out = len > 0 ? std::string(data, static_cast<size_t>(len)) : std::string();
+    if (len > 0) {
+        OPENSSL_cleanse(data, static_cast<size_t>(len));
+    }
+    return out;
+}
+
+Result<std::unique_ptr<RunCa>> RunCa::load(const std::string& cert_pem, std::string_view key_pem) {
+    BioPtr cbio(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())));
+    BioPtr kbio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())));
+    if (cbio == nullptr || kbio == nullptr) {
+        return ssl_error("BIO_new_mem_buf failed");
+    }
+    std::unique_ptr<RunCa> ca(new RunCa());
+    ca->cert_.reset(PEM_read_bio_X509(cbio.get(), nullptr, nullptr, nullptr));
+    if (ca->cert_ == nullptr) {
+        return ssl_error("run CA certificate does not parse");
+    }
+    ca->ca_key_.reset(PEM_read_bio_PrivateKey(kbio.get(), nullptr, nullptr, nullptr));
+    if (ca->ca_key_ == nullptr) {
+        return ssl_error("run CA key does not parse");
+    }
+    if (X509_check_private_key(ca->cert_.get(), ca->ca_key_.get()) != 1 ||
+        X509_check_ca(ca->cert_.get()) == 0) {
+        return ssl_error("run CA key does not match its certificate");
+    }
+    ca->leaf_key_ = make_p256_key();
+    if (ca->leaf_key_ == nullptr) {
+        return ssl_error("run leaf key generation failed");
+    }
+    const ASN1_TIME* na = X509_get0_notAfter(ca->cert_.get());
+    std::tm tm{};
+    if (ASN1_TIME_to_tm(na, &tm) != 1) {
+        return ssl_error("run CA notAfter unreadable");
+    }
+    ca->not_after_ = Clock::from_time_t(timegm(&tm));
+    X509_check_purpose(ca->cert_.get(), -1, 0);
+    return ca;
+}
+
 Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
                                                 std::chrono::seconds leaf_validity) const {
     if (leaf_validity <= std::chrono::seconds(0)) {

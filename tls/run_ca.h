@@ -28,6 +28,16 @@ public:
                                                  std::chrono::seconds validity);
 
     std::string cert_pem() const;
+
+    /// The CA private key as PKCS#8 PEM, for sealing into the state store (fleet replicas
+    /// and restarts must serve the run with the same CA). WARNING: key material; the caller
+    /// seals it at once and wipes the string (OPENSSL_cleanse).
+    std::string key_pem() const;
+
+    /// Rebuilds a run CA from its certificate and (unsealed) key; a fresh leaf key is made.
+    /// Fails if the key does not match the certificate or the certificate is not a CA.
+    static Result<std::unique_ptr<RunCa>> load(const std::string& cert_pem,
+                                               std::string_view key_pem);
     X509* cert() const { return cert_.get(); }
     std::chrono::system_clock::time_point not_after() const { return not_after_; }
 

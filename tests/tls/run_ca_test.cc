@@ -161,6 +161,23 @@ TEST(RunCaTest, LeafVerifiesUnderItsOwnRunCaOnly) {
     EXPECT_EQ(X509_check_host(leaf->cert.get(), "x.a.test", 0, 0, nullptr), 0);
 }
 
+TEST(RunCaTest, LoadFromSealedKeyServesTheSameCa) {
+    auto ca = make_ca("run-1");
+    std::string key = ca->key_pem();
+    ASSERT_NE(key.find("PRIVATE KEY"), std::string::npos);
+    auto loaded = RunCa::load(ca->cert_pem(), key);
+    ASSERT_TRUE(loaded.ok()) << loaded.error();
+    EXPECT_EQ(X509_cmp((*loaded)->cert(), ca->cert()), 0);
+    using SysClock = std::chrono::system_clock;
+    EXPECT_EQ(SysClock::to_time_t((*loaded)->not_after()), SysClock::to_time_t(ca->not_after()));
+    auto leaf = must_mint(**loaded, "a.test");
+    ASSERT_NE(leaf, nullptr);
+    EXPECT_EQ(verify_error(leaf->cert.get(), ca->cert(), "a.test"), X509_V_OK);
+    auto other = make_ca("run-2");
+    EXPECT_FALSE(RunCa::load(ca->cert_pem(), other->key_pem()).ok());
+    EXPECT_FALSE(RunCa::load("junk", key).ok());
+}
+
 TEST(RunCaTest, LeafHasServerFieldsAndAkid) {
     auto ca = make_ca();
     auto leaf = must_mint(*ca, "api.example.test");
