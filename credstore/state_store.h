@@ -33,6 +33,8 @@ struct PinRecord {
     InjectRecord inject;
     std::vector<std::string> path_prefixes;
     std::vector<std::string> methods;
+    /// Static extra headers (name, value) set with the credential; at most 20.
+    std::vector<std::pair<std::string, std::string>> extra_headers;
     int64_t expires_at = 0;  // unix seconds; never later than the run's
 };
 

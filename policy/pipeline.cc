@@ -81,6 +81,9 @@ void inject(RequestHead& head, const Pin& pin, Decision& d) {
     }
     head.set(name, std::move(value));  // replaces every client-sent value, never merges
     head.set("accept-encoding", "identity");
+    for (const auto& h : pin.extra_headers) {  // validated at load: never transport headers
+        head.set(h.name, h.value);
+    }
     d.pin = &pin;
     d.injected_header = name;
     d.reason = "injected";

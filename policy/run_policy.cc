@@ -242,3 +242,39 @@ bool host_pinned(const RunPolicy& run, const HostPort& dest, TimePoint now) {
 }
 
 }  // namespace egress::policy
+
+namespace egress::policy {
+
+Result<std::vector<Header>> validate_extra_headers(const std::vector<Header>& headers,
+                                                   const InjectSpec& inject) {
+    if (headers.size() > kMaxExtraHeaders) {
+        return make_error("headers: " + std::to_string(headers.size()) + " headers (at most " +
+                          std::to_string(kMaxExtraHeaders) + ")");
+    }
+    std::vector<Header> out;
+    const std::string injected = injected_header_name(inject);
+    for (const auto& h : headers) {
+        std::string name = ascii_lower(h.name);
+        if (!valid_header_name(name)) {
+            return make_error("headers." + h.name + ": not a valid header name");
+        }
+        if (is_transport_header(name) || is_egress_namespace(name)) {
+            return make_error("headers." + name + ": transport and proxy headers cannot be set");
+        }
+        if (name == injected) {
+            return make_error("headers." + name + ": is the injected credential header");
+        }
+        if (!valid_header_value(h.value)) {
+            return make_error("headers." + name + ": value contains CR, LF or NUL");
+        }
+        for (const auto& o : out) {
+            if (o.name == name) {
+                return make_error("headers." + name + ": set twice");
+            }
+        }
+        out.push_back({name, h.value});
+    }
+    return out;
+}
+
+}  // namespace egress::policy

@@ -9,6 +9,7 @@
 #include "common/result.h"
 #include "credstore/secret.h"
 #include "policy/host.h"
+#include "policy/request_head.h"
 
 namespace egress::policy {
 
@@ -38,6 +39,14 @@ std::string injected_header_name(const InjectSpec& spec);
 /// WARNING: the result contains the secret; never log it.
 std::string injected_header_value(const InjectSpec& spec, std::string_view secret);
 
+inline constexpr size_t kMaxExtraHeaders = 20;
+
+/// Validates configured extra headers: at most kMaxExtraHeaders, valid names that are not
+/// transport headers, x-egress-* or the injected header, values without CR/LF/NUL. Returns
+/// them with lowercase names; errors name the header ("headers.content-length: ...").
+Result<std::vector<Header>> validate_extra_headers(const std::vector<Header>& headers,
+                                                   const InjectSpec& inject);
+
 struct Pin {
     std::string id;
     HostPattern host;
@@ -45,6 +54,9 @@ struct Pin {
     std::vector<std::string> methods;        // uppercase; empty: any method
     std::string secret_name;                 // for audit and explain; never the value
     InjectSpec inject;
+    /// Static headers set along with the credential (at most kMaxExtraHeaders, never
+    /// transport headers; checked by validate_extra_headers).
+    std::vector<Header> extra_headers;
     credstore::SecretPtr secret;             // resolved value
     TimePoint expires_at = TimePoint::max();
 };

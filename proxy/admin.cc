@@ -1,30 +1,93 @@
-// Admin listener: /healthz, /readyz, /metrics. The /v1 control-plane API builds on this.
+// Admin listener: /healthz, /readyz, /metrics, and the /v1 control-plane API (bearer token).
+// Runs on its own io_context thread, so control-plane writes (fsync) never stall the proxy.
+#include "proxy/control_plane.h"
 #include "proxy/worker.h"
 
 namespace egress::proxy {
 
 namespace {
 
-bool host_is_loopback_name(std::string_view host_header) {
-    // Host pinning on loopback (DNS-rebinding defence): only loopback names and addresses.
+bool host_is_loopback_name(std::string_view host_header, uint16_t port) {
+    // Host pinning on loopback (DNS-rebinding defence): a loopback name or address, and when
+    // a port is given it must be ours.
     std::string_view h = host_header;
+    std::string_view p;
     if (!h.empty() && h.front() == '[') {
         auto end = h.find(']');
-        h = end == std::string_view::npos ? std::string_view{} : h.substr(1, end - 1);
+        if (end == std::string_view::npos) {
+            return false;
+        }
+        p = h.substr(end + 1);
+        h = h.substr(1, end - 1);
     } else if (auto colon = h.rfind(':'); colon != std::string_view::npos) {
+        p = h.substr(colon);
         h = h.substr(0, colon);
+    }
+    if (!p.empty() && p != ":" + std::to_string(port)) {
+        return false;
     }
     return h == "localhost" || h == "127.0.0.1" || h == "::1" ||
            (h.size() > 4 && h.substr(0, 4) == "127.");
 }
 
+template <class Socket>
+bool is_loopback_tcp(Socket&, uint16_t&) {
+    return false;  // unix sockets: no Host pinning needed (filesystem permissions apply)
+}
+
+template <>
+bool is_loopback_tcp<tcp::socket>(tcp::socket& s, uint16_t& port) {
+    error_code ec;
+    auto local = s.local_endpoint(ec);
+    port = local.port();
+    return !ec && local.address().is_loopback();
+}
+
 }  // namespace
 
-awaitable<void> serve_admin_client(tcp::socket socket, Worker& w) {
-    TcpStream stream(std::move(socket));
+uint64_t ConnectionRegistry::add(const std::string& run, net::any_io_executor ex,
+                                 std::weak_ptr<int> fd_token) {
+    std::lock_guard lock(mu_);
+    uint64_t id = next_id_++;
+    by_run_[run][id] = Entry{std::move(ex), std::move(fd_token)};
+    return id;
+}
+
+void ConnectionRegistry::remove(const std::string& run, uint64_t id) {
+    std::lock_guard lock(mu_);
+    auto it = by_run_.find(run);
+    if (it != by_run_.end()) {
+        it->second.erase(id);
+        if (it->second.empty()) {
+            by_run_.erase(it);
+        }
+    }
+}
+
+size_t ConnectionRegistry::close_run(const std::string& run) {
+    std::lock_guard lock(mu_);
+    auto it = by_run_.find(run);
+    if (it == by_run_.end()) {
+        return 0;
+    }
+    for (auto& [id, e] : it->second) {
+        net::post(e.ex, [tok = e.fd_token] {
+            if (auto fd = tok.lock()) {
+                ::shutdown(*fd, SHUT_RDWR);
+            }
+        });
+    }
+    return it->second.size();
+}
+
+template <class Socket>
+awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
+    using Stream = beast::basic_stream<typename Socket::protocol_type>;
+    Stream stream(std::move(socket));
+    uint16_t port = 0;
+    const bool loopback = is_loopback_tcp(stream.socket(), port);
     beast::flat_buffer buf;
     for (;;) {
-        http::request<http::string_body> req;
         http::request_parser<http::string_body> parser;
         parser.body_limit(1 << 20);
         parser.header_limit(16 * 1024);
@@ -33,21 +96,20 @@ awaitable<void> serve_admin_client(tcp::socket socket, Worker& w) {
         if (ec) {
             co_return;
         }
-        req = parser.release();
+        auto req = parser.release();
         http::response<http::string_body> res{http::status::ok, req.version()};
         res.set(http::field::server, "egressd");
-        res.set(http::field::content_type, "text/plain; charset=utf-8");
+        res.set(http::field::content_type, "application/json");
         std::string_view target = req.target();
-        auto local = stream.socket().local_endpoint(ec);
-        bool loopback = !ec && local.address().is_loopback();
-        if (loopback && !host_is_loopback_name(req[http::field::host])) {
+        if (loopback && !host_is_loopback_name(req[http::field::host], port)) {
             res.result(http::status::forbidden);
-            res.body() = "{\"error\":\"forbidden_host\",\"detail\":\"Host must be a loopback name\"}\n";
-            res.set(http::field::content_type, "application/json");
+            res.body() = R"({"error":"forbidden_host","detail":"Host must be a loopback name with this port"})";
         } else if (target == "/healthz") {
+            res.set(http::field::content_type, "text/plain");
             res.body() = "ok\n";
         } else if (target == "/readyz") {
-            if (w.shared.draining.load()) {
+            res.set(http::field::content_type, "text/plain");
+            if (shared.draining.load()) {
                 res.result(http::status::service_unavailable);
                 res.body() = "draining\n";
             } else {
@@ -55,11 +117,22 @@ awaitable<void> serve_admin_client(tcp::socket socket, Worker& w) {
             }
         } else if (target == "/metrics") {
             res.set(http::field::content_type, "text/plain; version=0.0.4");
-            res.body() = w.shared.metrics.render();
+            res.body() = shared.metrics.render();
+        } else if (target.substr(0, 4) == "/v1/" && shared.control != nullptr) {
+            if (!shared.control->authorized(req[http::field::authorization])) {
+                res.result(http::status::unauthorized);
+                res.set(http::field::www_authenticate, "Bearer realm=\"egressd-admin\"");
+                res.body() = R"({"error":"unauthorized","detail":"missing or wrong bearer token"})";
+            } else {
+                auto r = shared.control->handle(req.method_string(), target, req.body());
+                res.result(static_cast<http::status>(r.status));
+                res.body() = std::move(r.body);
+            }
+            // The request body may hold a secret value: wipe it.
+            OPENSSL_cleanse(req.body().data(), req.body().size());
         } else {
             res.result(http::status::not_found);
-            res.set(http::field::content_type, "application/json");
-            res.body() = "{\"error\":\"not_found\",\"detail\":\"no such route\"}\n";
+            res.body() = R"({"error":"not_found","detail":"no such route"})";
         }
         res.keep_alive(req.keep_alive());
         res.prepare_payload();
@@ -69,5 +142,9 @@ awaitable<void> serve_admin_client(tcp::socket socket, Worker& w) {
         }
     }
 }
+
+template awaitable<void> serve_admin_client<tcp::socket>(tcp::socket, Shared&);
+template awaitable<void> serve_admin_client<net::local::stream_protocol::socket>(
+    net::local::stream_protocol::socket, Shared&);
 
 }  // namespace egress::proxy

@@ -54,8 +54,7 @@ Identity identify(const Runtime& rt, const http::request<http::buffer_body>& req
         return {nullptr, 407, "bad_identity"};
     }
     auto run = rt.find(user);
-    bool ok = run && (run->token ? credstore::constant_time_equals(pass, run->token->reveal())
-                                 : true);
+    bool ok = run && token_matches(*run, pass);
     OPENSSL_cleanse(pass.data(), pass.size());
     if (!ok) {
         return {nullptr, 407, "bad_identity"};
@@ -233,6 +232,20 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     scope.runtime = rt;
     scope.conn_id = shared.next_conn_id.fetch_add(1);
     RunConnectionGuard run_guard;
+    std::shared_ptr<int> fd_token;
+    uint64_t registration = 0;
+    struct RegistrationGuard {
+        Shared& shared;
+        Scope& scope;
+        std::shared_ptr<int>& token;
+        uint64_t& id;
+        ~RegistrationGuard() {
+            token.reset();  // same thread as any posted shutdown: the fd is never stale
+            if (id != 0 && scope.run) {
+                shared.connections.remove(scope.run->policy.id, id);
+            }
+        }
+    } registration_guard{shared, scope, fd_token, registration};
     bool first = true;
 
     for (;;) {
@@ -276,7 +289,11 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
                 co_return;
             }
             scope.run = id.run;
-        } else if (scope.run != id.run) {
+            // Registered so that revoking the run closes this connection at once.
+            fd_token = std::make_shared<int>(stream.socket().native_handle());
+            registration = shared.connections.add(scope.run->policy.id,
+                                                  stream.get_executor(), fd_token);
+        } else if (scope.run->policy.id != id.run->policy.id) {
             co_await write_refusal(stream, 403, "identity_changed", false);
             audit_refusal(scope, method, "", 403, "identity_changed", started);
             co_return;

@@ -227,6 +227,22 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
     Worker& w = *scope.worker;
     Shared& shared = w.shared;
     InflightGuard inflight(shared);
+    // Every request sees the current control-plane state: a rotated secret applies to the
+    // next request, and a revoked or expired run is refused even on an open connection.
+    {
+        auto current = shared.runtime.load();
+        auto fresh = current->find(scope.run->policy.id);
+        if (!fresh) {
+            bool expired = scope.run->policy.expires_at <= policy::Clock::now();
+            const char* reason = expired ? "run_expired" : "run_revoked";
+            co_await write_refusal(client, 403, reason, false);
+            audit_refusal(scope, std::string(parser.get().method_string()),
+                          std::string(parser.get().target()), 403, reason, started);
+            co_return false;
+        }
+        scope.run = std::move(fresh);
+        scope.runtime = std::move(current);
+    }
     const Runtime& rt = *scope.runtime;
     const auto& limits = rt.config->limits;
     auto& req = parser.get();

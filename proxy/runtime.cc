@@ -108,8 +108,8 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             errors.push_back(rc.yaml_path + ": cannot create run CA: " + ca.error());
             continue;
         }
-        run->ca = std::move(*ca);
-        run->leaves = std::make_unique<tls::LeafCache>(*run->ca, config->limits.leaf_cache_size);
+        run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
+        run->leaves = make_leaf_cache(run->ca, config->limits.leaf_cache_size);
         if (!rc.ca_cert_out.empty()) {
             auto w = write_file_atomic(rc.ca_cert_out, run->ca->cert_pem(), 0644);
             if (!w) {
@@ -118,6 +118,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             }
         }
         if (!run->token) {
+            run->anonymous = true;
             rt->anonymous = run;
         }
         rt->runs[rc.id] = std::move(run);
@@ -130,6 +131,34 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
         return make_error(msg);
     }
     return rt;
+}
+
+std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca, size_t capacity) {
+    auto* cache = new tls::LeafCache(*ca, capacity);
+    return std::shared_ptr<tls::LeafCache>(cache, [ca](tls::LeafCache* p) { delete p; });
+}
+
+std::string sha256_hex(std::string_view bytes) {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr);
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out;
+    for (unsigned int i = 0; i < n; ++i) {
+        out.push_back(kHex[md[i] >> 4]);
+        out.push_back(kHex[md[i] & 15]);
+    }
+    return out;
+}
+
+bool token_matches(const Run& run, std::string_view token) {
+    if (run.token) {
+        return credstore::constant_time_equals(token, run.token->reveal());
+    }
+    if (!run.token_sha256.empty()) {
+        return credstore::constant_time_equals(sha256_hex(token), run.token_sha256);
+    }
+    return run.anonymous;
 }
 
 bool parse_proxy_basic(std::string_view v, std::string& user, std::string& pass) {

@@ -20,9 +20,12 @@ namespace egress::proxy {
 
 struct Run {
     policy::RunPolicy policy;
-    credstore::SecretPtr token;  // null: the anonymous run (sole static run, no token_file)
-    std::unique_ptr<tls::RunCa> ca;
-    std::unique_ptr<tls::LeafCache> leaves;
+    bool dynamic = false;        // created through the admin API (state store)
+    credstore::SecretPtr token;  // static runs with token_file
+    std::string token_sha256;    // dynamic runs: hex SHA-256 of the proxy token
+    bool anonymous = false;      // the sole static run without token_file
+    std::shared_ptr<tls::RunCa> ca;
+    std::shared_ptr<tls::LeafCache> leaves;  // keeps `ca` alive (see make_leaf_cache)
     /// Pins whose secret could not be loaded (e.g. a secret file not mounted yet): their
     /// hosts are refused with "secret_unavailable" instead of "host_not_allowed".
     std::vector<policy::HostPattern> unavailable_pins;
@@ -47,6 +50,15 @@ struct BuildWarnings {
 /// Secret files that do not exist yet produce a warning and an unavailable pin.
 Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
                                                BuildWarnings& warnings);
+
+/// A leaf cache that owns a reference to its CA.
+std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca, size_t capacity);
+
+/// True if `token` is the run's proxy token (constant time).
+bool token_matches(const Run& run, std::string_view token);
+
+/// Hex SHA-256.
+std::string sha256_hex(std::string_view bytes);
 
 /// Decodes "Basic b64(user:pass)". Returns false if absent or malformed.
 bool parse_proxy_basic(std::string_view header_value, std::string& user, std::string& pass);

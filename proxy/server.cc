@@ -2,6 +2,9 @@
 
 #include <thread>
 
+#include <filesystem>
+
+#include "proxy/control_plane.h"
 #include "proxy/upstream.h"
 #include "proxy/worker.h"
 #include "tls/contexts.h"
@@ -42,10 +45,58 @@ void log_spawn_error(std::exception_ptr e) {
 
 struct Server::Impl {
     Shared shared;
+    std::unique_ptr<ControlPlane> control;
+    net::io_context admin_ioc{1};  // admin API: blocking store writes stay off the data path
     std::vector<std::unique_ptr<Worker>> workers;
     std::unique_ptr<tcp::acceptor> proxy_acceptor;
     std::unique_ptr<tcp::acceptor> admin_acceptor;
+    std::unique_ptr<net::local::stream_protocol::acceptor> admin_unix_acceptor;
     size_t next_worker = 0;
+
+    /// Rebuilds the data path's runtime after a control-plane change and closes the open
+    /// connections of runs that are gone (revoked, expired, deleted).
+    void publish_runtime() {
+        auto next = control->build_runtime();
+        if (!next) {
+            spdlog::error("runtime rebuild failed: {}", next.error());
+            return;
+        }
+        auto prev = shared.runtime.exchange(*next);
+        for (const auto& [id, run] : prev->runs) {
+            if ((*next)->runs.count(id) == 0) {
+                size_t n = shared.connections.close_run(id);
+                spdlog::info("run {} revoked or expired: closing {} connections", id, n);
+            }
+        }
+        shared.metrics.runs_active.store(static_cast<int64_t>((*next)->runs.size()));
+    }
+
+    awaitable<void> sweep_loop() {
+        net::steady_timer t(admin_ioc);
+        for (;;) {
+            t.expires_after(std::chrono::seconds(1));
+            auto [ec] = co_await t.async_wait(use_nothrow);
+            if (ec) {
+                co_return;
+            }
+            if (size_t n = control->sweep_expired(); n > 0) {
+                spdlog::info("swept {} expired runs", n);
+            }
+        }
+    }
+
+    awaitable<void> admin_unix_loop() {
+        for (;;) {
+            auto [ec, sock] = co_await admin_unix_acceptor->async_accept(use_nothrow);
+            if (ec == net::error::operation_aborted || !admin_unix_acceptor->is_open()) {
+                co_return;
+            }
+            if (!ec) {
+                net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
+                              log_spawn_error);
+            }
+        }
+    }
 
     Worker& pick_worker() {
         auto& w = *workers[next_worker];
@@ -53,9 +104,23 @@ struct Server::Impl {
         return w;
     }
 
-    awaitable<void> accept_loop(tcp::acceptor& acceptor, bool admin) {
+    awaitable<void> admin_tcp_loop() {
         for (;;) {
-            Worker& w = admin ? *workers[0] : pick_worker();
+            // Accepted on the acceptor's own executor (admin_ioc): no socket conversion.
+            auto [ec, sock] = co_await admin_acceptor->async_accept(use_nothrow);
+            if (ec == net::error::operation_aborted || !admin_acceptor->is_open()) {
+                co_return;
+            }
+            if (!ec) {
+                net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
+                              log_spawn_error);
+            }
+        }
+    }
+
+    awaitable<void> accept_loop(tcp::acceptor& acceptor) {
+        for (;;) {
+            Worker& w = pick_worker();
             auto [ec, sock] = co_await acceptor.async_accept(w.ioc, use_nothrow);
             if (ec == net::error::operation_aborted || !acceptor.is_open()) {
                 co_return;
@@ -64,11 +129,7 @@ struct Server::Impl {
                 spdlog::warn("accept: {}", ec.message());
                 continue;  // e.g. EMFILE: keep serving the connections we have
             }
-            if (admin) {
-                net::co_spawn(w.ioc, serve_admin_client(std::move(sock), w), log_spawn_error);
-            } else {
-                net::co_spawn(w.ioc, serve_proxy_client(std::move(sock), w), log_spawn_error);
-            }
+            net::co_spawn(w.ioc, serve_proxy_client(std::move(sock), w), log_spawn_error);
         }
     }
 };
@@ -116,15 +177,46 @@ Server::Server(std::shared_ptr<const Runtime> runtime) : impl_(std::make_unique<
     impl_->proxy_acceptor = open(cfg.proxy, "listen.proxy");
     s.own_listeners.push_back(impl_->proxy_acceptor->local_endpoint());
     if (cfg.admin.is_unix()) {
-        throw std::runtime_error("listen.admin: unix sockets are not supported yet");
+        std::error_code fec;
+        std::filesystem::remove(cfg.admin.unix_path, fec);
+        impl_->admin_unix_acceptor = std::make_unique<net::local::stream_protocol::acceptor>(
+            impl_->admin_ioc, net::local::stream_protocol::endpoint(cfg.admin.unix_path));
+        ::chmod(cfg.admin.unix_path.c_str(), 0600);
+    } else {
+        auto acc = std::make_unique<tcp::acceptor>(impl_->admin_ioc);
+        auto ep = endpoint_of(cfg.admin);
+        acc->open(ep.protocol());
+        acc->set_option(tcp::acceptor::reuse_address(true));
+        error_code ec;
+        acc->bind(ep, ec);
+        if (ec) {
+            throw std::runtime_error("listen.admin: cannot listen on " + cfg.admin.to_string() +
+                                     ": " + ec.message());
+        }
+        acc->listen(net::socket_base::max_listen_connections);
+        impl_->admin_acceptor = std::move(acc);
+        s.own_listeners.push_back(impl_->admin_acceptor->local_endpoint());
+        if (!net::ip::make_address(cfg.admin.host).is_loopback()) {
+            spdlog::warn("listen.admin {} is beyond loopback: the admin API is reachable from "
+                         "the network; protect it with a firewall and keep the token secret",
+                         cfg.admin.to_string());
+        }
     }
-    impl_->admin_acceptor = open(cfg.admin, "listen.admin");
-    s.own_listeners.push_back(impl_->admin_acceptor->local_endpoint());
-    if (!net::ip::make_address(cfg.admin.host).is_loopback()) {
-        spdlog::warn("listen.admin {} is beyond loopback: the admin API is reachable from the "
-                     "network; protect it",
-                     cfg.admin.to_string());
+
+    auto control = ControlPlane::open(runtime);
+    if (!control) {
+        throw std::runtime_error(control.error());
     }
+    impl_->control = std::move(*control);
+    auto pep = impl_->proxy_acceptor->local_endpoint();
+    std::string host = pep.address().is_unspecified() ? "127.0.0.1" : pep.address().to_string();
+    if (pep.address().is_v6()) {
+        host = "[" + host + "]";
+    }
+    impl_->control->set_proxy_authority(host + ":" + std::to_string(pep.port()));
+    s.control = impl_->control.get();
+    impl_->publish_runtime();
+    impl_->control->on_change([impl = impl_.get()] { impl->publish_runtime(); });
 }
 
 Server::~Server() = default;
@@ -135,9 +227,16 @@ int Server::run() {
     auto rt = s.runtime.load();
     spdlog::info("egressd listening: proxy {} admin {} ({} workers)",
                  impl_->proxy_acceptor->local_endpoint().port(),
-                 impl_->admin_acceptor->local_endpoint().port(), impl_->workers.size());
-    net::co_spawn(ioc0, impl_->accept_loop(*impl_->proxy_acceptor, false), log_spawn_error);
-    net::co_spawn(ioc0, impl_->accept_loop(*impl_->admin_acceptor, true), log_spawn_error);
+                 impl_->admin_acceptor ? std::to_string(impl_->admin_acceptor->local_endpoint().port())
+                                       : rt->config->admin.unix_path,
+                 impl_->workers.size());
+    net::co_spawn(ioc0, impl_->accept_loop(*impl_->proxy_acceptor), log_spawn_error);
+    if (impl_->admin_acceptor) {
+        net::co_spawn(impl_->admin_ioc, impl_->admin_tcp_loop(), log_spawn_error);
+    } else {
+        net::co_spawn(impl_->admin_ioc, impl_->admin_unix_loop(), log_spawn_error);
+    }
+    net::co_spawn(impl_->admin_ioc, impl_->sweep_loop(), log_spawn_error);
 
     net::signal_set signals(ioc0, SIGINT, SIGTERM);
     signals.async_wait([this, &s, rt](error_code ec, int sig) {
@@ -161,11 +260,10 @@ int Server::run() {
                 if (s.inflight.load() > 0) {
                     spdlog::warn("drain timeout: closing {} in-flight requests", s.inflight.load());
                 }
-                error_code ig;
-                impl_->admin_acceptor->close(ig);
                 for (auto& w : impl_->workers) {
                     w->ioc.stop();
                 }
+                impl_->admin_ioc.stop();
             },
             log_spawn_error);
     });
@@ -178,6 +276,8 @@ int Server::run() {
     for (size_t i = 1; i < impl_->workers.size(); ++i) {
         threads.emplace_back([w = impl_->workers[i].get()] { w->ioc.run(); });
     }
+    guards.emplace_back(impl_->admin_ioc.get_executor());
+    threads.emplace_back([this] { impl_->admin_ioc.run(); });
     ioc0.run();
     for (auto& t : threads) {
         t.join();

@@ -2,6 +2,8 @@
 // Internal to proxy/: the per-thread worker (one io_context per core, STYLE.md §4) and the
 // process-wide shared state. Includes Asio: only proxy/*.cc include this.
 #include <atomic>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +21,26 @@
 namespace egress::proxy {
 
 class UpstreamPool;
+class ControlPlane;
+
+/// Open client connections by run, so revoking a run closes them at once. close_run posts
+/// a shutdown(fd) to each connection's own executor; the connection resets its token (on
+/// that same thread) before its socket closes, so a stale fd is never touched.
+class ConnectionRegistry {
+public:
+    uint64_t add(const std::string& run, net::any_io_executor ex, std::weak_ptr<int> fd_token);
+    void remove(const std::string& run, uint64_t id);
+    size_t close_run(const std::string& run);
+
+private:
+    struct Entry {
+        net::any_io_executor ex;
+        std::weak_ptr<int> fd_token;
+    };
+    std::mutex mu_;
+    uint64_t next_id_ = 1;
+    std::map<std::string, std::map<uint64_t, Entry>> by_run_;
+};
 
 /// Process-wide state, shared read-mostly by every worker.
 struct Shared {
@@ -33,6 +55,8 @@ struct Shared {
     std::atomic<bool> draining{false};
     std::atomic<int64_t> inflight{0};  // requests and tunnels in progress (drain waits on it)
     std::atomic<uint64_t> next_conn_id{1};
+    ConnectionRegistry connections;
+    ControlPlane* control = nullptr;  // set when the admin API is enabled
 };
 
 /// Counts one request or tunnel in flight for the drain on SIGTERM.
@@ -59,7 +83,8 @@ struct Worker {
 
 /// Serves one client connection on the forward-proxy port (CONNECT and absolute-form).
 awaitable<void> serve_proxy_client(tcp::socket socket, Worker& worker);
-/// Serves one admin connection (/healthz, /readyz, /metrics).
-awaitable<void> serve_admin_client(tcp::socket socket, Worker& worker);
+/// Serves one admin connection (/healthz, /readyz, /metrics, /v1 control-plane API).
+template <class Socket>
+awaitable<void> serve_admin_client(Socket socket, Shared& shared);
 
 }  // namespace egress::proxy

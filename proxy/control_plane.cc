@@ -1,0 +1,996 @@
+#include "proxy/control_plane.h"
+
+#include <fcntl.h>
+#include <openssl/rand.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <set>
+#include <fstream>
+
+#include <boost/json.hpp>
+#include <boost/url/parse.hpp>
+#include <boost/url/decode_view.hpp>
+#include <boost/url/parse_query.hpp>
+
+#include "policy/header_rules.h"
+#include "tls/run_ca.h"
+
+namespace egress::proxy {
+
+namespace json = boost::json;
+using credstore::Scope;
+
+namespace {
+
+constexpr int64_t kDefaultRunTtl = 1800;
+constexpr int64_t kMaxRunTtl = 7 * 24 * 3600;
+
+int64_t unix_now() {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+}
+
+std::string rfc3339(int64_t t) {
+    std::time_t tt = t;
+    std::tm tm{};
+    gmtime_r(&tt, &tm);
+    char buf[32];
+    std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    return buf;
+}
+
+std::string random_hex(size_t bytes) {
+    std::string raw(bytes, '\0');
+    RAND_bytes(reinterpret_cast<unsigned char*>(raw.data()), static_cast<int>(bytes));
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : raw) {
+        out.push_back(kHex[c >> 4]);
+        out.push_back(kHex[c & 15]);
+    }
+    OPENSSL_cleanse(raw.data(), raw.size());
+    return out;
+}
+
+ApiResponse error(int status, std::string_view err, std::string_view detail) {
+    json::object o;
+    o["error"] = err;
+    o["detail"] = detail;
+    return {status, json::serialize(o)};
+}
+
+ApiResponse ok(int status, const json::value& v) { return {status, json::serialize(v)}; }
+
+json::value scope_json(const Scope& s) {
+    json::object o;
+    o["org"] = s.org;
+    if (!s.project.empty()) o["project"] = s.project;
+    if (!s.user.empty()) o["user"] = s.user;
+    if (!s.workflow.empty()) o["workflow"] = s.workflow;
+    return o;
+}
+
+/// Reads an optional string field; errors name it.
+Result<std::string> get_string(const json::object& o, const char* key, const std::string& path,
+                               bool required) {
+    auto* v = o.if_contains(key);
+    if (v == nullptr || v->is_null()) {
+        if (required) {
+            return make_error(path + key + ": required");
+        }
+        return std::string();
+    }
+    if (!v->is_string()) {
+        return make_error(path + key + ": must be a string");
+    }
+    return std::string(v->as_string());
+}
+
+Result<std::vector<std::string>> get_strings(const json::object& o, const char* key,
+                                             const std::string& path) {
+    std::vector<std::string> out;
+    auto* v = o.if_contains(key);
+    if (v == nullptr || v->is_null()) {
+        return out;
+    }
+    if (!v->is_array()) {
+        return make_error(path + key + ": must be an array of strings");
+    }
+    for (size_t i = 0; i < v->as_array().size(); ++i) {
+        const auto& e = v->as_array()[i];
+        if (!e.is_string()) {
+            return make_error(path + key + "[" + std::to_string(i) + "]: must be a string");
+        }
+        out.emplace_back(e.as_string());
+    }
+    return out;
+}
+
+Result<Scope> get_scope(const json::object& o, const std::string& path) {
+    auto* v = o.if_contains("scope");
+    if (v == nullptr || !v->is_object()) {
+        return make_error(path + "scope: required object {org, project?, user?, workflow?}");
+    }
+    Scope s;
+    for (const auto& [k, val] : v->as_object()) {
+        if (!val.is_string()) {
+            return make_error(path + "scope." + std::string(k) + ": must be a string");
+        }
+        std::string sv(val.as_string());
+        if (k == "org") s.org = sv;
+        else if (k == "project") s.project = sv;
+        else if (k == "user") s.user = sv;
+        else if (k == "workflow") s.workflow = sv;
+        else return make_error(path + "scope." + std::string(k) + ": unknown field");
+    }
+    if (auto valid = s.validate(); !valid) {
+        return make_error(path + valid.error());
+    }
+    return s;
+}
+
+Result<int64_t> get_int(const json::object& o, const char* key, const std::string& path,
+                        int64_t dflt, int64_t lo, int64_t hi) {
+    auto* v = o.if_contains(key);
+    if (v == nullptr || v->is_null()) {
+        return dflt;
+    }
+    if (!v->is_int64() && !v->is_uint64()) {
+        return make_error(path + key + ": must be an integer");
+    }
+    int64_t n = v->is_int64() ? v->as_int64() : static_cast<int64_t>(v->as_uint64());
+    if (n < lo || n > hi) {
+        return make_error(path + key + ": must be between " + std::to_string(lo) + " and " +
+                          std::to_string(hi));
+    }
+    return n;
+}
+
+bool valid_name(const std::string& n) {
+    if (n.empty() || n.size() > 128) {
+        return false;
+    }
+    for (char c : n) {
+        if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.')) {
+            return false;
+        }
+    }
+    return true;
+}
+
+Result<json::object> parse_body(std::string_view body) {
+    boost::system::error_code ec;
+    auto v = json::parse(body, ec);
+    if (ec) {
+        return make_error("body: invalid JSON: " + ec.message());
+    }
+    if (!v.is_object()) {
+        return make_error("body: must be a JSON object");
+    }
+    return v.as_object();
+}
+
+policy::InjectType inject_type(const std::string& t) {
+    return t == "basic" ? policy::InjectType::Basic
+                        : t == "header" ? policy::InjectType::Header : policy::InjectType::Bearer;
+}
+
+policy::InjectSpec to_spec(const credstore::InjectRecord& r) {
+    policy::InjectSpec s;
+    s.type = inject_type(r.type);
+    s.username = r.username;
+    s.header_name = r.name;
+    s.value_template = r.value_template.empty() ? "{secret}" : r.value_template;
+    return s;
+}
+
+std::string query_param(std::string_view query, std::string_view key) {
+    auto params = boost::urls::parse_query(query);
+    if (!params) {
+        return {};
+    }
+    for (auto p : *params) {
+        auto k = *p.key;  // decode_view
+        if (std::string(k.begin(), k.end()) == key) {
+            auto v = *p.value;
+            return std::string(v.begin(), v.end());
+        }
+    }
+    return {};
+}
+
+json::value pin_json(const credstore::PinRecord& p) {
+    json::object o;
+    o["id"] = p.id;
+    o["host"] = p.host;
+    o["secret"] = p.secret;
+    json::object inj;
+    inj["type"] = p.inject.type;
+    if (!p.inject.username.empty()) inj["username"] = p.inject.username;
+    if (!p.inject.name.empty()) inj["name"] = p.inject.name;
+    if (p.inject.type == "header") inj["template"] = p.inject.value_template;
+    o["inject"] = inj;
+    o["path_prefixes"] = json::value_from(p.path_prefixes);
+    o["methods"] = json::value_from(p.methods);
+    json::array hdrs;
+    for (const auto& h : p.extra_headers) {
+        hdrs.push_back(json::value(h.first));  // names only; values may be sensitive
+    }
+    o["headers"] = hdrs;
+    o["expires_at"] = rfc3339(p.expires_at);
+    return o;
+}
+
+}  // namespace
+
+void KeyRing::add(std::unique_ptr<credstore::KeyProvider> p, bool primary) {
+    auto id = p->key_id();
+    auto* raw = p.get();
+    providers_[id] = std::move(p);
+    if (primary || primary_ == nullptr) {
+        primary_ = raw;
+    }
+}
+
+credstore::KeyProvider* KeyRing::find(const std::string& key_id) {
+    auto it = providers_.find(key_id);
+    return it == providers_.end() ? nullptr : it->second.get();
+}
+
+Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const Runtime> statics) {
+    std::unique_ptr<ControlPlane> cp(new ControlPlane());
+    cp->statics_ = statics;
+    cp->config_ = statics->config;
+    const Config& cfg = *cp->config_;
+
+    // Admin token: created 0600 on first start.
+    std::error_code fec;
+    auto tpath = std::filesystem::path(cfg.admin_token_file);
+    if (!tpath.parent_path().empty()) {
+        std::filesystem::create_directories(tpath.parent_path(), fec);
+    }
+    if (!std::filesystem::exists(tpath, fec)) {
+        int fd = ::open(cfg.admin_token_file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0) {
+            return make_error("admin.token_file: cannot create " + cfg.admin_token_file + ": " +
+                              std::strerror(errno));
+        }
+        std::string tok = random_hex(32) + "\n";
+        bool wrote = ::write(fd, tok.data(), tok.size()) == static_cast<ssize_t>(tok.size());
+        ::fsync(fd);
+        ::close(fd);
+        OPENSSL_cleanse(tok.data(), tok.size());
+        if (!wrote) {
+            return make_error("admin.token_file: cannot write " + cfg.admin_token_file);
+        }
+    }
+    auto tok = credstore::load_secret_file(cfg.admin_token_file);
+    if (!tok) {
+        return make_error("admin.token_file: " + tok.error());
+    }
+    cp->admin_token_ = std::string((*tok)->reveal());
+
+    // Master key (KEK).
+    if (cfg.kms_command) {
+        auto p = credstore::make_kms_command_provider(*cfg.kms_command);
+        if (!p) {
+            return make_error("keys.kms_command: " + p.error());
+        }
+        cp->keys_.add(std::move(*p), true);
+    } else {
+        auto p = credstore::open_master_key_file(cfg.master_key_file, true);
+        if (!p) {
+            return make_error(p.error());
+        }
+        cp->keys_.add(std::move(*p), true);
+        std::string next = cfg.master_key_file + ".next";
+        if (std::filesystem::exists(next, fec)) {
+            // A rotation was interrupted: the state may use either key. Load both; the next
+            // rotation (or this start, below) finishes the move to the new key.
+            auto n = credstore::open_master_key_file(next, false);
+            if (!n) {
+                return make_error(n.error());
+            }
+            cp->keys_.add(std::move(*n), false);
+        }
+    }
+
+    if (cfg.state_backend != "file") {
+        return make_error("state.backend: '" + cfg.state_backend +
+                          "' is not available in this build (use file)");
+    }
+    auto store = credstore::FileStateStore::open(cfg.state_path);
+    if (!store) {
+        return make_error("state.path: " + store.error());
+    }
+    cp->store_ = std::move(*store);
+    if (std::filesystem::exists(cfg.master_key_file + ".next", fec)) {
+        auto r = cp->rotate_keys();
+        if (r.status >= 300) {
+            return make_error("keys: finishing an interrupted rotation failed: " + r.body);
+        }
+    }
+    return cp;
+}
+
+bool ControlPlane::authorized(std::string_view h) const {
+    constexpr std::string_view kBearer = "Bearer ";
+    if (h.size() <= kBearer.size() || h.substr(0, kBearer.size()) != kBearer) {
+        return false;
+    }
+    return credstore::constant_time_equals(h.substr(kBearer.size()), admin_token_);
+}
+
+void ControlPlane::on_change(std::function<void()> cb) {
+    store_->on_change([cb = std::move(cb)](auto) { cb(); });
+}
+
+ApiResponse ControlPlane::handle(std::string_view method, std::string_view target,
+                                 std::string_view body) {
+    auto url = boost::urls::parse_origin_form(target);
+    if (!url) {
+        return error(400, "bad_request", "target does not parse");
+    }
+    std::vector<std::string> seg;
+    for (auto s : url->segments()) {
+        seg.emplace_back(s);
+    }
+    std::string_view query =
+        url->has_query() ? std::string_view(url->encoded_query()) : std::string_view();
+    if (seg.size() < 2 || seg[0] != "v1") {
+        return error(404, "not_found", "no such route");
+    }
+    if (seg[1] == "secrets") {
+        if (seg.size() == 2 && method == "POST") return create_secret(body);
+        if (seg.size() == 2 && method == "GET") return list_secrets();
+        if (seg.size() == 3 && method == "PUT") return rotate_secret(seg[2], body);
+        if (seg.size() == 3 && method == "DELETE") return delete_secret(seg[2], query);
+    } else if (seg[1] == "runs") {
+        if (seg.size() == 2 && method == "POST") return create_run(body);
+        if (seg.size() == 3 && method == "GET") return show_run(seg[2]);
+        if (seg.size() == 3 && method == "DELETE") return revoke_run(seg[2]);
+        if (seg.size() == 4 && seg[3] == "pins" && method == "POST") return add_pin(seg[2], body);
+        if (seg.size() == 4 && seg[3] == "explain" && method == "GET") return explain(seg[2], query);
+    } else if (seg[1] == "keys" && seg.size() == 3 && seg[2] == "rotate" && method == "POST") {
+        return rotate_keys();
+    }
+    return error(404, "not_found", "no such route: " + std::string(method) + " " +
+                                       std::string(url->encoded_path()));
+}
+
+Result<credstore::SecretPtr> ControlPlane::unseal_cached(const credstore::SealedSecret& s) {
+    std::string key = credstore::secret_key(s.name, s.scope) + "#" + std::to_string(s.version) +
+                      "#" + s.kek_id + "#" + s.wrapped_dek.substr(0, 16);
+    if (auto it = unsealed_.find(key); it != unsealed_.end()) {
+        return it->second;
+    }
+    auto* kp = keys_.find(s.kek_id);
+    if (kp == nullptr) {
+        return make_error("no key '" + s.kek_id + "' to unwrap " + s.name);
+    }
+    auto v = credstore::unseal(*kp, s);
+    if (!v) {
+        return make_error(v.error());
+    }
+    unsealed_[key] = *v;
+    return *v;
+}
+
+ApiResponse ControlPlane::create_secret(std::string_view body) {
+    auto o = parse_body(body);
+    if (!o) return error(400, "invalid_request", o.error());
+    auto name = get_string(*o, "name", "", true);
+    if (!name) return error(400, "invalid_request", name.error());
+    if (!valid_name(*name)) {
+        return error(400, "invalid_request", "name: 1..128 characters of [A-Za-z0-9_.-]");
+    }
+    auto scope = get_scope(*o, "");
+    if (!scope) return error(400, "invalid_request", scope.error());
+    auto value = get_string(*o, "value", "", true);
+    if (!value) return error(400, "invalid_request", value.error());
+    for (const auto& [k, v] : *o) {
+        if (k != "name" && k != "scope" && k != "value") {
+            OPENSSL_cleanse(value->data(), value->size());
+            return error(400, "invalid_request", std::string(k) + ": unknown field");
+        }
+    }
+    std::lock_guard lock(mu_);
+    auto snap = store_->snapshot();
+    if (snap->secrets.count(credstore::secret_key(*name, *scope)) != 0) {
+        OPENSSL_cleanse(value->data(), value->size());
+        return error(409, "conflict", "secret '" + *name + "' already exists in scope " +
+                                          scope->to_string() + "; use PUT to rotate it");
+    }
+    auto sealed = credstore::seal(keys_.primary(), *name, *scope, 1, *value);
+    OPENSSL_cleanse(value->data(), value->size());
+    if (!sealed) return error(400, "invalid_request", "value: " + sealed.error());
+    credstore::Mutation m;
+    m.kind = credstore::Mutation::Kind::PutSecret;
+    m.secret = *sealed;
+    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    json::object out;
+    out["name"] = sealed->name;
+    out["scope"] = scope_json(sealed->scope);
+    out["version"] = sealed->version;
+    out["created_at"] = sealed->created_at;
+    return ok(201, out);
+}
+
+ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_view body) {
+    auto o = parse_body(body);
+    if (!o) return error(400, "invalid_request", o.error());
+    auto scope = get_scope(*o, "");
+    if (!scope) return error(400, "invalid_request", scope.error());
+    auto value = get_string(*o, "value", "", true);
+    if (!value) return error(400, "invalid_request", value.error());
+    std::lock_guard lock(mu_);
+    auto snap = store_->snapshot();
+    auto it = snap->secrets.find(credstore::secret_key(name, *scope));
+    if (it == snap->secrets.end()) {
+        OPENSSL_cleanse(value->data(), value->size());
+        return error(404, "not_found", "no secret '" + name + "' in scope " + scope->to_string());
+    }
+    auto sealed = credstore::seal(keys_.primary(), name, *scope, it->second.version + 1, *value);
+    OPENSSL_cleanse(value->data(), value->size());
+    if (!sealed) return error(400, "invalid_request", "value: " + sealed.error());
+    credstore::Mutation m;
+    m.kind = credstore::Mutation::Kind::PutSecret;
+    m.secret = *sealed;
+    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    json::object out;
+    out["name"] = sealed->name;
+    out["scope"] = scope_json(sealed->scope);
+    out["version"] = sealed->version;
+    out["created_at"] = sealed->created_at;
+    return ok(200, out);
+}
+
+ApiResponse ControlPlane::list_secrets() {
+    auto snap = store_->snapshot();
+    json::array arr;
+    for (const auto& [k, s] : snap->secrets) {
+        json::object o;
+        o["name"] = s.name;
+        o["scope"] = scope_json(s.scope);
+        o["version"] = s.version;
+        o["created_at"] = s.created_at;
+        arr.push_back(o);
+    }
+    json::object out;
+    out["secrets"] = arr;
+    return ok(200, out);
+}
+
+ApiResponse ControlPlane::delete_secret(const std::string& name, std::string_view query) {
+    credstore::Mutation m;
+    m.kind = credstore::Mutation::Kind::DeleteSecret;
+    m.name = name;
+    std::string scope_text = query_param(query, "scope");
+    if (!scope_text.empty()) {
+        auto sc = credstore::parse_scope(scope_text);
+        if (!sc) return error(400, "invalid_request", sc.error());
+        m.scope = *sc;
+    }
+    std::lock_guard lock(mu_);
+    auto r = store_->apply({m});
+    if (!r) {
+        bool nf = r.error().rfind("not_found", 0) == 0;
+        return error(nf ? 404 : 500, nf ? "not_found" : "store_failed", r.error());
+    }
+    return {204, ""};
+}
+
+namespace {
+
+Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& path,
+                                       const Scope& run_scope, const credstore::StateSnapshot& snap,
+                                       int64_t run_expires, int64_t now) {
+    if (!v.is_object()) {
+        return make_error(path + ": must be an object");
+    }
+    const auto& o = v.as_object();
+    static const std::set<std::string_view> kKeys{"host",    "secret",        "inject",
+                                                  "methods", "path_prefixes", "ttl_seconds",
+                                                  "headers"};
+    for (const auto& [k, _] : o) {
+        if (kKeys.count(k) == 0) {
+            return make_error(path + "." + std::string(k) + ": unknown field");
+        }
+    }
+    credstore::PinRecord p;
+    p.id = "pin_" + random_hex(8);
+    auto host = get_string(o, "host", path + ".", true);
+    if (!host) return make_error(host.error());
+    auto pattern = policy::HostPattern::parse(*host);
+    if (!pattern) return make_error(path + ".host: " + pattern.error());
+    p.host = pattern->text();
+    auto secret = get_string(o, "secret", path + ".", true);
+    if (!secret) return make_error(secret.error());
+    if (credstore::resolve_secret(snap, *secret, run_scope) == nullptr) {
+        return make_error(path + ".secret: unknown secret '" + *secret + "' for scope " +
+                          run_scope.to_string());
+    }
+    p.secret = *secret;
+    auto* inj = o.if_contains("inject");
+    if (inj == nullptr || !inj->is_object()) {
+        return make_error(path + ".inject: required object {type: bearer|basic|header, ...}");
+    }
+    const auto& io = inj->as_object();
+    auto type = get_string(io, "type", path + ".inject.", true);
+    if (!type) return make_error(type.error());
+    if (*type != "bearer" && *type != "basic" && *type != "header") {
+        return make_error(path + ".inject.type: unknown value '" + *type +
+                          "' (expected bearer, basic or header)");
+    }
+    p.inject.type = *type;
+    auto user = get_string(io, "username", path + ".inject.", *type == "basic");
+    if (!user) return make_error(user.error());
+    auto name = get_string(io, "name", path + ".inject.", *type == "header");
+    if (!name) return make_error(name.error());
+    auto tmpl = get_string(io, "template", path + ".inject.", false);
+    if (!tmpl) return make_error(tmpl.error());
+    p.inject.username = *user;
+    p.inject.name = *name;
+    p.inject.value_template = tmpl->empty() ? "{secret}" : *tmpl;
+    auto spec = policy::validate_injection(to_spec(p.inject));
+    if (!spec) return make_error(path + "." + spec.error());
+    p.inject.name = spec->header_name;
+    auto prefixes = get_strings(o, "path_prefixes", path + ".");
+    if (!prefixes) return make_error(prefixes.error());
+    for (const auto& pp : *prefixes) {
+        if (pp.empty() || pp.front() != '/') {
+            return make_error(path + ".path_prefixes: '" + pp + "' must start with '/'");
+        }
+    }
+    p.path_prefixes = *prefixes;
+    auto methods = get_strings(o, "methods", path + ".");
+    if (!methods) return make_error(methods.error());
+    for (auto& m : *methods) {
+        m = policy::ascii_lower(m);
+        std::transform(m.begin(), m.end(), m.begin(), ::toupper);
+        if (!policy::valid_header_name(m)) {
+            return make_error(path + ".methods: '" + m + "' is not a method");
+        }
+    }
+    p.methods = *methods;
+    std::vector<policy::Header> extra;
+    if (auto* h = o.if_contains("headers"); h != nullptr && !h->is_null()) {
+        if (!h->is_object()) {
+            return make_error(path + ".headers: must be an object {name: value}");
+        }
+        for (const auto& [k, val] : h->as_object()) {
+            if (!val.is_string()) {
+                return make_error(path + ".headers." + std::string(k) + ": must be a string");
+            }
+            extra.push_back({std::string(k), std::string(val.as_string())});
+        }
+    }
+    auto checked = policy::validate_extra_headers(extra, *spec);
+    if (!checked) return make_error(path + "." + checked.error());
+    for (const auto& h : *checked) {
+        p.extra_headers.emplace_back(h.name, h.value);
+    }
+    auto ttl = get_int(o, "ttl_seconds", path + ".", run_expires - now, 1, kMaxRunTtl);
+    if (!ttl) return make_error(ttl.error());
+    p.expires_at = std::min(run_expires, now + *ttl);  // never later than the run
+    return p;
+}
+
+}  // namespace
+
+ApiResponse ControlPlane::create_run(std::string_view body) {
+    auto o = parse_body(body);
+    if (!o) return error(400, "invalid_request", o.error());
+    static const std::set<std::string_view> kKeys{"scope", "ttl_seconds", "allow_hosts",
+                                                  "source_cidrs", "pins"};
+    for (const auto& [k, _] : *o) {
+        if (kKeys.count(k) == 0) {
+            return error(400, "invalid_request", std::string(k) + ": unknown field");
+        }
+    }
+    auto scope = get_scope(*o, "");
+    if (!scope) return error(400, "invalid_request", scope.error());
+    auto ttl = get_int(*o, "ttl_seconds", "", kDefaultRunTtl, 1, kMaxRunTtl);
+    if (!ttl) return error(400, "invalid_request", ttl.error());
+    auto allow = get_strings(*o, "allow_hosts", "");
+    if (!allow) return error(400, "invalid_request", allow.error());
+    for (size_t i = 0; i < allow->size(); ++i) {
+        auto pat = policy::HostPattern::parse((*allow)[i]);
+        if (!pat) {
+            return error(400, "invalid_request",
+                         "allow_hosts[" + std::to_string(i) + "]: " + pat.error());
+        }
+        (*allow)[i] = pat->text();
+    }
+    auto cidrs = get_strings(*o, "source_cidrs", "");
+    if (!cidrs) return error(400, "invalid_request", cidrs.error());
+    for (size_t i = 0; i < cidrs->size(); ++i) {
+        auto c = policy::Cidr::parse((*cidrs)[i]);
+        if (!c) {
+            return error(400, "invalid_request",
+                         "source_cidrs[" + std::to_string(i) + "]: " + c.error());
+        }
+    }
+    const int64_t now = unix_now();
+    credstore::RunRecord run;
+    run.id = "run_" + random_hex(8);
+    run.scope = *scope;
+    run.created_at = now;
+    run.expires_at = now + *ttl;
+    run.allow_hosts = *allow;
+    run.source_cidrs = *cidrs;
+
+    std::lock_guard lock(mu_);
+    auto snap = store_->snapshot();
+    if (auto* pins = o->if_contains("pins"); pins != nullptr && !pins->is_null()) {
+        if (!pins->is_array()) return error(400, "invalid_request", "pins: must be an array");
+        for (size_t i = 0; i < pins->as_array().size(); ++i) {
+            auto p = parse_pin(pins->as_array()[i], "pins[" + std::to_string(i) + "]", *scope,
+                               *snap, run.expires_at, now);
+            if (!p) return error(400, "invalid_request", p.error());
+            run.pins.push_back(std::move(*p));
+        }
+    }
+    auto ca = tls::RunCa::create(run.id, std::chrono::seconds(*ttl));
+    if (!ca) return error(500, "ca_failed", ca.error());
+    run.ca_cert_pem = (*ca)->cert_pem();
+    std::string key = (*ca)->key_pem();
+    auto sealed_key = credstore::seal(keys_.primary(), "ca:" + run.id, *scope, 1, key);
+    OPENSSL_cleanse(key.data(), key.size());
+    if (!sealed_key) return error(500, "ca_failed", sealed_key.error());
+    run.ca_key = *sealed_key;
+    std::string token = random_hex(24);
+    run.token_sha256 = sha256_hex(token);
+    credstore::Mutation m;
+    m.kind = credstore::Mutation::Kind::PutRun;
+    m.run = run;
+    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+
+    json::object out;
+    out["id"] = run.id;
+    out["proxy_url"] = "http://" + run.id + ":" + token + "@" + proxy_authority_;
+    OPENSSL_cleanse(token.data(), token.size());
+    out["ca_pem"] = run.ca_cert_pem;
+    out["expires_at"] = rfc3339(run.expires_at);
+    out["scope"] = scope_json(run.scope);
+    json::array pins;
+    for (const auto& p : run.pins) pins.push_back(pin_json(p));
+    out["pins"] = pins;
+    return ok(201, out);
+}
+
+ApiResponse ControlPlane::show_run(const std::string& id) {
+    auto snap = store_->snapshot();
+    auto it = snap->runs.find(id);
+    if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+    const auto& r = it->second;
+    json::object out;
+    out["id"] = r.id;
+    out["scope"] = scope_json(r.scope);
+    out["created_at"] = rfc3339(r.created_at);
+    out["expires_at"] = rfc3339(r.expires_at);
+    out["revoked"] = r.revoked;
+    out["expired"] = r.expires_at <= unix_now();
+    out["allow_hosts"] = json::value_from(r.allow_hosts);
+    out["source_cidrs"] = json::value_from(r.source_cidrs);
+    json::array pins;
+    for (const auto& p : r.pins) pins.push_back(pin_json(p));
+    out["pins"] = pins;
+    out["ca_pem"] = r.ca_cert_pem;
+    return ok(200, out);
+}
+
+ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) {
+    std::lock_guard lock(mu_);
+    auto snap = store_->snapshot();
+    auto it = snap->runs.find(id);
+    if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+    auto run = it->second;
+    const int64_t now = unix_now();
+    if (run.revoked || run.expires_at <= now) {
+        return error(409, "conflict", "run '" + id + "' is revoked or expired");
+    }
+    boost::system::error_code ec;
+    auto v = json::parse(body, ec);
+    if (ec) return error(400, "invalid_request", "body: invalid JSON: " + ec.message());
+    auto p = parse_pin(v, "pin", run.scope, *snap, run.expires_at, now);
+    if (!p) return error(400, "invalid_request", p.error());
+    run.pins.push_back(*p);
+    credstore::Mutation m;
+    m.kind = credstore::Mutation::Kind::PutRun;
+    m.run = run;
+    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    return ok(201, pin_json(*p));
+}
+
+ApiResponse ControlPlane::revoke_run(const std::string& id) {
+    std::lock_guard lock(mu_);
+    auto snap = store_->snapshot();
+    auto it = snap->runs.find(id);
+    if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+    auto run = it->second;
+    run.revoked = true;
+    credstore::Mutation m;
+    m.kind = credstore::Mutation::Kind::PutRun;
+    m.run = run;
+    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    json::object out;
+    out["id"] = id;
+    out["revoked"] = true;
+    return ok(200, out);
+}
+
+void KeyRing::set_primary(const std::string& key_id) {
+    if (auto* p = find(key_id)) {
+        primary_ = p;
+    }
+}
+
+ApiResponse ControlPlane::explain(const std::string& id, std::string_view query) {
+    std::string url_text = query_param(query, "url");
+    std::string method = query_param(query, "method");
+    if (method.empty()) {
+        method = "GET";
+    }
+    std::transform(method.begin(), method.end(), method.begin(), ::toupper);
+    auto url = boost::urls::parse_absolute_uri(url_text);
+    if (url_text.empty() || !url) {
+        return error(400, "invalid_request", "url: required absolute http(s) URL");
+    }
+    bool https = url->scheme_id() == boost::urls::scheme::https;
+    if (!https && url->scheme_id() != boost::urls::scheme::http) {
+        return error(400, "invalid_request", "url: scheme must be http or https");
+    }
+    auto dest = policy::parse_authority(url->encoded_authority(), https ? 443 : 80);
+    if (!dest) return error(400, "invalid_request", "url: " + dest.error());
+    std::string path = std::string(url->encoded_path());
+    if (path.empty()) path = "/";
+
+    auto snap = store_->snapshot();
+    std::shared_ptr<Run> run = statics_->find(id);
+    const credstore::RunRecord* rec = nullptr;
+    if (!run) {
+        auto it = snap->runs.find(id);
+        if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+        rec = &it->second;
+        std::lock_guard lock(build_mu_);
+        if (auto b = built_.find(id); b != built_.end()) run = b->second;
+    }
+    json::object out;
+    out["run"] = id;
+    out["url"] = url_text;
+    out["method"] = method;
+    out["host"] = dest->host;
+    out["port"] = dest->port;
+    out["pin"] = nullptr;
+    out["secret"] = nullptr;
+    auto now = policy::Clock::now();
+    if (rec != nullptr && (rec->revoked || rec->expires_at <= unix_now()) ) {
+        out["decision"] = "deny";
+        out["reason"] = rec->revoked ? "run_revoked" : "run_expired";
+        return ok(200, out);
+    }
+    if (!run) return error(503, "not_ready", "run not loaded yet");
+    auto dd = policy::decide_destination(config_->policy, run->policy, *dest, now);
+    if (dd.carry == policy::Carry::Deny) {
+        out["decision"] = "deny";
+        out["reason"] = dd.reason;
+        return ok(200, out);
+    }
+    if (dd.carry == policy::Carry::Tunnel) {
+        out["decision"] = "tunnel";
+        out["reason"] = "allowed_unpinned_tunnel";
+        return ok(200, out);
+    }
+    const policy::Pin* pin = policy::match_pin(run->policy, *dest, method, path, now);
+    if (pin == nullptr) {
+        bool allowed = policy::host_allowed(config_->policy, run->policy, *dest);
+        out["decision"] = allowed ? "forward" : "deny";
+        out["reason"] = allowed ? "allowed_without_credential" : "no_matching_pin";
+        return ok(200, out);
+    }
+    json::object pj;
+    pj["id"] = pin->id;
+    pj["host"] = pin->host.text();
+    out["pin"] = pj;
+    json::object sj;
+    sj["name"] = pin->secret_name;
+    if (rec != nullptr) {
+        std::vector<credstore::ScopeCandidate> chain;
+        const auto* chosen = credstore::resolve_secret(*snap, pin->secret_name, rec->scope, &chain);
+        if (chosen != nullptr) {
+            sj["scope"] = scope_json(chosen->scope);
+            sj["version"] = chosen->version;
+        }
+        json::array ch;
+        for (const auto& c : chain) {
+            json::object co;
+            co["scope"] = scope_json(c.scope);
+            co["version"] = c.version;
+            co["matches"] = c.matches;
+            co["chosen"] = chosen != nullptr && chosen->scope == c.scope;
+            ch.push_back(co);
+        }
+        out["chain"] = ch;
+    } else {
+        sj["source"] = "secret_file";
+    }
+    out["secret"] = sj;
+    out["decision"] = https ? "inject" : "forward";
+    out["reason"] = https ? "injected" : "cleartext_no_credential";
+    return ok(200, out);
+}
+
+ApiResponse ControlPlane::rotate_keys() {
+    std::lock_guard lock(mu_);
+    credstore::KeyProvider* target = &keys_.primary();
+    const bool file_kek = !config_->kms_command.has_value();
+    const std::string next_path = config_->master_key_file + ".next";
+    std::error_code fec;
+    if (file_kek) {
+        bool resuming = std::filesystem::exists(next_path, fec);
+        auto next = credstore::open_master_key_file(next_path, !resuming);
+        if (!next) return error(500, "kek_failed", next.error());
+        std::string next_id = (*next)->key_id();
+        if (keys_.find(next_id) == nullptr) {
+            keys_.add(std::move(*next), false);
+        }
+        target = keys_.find(next_id);
+    }
+    auto snap = store_->snapshot();
+    std::vector<credstore::Mutation> muts;
+    credstore::Mutation all;
+    all.kind = credstore::Mutation::Kind::ReplaceSecrets;
+    size_t count = 0;
+    auto rewrap_one = [&](const credstore::SealedSecret& s) -> Result<credstore::SealedSecret> {
+        auto* from = keys_.find(s.kek_id);
+        if (from == nullptr) return make_error("no key '" + s.kek_id + "' for " + s.name);
+        ++count;
+        return credstore::rewrap(*from, *target, s);
+    };
+    for (const auto& [k, s] : snap->secrets) {
+        auto r = rewrap_one(s);
+        if (!r) return error(500, "kek_failed", r.error());
+        all.secrets.push_back(*r);
+    }
+    muts.push_back(all);
+    for (const auto& [id, run] : snap->runs) {
+        auto r = rewrap_one(run.ca_key);
+        if (!r) return error(500, "kek_failed", r.error());
+        credstore::Mutation m;
+        m.kind = credstore::Mutation::Kind::PutRun;
+        m.run = run;
+        m.run.ca_key = *r;
+        muts.push_back(m);
+    }
+    if (auto r = store_->apply(muts); !r) return error(500, "store_failed", r.error());
+    if (file_kek) {
+        // Only now that every data key is wrapped by the new KEK does it replace the old one.
+        std::filesystem::rename(next_path, config_->master_key_file, fec);
+        if (fec) return error(500, "kek_failed", "rename " + next_path + ": " + fec.message());
+        auto dir = std::filesystem::path(config_->master_key_file).parent_path();
+        int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+            ::fsync(dfd);
+            ::close(dfd);
+        }
+    }
+    keys_.set_primary(target->key_id());
+    json::object out;
+    out["kek_id"] = target->key_id();
+    out["rewrapped"] = count;
+    return ok(200, out);
+}
+
+size_t ControlPlane::sweep_expired() {
+    std::lock_guard lock(mu_);
+    auto snap = store_->snapshot();
+    const int64_t now = unix_now();
+    std::vector<credstore::Mutation> muts;
+    for (const auto& [id, run] : snap->runs) {
+        if (run.expires_at <= now) {
+            credstore::Mutation m;
+            m.kind = credstore::Mutation::Kind::DeleteRun;
+            m.run_id = id;
+            muts.push_back(m);
+        }
+    }
+    if (muts.empty()) return 0;
+    if (auto r = store_->apply(muts); !r) {
+        return 0;
+    }
+    return muts.size();
+}
+
+Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
+    std::lock_guard lock(build_mu_);
+    auto snap = store_->snapshot();
+    auto rt = std::make_shared<Runtime>();
+    rt->config = statics_->config;
+    rt->addresses = statics_->addresses;
+    rt->runs = statics_->runs;
+    rt->anonymous = statics_->anonymous;
+    const int64_t now = unix_now();
+    std::map<std::string, std::shared_ptr<Run>> built;
+    std::map<std::string, std::string> fps;
+    for (const auto& [id, rec] : snap->runs) {
+        if (rec.revoked || rec.expires_at <= now || rt->runs.count(id) != 0) {
+            continue;
+        }
+        // What the Run is built from: the record and the versions of the secrets it uses.
+        std::string fp = rec.token_sha256 + "|" + std::to_string(rec.expires_at);
+        for (const auto& h : rec.allow_hosts) fp += "|a:" + h;
+        for (const auto& p : rec.pins) {
+            const auto* s = credstore::resolve_secret(*snap, p.secret, rec.scope);
+            fp += "|p:" + p.id + "@" + std::to_string(p.expires_at) + "#" +
+                  (s ? credstore::secret_key(s->name, s->scope) + "v" + std::to_string(s->version)
+                     : std::string("missing"));
+        }
+        auto prev = built_.find(id);
+        if (prev != built_.end() && fingerprints_[id] == fp) {
+            built[id] = prev->second;
+            fps[id] = fp;
+            rt->runs[id] = prev->second;
+            continue;
+        }
+        auto run = std::make_shared<Run>();
+        run->dynamic = true;
+        run->policy.id = id;
+        run->policy.expires_at = policy::Clock::from_time_t(rec.expires_at);
+        run->token_sha256 = rec.token_sha256;
+        for (const auto& h : rec.allow_hosts) {
+            if (auto pat = policy::HostPattern::parse(h)) run->policy.allow_hosts.push_back(*pat);
+        }
+        if (prev != built_.end() && prev->second->ca) {
+            run->ca = prev->second->ca;  // same run: keep its CA and warm leaf cache
+            run->leaves = prev->second->leaves;
+        } else {
+            auto* kp = keys_.find(rec.ca_key.kek_id);
+            if (kp == nullptr) {
+                continue;
+            }
+            auto key = credstore::unseal(*kp, rec.ca_key);
+            if (!key) continue;
+            auto ca = tls::RunCa::load(rec.ca_cert_pem, (*key)->reveal());
+            if (!ca) continue;
+            run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
+            run->leaves = make_leaf_cache(run->ca, config_->limits.leaf_cache_size);
+        }
+        for (const auto& p : rec.pins) {
+            auto pat = policy::HostPattern::parse(p.host);
+            if (!pat || p.expires_at <= now) continue;
+            const auto* sealed = credstore::resolve_secret(*snap, p.secret, rec.scope);
+            credstore::SecretPtr value;
+            if (sealed != nullptr) {
+                auto v = unseal_cached(*sealed);
+                if (v) value = *v;
+            }
+            if (!value) {
+                run->unavailable_pins.push_back(*pat);
+                continue;
+            }
+            policy::Pin pin;
+            pin.id = p.id;
+            pin.host = *pat;
+            pin.path_prefixes = p.path_prefixes;
+            pin.methods = p.methods;
+            pin.secret_name = p.secret;
+            pin.inject = to_spec(p.inject);
+            for (const auto& [n, v] : p.extra_headers) pin.extra_headers.push_back({n, v});
+            pin.secret = value;
+            pin.expires_at = policy::Clock::from_time_t(p.expires_at);
+            run->policy.pins.push_back(std::move(pin));
+        }
+        built[id] = run;
+        fps[id] = fp;
+        rt->runs[id] = run;
+    }
+    built_ = std::move(built);
+    fingerprints_ = std::move(fps);
+    return std::shared_ptr<const Runtime>(rt);
+}
+
+}  // namespace egress::proxy

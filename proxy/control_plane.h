@@ -1,0 +1,93 @@
+#pragma once
+// The control plane: admin API routes over the state store, and the data path's view of
+// dynamic runs. No Asio here: routes are plain functions of (method, target, body), so they
+// are unit-testable without sockets; proxy/admin.cc carries them over HTTP.
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "common/result.h"
+#include "credstore/envelope.h"
+#include "credstore/state_store.h"
+#include "proxy/config.h"
+#include "proxy/runtime.h"
+
+namespace egress::proxy {
+
+/// KEKs by id: the primary wraps new data keys; older ones still unwrap during rotation.
+class KeyRing {
+public:
+    void add(std::unique_ptr<credstore::KeyProvider> p, bool primary);
+    credstore::KeyProvider& primary() { return *primary_; }
+    credstore::KeyProvider* find(const std::string& key_id);
+    void set_primary(const std::string& key_id);
+
+private:
+    std::map<std::string, std::unique_ptr<credstore::KeyProvider>> providers_;
+    credstore::KeyProvider* primary_ = nullptr;
+};
+
+struct ApiResponse {
+    int status = 200;
+    std::string body;  // JSON
+};
+
+class ControlPlane {
+public:
+    /// Opens (creating on first start) the admin token, the KEK and the state store named by
+    /// the config. `statics` is the runtime built from the config's static runs.
+    static Result<std::unique_ptr<ControlPlane>> open(std::shared_ptr<const Runtime> statics);
+
+    /// Constant-time check of "Bearer <token>" against admin.token_file.
+    bool authorized(std::string_view authorization_header) const;
+
+    /// Routes one /v1 request. Never returns a secret value or a proxy token (except the
+    /// new run's proxy_url, once, in POST /v1/runs).
+    ApiResponse handle(std::string_view method, std::string_view target, std::string_view body);
+
+    /// The data path's runtime for the current state: static runs plus every live dynamic
+    /// run (pins resolved by scope and unsealed). Unchanged runs keep their Run objects.
+    Result<std::shared_ptr<const Runtime>> build_runtime();
+
+    /// Deletes expired runs from the store. Returns how many were swept.
+    size_t sweep_expired();
+
+    /// Where the proxy listens, for proxy_url ("127.0.0.1:3128").
+    void set_proxy_authority(std::string authority) { proxy_authority_ = std::move(authority); }
+
+    /// Subscribes to store changes (after apply): used to rebuild and publish the runtime.
+    void on_change(std::function<void()> cb);
+
+    credstore::StateStore& store() { return *store_; }
+
+private:
+    ControlPlane() = default;
+    ApiResponse create_secret(std::string_view body);
+    ApiResponse rotate_secret(const std::string& name, std::string_view body);
+    ApiResponse list_secrets();
+    ApiResponse delete_secret(const std::string& name, std::string_view query);
+    ApiResponse create_run(std::string_view body);
+    ApiResponse show_run(const std::string& id);
+    ApiResponse add_pin(const std::string& id, std::string_view body);
+    ApiResponse revoke_run(const std::string& id);
+    ApiResponse explain(const std::string& id, std::string_view query);
+    ApiResponse rotate_keys();
+    Result<credstore::SecretPtr> unseal_cached(const credstore::SealedSecret& s);
+
+    std::shared_ptr<const Runtime> statics_;
+    std::shared_ptr<const Config> config_;
+    std::unique_ptr<credstore::StateStore> store_;
+    KeyRing keys_;
+    std::string admin_token_;
+    std::string proxy_authority_;
+    std::mutex mu_;        // serializes mutations (admin requests)
+    std::mutex build_mu_;  // guards the caches below (build_runtime runs inside apply)
+    std::map<std::string, credstore::SecretPtr> unsealed_;  // secret_key + version → value
+    std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run
+    std::map<std::string, std::string> fingerprints_;      // run id → what it was built from
+};
+
+}  // namespace egress::proxy
