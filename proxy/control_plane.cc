@@ -11,8 +11,8 @@
 
 #include <boost/json.hpp>
 #include <boost/url/parse.hpp>
-#include <boost/url/decode_view.hpp>
-#include <boost/url/parse_query.hpp>
+#include <boost/url/params_view.hpp>
+#include <boost/url/url_view.hpp>
 
 #include "policy/header_rules.h"
 #include "tls/run_ca.h"
@@ -188,15 +188,14 @@ policy::InjectSpec to_spec(const credstore::InjectRecord& r) {
 }
 
 std::string query_param(std::string_view query, std::string_view key) {
-    auto params = boost::urls::parse_query(query);
-    if (!params) {
+    std::string origin = "/?" + std::string(query);
+    auto u = boost::urls::parse_origin_form(origin);
+    if (!u) {
         return {};
     }
-    for (auto p : *params) {
-        auto k = *p.key;  // decode_view
-        if (std::string(k.begin(), k.end()) == key) {
-            auto v = *p.value;
-            return std::string(v.begin(), v.end());
+    for (auto p : u->params()) {  // percent-decoded
+        if (p.key == key) {
+            return p.value;
         }
     }
     return {};
