@@ -1,0 +1,27 @@
+#pragma once
+// One benchmark run: T io_context threads, --connections drivers spread over them, one shared
+// Scheduler; per-thread RunStats merged at the end.
+
+#include <string>
+
+#include "bench/options.h"
+#include "bench/stats.h"
+
+namespace egress::bench {
+
+struct RunResult {
+  std::string fatal_error;  // the run could not start (resolution, trust store, ...)
+  RunStats stats;
+  double elapsed_s = 0;  // measured interval: measure start → last counted completion
+  double warmup_s = 0;
+  bool interrupted = false;
+
+  std::uint64_t counted() const { return stats.ok + stats.failed; }
+  /// Successful (status < 400) requests per second of the measured interval.
+  double rps() const { return elapsed_s > 0 ? static_cast<double>(stats.ok) / elapsed_s : 0; }
+};
+
+/// Runs the benchmark described by `options` to completion (blocking). SIGINT ends it early.
+RunResult run_benchmark(const BenchOptions& options);
+
+}  // namespace egress::bench

@@ -1,0 +1,56 @@
+#pragma once
+// Hands out request tickets to every driver on every thread (lock-free). Closed loop: a ticket is
+// available at once while the budget lasts. Open loop (--rate): ticket i is due at
+// start + i/rate whoever takes it, and latency is measured from that intended time, so a stalled
+// server shows up as latency instead of silently lowering the offered load (coordinated omission).
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+
+#include "bench/stats.h"
+
+namespace egress::bench {
+
+struct Ticket {
+  Clock::time_point intended;  // when the request should be sent (now, in closed loop)
+  bool counted = true;         // false during warmup
+};
+
+struct SchedulePlan {
+  Clock::time_point start;
+  Clock::duration warmup{0};
+  std::optional<Clock::duration> duration;  // measured time after warmup
+  std::optional<std::uint64_t> requests;    // counted tickets, exact
+  std::optional<double> rate;               // requests/s over all drivers
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulePlan& plan);
+
+  /// The next ticket, or nullopt when the run is over (budget spent, time up, or stop()).
+  /// Thread-safe. In open loop the ticket may be due in the future: wait until `intended`.
+  std::optional<Ticket> next(Clock::time_point now);
+  /// True once next() can only return nullopt (cheap; used to avoid opening useless connections).
+  bool finished(Clock::time_point now) const;
+  /// Ends the run early (e.g. SIGINT). Thread-safe.
+  void stop() { stopped_.store(true, std::memory_order_relaxed); }
+
+  /// Start of the measured interval.
+  Clock::time_point measure_start() const { return measure_start_; }
+
+ private:
+  Clock::time_point intended_at(std::uint64_t index) const;
+
+  SchedulePlan plan_;
+  Clock::time_point warmup_end_;
+  Clock::time_point measure_start_;
+  std::optional<Clock::time_point> measure_end_;
+  std::uint64_t warmup_tickets_ = 0;       // open loop: tickets due before warmup_end_
+  std::atomic<std::uint64_t> issued_{0};   // open loop: every ticket
+  std::atomic<std::uint64_t> counted_{0};  // closed loop: counted tickets
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace egress::bench

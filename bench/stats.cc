@@ -1,0 +1,69 @@
+#include "bench/stats.h"
+
+#include <algorithm>
+
+namespace egress::bench {
+
+std::string error_key(ErrorKind kind, unsigned status) {
+  switch (kind) {
+    case ErrorKind::kConnect:
+      return "connect";
+    case ErrorKind::kProxyIo:
+      return "proxy_io";
+    case ErrorKind::kProxyStatus:
+      return "connect_" + std::to_string(status);
+    case ErrorKind::kTls:
+      return "tls";
+    case ErrorKind::kTimeout:
+      return "timeout";
+    case ErrorKind::kWrite:
+      return "write";
+    case ErrorKind::kRead:
+      return "read";
+    case ErrorKind::kParse:
+      return "parse";
+    case ErrorKind::kStatus:
+      return "status_" + std::to_string(status / 100) + "xx";
+  }
+  return "unknown";
+}
+
+void RunStats::add_error(const std::string& key, std::string_view message) {
+  ++failed;
+  auto it = errors.find(key);
+  if (it == errors.end()) {
+    errors.emplace(key, 1);
+    error_samples.emplace(key, std::string(message));
+  } else {
+    ++it->second;
+  }
+}
+
+void RunStats::merge(const RunStats& other) {
+  latency.merge(other.latency);
+  connect_latency.merge(other.connect_latency);
+  ok += other.ok;
+  failed += other.failed;
+  warmup_requests += other.warmup_requests;
+  bytes_received += other.bytes_received;
+  body_bytes_received += other.body_bytes_received;
+  bytes_sent += other.bytes_sent;
+  connections_opened += other.connections_opened;
+  tls_handshakes += other.tls_handshakes;
+  tls_resumed += other.tls_resumed;
+  for (std::size_t i = 0; i < status_counts.size(); ++i) {
+    status_counts[i] += other.status_counts[i];
+  }
+  for (const auto& [k, n] : other.errors) {
+    errors[k] += n;
+  }
+  for (const auto& [k, m] : other.error_samples) {
+    error_samples.emplace(k, m);
+  }
+  for (const auto& [k, n] : other.protocols) {
+    protocols[k] += n;
+  }
+  last_completion = std::max(last_completion, other.last_completion);
+}
+
+}  // namespace egress::bench

@@ -1,0 +1,56 @@
+#pragma once
+// Counters one io_context thread writes while the run is going (no locks, no atomics: every
+// driver on that thread shares one RunStats), merged into the run's totals afterwards.
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "bench/histogram.h"
+
+namespace egress::bench {
+
+using Clock = std::chrono::steady_clock;
+
+/// Why a request failed. The report key is error_key(); kProxyStatus and kStatus carry a code.
+enum class ErrorKind {
+  kConnect,      // TCP connect to the target or proxy failed
+  kProxyIo,      // I/O error while exchanging CONNECT with the proxy
+  kProxyStatus,  // the proxy answered CONNECT with a non-2xx status ("connect_403")
+  kTls,          // TLS handshake failed (including certificate verification)
+  kTimeout,      // any phase exceeded --timeout
+  kWrite,        // writing the request failed
+  kRead,         // reading the response failed (reset, EOF, truncated TLS)
+  kParse,        // the response was not valid HTTP
+  kStatus,       // the response status was 4xx or 5xx ("status_5xx")
+};
+
+std::string error_key(ErrorKind kind, unsigned status = 0);
+
+struct RunStats {
+  LatencyHistogram latency;          // counted requests that got a response, µs
+  LatencyHistogram connect_latency;  // TCP + CONNECT + TLS of every successful open, µs
+  std::uint64_t ok = 0;              // counted, status < 400
+  std::uint64_t failed = 0;          // counted, any error (including 4xx/5xx)
+  std::uint64_t warmup_requests = 0;
+  std::uint64_t bytes_received = 0;  // HTTP bytes of counted responses (head + body)
+  std::uint64_t body_bytes_received = 0;
+  std::uint64_t bytes_sent = 0;  // HTTP bytes of counted requests
+  std::uint64_t connections_opened = 0;
+  std::uint64_t tls_handshakes = 0;
+  std::uint64_t tls_resumed = 0;
+  std::array<std::uint64_t, 600> status_counts{};  // counted responses by status code
+  std::map<std::string, std::uint64_t, std::less<>> errors;
+  std::map<std::string, std::string, std::less<>> error_samples;  // first message per key
+  std::map<std::string, std::uint64_t, std::less<>> protocols;    // per opened connection
+  Clock::time_point last_completion{};                            // of a counted request
+
+  /// Counts one counted error; `message` is kept as the sample for its key if it is the first.
+  void add_error(const std::string& key, std::string_view message);
+  void merge(const RunStats& other);
+};
+
+}  // namespace egress::bench

@@ -1,0 +1,291 @@
+"""Loopback fixtures for the egress-bench tests.
+
+* ``make_pki(dir)``: a test CA and a server certificate (SAN localhost, 127.0.0.1) made with the
+  ``openssl`` command line.
+* ``Origin``: a threaded HTTP/1.1 keep-alive server on 127.0.0.1, TLS or cleartext, counting
+  connections and recording every request (method, path, headers, body length) and the SNI.
+  ``/status/N`` answers N; every other path answers 200 with a small body.
+* ``Proxy``: a threaded forward proxy on 127.0.0.1. CONNECT is relayed byte for byte;
+  absolute-form requests are parsed and forwarded one by one. It counts CONNECTs and records
+  request lines and Proxy-Authorization values; it can require credentials (407), refuse hosts
+  (403) and send every CONNECT to 127.0.0.1 whatever the name (``resolve_to``).
+* ``silent_listener()`` / ``closed_port()``: a port that never answers / refuses.
+"""
+from __future__ import annotations
+
+import http.server
+import select
+import socket
+import socketserver
+import ssl
+import subprocess
+import threading
+from pathlib import Path
+
+IDLE_TIMEOUT = 30  # seconds a relay or request read may sit idle before the fixture gives up
+
+
+def make_pki(d: Path) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=egress-bench test CA")
+    run("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n"
+                               "extendedKeyUsage=serverAuth\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "2", "-extfile", "ext.cnf", "-out", "server.pem")
+    return {"ca": str(d / "ca.pem"), "cert": str(d / "server.pem"), "key": str(d / "server.key")}
+
+
+def _nodelay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _OriginHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def _serve(self):
+        length = int(self.headers.get("Content-Length", "0") or 0)
+        body_in = self.rfile.read(length) if length else b""
+        self.server.record(self.command, self.path, list(self.headers.items()), len(body_in))
+        path = self.path
+        if path.startswith("http://") or path.startswith("https://"):
+            path = "/" + path.split("/", 3)[3] if path.count("/") >= 3 else "/"
+        status = 200
+        if path.startswith("/status/"):
+            status = int(path.split("/")[2])
+        body = b"hello from origin\n"
+        head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        # One write per response: no Nagle / delayed-ACK stall between head and body.
+        self.wfile.write(head + (b"" if self.command == "HEAD" else body))
+
+    do_GET = do_POST = do_PUT = do_HEAD = do_DELETE = _serve
+
+
+class Origin(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, pki: dict | None):
+        super().__init__(("127.0.0.1", 0), _OriginHandler)
+        self.lock = threading.Lock()
+        self.requests: list[tuple[str, str, list, int]] = []
+        self.connections = 0
+        self.sni: list[str | None] = []
+        self.tls = None
+        if pki:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(pki["cert"], pki["key"])
+            ctx.set_alpn_protocols(["http/1.1"])
+            ctx.sni_callback = self._on_sni
+            self.tls = ctx
+        self.port = self.server_address[1]
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, path="/", host="127.0.0.1"):
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}{path}"
+
+    def _on_sni(self, sslobj, name, ctx):
+        with self.lock:
+            self.sni.append(name)
+
+    def record(self, method, path, headers, body_len):
+        with self.lock:
+            self.requests.append((method, path, headers, body_len))
+
+    def finish_request(self, request, client_address):
+        with self.lock:
+            self.connections += 1
+        _nodelay(request)
+        conn = request
+        try:
+            if self.tls:
+                conn = self.tls.wrap_socket(request, server_side=True)
+            self.RequestHandlerClass(conn, client_address, self)
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            conn.close()
+
+    def handle_error(self, request, client_address):
+        pass  # clients that hang up mid-request are part of the tests
+
+    def stop(self):
+        self.shutdown()
+        self.server_close()
+
+
+def _read_head(sock: socket.socket, buf: bytes) -> tuple[bytes | None, bytes]:
+    """Reads up to and including CRLFCRLF; returns (head, leftover) or (None, b"") on EOF."""
+    while b"\r\n\r\n" not in buf:
+        if len(buf) > 65536:
+            return None, b""
+        data = sock.recv(65536)
+        if not data:
+            return None, b""
+        buf += data
+    head, rest = buf.split(b"\r\n\r\n", 1)
+    return head + b"\r\n\r\n", rest
+
+
+def _read_exact(sock: socket.socket, buf: bytes, n: int) -> tuple[bytes | None, bytes]:
+    while len(buf) < n:
+        data = sock.recv(65536)
+        if not data:
+            return None, b""
+        buf += data
+    return buf[:n], buf[n:]
+
+
+def _headers(head: bytes) -> list[tuple[str, str]]:
+    out = []
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            out.append((k.strip(), v.strip()))
+    return out
+
+
+def _content_length(headers) -> int:
+    for k, v in headers:
+        if k.lower() == "content-length":
+            return int(v)
+    return 0
+
+
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    socks = [a, b]
+    while True:
+        ready, _, _ = select.select(socks, [], [], IDLE_TIMEOUT)
+        if not ready:
+            return
+        for s in ready:
+            data = s.recv(65536)
+            if not data:
+                return
+            (b if s is a else a).sendall(data)
+
+
+class _ProxyHandler(socketserver.BaseRequestHandler):
+    def handle(self):
+        proxy: Proxy = self.server.owner
+        client = self.request
+        client.settimeout(IDLE_TIMEOUT)
+        _nodelay(client)
+        upstream = None
+        buf = b""
+        try:
+            while True:  # one request head per iteration; ends when the client closes
+                head, buf = _read_head(client, buf)
+                if head is None:
+                    return
+                line = head.split(b"\r\n", 1)[0].decode("latin-1")
+                method, target, _ = line.split(" ", 2)
+                headers = _headers(head)
+                auth = next((v for k, v in headers if k.lower() == "proxy-authorization"), None)
+                proxy.record(method, line, auth)
+                if proxy.require_auth is not None and auth != proxy.require_auth:
+                    client.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+                                   b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+                    return
+                if method == "CONNECT":
+                    host, port = target.rsplit(":", 1)
+                    if host in proxy.deny_hosts:
+                        client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n"
+                                       b"Connection: close\r\n\r\n")
+                        return
+                    upstream = socket.create_connection((proxy.resolve_to or host, int(port)))
+                    _nodelay(upstream)
+                    client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    if buf:
+                        upstream.sendall(buf)
+                    _relay(client, upstream)
+                    return
+                # Absolute-form: forward this one request in origin-form, relay its response.
+                rest = target.split("://", 1)[1]
+                authority, _, path = rest.partition("/")
+                host, _, port = authority.rpartition(":")
+                body, buf = _read_exact(client, buf, _content_length(headers))
+                if body is None:
+                    return
+                if upstream is None:
+                    upstream = socket.create_connection((host, int(port)))
+                    _nodelay(upstream)
+                    up_buf = b""
+                kept = [(k, v) for k, v in headers if k.lower() != "proxy-authorization"]
+                out = f"{method} /{path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in kept)
+                upstream.sendall(out.encode("latin-1") + b"\r\n" + body)
+                rhead, up_buf = _read_head(upstream, up_buf)
+                if rhead is None:
+                    return
+                rbody, up_buf = _read_exact(upstream, up_buf, _content_length(_headers(rhead)))
+                if rbody is None:
+                    return
+                client.sendall(rhead + rbody)
+        except OSError:
+            return
+        finally:
+            if upstream is not None:
+                upstream.close()
+
+
+class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def handle_error(self, request, client_address):
+        pass
+
+
+class Proxy:
+    def __init__(self, require_auth: str | None = None, deny_hosts=(), resolve_to=None):
+        self.require_auth = require_auth
+        self.deny_hosts = set(deny_hosts)
+        self.resolve_to = resolve_to
+        self.lock = threading.Lock()
+        self.connects = 0
+        self.request_lines: list[str] = []
+        self.auth_seen: list[str | None] = []
+        self.server = _ProxyServer(("127.0.0.1", 0), _ProxyHandler)
+        self.server.owner = self
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, userinfo: str | None = None) -> str:
+        return f"http://{userinfo + '@' if userinfo else ''}127.0.0.1:{self.port}"
+
+    def record(self, method, line, auth):
+        with self.lock:
+            if method == "CONNECT":
+                self.connects += 1
+            self.request_lines.append(line)
+            self.auth_seen.append(auth)
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def silent_listener() -> socket.socket:
+    """A listening socket nobody accepts on: the kernel completes TCP handshakes, then silence."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(64)
+    return s
+
+
+def closed_port() -> socket.socket:
+    """A bound socket that does not listen: connecting to its port is refused."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s

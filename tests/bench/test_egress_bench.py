@@ -1,0 +1,368 @@
+"""egress-bench against a loopback HTTPS origin and a loopback forward proxy (servers.py).
+
+The binary comes from $EGRESS_BENCH_BIN (set by ctest), else build-bench/ or build/ in the repo.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import servers  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT = 60
+
+
+def _find_binary() -> str | None:
+    env = os.environ.get("EGRESS_BENCH_BIN")
+    if env:
+        return env
+    for build in ("build-bench", "build"):
+        p = REPO / build / "bench" / "egress-bench"
+        if p.exists():
+            return str(p)
+    return None
+
+
+BIN = _find_binary()
+pytestmark = pytest.mark.skipif(BIN is None, reason="egress-bench not built")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return servers.make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def origin(pki):
+    o = servers.Origin(pki)
+    yield o
+    o.stop()
+
+
+@pytest.fixture
+def plain_origin():
+    o = servers.Origin(None)
+    yield o
+    o.stop()
+
+
+@pytest.fixture
+def proxy():
+    p = servers.Proxy()
+    yield p
+    p.stop()
+
+
+def bench(*args, expect=0):
+    r = subprocess.run([BIN, *map(str, args)], capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT)
+    assert r.returncode == expect, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def bench_json(*args, expect=0) -> dict:
+    return json.loads(bench("--json", *args, expect=expect).stdout)
+
+
+def basic(userinfo: str) -> str:
+    return "Basic " + base64.b64encode(userinfo.encode()).decode()
+
+
+# --- counts, percentiles, JSON ---------------------------------------------------------------
+
+def test_requests_exact_count_keepalive(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 300, "--connections", 4, origin.url())
+    assert out["requests"] == {"total": 300, "ok": 300, "errors": 0, "warmup": 0}
+    assert len(origin.requests) == 300
+    assert out["status"] == {"200": 300}
+    assert out["connections_opened"] == 4 and origin.connections == 4
+    assert out["alpn"] == {"http/1.1": 4}
+    assert out["errors"] == {}
+    assert out["bytes_received"] > out["body_bytes_received"] == 300 * 18
+    assert out["rps"] > 0 and out["elapsed_s"] > 0
+
+
+def test_percentiles_ordered_and_nonzero(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 200, origin.url())
+    lat = out["latency_us"]
+    assert lat["count"] == 200
+    assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99_9"] <= lat["max"]
+    assert lat["min"] <= lat["mean"] <= lat["max"]
+    conn = out["connect_latency_us"]
+    assert conn["count"] == 1 and conn["p50"] > 0
+
+
+def test_json_documented_fields(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 5, origin.url())
+    for key in ("target", "proxy", "protocol", "method", "connections", "threads",
+                "new_connection", "rate", "elapsed_s", "warmup_s", "requests", "rps",
+                "latency_us", "connect_latency_us", "errors", "error_samples", "status", "alpn",
+                "connections_opened", "tls_handshakes", "tls_resumed", "bytes_received",
+                "body_bytes_received", "bytes_sent"):
+        assert key in out, key
+    for key in ("count", "min", "mean", "p50", "p90", "p99", "p99_9", "max"):
+        assert key in out["latency_us"], key
+    assert out["protocol"] == "h1" and out["proxy"] is None and out["rate"] is None
+
+
+def test_text_report(origin, pki):
+    text = bench("--cacert", pki["ca"], "--requests", 20, origin.url()).stdout
+    for needle in ("requests/s", "p50", "p90", "p99 ", "p99.9", "max", "status codes    200 20",
+                   "protocols       http/1.1 1", "20 total, 20 ok, 0 errors"):
+        assert needle in text, needle
+
+
+def test_threads_and_sni_hostname(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 100, "--connections", 4,
+                     "--threads", 2, origin.url("/", host="localhost"))
+    assert out["requests"]["ok"] == 100 and out["threads"] == 2
+    assert "localhost" in origin.sni
+
+
+def test_duration_bounds_the_run(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--duration", "500ms", "--connections", 2,
+                     origin.url())
+    assert out["requests"]["ok"] > 0
+    assert 0.45 <= out["elapsed_s"] < 5
+
+
+def test_warmup_not_counted(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--warmup", "200ms", "--requests", 50, origin.url())
+    assert out["requests"]["total"] == 50
+    assert out["requests"]["warmup"] > 0
+    assert len(origin.requests) == 50 + out["requests"]["warmup"]
+    assert out["warmup_s"] >= 0.2
+
+
+def test_method_body_and_headers(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 10, "--body-size", 100000,
+                     "-H", "X-Bench: one", "-H", "X-Other:two", "--method", "PUT",
+                     origin.url("/up"))
+    assert out["requests"]["ok"] == 10
+    assert out["bytes_sent"] > 10 * 100000
+    assert len(origin.requests) == 10
+    for method, path, headers, body_len in origin.requests:
+        assert (method, path, body_len) == ("PUT", "/up", 100000)
+        assert ("X-Bench", "one") in headers and ("X-Other", "two") in headers
+
+
+def test_body_size_defaults_to_post(origin, pki):
+    bench_json("--cacert", pki["ca"], "--requests", 3, "--body-size", 10, origin.url())
+    assert [(m, n) for m, _, _, n in origin.requests] == [("POST", 10)] * 3
+
+
+# --- errors by kind --------------------------------------------------------------------------
+
+def test_status_5xx_counted_as_errors(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 20, origin.url("/status/500"),
+                     expect=1)
+    assert out["requests"] == {"total": 20, "ok": 0, "errors": 20, "warmup": 0}
+    assert out["errors"] == {"status_5xx": 20}
+    assert out["status"] == {"500": 20}
+    assert out["latency_us"]["count"] == 20  # responses still have a latency
+
+
+def test_status_4xx(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--requests", 7, origin.url("/status/404"), expect=1)
+    assert out["errors"] == {"status_4xx": 7}
+
+
+def test_closed_port_connect_errors(pki):
+    s = servers.closed_port()
+    try:
+        out = bench_json("--cacert", pki["ca"], "--requests", 10, "--connections", 2,
+                         f"https://127.0.0.1:{s.getsockname()[1]}/", expect=1)
+    finally:
+        s.close()
+    assert out["requests"] == {"total": 10, "ok": 0, "errors": 10, "warmup": 0}
+    assert out["errors"] == {"connect": 10}
+    assert "refused" in out["error_samples"]["connect"].lower()
+
+
+def test_timeout(pki):
+    s = servers.silent_listener()
+    try:
+        out = bench_json("--cacert", pki["ca"], "--requests", 2, "--timeout", "200ms",
+                         f"https://127.0.0.1:{s.getsockname()[1]}/", expect=1)
+    finally:
+        s.close()
+    assert out["errors"] == {"timeout": 2}
+
+
+def test_untrusted_certificate_is_tls_error(origin):
+    out = bench_json("--requests", 3, origin.url(), expect=1)  # system store: test CA unknown
+    assert out["errors"] == {"tls": 3}
+    assert "verify" in out["error_samples"]["tls"].lower()
+    assert origin.requests == []
+
+
+def test_insecure_skips_verification(origin):
+    out = bench_json("--insecure", "--requests", 3, origin.url())
+    assert out["requests"]["ok"] == 3
+
+
+def test_hostname_mismatch_is_tls_error(origin, pki):
+    p = servers.Proxy(resolve_to="127.0.0.1")
+    try:
+        out = bench_json("--cacert", pki["ca"], "--proxy", p.url(), "--requests", 2,
+                         f"https://wrong.test:{origin.port}/", expect=1)
+    finally:
+        p.stop()
+    assert out["errors"] == {"tls": 2}
+    assert origin.requests == []
+
+
+# --- through the proxy -----------------------------------------------------------------------
+
+def test_proxy_connect_per_connection_with_auth(origin, pki, proxy):
+    out = bench_json("--cacert", pki["ca"], "--proxy", proxy.url("alice:s3cr%3At"),
+                     "--connections", 3, "--requests", 60, origin.url("/", host="localhost"))
+    assert out["requests"]["ok"] == 60
+    assert proxy.connects == 3
+    assert proxy.auth_seen == [basic("alice:s3cr:t")] * 3
+    assert all(line == f"CONNECT localhost:{origin.port} HTTP/1.1" for line in proxy.request_lines)
+    assert len(origin.requests) == 60
+    assert out["proxy"] == f"http://alice:***@127.0.0.1:{proxy.port}"
+
+
+def test_proxy_new_connection_per_request(origin, pki, proxy):
+    out = bench_json("--cacert", pki["ca"], "--proxy", proxy.url("u:p"), "--new-connection",
+                     "--connections", 2, "--requests", 25, origin.url("/", host="localhost"))
+    assert out["requests"]["ok"] == 25
+    assert proxy.connects == 25
+    assert origin.connections == 25
+    assert out["connections_opened"] == 25 and out["tls_handshakes"] == 25
+    assert out["tls_resumed"] >= 1  # client session cache across connections
+    assert out["alpn"] == {"http/1.1": 25}
+
+
+def test_no_tls_resume(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--new-connection", "--no-tls-resume",
+                     "--requests", 5, origin.url())
+    assert out["tls_handshakes"] == 5 and out["tls_resumed"] == 0
+
+
+def test_proxy_status_errors(origin, pki):
+    p = servers.Proxy(require_auth=basic("good:pw"), deny_hosts={"denied.test"})
+    try:
+        bad = bench_json("--cacert", pki["ca"], "--proxy", p.url("bad:pw"), "--requests", 4,
+                         origin.url(), expect=1)
+        denied = bench_json("--cacert", pki["ca"], "--proxy", p.url("good:pw"), "--requests", 3,
+                            f"https://denied.test:{origin.port}/", expect=1)
+    finally:
+        p.stop()
+    assert bad["errors"] == {"connect_407": 4}
+    assert denied["errors"] == {"connect_403": 3}
+    assert origin.requests == []
+
+
+def test_http_through_proxy_uses_absolute_form(plain_origin, proxy):
+    out = bench_json("--proxy", proxy.url("bob:pw"), "--requests", 12, "--connections", 2,
+                     plain_origin.url("/p?q=1"))
+    assert out["requests"]["ok"] == 12
+    assert out["alpn"] == {"cleartext": 2}
+    assert proxy.connects == 0
+    assert proxy.request_lines == [f"GET http://127.0.0.1:{plain_origin.port}/p?q=1 HTTP/1.1"] * 12
+    assert proxy.auth_seen == [basic("bob:pw")] * 12
+    assert [p for _, p, _, _ in plain_origin.requests] == ["/p?q=1"] * 12
+
+
+def test_http_direct_origin_form(plain_origin):
+    out = bench_json("--requests", 5, plain_origin.url("/x"))
+    assert out["requests"]["ok"] == 5
+    assert [p for _, p, _, _ in plain_origin.requests] == ["/x"] * 5
+
+
+# --- open loop -------------------------------------------------------------------------------
+
+def test_rate_with_duration(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--rate", 200, "--duration", "1s", "--connections", 4,
+                     origin.url())
+    total = out["requests"]["total"]
+    assert 190 <= total <= 210, total
+    assert out["requests"]["ok"] == total
+    assert 100 <= out["rps"] <= 230  # the last response may land late on a busy machine
+    assert out["rate"] == 200
+
+
+def test_rate_with_requests_is_exact(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--rate", 500, "--requests", 40, "--warmup", "100ms",
+                     "--connections", 2, origin.url())
+    assert out["requests"]["total"] == 40
+    assert out["requests"]["warmup"] == 50
+    assert len(origin.requests) == 90
+
+
+# --- compare ---------------------------------------------------------------------------------
+
+def test_compare_text(origin, pki):
+    r = bench("--cacert", pki["ca"], "--requests", 50, origin.url(),
+              "--compare", "--connections 1", "--connections 2 -H 'X-Side: b'", "--pairs", 2)
+    text = r.stdout
+    assert "median A rps" in text and "median B rps" in text and "median B/A" in text
+    rows = [l for l in text.splitlines() if l[:1].isdigit()]
+    assert len(rows) == 2
+    assert len(origin.requests) == 4 * 50
+    sides = ["b" if ("X-Side", "b") in h else "a" for _, _, h, _ in origin.requests]
+    assert sides == ["a"] * 50 + ["b"] * 50 + ["a"] * 50 + ["b"] * 50  # A B A B
+
+
+def test_compare_json(origin, pki):
+    out = json.loads(bench("--json", "--cacert", pki["ca"], "--requests", 30, origin.url(),
+                           "--compare", "", "--connections 2", "--pairs", 3).stdout)
+    assert out["pairs"] == 3
+    assert len(out["a"]["runs"]) == len(out["b"]["runs"]) == 3
+    assert len(out["ratios"]) == 3
+    ratios = sorted(out["ratios"])
+    assert out["median_ratio"] == pytest.approx(ratios[1])
+    for side in ("a", "b"):
+        rps = sorted(r["rps"] for r in out[side]["runs"])
+        assert out[side]["median_rps"] == pytest.approx(rps[1])
+        assert all(r["requests"] == 30 for r in out[side]["runs"])
+
+
+# --- usage -----------------------------------------------------------------------------------
+
+def test_h2_not_yet_supported(origin):
+    r = bench("--h2", origin.url(), expect=2)
+    assert "not yet supported" in r.stderr
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["ftp://127.0.0.1/"],
+    ["--connections", "0", "https://127.0.0.1/"],
+    ["--duration", "ten", "https://127.0.0.1/"],
+    ["-H", "no colon", "https://127.0.0.1/"],
+    ["--proxy", "https://127.0.0.1:1", "https://127.0.0.1/"],
+    ["--bogus", "https://127.0.0.1/"],
+    ["https://a/", "https://b/"],
+    ["--compare", "'unbalanced", "", "https://127.0.0.1/"],
+])
+def test_usage_errors(args):
+    bench(*args, expect=2)
+
+
+def test_help():
+    assert "--compare" in bench("--help").stdout
+
+
+# --- histogram -------------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_histogram_unit(tmp_path):
+    exe = tmp_path / "histogram_check"
+    subprocess.run(["g++", "-std=c++20", "-O1", f"-I{REPO}", str(REPO / "bench/histogram.cc"),
+                    str(Path(__file__).parent / "histogram_check.cc"), "-o", str(exe)],
+                   check=True, timeout=120)
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
