@@ -1,0 +1,1014 @@
+// egressctl: the command line for the egressd admin API.
+//
+//   egressctl [--admin URL] [--token-file F] COMMAND ...
+//
+// URL is http://HOST:PORT (default http://127.0.0.1:9901) or unix:/path.sock. The admin token
+// comes from EGRESSD_ADMIN_TOKEN or --token-file; it is sent as a bearer token and never
+// printed. Secret values are read from standard input only, never from an argument.
+//
+// Exit status: 0 success, 1 the request failed (the API's error on one line of stderr),
+// 2 usage error.
+#include <fcntl.h>
+#include <openssl/crypto.h>
+#include <sys/prctl.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <array>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/json.hpp>
+#include <boost/url.hpp>
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace json = boost::json;
+namespace urls = boost::urls;
+
+namespace {
+
+constexpr const char* kDefaultAdmin = "http://127.0.0.1:9901";
+constexpr const char* kDefaultCaOut = "./egress-run-ca.pem";
+
+// --- errors ---------------------------------------------------------------------------------
+
+/// A failed request or a local failure: one line on stderr, exit 1.
+struct Failure : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+/// Bad command line: one line on stderr (plus a hint), exit 2.
+struct Usage : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+const char* kUsage =
+    "usage: egressctl [--admin URL] [--token-file FILE] COMMAND ...\n"
+    "\n"
+    "  --admin URL        admin API: http://HOST:PORT or unix:/path.sock\n"
+    "                     (default http://127.0.0.1:9901)\n"
+    "  --token-file FILE  admin token file (default: $EGRESSD_ADMIN_TOKEN)\n"
+    "\n"
+    "commands:\n"
+    "  secret put NAME --scope org=ORG [--scope project=P ...] [--rotate]\n"
+    "                     store a secret; the value is read from standard input\n"
+    "  secret rotate NAME --scope ...   replace a secret's value (standard input)\n"
+    "  secret list [--json]\n"
+    "  secret rm NAME [--scope ...]\n"
+    "  run create --scope org=ORG [--scope project=P] [--scope user=U] [--scope workflow=W]\n"
+    "             [--pin HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME[:TEMPLATE]]...\n"
+    "             [--allow HOST]... [--ttl 30m] [--env] [--ca-out FILE]\n"
+    "  run show ID\n"
+    "  run revoke ID\n"
+    "  run explain ID URL [--method M] [--json]\n"
+    "  keys rotate\n";
+
+// --- small helpers --------------------------------------------------------------------------
+
+struct Wiped {  // a string holding secret material, wiped when it goes away
+    std::string s;
+    ~Wiped() { wipe(); }
+    void wipe() {
+        if (!s.empty()) OPENSSL_cleanse(s.data(), s.size());
+        s.clear();
+    }
+};
+
+std::string trim_ws(std::string s) {
+    while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ' ||
+                          s.back() == '\t')) {
+        s.pop_back();
+    }
+    size_t i = 0;
+    while (i < s.size() && (s[i] == ' ' || s[i] == '\t')) ++i;
+    return s.substr(i);
+}
+
+/// JSON string literal, built in a buffer the caller controls (so it can be wiped).
+void append_json_string(std::string& out, std::string_view v) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    out.push_back('"');
+    for (char ch : v) {
+        auto c = static_cast<unsigned char>(ch);
+        switch (c) {
+            case '"': out += "\\\""; break;
+            case '\\': out += "\\\\"; break;
+            case '\n': out += "\\n"; break;
+            case '\r': out += "\\r"; break;
+            case '\t': out += "\\t"; break;
+            case '\b': out += "\\b"; break;
+            case '\f': out += "\\f"; break;
+            default:
+                if (c < 0x20) {
+                    out += "\\u00";
+                    out.push_back(kHex[c >> 4]);
+                    out.push_back(kHex[c & 15]);
+                } else {
+                    out.push_back(ch);
+                }
+        }
+    }
+    out.push_back('"');
+}
+
+bool valid_utf8(std::string_view s) {
+    size_t i = 0;
+    while (i < s.size()) {
+        auto c = static_cast<unsigned char>(s[i]);
+        size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (n == 0 || i + n > s.size()) return false;
+        for (size_t k = 1; k < n; ++k) {
+            if ((static_cast<unsigned char>(s[i + k]) & 0xC0) != 0x80) return false;
+        }
+        i += n;
+    }
+    return true;
+}
+
+/// Single-quoted for POSIX shells: safe for eval whatever the content.
+std::string shell_quote(std::string_view v) {
+    std::string out = "'";
+    for (char c : v) {
+        if (c == '\'') {
+            out += "'\\''";
+        } else {
+            out.push_back(c);
+        }
+    }
+    out += "'";
+    return out;
+}
+
+void pretty(std::ostream& os, const json::value& v, int indent = 0) {
+    std::string pad(indent, ' ');
+    switch (v.kind()) {
+        case json::kind::object: {
+            const auto& o = v.get_object();
+            if (o.empty()) {
+                os << "{}";
+                return;
+            }
+            os << "{\n";
+            size_t i = 0;
+            for (const auto& [k, val] : o) {
+                os << pad << "  " << json::serialize(json::string(k)) << ": ";
+                pretty(os, val, indent + 2);
+                os << (++i < o.size() ? ",\n" : "\n");
+            }
+            os << pad << "}";
+            return;
+        }
+        case json::kind::array: {
+            const auto& a = v.get_array();
+            if (a.empty()) {
+                os << "[]";
+                return;
+            }
+            os << "[\n";
+            for (size_t i = 0; i < a.size(); ++i) {
+                os << pad << "  ";
+                pretty(os, a[i], indent + 2);
+                os << (i + 1 < a.size() ? ",\n" : "\n");
+            }
+            os << pad << "]";
+            return;
+        }
+        default:
+            os << json::serialize(v);
+    }
+}
+
+std::string scope_text(const json::value& v) {
+    if (!v.is_object()) return "-";
+    std::string out;
+    for (const char* k : {"org", "project", "user", "workflow"}) {
+        if (auto* f = v.get_object().if_contains(k); f != nullptr && f->is_string()) {
+            if (!out.empty()) out += ",";
+            out += std::string(k) + "=" + std::string(f->get_string());
+        }
+    }
+    return out.empty() ? "-" : out;
+}
+
+std::string str_field(const json::value& v, const char* key, const char* dflt = "-") {
+    if (!v.is_object()) return dflt;
+    auto* f = v.get_object().if_contains(key);
+    if (f == nullptr || f->is_null()) return dflt;
+    if (f->is_string()) return std::string(f->get_string());
+    return json::serialize(*f);
+}
+
+// --- command line ---------------------------------------------------------------------------
+
+struct Args {
+    std::vector<std::string> pos;                                  // positionals
+    std::vector<std::pair<std::string, std::string>> opts;        // --name value
+    std::vector<std::string> flags;                                // --name
+
+    std::vector<std::string> all(const std::string& name) const {
+        std::vector<std::string> out;
+        for (const auto& [k, v] : opts) {
+            if (k == name) out.push_back(v);
+        }
+        return out;
+    }
+    std::optional<std::string> one(const std::string& name) const {
+        auto v = all(name);
+        if (v.size() > 1) throw Usage("--" + name + " given more than once");
+        if (v.empty()) return std::nullopt;
+        return v.front();
+    }
+    bool flag(const std::string& name) const {
+        for (const auto& f : flags) {
+            if (f == name) return true;
+        }
+        return false;
+    }
+};
+
+/// Splits argv after the command words. `valued` options take a value (`--x V` or `--x=V`);
+/// `boolean` ones do not; anything else starting with "--" is a usage error.
+Args parse_args(const std::vector<std::string>& in, const std::vector<std::string>& valued,
+                const std::vector<std::string>& boolean) {
+    Args a;
+    auto contains = [](const std::vector<std::string>& v, const std::string& s) {
+        for (const auto& e : v) {
+            if (e == s) return true;
+        }
+        return false;
+    };
+    bool only_pos = false;
+    for (size_t i = 0; i < in.size(); ++i) {
+        const std::string& arg = in[i];
+        if (only_pos || arg.size() < 2 || arg.rfind("--", 0) != 0) {
+            if (!only_pos && arg.size() > 1 && arg[0] == '-' && arg != "-") {
+                throw Usage("unknown option '" + arg + "'");
+            }
+            a.pos.push_back(arg);
+            continue;
+        }
+        if (arg == "--") {
+            only_pos = true;
+            continue;
+        }
+        std::string name = arg.substr(2);
+        std::optional<std::string> value;
+        if (auto eq = name.find('='); eq != std::string::npos) {
+            value = name.substr(eq + 1);
+            name = name.substr(0, eq);
+        }
+        if (contains(valued, name)) {
+            if (!value) {
+                if (i + 1 >= in.size()) throw Usage("--" + name + " needs a value");
+                value = in[++i];
+            }
+            a.opts.emplace_back(name, *value);
+        } else if (contains(boolean, name)) {
+            if (value) throw Usage("--" + name + " takes no value");
+            a.flags.push_back(name);
+        } else {
+            throw Usage("unknown option '--" + name + "'");
+        }
+    }
+    return a;
+}
+
+void want_pos(const Args& a, size_t n, const char* what, bool echo_extra = true) {
+    if (a.pos.size() < n) throw Usage(std::string("missing ") + what);
+    if (a.pos.size() > n) {
+        // Never echo an extra argument that may be a secret value typed by mistake.
+        if (!echo_extra) {
+            throw Usage("too many arguments: the secret value is read from standard input, "
+                        "never from an argument");
+        }
+        throw Usage("unexpected argument '" + a.pos[n] + "'");
+    }
+}
+
+/// --scope org=acme --scope project=web  (or --scope org=acme,project=web) → JSON object.
+json::object parse_scopes(const std::vector<std::string>& items, bool required) {
+    json::object s;
+    for (const auto& item : items) {
+        std::string_view rest = item;
+        while (!rest.empty()) {
+            auto comma = rest.find(',');
+            std::string_view kv = rest.substr(0, comma);
+            rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+            auto eq = kv.find('=');
+            if (eq == std::string_view::npos || eq == 0 || eq + 1 == kv.size()) {
+                throw Usage("--scope '" + std::string(kv) + "': expected FIELD=VALUE");
+            }
+            std::string k(kv.substr(0, eq));
+            if (k != "org" && k != "project" && k != "user" && k != "workflow") {
+                throw Usage("--scope: unknown field '" + k +
+                            "' (expected org, project, user or workflow)");
+            }
+            if (s.contains(k)) throw Usage("--scope: " + k + " given more than once");
+            s[k] = std::string(kv.substr(eq + 1));
+        }
+    }
+    if (required && !s.contains("org")) throw Usage("--scope org=ORG is required");
+    return s;
+}
+
+/// "30m" → 1800. Units s, m, h, d; a bare number is seconds.
+int64_t parse_duration(const std::string& text) {
+    if (text.empty()) throw Usage("--ttl: empty duration");
+    size_t i = 0;
+    int64_t n = 0;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+        if (n > 100'000'000) throw Usage("--ttl '" + text + "': too large");
+        n = n * 10 + (text[i] - '0');
+        ++i;
+    }
+    if (i == 0) throw Usage("--ttl '" + text + "': expected a number with s, m, h or d");
+    std::string unit = text.substr(i);
+    int64_t mult = unit.empty() || unit == "s" ? 1
+                   : unit == "m"               ? 60
+                   : unit == "h"               ? 3600
+                   : unit == "d"               ? 86400
+                                               : 0;
+    if (mult == 0) throw Usage("--ttl '" + text + "': unknown unit '" + unit + "' (s, m, h, d)");
+    if (n <= 0) throw Usage("--ttl must be positive");
+    return n * mult;
+}
+
+/// HOST[:PORT]=SECRET:bearer | SECRET:basic:USER | SECRET:header:NAME[:TEMPLATE]
+json::object parse_pin(const std::string& text) {
+    auto bad = [&](const std::string& why) {
+        return Usage("--pin '" + text + "': " + why +
+                     " (expected HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME)");
+    };
+    auto eq = text.find('=');
+    if (eq == std::string::npos || eq == 0) throw bad("missing HOST=");
+    std::string host = text.substr(0, eq);
+    std::string rest = text.substr(eq + 1);
+    auto c1 = rest.find(':');
+    if (c1 == std::string::npos || c1 == 0) throw bad("missing SECRET:TYPE");
+    std::string secret = rest.substr(0, c1);
+    std::string spec = rest.substr(c1 + 1);
+    json::object inject;
+    auto c2 = spec.find(':');
+    std::string type = spec.substr(0, c2);
+    std::string arg = c2 == std::string::npos ? "" : spec.substr(c2 + 1);
+    if (type == "bearer") {
+        if (c2 != std::string::npos) throw bad("bearer takes no argument");
+        inject["type"] = "bearer";
+    } else if (type == "basic") {
+        if (arg.empty()) throw bad("basic needs a user name");
+        inject["type"] = "basic";
+        inject["username"] = arg;
+    } else if (type == "header") {
+        auto c3 = arg.find(':');
+        std::string name = arg.substr(0, c3);
+        if (name.empty()) throw bad("header needs a header name");
+        inject["type"] = "header";
+        inject["name"] = name;
+        if (c3 != std::string::npos) inject["template"] = arg.substr(c3 + 1);
+    } else {
+        throw bad("unknown injection type '" + type + "'");
+    }
+    json::object pin;
+    pin["host"] = host;
+    pin["secret"] = secret;
+    pin["inject"] = inject;
+    return pin;
+}
+
+// --- HTTP client ----------------------------------------------------------------------------
+
+struct Endpoint {
+    bool is_unix = false;
+    std::string unix_path;
+    std::string host;  // for TCP; also the Host header
+    std::string port;
+    std::string display;  // for error messages
+};
+
+Endpoint parse_admin(const std::string& text) {
+    Endpoint e;
+    e.display = text;
+    if (text.rfind("unix:", 0) == 0) {
+        e.is_unix = true;
+        std::string p = text.substr(5);
+        if (p.rfind("//", 0) == 0) p = p.substr(2);  // unix:///run/x.sock
+        if (p.empty()) throw Usage("--admin '" + text + "': empty unix socket path");
+        e.unix_path = p;
+        return e;
+    }
+    auto u = urls::parse_uri(text);
+    if (!u) throw Usage("--admin '" + text + "': not a URL (http://HOST:PORT or unix:/path)");
+    if (u->scheme_id() != urls::scheme::http) {
+        throw Usage("--admin '" + text + "': only http:// or unix: are supported");
+    }
+    e.host = std::string(u->encoded_host());
+    if (e.host.size() > 1 && e.host.front() == '[' && e.host.back() == ']') {
+        e.host = e.host.substr(1, e.host.size() - 2);
+    }
+    if (e.host.empty()) throw Usage("--admin '" + text + "': no host");
+    e.port = u->has_port() ? std::string(u->port()) : "80";
+    return e;
+}
+
+struct Reply {
+    int status = 0;
+    std::string reason;
+    std::string body;
+};
+
+class Client {
+public:
+    Client(Endpoint ep, std::string token) : ep_(std::move(ep)) { token_.s = std::move(token); }
+
+    /// One request; `body` may hold a secret and is wiped by the caller.
+    Reply call(http::verb method, const std::string& target, const std::string* body = nullptr) {
+        http::request<http::string_body> req{method, target, 11};
+        if (ep_.is_unix) {
+            req.set(http::field::host, "localhost");
+        } else {
+            bool v6 = ep_.host.find(':') != std::string::npos;
+            req.set(http::field::host,
+                    (v6 ? "[" + ep_.host + "]" : ep_.host) + ":" + ep_.port);
+        }
+        req.set(http::field::user_agent, "egressctl");
+        req.set(http::field::accept, "application/json");
+        Wiped auth;
+        auth.s = "Bearer " + token_.s;
+        req.set(http::field::authorization, auth.s);
+        req.keep_alive(false);
+        if (body != nullptr) {
+            req.set(http::field::content_type, "application/json");
+            req.body() = *body;
+        }
+        req.prepare_payload();
+        Reply r;
+        try {
+            if (ep_.is_unix) {
+                r = exchange<net::local::stream_protocol>(req);
+            } else {
+                r = exchange<net::ip::tcp>(req);
+            }
+        } catch (const boost::system::system_error& ex) {
+            wipe(req);
+            throw Failure("cannot reach the admin API at " + ep_.display + ": " +
+                          ex.code().message());
+        }
+        wipe(req);
+        return r;
+    }
+
+private:
+    static void wipe(http::request<http::string_body>& req) {
+        if (!req.body().empty()) OPENSSL_cleanse(req.body().data(), req.body().size());
+    }
+
+    template <class Protocol>
+    Reply exchange(http::request<http::string_body>& req) {
+        net::io_context ioc;
+        beast::basic_stream<Protocol> stream(ioc);
+        stream.expires_after(std::chrono::seconds(30));
+        if constexpr (std::is_same_v<Protocol, net::ip::tcp>) {
+            net::ip::tcp::resolver resolver(ioc);
+            auto results = resolver.resolve(ep_.host, ep_.port);
+            stream.connect(results);
+        } else {
+            stream.connect(typename Protocol::endpoint(ep_.unix_path));
+        }
+        http::write(stream, req);
+        beast::flat_buffer buf;
+        http::response_parser<http::string_body> parser;
+        parser.body_limit(64 << 20);
+        http::read(stream, buf, parser);
+        auto& res = parser.get();
+        boost::system::error_code ec;
+        stream.socket().shutdown(Protocol::socket::shutdown_both, ec);
+        return Reply{static_cast<int>(res.result_int()), std::string(res.reason()),
+                     std::move(res.body())};
+    }
+
+    Endpoint ep_;
+    Wiped token_;
+};
+
+/// The API's error as one line: "400 invalid_request: pins[0].secret: unknown secret ...".
+std::string api_error(const Reply& r) {
+    boost::system::error_code ec;
+    auto v = json::parse(r.body, ec);
+    std::string line = std::to_string(r.status);
+    if (!ec && v.is_object() && v.get_object().contains("error")) {
+        line += " " + str_field(v, "error", "");
+        std::string detail = str_field(v, "detail", "");
+        if (!detail.empty()) line += ": " + detail;
+        return line;
+    }
+    line += " " + (r.reason.empty() ? std::string("error") : r.reason);
+    std::string body = trim_ws(r.body.substr(0, 200));
+    for (auto& c : body) {
+        if (c == '\n' || c == '\r') c = ' ';
+    }
+    if (!body.empty()) line += ": " + body;
+    return line;
+}
+
+json::value parse_reply(const Reply& r) {
+    boost::system::error_code ec;
+    auto v = json::parse(r.body, ec);
+    if (ec) throw Failure("the admin API answered " + std::to_string(r.status) +
+                          " with a body that is not JSON");
+    return v;
+}
+
+void expect(const Reply& r, std::initializer_list<int> ok) {
+    for (int s : ok) {
+        if (r.status == s) return;
+    }
+    throw Failure(api_error(r));
+}
+
+std::string target(std::initializer_list<std::string> segments,
+                   std::vector<std::pair<std::string, std::string>> params = {}) {
+    urls::url u;
+    u.set_path_absolute(true);
+    for (const auto& s : segments) u.segments().push_back(s);
+    for (const auto& [k, v] : params) u.params().append({k, v});
+    std::string t(u.encoded_path());
+    if (u.has_query()) t += "?" + std::string(u.encoded_query());
+    return t;
+}
+
+// --- secret value from standard input -------------------------------------------------------
+
+Wiped read_secret_value() {
+    Wiped v;
+    const bool tty = ::isatty(STDIN_FILENO) == 1;
+    termios saved{};
+    bool echo_off = false;
+    if (tty) {
+        std::fputs("secret value (input hidden): ", stderr);
+        std::fflush(stderr);
+        if (::tcgetattr(STDIN_FILENO, &saved) == 0) {
+            termios t = saved;
+            t.c_lflag &= ~static_cast<tcflag_t>(ECHO);
+            echo_off = ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &t) == 0;
+        }
+    }
+    char buf[4096];
+    for (;;) {
+        ssize_t n = ::read(STDIN_FILENO, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+            OPENSSL_cleanse(buf, sizeof buf);
+            if (echo_off) ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &saved);
+            throw Failure(std::string("cannot read the secret value from standard input: ") +
+                          std::strerror(errno));
+        }
+        if (n == 0) break;
+        if (v.s.size() + static_cast<size_t>(n) > (1u << 20)) {
+            OPENSSL_cleanse(buf, sizeof buf);
+            if (echo_off) ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &saved);
+            throw Failure("secret value on standard input is larger than 1 MiB");
+        }
+        // Grow without leaving unwiped copies behind.
+        if (v.s.capacity() < v.s.size() + static_cast<size_t>(n)) {
+            Wiped bigger;
+            bigger.s.reserve(2 * (v.s.size() + static_cast<size_t>(n)) + 64);
+            bigger.s.append(v.s);
+            v.wipe();
+            std::swap(v.s, bigger.s);
+        }
+        v.s.append(buf, static_cast<size_t>(n));
+        if (tty && v.s.find('\n') != std::string::npos) break;  // one line from a terminal
+    }
+    OPENSSL_cleanse(buf, sizeof buf);
+    if (echo_off) {
+        ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &saved);
+        std::fputs("\n", stderr);
+    }
+    // Strip one trailing newline (as `echo` or a heredoc leaves), "\r\n" counting as one.
+    if (!v.s.empty() && v.s.back() == '\n') {
+        v.s.back() = '\0';
+        v.s.pop_back();
+        if (!v.s.empty() && v.s.back() == '\r') {
+            v.s.back() = '\0';
+            v.s.pop_back();
+        }
+    }
+    if (v.s.empty()) {
+        throw Failure("refusing an empty secret value (pipe the value on standard input)");
+    }
+    if (!valid_utf8(v.s)) {
+        throw Failure("the secret value is not valid UTF-8 text");
+    }
+    return v;
+}
+
+// --- commands -------------------------------------------------------------------------------
+
+struct Ctx {
+    Endpoint ep;
+    std::optional<std::string> token_file;
+
+    Client client() const {
+        std::string tok;
+        if (token_file) {
+            int fd = ::open(token_file->c_str(), O_RDONLY | O_CLOEXEC);
+            if (fd < 0) {
+                throw Failure("--token-file " + *token_file + ": " + std::strerror(errno));
+            }
+            char buf[1024];
+            ssize_t n = ::read(fd, buf, sizeof buf);
+            int err = errno;
+            ::close(fd);
+            if (n < 0) {
+                throw Failure("--token-file " + *token_file + ": " + std::strerror(err));
+            }
+            tok.assign(buf, static_cast<size_t>(n));
+            OPENSSL_cleanse(buf, sizeof buf);
+        } else if (const char* env = std::getenv("EGRESSD_ADMIN_TOKEN")) {
+            tok = env;
+        } else {
+            throw Usage("no admin token: set EGRESSD_ADMIN_TOKEN or pass --token-file FILE");
+        }
+        while (!tok.empty() && std::isspace(static_cast<unsigned char>(tok.back()))) tok.pop_back();
+        if (tok.empty()) {
+            throw Failure(token_file ? "--token-file " + *token_file + " is empty"
+                                     : std::string("EGRESSD_ADMIN_TOKEN is empty"));
+        }
+        return Client(ep, std::move(tok));
+    }
+};
+
+void print_secret_line(const json::value& v, const char* verb) {
+    std::cout << "secret " << str_field(v, "name") << " (" << scope_text(v.at("scope")) << ") "
+              << verb << ": version " << str_field(v, "version") << ", created "
+              << str_field(v, "created_at") << "\n";
+}
+
+int cmd_secret_put(const Ctx& ctx, const std::vector<std::string>& rest, bool rotate_cmd) {
+    auto a = parse_args(rest, {"scope"}, {"rotate"});
+    want_pos(a, 1, "secret NAME", false);
+    const std::string& name = a.pos[0];
+    auto scope = parse_scopes(a.all("scope"), true);
+    const bool rotate = rotate_cmd || a.flag("rotate");
+    auto client = ctx.client();  // token problems before reading the value
+    Wiped value = read_secret_value();
+
+    Wiped body;
+    body.s.reserve(value.s.size() * 6 + name.size() + 256);
+    body.s = "{";
+    if (!rotate) {
+        body.s += "\"name\":";
+        append_json_string(body.s, name);
+        body.s += ",";
+    }
+    body.s += "\"scope\":" + json::serialize(scope) + ",\"value\":";
+    append_json_string(body.s, value.s);
+    body.s += "}";
+    value.wipe();
+
+    Reply r = rotate ? client.call(http::verb::put, target({"v1", "secrets", name}), &body.s)
+                     : client.call(http::verb::post, target({"v1", "secrets"}), &body.s);
+    body.wipe();
+    if (!rotate && r.status == 409) {
+        std::string scopes;
+        for (const auto& [k, v] : scope) {
+            scopes += " --scope " + std::string(k) + "=" + std::string(v.as_string());
+        }
+        throw Failure(api_error(r) + " (to replace its value: egressctl secret rotate " + name +
+                      scopes + ")");
+    }
+    expect(r, {200, 201});
+    print_secret_line(parse_reply(r), rotate ? "rotated" : "stored");
+    return 0;
+}
+
+int cmd_secret_list(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {}, {"json"});
+    want_pos(a, 0, "");
+    auto r = ctx.client().call(http::verb::get, "/v1/secrets");
+    expect(r, {200});
+    auto v = parse_reply(r);
+    if (a.flag("json")) {
+        pretty(std::cout, v);
+        std::cout << "\n";
+        return 0;
+    }
+    std::vector<std::array<std::string, 4>> rows{{"NAME", "SCOPE", "VERSION", "CREATED_AT"}};
+    if (auto* arr = v.is_object() ? v.get_object().if_contains("secrets") : nullptr;
+        arr != nullptr && arr->is_array()) {
+        for (const auto& s : arr->get_array()) {
+            rows.push_back({str_field(s, "name"),
+                            scope_text(s.is_object() && s.get_object().contains("scope")
+                                           ? s.at("scope")
+                                           : json::value()),
+                            str_field(s, "version"), str_field(s, "created_at")});
+        }
+    }
+    std::array<size_t, 4> w{};
+    for (const auto& row : rows) {
+        for (size_t i = 0; i < 4; ++i) w[i] = std::max(w[i], row[i].size());
+    }
+    for (const auto& row : rows) {
+        std::string line;
+        for (size_t i = 0; i < 4; ++i) {
+            line += row[i];
+            if (i < 3) line += std::string(w[i] - row[i].size() + 2, ' ');
+        }
+        std::cout << line << "\n";
+    }
+    return 0;
+}
+
+int cmd_secret_rm(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {"scope"}, {});
+    want_pos(a, 1, "secret NAME");
+    auto scopes = a.all("scope");
+    std::vector<std::pair<std::string, std::string>> params;
+    std::string where = "every scope";
+    if (!scopes.empty()) {
+        auto s = parse_scopes(scopes, true);
+        std::string text;
+        for (const char* k : {"org", "project", "user", "workflow"}) {
+            if (auto* f = s.if_contains(k)) {
+                if (!text.empty()) text += ",";
+                text += std::string(k) + "=" + std::string(f->as_string());
+            }
+        }
+        params.emplace_back("scope", text);
+        where = "scope " + text;
+    }
+    auto r = ctx.client().call(http::verb::delete_, target({"v1", "secrets", a.pos[0]}, params));
+    expect(r, {200, 204});
+    std::cout << "secret " << a.pos[0] << " deleted (" << where << ")\n";
+    return 0;
+}
+
+/// Writes the CA certificate (public) atomically; returns the absolute path.
+std::string write_ca(const std::string& path, const std::string& pem) {
+    namespace fs = std::filesystem;
+    std::error_code ec;
+    fs::path abs = fs::absolute(path, ec);
+    if (ec) throw Failure("--ca-out " + path + ": " + ec.message());
+    abs = abs.lexically_normal();
+    fs::path tmp = abs;
+    tmp += ".tmp." + std::to_string(::getpid());
+    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) throw Failure("--ca-out " + abs.string() + ": " + std::strerror(errno));
+    bool ok = ::write(fd, pem.data(), pem.size()) == static_cast<ssize_t>(pem.size());
+    ok = ::fsync(fd) == 0 && ok;
+    int err = errno;
+    ::close(fd);
+    if (!ok || ::rename(tmp.c_str(), abs.c_str()) != 0) {
+        if (ok) err = errno;
+        ::unlink(tmp.c_str());
+        throw Failure("--ca-out " + abs.string() + ": " + std::strerror(err));
+    }
+    return abs.string();
+}
+
+int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {"scope", "pin", "allow", "ttl", "ca-out"}, {"env", "json"});
+    want_pos(a, 0, "");
+    json::object req;
+    req["scope"] = parse_scopes(a.all("scope"), true);
+    if (auto ttl = a.one("ttl")) req["ttl_seconds"] = parse_duration(*ttl);
+    json::array allow;
+    for (const auto& h : a.all("allow")) {
+        if (h.empty()) throw Usage("--allow needs a host");
+        allow.push_back(json::string(h));
+    }
+    if (!allow.empty()) req["allow_hosts"] = allow;
+    json::array pins;
+    for (const auto& p : a.all("pin")) pins.push_back(parse_pin(p));
+    req["pins"] = pins;
+    const bool env = a.flag("env");
+    auto ca_out = a.one("ca-out");
+    if (env && !ca_out) ca_out = kDefaultCaOut;
+
+    std::string body = json::serialize(req);
+    auto r = ctx.client().call(http::verb::post, "/v1/runs", &body);
+    expect(r, {200, 201});
+    auto v = parse_reply(r);
+    if (!v.is_object()) throw Failure("the admin API answered with an unexpected body");
+    auto& o = v.get_object();
+    std::string proxy_url = str_field(v, "proxy_url", "");
+    std::string ca_pem = str_field(v, "ca_pem", "");
+    if (proxy_url.empty() || ca_pem.empty()) {
+        throw Failure("the admin API answered without proxy_url or ca_pem");
+    }
+    std::string ca_path;
+    if (ca_out) ca_path = write_ca(*ca_out, ca_pem);
+
+    if (env) {
+        std::string q = shell_quote(proxy_url);
+        std::string ca = shell_quote(ca_path);
+        std::string no_proxy = shell_quote("localhost,127.0.0.1,::1");
+        std::cout << "# egressd run " << str_field(v, "id") << ", expires "
+                  << str_field(v, "expires_at") << "\n";
+        for (const char* k : {"HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"}) {
+            std::cout << "export " << k << "=" << q << "\n";
+        }
+        for (const char* k : {"NO_PROXY", "no_proxy"}) {
+            std::cout << "export " << k << "=" << no_proxy << "\n";
+        }
+        for (const char* k : {"SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+                              "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"}) {
+            std::cout << "export " << k << "=" << ca << "\n";
+        }
+        return 0;
+    }
+    json::object out;
+    for (const char* k : {"id", "proxy_url", "expires_at", "scope", "pins"}) {
+        if (auto* f = o.if_contains(k)) out[k] = *f;
+    }
+    if (ca_out) {
+        out["ca_file"] = ca_path;
+    } else {
+        out["ca_pem"] = ca_pem;
+    }
+    pretty(std::cout, out);
+    std::cout << "\n";
+    return 0;
+}
+
+int cmd_run_show(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {}, {});
+    want_pos(a, 1, "run ID");
+    auto r = ctx.client().call(http::verb::get, target({"v1", "runs", a.pos[0]}));
+    expect(r, {200});
+    pretty(std::cout, parse_reply(r));
+    std::cout << "\n";
+    return 0;
+}
+
+int cmd_run_revoke(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {}, {});
+    want_pos(a, 1, "run ID");
+    auto r = ctx.client().call(http::verb::delete_, target({"v1", "runs", a.pos[0]}));
+    expect(r, {200, 204});
+    std::cout << "run " << a.pos[0] << " revoked\n";
+    return 0;
+}
+
+int cmd_run_explain(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {"method"}, {"json"});
+    want_pos(a, 2, "run ID and URL");
+    std::vector<std::pair<std::string, std::string>> params{{"url", a.pos[1]}};
+    if (auto m = a.one("method")) params.emplace_back("method", *m);
+    auto r = ctx.client().call(http::verb::get,
+                               target({"v1", "runs", a.pos[0], "explain"}, params));
+    expect(r, {200});
+    auto v = parse_reply(r);
+    if (a.flag("json") || !v.is_object()) {
+        pretty(std::cout, v);
+        std::cout << "\n";
+        return 0;
+    }
+    const auto& o = v.get_object();
+    std::cout << "run:      " << str_field(v, "run") << "\n"
+              << "request:  " << str_field(v, "method") << " " << str_field(v, "url") << "\n"
+              << "decision: " << str_field(v, "decision") << " (" << str_field(v, "reason")
+              << ")\n";
+    if (auto* p = o.if_contains("pin"); p != nullptr && p->is_object()) {
+        std::cout << "pin:      " << str_field(*p, "id") << " (host " << str_field(*p, "host")
+                  << ")\n";
+    } else {
+        std::cout << "pin:      none\n";
+    }
+    if (auto* s = o.if_contains("secret"); s != nullptr && s->is_object()) {
+        std::cout << "secret:   " << str_field(*s, "name");
+        const auto& so = s->get_object();
+        if (so.contains("scope")) std::cout << " in " << scope_text(so.at("scope"));
+        if (so.contains("version")) std::cout << ", version " << str_field(*s, "version");
+        if (so.contains("source")) std::cout << " (" << str_field(*s, "source") << ")";
+        std::cout << "\n";
+    } else {
+        std::cout << "secret:   none\n";
+    }
+    if (auto* ch = o.if_contains("chain"); ch != nullptr && ch->is_array() &&
+                                           !ch->get_array().empty()) {
+        std::cout << "scope chain (most specific wins):\n";
+        for (const auto& c : ch->get_array()) {
+            bool chosen = c.is_object() && c.get_object().contains("chosen") &&
+                          c.at("chosen").is_bool() && c.at("chosen").get_bool();
+            bool matches = c.is_object() && c.get_object().contains("matches") &&
+                           c.at("matches").is_bool() && c.at("matches").get_bool();
+            std::cout << "  " << (chosen ? "* " : "  ")
+                      << scope_text(c.is_object() && c.get_object().contains("scope")
+                                        ? c.at("scope")
+                                        : json::value())
+                      << "  version " << str_field(c, "version")
+                      << (chosen ? "  (chosen)" : matches ? "  (matches)" : "  (does not match)")
+                      << "\n";
+        }
+    }
+    return 0;
+}
+
+int cmd_keys_rotate(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {}, {});
+    want_pos(a, 0, "");
+    auto r = ctx.client().call(http::verb::post, "/v1/keys/rotate");
+    expect(r, {200});
+    auto v = parse_reply(r);
+    std::cout << "master key rotated: now " << str_field(v, "kek_id") << ", "
+              << str_field(v, "rewrapped") << " data keys rewrapped\n";
+    return 0;
+}
+
+int dispatch(const std::vector<std::string>& argv) {
+    // Global options come before the command words (and may also follow them).
+    Ctx ctx;
+    std::optional<std::string> admin;
+    std::vector<std::string> words;
+    for (size_t i = 0; i < argv.size(); ++i) {
+        const std::string& arg = argv[i];
+        auto take = [&](const char* name, std::optional<std::string>& dst) -> bool {
+            std::string flag = std::string("--") + name;
+            if (arg == flag) {
+                if (i + 1 >= argv.size()) throw Usage(flag + " needs a value");
+                if (dst) throw Usage(flag + " given more than once");
+                dst = argv[++i];
+                return true;
+            }
+            if (arg.rfind(flag + "=", 0) == 0) {
+                if (dst) throw Usage(flag + " given more than once");
+                dst = arg.substr(flag.size() + 1);
+                return true;
+            }
+            return false;
+        };
+        if (take("admin", admin) || take("token-file", ctx.token_file)) continue;
+        if (arg == "-h" || arg == "--help" || arg == "help") {
+            std::cout << kUsage;
+            return 0;
+        }
+        words.push_back(arg);
+    }
+    ctx.ep = parse_admin(admin.value_or(kDefaultAdmin));
+    if (words.empty()) throw Usage("missing command");
+    auto rest_from = [&](size_t n) {
+        return std::vector<std::string>(words.begin() + static_cast<long>(n), words.end());
+    };
+    const std::string& group = words[0];
+    const std::string sub = words.size() > 1 ? words[1] : "";
+    if (group == "secret") {
+        if (sub == "put") return cmd_secret_put(ctx, rest_from(2), false);
+        if (sub == "rotate") return cmd_secret_put(ctx, rest_from(2), true);
+        if (sub == "list" || sub == "ls") return cmd_secret_list(ctx, rest_from(2));
+        if (sub == "rm" || sub == "delete") return cmd_secret_rm(ctx, rest_from(2));
+        throw Usage(sub.empty() ? "secret: missing subcommand (put, rotate, list, rm)"
+                                : "secret: unknown subcommand '" + sub + "'");
+    }
+    if (group == "run") {
+        if (sub == "create") return cmd_run_create(ctx, rest_from(2));
+        if (sub == "show") return cmd_run_show(ctx, rest_from(2));
+        if (sub == "revoke") return cmd_run_revoke(ctx, rest_from(2));
+        if (sub == "explain") return cmd_run_explain(ctx, rest_from(2));
+        throw Usage(sub.empty() ? "run: missing subcommand (create, show, revoke, explain)"
+                                : "run: unknown subcommand '" + sub + "'");
+    }
+    if (group == "keys") {
+        if (sub == "rotate") return cmd_keys_rotate(ctx, rest_from(2));
+        throw Usage(sub.empty() ? "keys: missing subcommand (rotate)"
+                                : "keys: unknown subcommand '" + sub + "'");
+    }
+    throw Usage("unknown command '" + group + "'");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    // Secret values pass through this process: keep them out of core dumps.
+    ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    std::vector<std::string> args(argv + 1, argv + argc);
+    try {
+        return dispatch(args);
+    } catch (const Usage& u) {
+        std::cerr << "egressctl: " << u.what() << " (egressctl --help for usage)\n";
+        return 2;
+    } catch (const Failure& f) {
+        std::cerr << "egressctl: " << f.what() << "\n";
+        return 1;
+    } catch (const std::exception& ex) {
+        std::cerr << "egressctl: " << ex.what() << "\n";
+        return 1;
+    }
+}
