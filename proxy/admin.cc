@@ -26,8 +26,14 @@ bool host_is_loopback_name(std::string_view host_header, uint16_t port) {
     if (!p.empty() && p != ":" + std::to_string(port)) {
         return false;
     }
-    return h == "localhost" || h == "127.0.0.1" || h == "::1" ||
-           (h.size() > 4 && h.substr(0, 4) == "127.");
+    if (h == "localhost") {
+        return true;
+    }
+    // A literal loopback address only: "127.0.0.1.attacker.example" is a name that an
+    // attacker's DNS can rebind to 127.0.0.1, so a "127." prefix is not enough.
+    error_code ec;
+    auto addr = net::ip::make_address(std::string(h), ec);
+    return !ec && addr.is_loopback();
 }
 
 template <class Socket>

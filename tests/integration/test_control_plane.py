@@ -1,0 +1,996 @@
+"""Control plane end to end: the admin API, egressctl, dynamic runs, the encrypted store.
+
+Every run here is dynamic (config `runs: []`): created through POST /v1/runs or egressctl.
+Secret values never appear in test output: see cp_helpers.expect / fp.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets as pysecrets
+import shlex
+import shutil
+import ssl
+import stat
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import helpers
+from cp_helpers import (SEEN, GitServer, admin_token, api, api_ok, bearer_pin, contains_any,
+                        create_run, ctl, ctl_ok, cp_mutate, egressctl_bin, expect, fp, get_via,
+                        make_bare_repo, make_leaf, master_key_file, put_secret, rotate_secret,
+                        seen_auth, state_dir)
+
+
+def sval(tag: str) -> str:
+    return f"cpv-{tag}-" + pysecrets.token_hex(16)
+
+
+@pytest.fixture(scope="module")
+def cp(factory, world):
+    """One egressd with the admin API, no static runs."""
+    return factory.start(mutate=cp_mutate(world))
+
+
+@pytest.fixture(scope="module")
+def api_secret(cp):
+    """A secret in org=acme used by several tests."""
+    v = sval("api")
+    put_secret(cp, "api_tok", v, org="acme")
+    return v
+
+
+def api_host(w) -> str:
+    return f"api.test:{w.U}"
+
+
+# ---------------------------------------------------------------------------------------------
+# API auth and Host pinning
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-token", "Basic Zm9vOmJhcg==", "Bearer ",
+                                  "Bearer {tok}x", "Bearer x{tok}", "Token {tok}"])
+def test_api_requires_the_admin_token(cp, auth):
+    import http.client
+    tok = admin_token(cp)
+    for method, path, body in [("GET", "/v1/secrets", None),
+                               ("POST", "/v1/secrets",
+                                {"name": "nope", "scope": {"org": "acme"}, "value": "x"}),
+                               ("POST", "/v1/runs", {"scope": {"org": "acme"}}),
+                               ("DELETE", "/v1/secrets/nope", None),
+                               ("POST", "/v1/keys/rotate", None)]:
+        headers = {"Host": f"127.0.0.1:{cp.admin_port}"}
+        if auth is not None:
+            headers["Authorization"] = auth.format(tok=tok)
+        conn = http.client.HTTPConnection("127.0.0.1", cp.admin_port, timeout=10)
+        try:
+            conn.request(method, path, body=json.dumps(body).encode() if body else None,
+                         headers=headers)
+            resp = conn.getresponse()
+            status, data = resp.status, resp.read()
+            www = resp.getheader("WWW-Authenticate") or ""
+        finally:
+            conn.close()
+        SEEN.append((f"{method} {path}", data))
+        assert status == 401, (method, path, status)
+        j = json.loads(data)
+        assert j["error"] == "unauthorized" and j["detail"], j
+        assert www.startswith("Bearer")
+    # Nothing was created by the refused requests.
+    names = [s["name"] for s in api_ok(cp, "GET", "/v1/secrets")["secrets"]]
+    assert "nope" not in names
+    assert not [r for r in api_ok(cp, "GET", "/v1/secrets")["secrets"] if r["name"] == "nope"]
+
+
+def test_health_endpoints_need_no_token(cp):
+    assert api(cp, "GET", "/healthz", token=None).status == 200
+    assert api(cp, "GET", "/readyz", token=None).status == 200
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.1:1",
+                                  "localhost:{other}", "attacker.test:{port}", "10.0.0.1:{port}",
+                                  "127.0.0.1.nip.io:{port}"])
+def test_foreign_host_header_is_refused_before_routing(cp, host):
+    h = host.format(port=cp.admin_port, other=cp.admin_port + 1)
+    for token in (admin_token(cp), None):  # 403 even with the right token, and before auth
+        r = api(cp, "GET", "/v1/secrets", host=h, token=token)
+        assert r.status == 403, (h, r.status)
+        assert r.json["error"] == "forbidden_host"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "localhost",
+                                  "[::1]:{port}", "127.0.0.1"])
+def test_loopback_host_header_is_accepted(cp, host):
+    r = api(cp, "GET", "/v1/secrets", host=host.format(port=cp.admin_port))
+    assert r.status == 200, r.status
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+def _pin(**kw):
+    d = {"host": "api.test", "secret": "api_tok", "inject": {"type": "bearer"}}
+    d.update(kw)
+    return d
+
+
+VALIDATION = [
+    # (name, method, path, raw body, expected field in detail)
+    ("bad_json_secret", "POST", "/v1/secrets", b'{"name": "x", "scope": ', "body"),
+    ("bad_json_run", "POST", "/v1/runs", b"{not json", "body"),
+    ("not_object", "POST", "/v1/runs", b"[1, 2]", "body"),
+    ("secret_missing_scope", "POST", "/v1/secrets", {"name": "x", "value": "v"}, "scope"),
+    ("secret_missing_org", "POST", "/v1/secrets",
+     {"name": "x", "scope": {"project": "web"}, "value": "v"}, "scope.org"),
+    ("secret_missing_value", "POST", "/v1/secrets", {"name": "x", "scope": {"org": "acme"}},
+     "value"),
+    ("secret_bad_name", "POST", "/v1/secrets",
+     {"name": "a b/c", "scope": {"org": "acme"}, "value": "v"}, "name"),
+    ("secret_unknown_field", "POST", "/v1/secrets",
+     {"name": "x", "scope": {"org": "acme"}, "value": "v", "colour": "red"}, "colour"),
+    ("run_missing_scope", "POST", "/v1/runs", {"pins": []}, "scope"),
+    ("run_bad_scope_field", "POST", "/v1/runs", {"scope": {"org": "acme", "team": "x"}},
+     "scope.team"),
+    ("run_bad_ttl", "POST", "/v1/runs", {"scope": {"org": "acme"}, "ttl_seconds": "soon"},
+     "ttl_seconds"),
+    ("run_negative_ttl", "POST", "/v1/runs", {"scope": {"org": "acme"}, "ttl_seconds": -5},
+     "ttl_seconds"),
+    ("unknown_secret", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(secret="no_such_secret")]}, "pins[0].secret"),
+    ("unknown_secret_second_pin", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(), _pin(host="other.test", secret="nope")]},
+     "pins[1].secret"),
+    ("secret_in_other_scope", "POST", "/v1/runs",
+     {"scope": {"org": "globex"}, "pins": [_pin()]}, "pins[0].secret"),
+    ("pin_missing_host", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [{"secret": "api_tok", "inject": {"type": "bearer"}}]},
+     "pins[0].host"),
+    ("pin_bad_inject_type", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "sigv9"})]}, "pins[0].inject.type"),
+    ("pin_basic_without_user", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "basic"})]},
+     "pins[0].inject.username"),
+    ("pin_injects_content_length", "POST", "/v1/runs",
+     {"scope": {"org": "acme"},
+      "pins": [_pin(inject={"type": "header", "name": "Content-Length"})]}, "pins[0].inject.name"),
+    ("pin_injects_host", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "header", "name": "host"})]},
+     "pins[0].inject.name"),
+    ("pin_header_transfer_encoding", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(headers={"Transfer-Encoding": "chunked"})]},
+     "pins[0].headers.transfer-encoding"),
+    ("pin_header_content_length", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(headers={"content-length": "0"})]},
+     "pins[0].headers.content-length"),
+    ("pin_21_headers", "POST", "/v1/runs",
+     {"scope": {"org": "acme"},
+      "pins": [_pin(headers={f"x-h{i}": str(i) for i in range(21)})]}, "pins[0].headers"),
+    ("pin_unknown_field", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(colour="red")]}, "pins[0].colour"),
+    ("rotate_bad_json", "PUT", "/v1/secrets/api_tok", b"{", "body"),
+    ("rotate_missing_scope", "PUT", "/v1/secrets/api_tok", {"value": "v"}, "scope"),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,field", VALIDATION, ids=[v[0] for v in VALIDATION])
+def test_validation_errors_name_the_field(cp, api_secret, name, method, path, body, field):
+    before = api_ok(cp, "GET", "/v1/secrets")
+    if isinstance(body, bytes):
+        r = api(cp, method, path, raw=body)
+    else:
+        r = api(cp, method, path, body)
+    assert 400 <= r.status < 500, (r.status, r.body[:300])
+    assert r.headers.get("content-type", "").startswith("application/json")
+    j = r.json
+    assert set(j) == {"error", "detail"}, j
+    assert j["error"] == "invalid_request", j
+    assert j["detail"].startswith(field) or f"{field}:" in j["detail"] or \
+        f"{field} " in j["detail"], j["detail"]
+    # The refused request changed nothing.
+    assert api_ok(cp, "GET", "/v1/secrets") == before
+
+
+def test_20_pin_headers_are_accepted(cp, api_secret, world):
+    run = create_run(cp, world, {"org": "acme"},
+                     [_pin(host=api_host(world), headers={f"x-h{i}": str(i) for i in range(20)})])
+    assert len(run.reply["pins"][0]["headers"]) == 20
+
+
+def test_duplicate_secret_is_a_conflict(cp, api_secret):
+    r = api(cp, "POST", "/v1/secrets",
+            {"name": "api_tok", "scope": {"org": "acme"}, "value": sval("dup")})
+    assert r.status == 409 and r.json["error"] == "conflict", r.status
+
+
+def test_unknown_routes_and_objects_are_404(cp):
+    assert api(cp, "GET", "/v1/runs/run_doesnotexist").status == 404
+    assert api(cp, "DELETE", "/v1/runs/run_doesnotexist").status == 404
+    assert api(cp, "GET", "/v1/nothing").status == 404
+    r = api(cp, "DELETE", "/v1/secrets/never_existed", token=admin_token(cp))
+    assert r.status == 404 and r.json["error"] == "not_found"
+
+
+# ---------------------------------------------------------------------------------------------
+# secrets never come back; ciphertext at rest
+
+
+def test_secrets_never_returned_by_any_response(cp, world, api_secret):
+    v = sval("never")
+    values = {"api_tok": api_secret, "never": v}
+    created = put_secret(cp, "never_tok", v, org="acme", project="web")
+    assert set(created) == {"name", "scope", "version", "created_at"}, sorted(created)
+    v2 = sval("never2")
+    values["never2"] = v2
+    rotated = rotate_secret(cp, "never_tok", v2, org="acme", project="web")
+    assert rotated["version"] == 2
+    run = create_run(cp, world, {"org": "acme", "project": "web"},
+                     [bearer_pin(api_host(world), "never_tok")])
+    api_ok(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin("other.test", "api_tok"))
+    api_ok(cp, "GET", f"/v1/runs/{run.id}")
+    api_ok(cp, "GET", "/v1/secrets")
+    from urllib.parse import quote
+    api_ok(cp, "GET", f"/v1/runs/{run.id}/explain?url={quote(f'https://{api_host(world)}/x')}")
+    ctl_ok(cp, "secret", "list")
+    ctl_ok(cp, "secret", "list", "--json")
+    ctl_ok(cp, "run", "show", run.id)
+    ctl_ok(cp, "run", "explain", run.id, f"https://{api_host(world)}/x")
+    ctl_ok(cp, "secret", "put", "never_ctl", "--scope", "org=acme", stdin=sval("ctl") + "\n")
+    # The secret is used by a real request, whose response the upstream echoes (scrubbed).
+    marker = "m-never-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v2}"],
+           "upstream did not get the rotated value")
+    expect(not contains_any(resp.body, values), "response echoed a secret unscrubbed")
+    leaked = [(what, contains_any(body, values)) for what, body in SEEN
+              if contains_any(body, values)]
+    expect(not leaked, f"secret values in admin responses / egressctl output: "
+                       f"{[(w_, n) for w_, n in leaked]}")
+    assert len(SEEN) > 10
+
+
+def test_ciphertext_at_rest(cp, api_secret):
+    v = sval("rest")
+    put_secret(cp, "rest_tok", v, org="acme")
+    files = []
+    for root, _d, names in os.walk(state_dir(cp)):
+        files += [os.path.join(root, n) for n in names]
+    assert files, "state folder is empty"
+    found = []
+    total = b""
+    for p in files:
+        with open(p, "rb") as f:
+            data = f.read()
+        total += data
+        if contains_any(data, {"rest": v, "api": api_secret}):
+            found.append(p)
+    expect(not found, f"secret value (or its base64) in state files: {found}")
+    assert b"rest_tok" in total, "the store should name the secret (metadata is not secret)"
+    # Nothing egressd wrote anywhere (logs, audit, state) holds a value in clear.
+    expect(not cp.leaks(), f"leaks: {[p for p, _ in cp.leaks()]}")
+    mk = master_key_file(cp)
+    assert stat.S_IMODE(os.stat(mk).st_mode) == 0o600
+    assert os.path.getsize(mk) == 32
+    assert stat.S_IMODE(os.stat(cp.config["admin"]["token_file"]).st_mode) == 0o600
+
+
+# ---------------------------------------------------------------------------------------------
+# scope resolution, explain
+
+
+SCOPES = [  # (run scope, which secret value it must get)
+    ({"org": "acme"}, "org"),
+    ({"org": "acme", "project": "web"}, "project"),
+    ({"org": "acme", "project": "api"}, "org"),
+    ({"org": "acme", "project": "web", "user": "ana"}, "user"),
+    ({"org": "acme", "project": "web", "user": "bob"}, "project"),
+    ({"org": "acme", "project": "web", "user": "ana", "workflow": "nightly"}, "workflow"),
+    ({"org": "acme", "project": "web", "user": "bob", "workflow": "nightly"}, "project"),
+    ({"org": "acme", "project": "api", "user": "ana"}, "org"),
+]
+
+
+@pytest.fixture(scope="module")
+def scoped(cp):
+    vals = {k: sval(f"scope-{k}") for k in ("org", "project", "user", "workflow", "globex")}
+    put_secret(cp, "gh", vals["org"], org="acme")
+    put_secret(cp, "gh", vals["project"], org="acme", project="web")
+    put_secret(cp, "gh", vals["user"], org="acme", project="web", user="ana")
+    put_secret(cp, "gh", vals["workflow"], org="acme", project="web", user="ana",
+               workflow="nightly")
+    put_secret(cp, "gh", vals["globex"], org="globex")
+    return vals
+
+
+@pytest.mark.parametrize("scope,want", SCOPES, ids=[",".join(f"{k}={v}" for k, v in s.items())
+                                                    for s, _ in SCOPES])
+def test_scope_resolution_most_specific_wins(cp, world, scoped, scope, want):
+    run = create_run(cp, world, scope, [bearer_pin(api_host(world), "gh")])
+    marker = "m-scope-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200, resp.status
+    got = seen_auth(world.upstream, marker)
+    names = {f"Bearer {v}": k for k, v in scoped.items()}
+    expect(len(got) == 1 and got[0] in names,
+           f"upstream got {len(got)} credential(s), none of the scoped secrets")
+    assert names[got[0]] == want, f"run {scope} got the {names[got[0]]} secret, wants {want}"
+    # explain agrees with what was injected
+    ex = api_ok(cp, "GET", f"/v1/runs/{run.id}/explain?url=https://{api_host(world)}/echo")
+    assert ex["secret"]["name"] == "gh"
+    chosen = [c_["scope"] for c_ in ex["chain"] if c_["chosen"]]
+    assert len(chosen) == 1 and chosen[0] == ex["secret"]["scope"]
+    want_scope = {"org": {"org": "acme"}, "project": {"org": "acme", "project": "web"},
+                  "user": {"org": "acme", "project": "web", "user": "ana"},
+                  "workflow": {"org": "acme", "project": "web", "user": "ana",
+                               "workflow": "nightly"}}[want]
+    assert ex["secret"]["scope"] == want_scope, ex["secret"]
+
+
+def test_scope_of_another_org_is_never_used(cp, world, scoped):
+    run = create_run(cp, world, {"org": "globex", "project": "web"},
+                     [bearer_pin(api_host(world), "gh")])
+    marker = "m-globex-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {scoped['globex']}"],
+           "globex run did not get the globex secret")
+
+
+def test_explain(cp, world, scoped):
+    run = create_run(cp, world, {"org": "acme", "project": "web", "user": "ana"},
+                     [bearer_pin(api_host(world), "gh", path_prefixes=["/repos/"],
+                                 methods=["GET"])],
+                     allow=["tunnel.test"])
+    pin_id = run.reply["pins"][0]["id"]
+    from urllib.parse import quote
+
+    def explain(url, method=None):
+        q = f"url={quote(url, safe='')}" + (f"&method={method}" if method else "")
+        return api_ok(cp, "GET", f"/v1/runs/{run.id}/explain?{q}")
+
+    ex = explain(f"https://{api_host(world)}/repos/acme/x?page=2")
+    assert ex["decision"] == "inject", ex
+    assert ex["pin"]["id"] == pin_id
+    assert ex["secret"] == {"name": "gh", "scope": {"org": "acme", "project": "web",
+                                                    "user": "ana"}, "version": 1}
+    chain = {json.dumps(c["scope"], sort_keys=True): c for c in ex["chain"]}
+    assert chain[json.dumps({"org": "acme"})]["matches"] is True
+    assert chain[json.dumps({"org": "acme", "project": "web"}, sort_keys=True)]["matches"]
+    assert chain[json.dumps({"org": "globex"})]["matches"] is False
+    wf = json.dumps({"org": "acme", "project": "web", "user": "ana", "workflow": "nightly"},
+                    sort_keys=True)
+    assert chain[wf]["matches"] is False  # more specific than the run: not applicable
+    assert sum(c["chosen"] for c in ex["chain"]) == 1
+
+    # method and path outside the pin; unpinned hosts
+    assert explain(f"https://{api_host(world)}/repos/x", "POST")["pin"] is None
+    assert explain(f"https://{api_host(world)}/other")["pin"] is None
+    d = explain(f"https://unlisted.test:{world.U}/")
+    assert d["decision"] == "deny" and d["pin"] is None and d["reason"], d
+    t = explain(f"https://tunnel.test:{world.U}/")
+    assert t["decision"] == "tunnel", t
+    r = api(cp, "GET", f"/v1/runs/{run.id}/explain?url=notaurl")
+    assert r.status == 400 and r.json["detail"].startswith("url")
+
+    # the same through egressctl, human-readable
+    out = ctl_ok(cp, "run", "explain", run.id, f"https://{api_host(world)}/repos/acme/x").out
+    assert "decision: inject" in out, out
+    assert pin_id in out
+    assert "gh in org=acme,project=web,user=ana, version 1" in out, out
+    assert "* org=acme,project=web,user=ana" in out, out
+    out = ctl_ok(cp, "run", "explain", run.id, f"https://{api_host(world)}/repos/acme/x",
+                 "--method", "DELETE").out
+    assert "pin:      none" in out, out
+    j = json.loads(ctl_ok(cp, "run", "explain", run.id, f"https://unlisted.test:{world.U}/",
+                          "--json").out)
+    assert j["decision"] == "deny"
+
+    # revoked run
+    api_ok(cp, "DELETE", f"/v1/runs/{run.id}")
+    ex = explain(f"https://{api_host(world)}/repos/acme/x")
+    assert ex["decision"] == "deny" and ex["reason"] == "run_revoked", ex
+
+
+# ---------------------------------------------------------------------------------------------
+# rotation, expiry, revocation
+
+
+def test_rotated_secret_applies_to_next_request_on_same_connection(cp, world):
+    v1, v2, v3 = sval("rot1"), sval("rot2"), sval("rot3")
+    put_secret(cp, "rot_tok", v1, org="acme")
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), "rot_tok")])
+    c = run.tunnel("api.test", world.U)
+    try:
+        m1 = "m-rot1-" + pysecrets.token_hex(3)
+        r = helpers.request(c, "GET", f"/echo/{m1}", api_host(world))
+        assert r.status == 200
+        expect(seen_auth(world.upstream, m1) == [f"Bearer {v1}"], "first request: not v1")
+        rotate_secret(cp, "rot_tok", v2, org="acme")
+        m2 = "m-rot2-" + pysecrets.token_hex(3)
+        r = helpers.request(c, "GET", f"/echo/{m2}", api_host(world))  # same connection
+        assert r.status == 200
+        expect(seen_auth(world.upstream, m2) == [f"Bearer {v2}"],
+               "request after PUT on the same keep-alive connection did not use the new value")
+        # rotate through egressctl (value on stdin), again on the same connection
+        out = ctl_ok(cp, "secret", "rotate", "rot_tok", "--scope", "org=acme", stdin=v3 + "\n")
+        cp.secrets["cp:rot3"] = v3
+        assert "version 3" in out.out, out.out
+        m3 = "m-rot3-" + pysecrets.token_hex(3)
+        r = helpers.request(c, "GET", f"/echo/{m3}", api_host(world))
+        assert r.status == 200
+        expect(seen_auth(world.upstream, m3) == [f"Bearer {v3}"],
+               "egressctl secret rotate: next request did not use the new value")
+    finally:
+        c.close()
+    lst = {(s["name"], json.dumps(s["scope"])): s for s in api_ok(cp, "GET", "/v1/secrets")["secrets"]}
+    assert lst[("rot_tok", json.dumps({"org": "acme"}))]["version"] == 3
+
+
+def _refused_or_closed(c: helpers.Conn, host: str, path: str):
+    """The next request on an open connection: (status or None when the connection closed)."""
+    try:
+        r = helpers.request(c, "GET", path, host)
+        return r.status, r.egress_reason
+    except (ConnectionError, ssl.SSLError, OSError, ValueError):
+        return None, "closed"
+
+
+def test_run_expiry(cp, world, api_secret):
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), "api_tok")], ttl=2)
+    pin_exp = run.reply["pins"][0]["expires_at"]
+    assert pin_exp <= run.reply["expires_at"]  # RFC 3339 UTC: string order is time order
+    open_conn = run.tunnel("api.test", world.U)
+    marker = "m-exp-" + pysecrets.token_hex(3)
+    r = helpers.request(open_conn, "GET", f"/echo/{marker}", api_host(world))
+    assert r.status == 200
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {api_secret}"], "not injected")
+
+    # Poll the open connection until the run expires: every answer before is a 200.
+    results = []
+
+    def refused_on_open():
+        st, why = _refused_or_closed(open_conn, api_host(world), f"/echo/{marker}-k")
+        results.append((st, why))
+        return st != 200
+    helpers.poll(refused_on_open, 8.0, "the open connection to be refused after expiry",
+                 interval=0.1)
+    st, why = results[-1]
+    assert st in (403, None), results[-1]
+    if st == 403:
+        assert why == "run_expired", why
+    open_conn.close()
+
+    # New CONNECTs are refused (403 run_expired until the sweep, then the run is unknown).
+    def refused_new():
+        c, resp = helpers.proxy_connect(run.proxy_port, api_host(world), run.auth)
+        c.close()
+        return resp if resp.status != 200 else None
+    resp = helpers.poll(refused_new, 5.0, "new CONNECT refused after expiry", interval=0.1)
+    assert resp.status in (403, 407), (resp.status, resp.egress_reason)
+    # At most a few seconds after expiry, the sweep has removed it.
+    helpers.poll(lambda: api(cp, "GET", f"/v1/runs/{run.id}").status == 404, 5.0,
+                 "expired run swept", interval=0.1)
+    if st == 403:
+        cp.wait_audit(lambda a: a.get("run") == run.id and a.get("status") == 403
+                      and a.get("reason") == "run_expired", 1)
+
+
+def test_pin_ttl_is_capped_by_the_run(cp, world, api_secret):
+    run = create_run(cp, world, {"org": "acme"},
+                     [bearer_pin(api_host(world), "api_tok", ttl_seconds=3600)], ttl=60)
+    assert run.reply["pins"][0]["expires_at"] == run.reply["expires_at"]
+    api_ok(cp, "DELETE", f"/v1/runs/{run.id}")
+
+
+def test_revocation_closes_open_connections_and_refuses_new_ones(cp, world, api_secret):
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), "api_tok")],
+                     allow=["tunnel.test"])
+    intercepted = run.tunnel("api.test", world.U)
+    marker = "m-rev-" + pysecrets.token_hex(3)
+    assert helpers.request(intercepted, "GET", f"/echo/{marker}", api_host(world)).status == 200
+    # a blind tunnel (allowed, unpinned host) is open too
+    c, resp = helpers.proxy_connect(run.proxy_port, f"tunnel.test:{world.U}", run.auth)
+    assert resp.status == 200
+    blind = helpers.tls_wrap(c, "tunnel.test", world.pki.ca)
+    assert helpers.request(blind, "GET", f"/echo/{marker}-b", f"tunnel.test:{world.U}").status \
+        == 200
+
+    out = ctl_ok(cp, "run", "revoke", run.id).out
+    assert f"run {run.id} revoked" in out
+
+    st, why = _refused_or_closed(intercepted, api_host(world), f"/echo/{marker}-after")
+    assert st in (None, 403), (st, why)
+    if st == 403:
+        assert why == "run_revoked"
+    assert not seen_auth(world.upstream, f"{marker}-after"), "a request went out after revoke"
+    st, why = _refused_or_closed(blind, f"tunnel.test:{world.U}", f"/echo/{marker}-b-after")
+    assert st is None, f"blind tunnel still open after revocation: {st}"
+    assert not world.upstream.find(f"{marker}-b-after")
+    for target in (api_host(world), f"tunnel.test:{world.U}"):
+        c, resp = helpers.proxy_connect(run.proxy_port, target, run.auth)
+        c.close()
+        assert resp.status in (403, 407), (target, resp.status)
+    shown = api_ok(cp, "GET", f"/v1/runs/{run.id}")
+    assert shown["revoked"] is True
+    # no pins can be added to a revoked run
+    r = api(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin("other.test", "api_tok"))
+    assert r.status == 409
+
+
+def test_added_pin_applies_to_running_run(cp, world, api_secret):
+    run = create_run(cp, world, {"org": "acme"}, [])
+    c, resp = helpers.proxy_connect(run.proxy_port, f"basic.test:{world.U}", run.auth)
+    c.close()
+    assert resp.status == 403
+    pin = api_ok(cp, "POST", f"/v1/runs/{run.id}/pins",
+                 {"host": f"basic.test:{world.U}", "secret": "api_tok",
+                  "inject": {"type": "basic", "username": "robot"}})
+    assert pin["id"].startswith("pin_") and pin["inject"]["username"] == "robot"
+    marker = "m-addpin-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "basic.test", world.U, f"/echo/{marker}")
+    c.close()
+    import base64
+    want = "Basic " + base64.b64encode(f"robot:{api_secret}".encode()).decode()
+    expect(seen_auth(world.upstream, marker) == [want], "basic pin added later not injected")
+
+
+# ---------------------------------------------------------------------------------------------
+# egressctl
+
+
+def test_egressctl_secret_put_list_rm(cp, world):
+    v = sval("ctl")
+    r = ctl(cp, "secret", "put", "ctl_tok", "--scope", "org=acme", "--scope", "project=web",
+            stdin=v + "\n")
+    assert r.returncode == 0, r.err
+    cp.secrets["cp:ctl"] = v
+    assert "ctl_tok" in r.out and "version 1" in r.out
+    # the newline was stripped: the value injected is exactly v
+    run = create_run(cp, world, {"org": "acme", "project": "web"},
+                     [bearer_pin(api_host(world), "ctl_tok")])
+    marker = "m-ctl-" + pysecrets.token_hex(3)
+    c, _ = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "stdin value not stored exactly")
+
+    # again: 409, pointing at rotate; --rotate works
+    r = ctl(cp, "secret", "put", "ctl_tok", "--scope", "org=acme,project=web", stdin=sval("x"))
+    assert r.returncode == 1
+    assert r.err.count("\n") == 1 and r.err.startswith("egressctl: 409 conflict: "), r.err
+    assert "egressctl secret rotate ctl_tok" in r.err, r.err
+    v2 = sval("ctl2")
+    r = ctl(cp, "secret", "put", "--rotate", "ctl_tok", "--scope", "org=acme",
+            "--scope", "project=web", stdin=v2)
+    assert r.returncode == 0, r.err
+    cp.secrets["cp:ctl2"] = v2
+    assert "version 2" in r.out
+
+    table = ctl_ok(cp, "secret", "list").out.splitlines()
+    assert table[0].split() == ["NAME", "SCOPE", "VERSION", "CREATED_AT"], table[0]
+    rows = [ln.split() for ln in table[1:]]
+    assert ["ctl_tok", "org=acme,project=web", "2"] in [row[:3] for row in rows], table
+    assert all(len(row) == 4 for row in rows), table
+
+    # empty value refused, nothing stored
+    for empty in ("", "\n"):
+        r = ctl(cp, "secret", "put", "ctl_empty", "--scope", "org=acme", stdin=empty)
+        assert r.returncode == 1 and "empty" in r.err, r.err
+    assert "ctl_empty" not in ctl_ok(cp, "secret", "list").out
+
+    r = ctl_ok(cp, "secret", "rm", "ctl_tok", "--scope", "org=acme", "--scope", "project=web")
+    assert "deleted" in r.out
+    assert "ctl_tok" not in ctl_ok(cp, "secret", "list").out
+    r = ctl(cp, "secret", "rm", "ctl_tok")
+    assert r.returncode == 1 and r.err.startswith("egressctl: 404 not_found"), r.err
+
+
+def test_egressctl_value_never_an_argument(cp):
+    # there is no way to pass the value as an argument
+    for args in (["secret", "put", "x", "--scope", "org=acme", "--value", "v"],
+                 ["secret", "put", "x", "v", "--scope", "org=acme"]):
+        r = ctl(cp, *args, stdin="v")
+        assert r.returncode == 2, (args, r.returncode, r.err)
+        assert r.err.startswith("egressctl: ") and r.err.count("\n") == 1, r.err
+
+
+def test_egressctl_errors(cp, world, api_secret):
+    r = ctl(cp, "run", "create", "--scope", "org=acme", "--pin", f"{api_host(world)}=x:bearer")
+    assert r.returncode == 1
+    assert r.err == "egressctl: 400 invalid_request: pins[0].secret: unknown secret 'x' for " \
+                    "scope org=acme\n", r.err
+    assert r.out == ""
+    r = ctl(cp, "run", "create", "--scope", "org=acme",
+            "--pin", f"{api_host(world)}=api_tok:header:Content-Length")
+    assert r.returncode == 1 and "pins[0].inject.name" in r.err, r.err
+    # usage errors: exit 2, one line
+    for args in (["run", "create"], ["run", "create", "--scope", "org=acme", "--pin", "nohost"],
+                 ["run", "create", "--scope", "org=acme", "--ttl", "5x"],
+                 ["frobnicate"], ["secret"], ["run", "show"], ["secret", "put", "n"],
+                 ["run", "create", "--scope", "team=x"]):
+        r = ctl(cp, *args)
+        assert r.returncode == 2, (args, r.returncode, r.err)
+        assert r.err.startswith("egressctl: ") and r.err.count("\n") == 1, (args, r.err)
+    # auth errors: wrong token from the environment; no token at all
+    tok = admin_token(cp)
+    r = ctl(cp, "secret", "list", token_file=False,
+            env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="wrong-" + tok[:4]))
+    assert r.returncode == 1 and r.err.startswith("egressctl: 401 unauthorized"), r.err
+    env = helpers.clean_env()
+    env.pop("EGRESSD_ADMIN_TOKEN", None)
+    r = ctl(cp, "secret", "list", token_file=False, env=env)
+    assert r.returncode == 2 and "EGRESSD_ADMIN_TOKEN" in r.err, r.err
+    r = ctl_ok(cp, "secret", "list", token_file=False,
+               env=helpers.clean_env(EGRESSD_ADMIN_TOKEN=tok))
+    assert "NAME" in r.out
+    # unreachable admin API
+    r = subprocess.run([egressctl_bin(), "--admin", f"http://127.0.0.1:{world.closed_port}",
+                        "secret", "list"], capture_output=True, timeout=30,
+                       env=helpers.clean_env(EGRESSD_ADMIN_TOKEN=tok))
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "cannot reach the admin API" in err, err
+    # the admin token is never printed, whatever happened
+    for what, body in SEEN:
+        assert tok.encode() not in body, f"admin token printed by {what}"
+
+
+def test_egressctl_run_create_show_revoke(cp, world, api_secret):
+    r = ctl_ok(cp, "run", "create", "--scope", "org=acme", "--scope", "user=ana",
+               "--pin", f"{api_host(world)}=api_tok:bearer",
+               "--pin", f"basic.test:{world.U}=api_tok:basic:robot",
+               "--pin", f"hdr.test:{world.U}=api_tok:header:X-Api-Key",
+               "--allow", "tunnel.test", "--ttl", "10m")
+    j = json.loads(r.out)
+    for k in ("id", "proxy_url", "expires_at", "pins"):
+        assert k in j, k
+    assert [p["inject"]["type"] for p in j["pins"]] == ["bearer", "basic", "header"]
+    assert j["pins"][2]["inject"]["name"] == "x-api-key"
+    show = json.loads(ctl_ok(cp, "run", "show", j["id"]).out)
+    assert show["id"] == j["id"] and show["allow_hosts"] == ["tunnel.test"]
+    assert show["scope"] == {"org": "acme", "user": "ana"}
+    rid, tok = j["proxy_url"].split("//")[1].split("@")[0].split(":")
+    assert tok not in json.dumps(show), "run show must not return the proxy token"
+    # ttl 10m
+    exp = time.strptime(show["expires_at"], "%Y-%m-%dT%H:%M:%SZ")
+    created = time.strptime(show["created_at"], "%Y-%m-%dT%H:%M:%SZ")
+    import calendar
+    assert calendar.timegm(exp) - calendar.timegm(created) == 600
+    ctl_ok(cp, "run", "revoke", j["id"])
+    assert json.loads(ctl_ok(cp, "run", "show", j["id"]).out)["revoked"] is True
+
+
+def test_egressctl_env_output_is_shell_safe(cp, world, api_secret, tmp_path):
+    ca = tmp_path / "it's a dir" / "ca.pem"
+    ca.parent.mkdir()
+    r = ctl_ok(cp, "run", "create", "--scope", "org=acme",
+               "--pin", f"{api_host(world)}=api_tok:bearer", "--env", "--ca-out", str(ca))
+    names = ["HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
+             "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE", "https_proxy",
+             "http_proxy", "no_proxy"]
+    exported = {}
+    for line in r.out.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        assert line.startswith("export "), line
+        k, _, v = line[len("export "):].partition("=")
+        exported[k] = shlex.split(v)[0]
+    assert sorted(exported) == sorted(names)
+    assert exported["SSL_CERT_FILE"] == str(ca) and os.path.isabs(exported["SSL_CERT_FILE"])
+    assert exported["NO_PROXY"] == "localhost,127.0.0.1,::1"
+    assert exported["HTTPS_PROXY"].startswith("http://run_")
+    with open(ca) as f:
+        assert f.read().startswith("-----BEGIN CERTIFICATE-----")
+    # eval in a shell gives back exactly the same values
+    dump = subprocess.run(["bash", "-c", 'eval "$1"; env -0', "_", r.out], capture_output=True,
+                          env={}, timeout=30).stdout
+    env = dict(kv.split("=", 1) for kv in dump.decode().split("\0") if "=" in kv)
+    for k in names:
+        assert env.get(k) == exported[k], k
+
+
+def test_egressctl_over_unix_socket(factory, world):
+    import conftest
+    from cp_helpers import UnixAdminEgressd
+    wd = world.new_dir("egressd-unix-")
+    cfg = conftest.base_config(world, wd)
+    cp_mutate(world)(cfg)
+    sock = os.path.join(wd, "admin.sock")
+    e = UnixAdminEgressd(factory.binary, wd, cfg, world.secrets, sock)
+    factory.started.append(e)
+    e.start()
+    tokf = cfg["admin"]["token_file"]
+    base = [egressctl_bin(), "--admin", f"unix:{sock}", "--token-file", tokf]
+    v = sval("unix")
+    e.secrets["cp:unix"] = v
+    r = subprocess.run(base + ["secret", "put", "unix_tok", "--scope", "org=acme"],
+                       input=v.encode(), capture_output=True, timeout=30, env=helpers.clean_env())
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(base + ["secret", "list"], capture_output=True, timeout=30,
+                       env=helpers.clean_env())
+    assert r.returncode == 0 and b"unix_tok" in r.stdout, r.stderr
+    r = subprocess.run(base + ["run", "create", "--scope", "org=acme",
+                               "--pin", f"{api_host(world)}=unix_tok:bearer"],
+                       capture_output=True, timeout=30, env=helpers.clean_env())
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)
+    from cp_helpers import DynRun, parse_proxy_url
+    rid, tok, port = parse_proxy_url(j["proxy_url"])
+    ca = os.path.join(wd, "unix-run-ca.pem")
+    with open(ca, "w") as f:
+        f.write(j["ca_pem"])
+    run = DynRun(rid, tok, ca, port, j)
+    marker = "m-unix-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "not injected (unix admin)")
+    # wrong token over the unix socket: still 401
+    r = subprocess.run([egressctl_bin(), "--admin", f"unix:{sock}", "secret", "list"],
+                       capture_output=True, timeout=30,
+                       env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="nope"))
+    assert r.returncode == 1 and r.stderr.startswith(b"egressctl: 401"), r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# key rotation, restart, crash safety (each on its own egressd and state folder)
+
+
+def test_kek_rotation(factory, world):
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval("kek")
+    put_secret(e, "kek_tok", v, org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), "kek_tok")])
+    mk = master_key_file(e)
+    with open(mk, "rb") as f:
+        old_key = f.read()
+
+    def state_bytes():
+        out = {}
+        for root, _d, names in os.walk(state_dir(e)):
+            for n in names:
+                with open(os.path.join(root, n), "rb") as f:
+                    out[os.path.join(root, n)] = f.read()
+        return out
+    before = state_bytes()
+
+    r = ctl_ok(e, "keys", "rotate")
+    assert "rewrapped" in r.out, r.out
+    with open(mk, "rb") as f:
+        new_key = f.read()
+    assert len(new_key) == 32 and new_key != old_key, "master key file unchanged"
+    assert stat.S_IMODE(os.stat(mk).st_mode) == 0o600
+    assert not os.path.exists(mk + ".next")
+    after = state_bytes()
+    assert after != before, "state not rewritten by the rotation"
+    expect(not any(contains_any(b, {"v": v}) for b in after.values()), "value in clear at rest")
+
+    # Secrets still inject: the running run (rebuilt or not), a new run, a rotated secret.
+    for rr in (run, create_run(e, world, {"org": "acme"},
+                               [bearer_pin(api_host(world), "kek_tok")])):
+        marker = "m-kek-" + pysecrets.token_hex(3)
+        c, resp = get_via(rr, "api.test", world.U, f"/echo/{marker}")
+        c.close()
+        assert resp.status == 200
+        expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "not injected after rotate")
+    v2 = sval("kek2")
+    rotate_secret(e, "kek_tok", v2, org="acme")
+    ctl_ok(e, "keys", "rotate")  # twice
+    with open(mk, "rb") as f:
+        assert f.read() not in (old_key, new_key)
+
+    # After a restart only the current master key exists: everything still decrypts.
+    assert e.stop() == 0
+    e.start()
+    marker = "m-kek-restart-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v2}"],
+           "not injected after rotate + restart")
+
+
+def test_restart_keeps_secrets_runs_and_ca(factory, world):
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval("restart")
+    put_secret(e, "rs_tok", v, org="acme", project="web")
+    run = create_run(e, world, {"org": "acme", "project": "web"},
+                     [bearer_pin(api_host(world), "rs_tok")], allow=["tunnel.test"])
+    revoked = create_run(e, world, {"org": "acme", "project": "web"},
+                         [bearer_pin(api_host(world), "rs_tok")])
+    api_ok(e, "DELETE", f"/v1/runs/{revoked.id}")
+    secrets_before = api_ok(e, "GET", "/v1/secrets")
+    show_before = api_ok(e, "GET", f"/v1/runs/{run.id}")
+
+    assert e.stop() == 0
+    e.start()
+
+    assert api_ok(e, "GET", "/v1/secrets") == secrets_before
+    show_after = api_ok(e, "GET", f"/v1/runs/{run.id}")
+    assert show_after == show_before
+    assert show_after["ca_pem"] == run.reply["ca_pem"], "run CA changed across the restart"
+    # The old CA file (what the sandbox has) still verifies the leaf minted after the restart,
+    # and the proxy token from before the restart still works.
+    marker = "m-restart-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "not injected after restart")
+    # revocation survived too
+    c, resp = helpers.proxy_connect(revoked.proxy_port, api_host(world), revoked.auth)
+    c.close()
+    assert resp.status in (403, 407), resp.status
+    # the admin token did not change
+    assert api(e, "GET", "/v1/secrets").status == 200
+
+
+def test_crash_during_writes_keeps_every_acknowledged_write(factory, world):
+    e = factory.start(mutate=cp_mutate(world))
+    values = {f"crash-{i:03d}": sval(f"crash{i}") for i in range(60)}
+    for n, v in values.items():
+        e.secrets[f"cp:{n}"] = v
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def writer():
+        for name, v in values.items():
+            if stop.is_set():
+                return
+            r = ctl(e, "secret", "put", name, "--scope", "org=acme", stdin=v, timeout=15)
+            if r.returncode == 0:
+                acked.append(name)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    helpers.poll(lambda: len(acked) >= 12, 30.0, "12 acknowledged writes", interval=0.005)
+    e.kill()  # SIGKILL in the middle of the stream
+    assert e.proc.returncode == -9
+    stop.set()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    acked_at_kill = list(acked)  # every write whose response arrived (before the kill)
+    assert len(acked_at_kill) < len(values), "the stream ended before the kill"
+
+    e.start()
+    listed = {s["name"]: s for s in api_ok(e, "GET", "/v1/secrets")["secrets"]}
+    missing = [n for n in acked_at_kill if n not in listed]
+    assert not missing, f"acknowledged writes lost: {missing}"
+    assert all(s["version"] == 1 for s in listed.values())
+    # The store is consistent: writes are a prefix of the stream (nothing after a gap), and
+    # every secret present decrypts to exactly its value.
+    order = list(values)
+    present = [n for n in order if n in listed]
+    assert present == order[:len(present)], "a write went missing in the middle"
+    assert set(listed) == set(present)
+    for name in present:
+        run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), name)])
+        marker = f"m-crash-{name}-" + pysecrets.token_hex(2)
+        c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+        c.close()
+        assert resp.status == 200, (name, resp.status)
+        expect(seen_auth(world.upstream, marker) == [f"Bearer {values[name]}"],
+               f"{name}: wrong value after crash + restart")
+    # still writable afterwards
+    put_secret(e, "after-crash", sval("after"), org="acme")
+
+
+# ---------------------------------------------------------------------------------------------
+# the sandbox's view: a fresh shell with an empty environment
+
+
+@pytest.fixture(scope="module")
+def git_world(world):
+    root = world.new_dir("git-")
+    content = make_bare_repo(root)
+    cert, key = make_leaf(world.pki.dir, "gittest", ["git.test"])
+    token = "ghp_itest_" + pysecrets.token_hex(16)
+    srv = GitServer(root, cert, key, token)
+    yield srv, content
+    srv.close()
+
+
+def test_e2e_empty_env_shell_curl_requests_git(factory, world, git_world, tmp_path):
+    git, content = git_world
+    token = git.token
+    # The git server really requires the token: without it, 401.
+    ctx = ssl.create_default_context(cafile=world.pki.ca)
+    ctx.check_hostname = False
+    req = urllib.request.Request(f"https://127.0.0.1:{git.port}/repo.git/info/refs"
+                                 "?service=git-upload-pack")
+    try:
+        urllib.request.urlopen(req, context=ctx, timeout=10)
+        raise AssertionError("git server answered without a token")
+    except urllib.error.HTTPError as ex:
+        assert ex.code == 401
+    with git.lock:
+        assert [ok for _m, _p, ok in git.log] == [False]
+        git.log.clear()
+
+    e = factory.start(mutate=cp_mutate(world, {"git.test": ["127.0.0.1"]}, [git.port]))
+    put_secret(e, "git_token", token, org="acme", project="web")
+
+    sandbox = tmp_path / "sandbox"
+    sandbox.mkdir()
+    m_curl = "m-e2e-curl-" + pysecrets.token_hex(3)
+    m_req = "m-e2e-requests-" + pysecrets.token_hex(3)
+    U = world.U
+    ctl_cmd = " ".join(shlex.quote(a) for a in [
+        egressctl_bin(), "--admin", f"http://127.0.0.1:{e.admin_port}",
+        "--token-file", e.config["admin"]["token_file"],
+        "run", "create", "--scope", "org=acme", "--scope", "project=web", "--scope", "user=ana",
+        "--pin", f"api.test:{U}=git_token:bearer",
+        "--pin", f"git.test:{git.port}=git_token:bearer",
+        "--ttl", "10m", "--env"])
+    script = f"""
+set -e
+cd {shlex.quote(str(sandbox))}
+envlines="$({ctl_cmd})"
+eval "$envlines"
+curl -sS -f --max-time 30 https://api.test:{U}/echo/{m_curl} -o curl.out
+/usr/bin/python3 -c "
+import requests, sys
+r = requests.get('https://api.test:{U}/echo/{m_req}', timeout=30)
+r.raise_for_status()
+open('requests.out', 'wb').write(r.content)
+"
+git -c protocol.version=2 clone -q https://git.test:{git.port}/repo.git clone
+env > env.dump
+echo done
+"""
+    r = subprocess.run(["env", "-i", "bash", "--noprofile", "--norc", "-c", script],
+                       capture_output=True, timeout=180, stdin=subprocess.DEVNULL,
+                       start_new_session=True)
+    out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+    expect(token not in out and token not in err, "the token appeared in the shell's output")
+    assert r.returncode == 0 and out.strip().endswith("done"), (r.returncode, out[-2000:],
+                                                                 err[-3000:])
+
+    # Everything got the token, injected by egressd.
+    expect(seen_auth(world.upstream, m_curl) == [f"Bearer {token}"], "curl: token not injected")
+    expect(seen_auth(world.upstream, m_req) == [f"Bearer {token}"],
+           "requests: token not injected")
+    with git.lock:
+        log = list(git.log)
+    assert log and all(ok for _m, _p, ok in log), f"git server saw unauthorized requests: {log}"
+    assert any("git-upload-pack" in p for _m, p, _ok in log)
+    with open(sandbox / "clone" / "README.md") as f:
+        assert f.read() == content
+
+    # Nothing in the sandbox's environment or files holds the token.
+    with open(sandbox / "env.dump") as f:
+        env_text = f.read()
+    env = dict(ln.split("=", 1) for ln in env_text.splitlines() if "=" in ln)
+    for k in ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE",
+              "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE", "https_proxy",
+              "http_proxy", "no_proxy"):
+        assert k in env, k
+    assert env["SSL_CERT_FILE"] == str(sandbox / "egress-run-ca.pem")
+    expect(not contains_any(env_text, {"t": token}), "token in the sandbox environment")
+    hits = []
+    for root, _dirs, names in os.walk(sandbox):
+        for n in names:
+            p = os.path.join(root, n)
+            if os.path.islink(p):
+                continue
+            with open(p, "rb") as f:
+                if contains_any(f.read(), {"t": token}):
+                    hits.append(os.path.relpath(p, sandbox))
+    expect(not hits, f"token found in sandbox files: {hits}")
+    with open(sandbox / "clone" / ".git" / "config") as f:
+        gc = f.read()
+    assert f"https://git.test:{git.port}/repo.git" in gc
+    with open(sandbox / "egress-run-ca.pem") as f:
+        assert f.read().startswith("-----BEGIN CERTIFICATE-----")
+    # responses that echoed the token were scrubbed before the sandbox saw them
+    for name in ("curl.out", "requests.out"):
+        assert (sandbox / name).stat().st_size > 0
+
+    # After revocation the same environment gets nothing.
+    run_id = env["HTTPS_PROXY"].split("//")[1].split(":")[0]
+    api_ok(e, "DELETE", f"/v1/runs/{run_id}")
+    r2 = helpers.curl([f"https://api.test:{U}/echo/{m_curl}-revoked"], env=env, timeout=20)
+    assert r2.returncode != 0
+    assert not world.upstream.find(f"{m_curl}-revoked")
