@@ -749,7 +749,14 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
     if (path.empty()) path = "/";
 
     auto snap = store_->snapshot();
-    std::shared_ptr<Run> run = statics_->find(id);
+    std::shared_ptr<const Runtime> statics;
+    std::shared_ptr<const Config> config;
+    {
+        std::lock_guard lock(build_mu_);
+        statics = statics_;
+        config = config_;
+    }
+    std::shared_ptr<Run> run = statics->find(id);
     const credstore::RunRecord* rec = nullptr;
     if (!run) {
         auto it = snap->runs.find(id);
@@ -773,7 +780,7 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
         return ok(200, out);
     }
     if (!run) return error(503, "not_ready", "run not loaded yet");
-    auto dd = policy::decide_destination(config_->policy, run->policy, *dest, now);
+    auto dd = policy::decide_destination(config->policy, run->policy, *dest, now);
     if (dd.carry == policy::Carry::Deny) {
         out["decision"] = "deny";
         out["reason"] = dd.reason;
@@ -786,7 +793,7 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
     }
     const policy::Pin* pin = policy::match_pin(run->policy, *dest, method, path, now);
     if (pin == nullptr) {
-        bool allowed = policy::host_allowed(config_->policy, run->policy, *dest);
+        bool allowed = policy::host_allowed(config->policy, run->policy, *dest);
         out["decision"] = allowed ? "forward" : "deny";
         out["reason"] = allowed ? "allowed_without_credential" : "no_matching_pin";
         return ok(200, out);
@@ -825,9 +832,14 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
 
 ApiResponse ControlPlane::rotate_keys() {
     std::lock_guard lock(mu_);
+    std::shared_ptr<const Config> cfg;
+    {
+        std::lock_guard build_lock(build_mu_);
+        cfg = config_;
+    }
     credstore::KeyProvider* target = &keys_.primary();
-    const bool file_kek = !config_->kms_command.has_value();
-    const std::string next_path = config_->master_key_file + ".next";
+    const bool file_kek = !cfg->kms_command.has_value();
+    const std::string next_path = cfg->master_key_file + ".next";
     std::error_code fec;
     if (file_kek) {
         bool resuming = std::filesystem::exists(next_path, fec);
@@ -868,9 +880,9 @@ ApiResponse ControlPlane::rotate_keys() {
     if (auto r = store_->apply(muts); !r) return error(500, "store_failed", r.error());
     if (file_kek) {
         // Only now that every data key is wrapped by the new KEK does it replace the old one.
-        std::filesystem::rename(next_path, config_->master_key_file, fec);
+        std::filesystem::rename(next_path, cfg->master_key_file, fec);
         if (fec) return error(500, "kek_failed", "rename " + next_path + ": " + fec.message());
-        auto dir = std::filesystem::path(config_->master_key_file).parent_path();
+        auto dir = std::filesystem::path(cfg->master_key_file).parent_path();
         int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (dfd >= 0) {
             ::fsync(dfd);
@@ -882,6 +894,12 @@ ApiResponse ControlPlane::rotate_keys() {
     out["kek_id"] = target->key_id();
     out["rewrapped"] = count;
     return ok(200, out);
+}
+
+void ControlPlane::set_statics(std::shared_ptr<const Runtime> statics) {
+    std::lock_guard lock(build_mu_);
+    statics_ = statics;
+    config_ = statics->config;
 }
 
 size_t ControlPlane::sweep_expired() {

@@ -52,6 +52,9 @@ public:
     /// run (pins resolved by scope and unsealed). Unchanged runs keep their Run objects.
     Result<std::shared_ptr<const Runtime>> build_runtime();
 
+    /// Replaces the static part (a config reload).
+    void set_statics(std::shared_ptr<const Runtime> statics);
+
     /// Deletes expired runs from the store. Returns how many were swept.
     size_t sweep_expired();
 

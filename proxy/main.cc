@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
         return 1;
     }
     try {
-        egress::proxy::Server server(*runtime);
+        egress::proxy::Server server(*runtime, config_path);
         return server.run();
     } catch (const std::exception& e) {
         spdlog::error("cannot start: {}", e.what());

@@ -45,7 +45,7 @@ std::shared_ptr<Run> Runtime::find(const std::string& id) const {
 }
 
 Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
-                                               BuildWarnings& warnings) {
+                                               BuildWarnings& warnings, const Runtime* previous) {
     auto rt = std::make_shared<Runtime>();
     rt->config = config;
     rt->addresses = policy::AddressPolicy(config->allow_networks);
@@ -103,13 +103,24 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             }
             run->policy.pins.push_back(std::move(pin));
         }
-        auto ca = tls::RunCa::create(rc.id, validity);
-        if (!ca) {
-            errors.push_back(rc.yaml_path + ": cannot create run CA: " + ca.error());
-            continue;
+        run->static_ttl = rc.ttl;
+        std::shared_ptr<Run> old = previous != nullptr ? previous->find(rc.id) : nullptr;
+        if (old && !old->dynamic && old->static_ttl == rc.ttl && old->ca) {
+            run->ca = old->ca;
+            run->leaves = old->leaves;
+            run->policy.expires_at = old->policy.expires_at;
+            for (auto& p : run->policy.pins) {
+                p.expires_at = std::min(p.expires_at, run->policy.expires_at);
+            }
+        } else {
+            auto ca = tls::RunCa::create(rc.id, validity);
+            if (!ca) {
+                errors.push_back(rc.yaml_path + ": cannot create run CA: " + ca.error());
+                continue;
+            }
+            run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
+            run->leaves = make_leaf_cache(run->ca, config->limits.leaf_cache_size);
         }
-        run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
-        run->leaves = make_leaf_cache(run->ca, config->limits.leaf_cache_size);
         if (!rc.ca_cert_out.empty()) {
             auto w = write_file_atomic(rc.ca_cert_out, run->ca->cert_pem(), 0644);
             if (!w) {

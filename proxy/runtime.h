@@ -3,6 +3,8 @@
 // built from a validated Config. A Runtime is an immutable snapshot shared by every
 // connection (shared_ptr<const Runtime>); only counters inside a Run change. No Asio here.
 #include <atomic>
+#include <chrono>
+#include <optional>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +22,7 @@ namespace egress::proxy {
 
 struct Run {
     policy::RunPolicy policy;
+    std::optional<std::chrono::seconds> static_ttl;  // static runs: the ttl they were built with
     bool dynamic = false;        // created through the admin API (state store)
     credstore::SecretPtr token;  // static runs with token_file
     std::string token_sha256;    // dynamic runs: hex SHA-256 of the proxy token
@@ -48,8 +51,11 @@ struct BuildWarnings {
 /// Reads token and secret files, creates each run's CA (writing its certificate to
 /// ca_cert_out), and returns the snapshot. Errors name the YAML path of the bad key.
 /// Secret files that do not exist yet produce a warning and an unavailable pin.
+/// With `previous` (a reload), static runs whose id and ttl are unchanged keep their CA and
+/// leaf cache, so sandboxes that trust the old CA keep working.
 Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
-                                               BuildWarnings& warnings);
+                                               BuildWarnings& warnings,
+                                               const Runtime* previous = nullptr);
 
 /// A leaf cache that owns a reference to its CA.
 std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca, size_t capacity);

@@ -45,6 +45,7 @@ void log_spawn_error(std::exception_ptr e) {
 
 struct Server::Impl {
     Shared shared;
+    std::string config_path;
     std::unique_ptr<ControlPlane> control;
     net::io_context admin_ioc{1};  // admin API: blocking store writes stay off the data path
     std::vector<std::unique_ptr<Worker>> workers;
@@ -69,6 +70,51 @@ struct Server::Impl {
             }
         }
         shared.metrics.runs_active.store(static_cast<int64_t>((*next)->runs.size()));
+    }
+
+    /// SIGHUP: re-read the config; apply it atomically or refuse it and keep the old one.
+    void reload() {
+        auto cfg = load_config_file(config_path);
+        if (!cfg) {
+            spdlog::error("reload refused, keeping the running configuration: {}", cfg.error());
+            return;
+        }
+        auto current = shared.runtime.load();
+        const Config& old = *current->config;
+        if (cfg->proxy.to_string() != old.proxy.to_string() ||
+            cfg->admin.to_string() != old.admin.to_string() ||
+            cfg->upstream_ca_file != old.upstream_ca_file ||
+            cfg->state_path != old.state_path || cfg->master_key_file != old.master_key_file ||
+            cfg->resolver_overrides != old.resolver_overrides) {
+            spdlog::warn("reload: listen.*, upstream.ca_file, state.*, keys.* and "
+                         "resolver.overrides changes take effect after a restart");
+        }
+        auto config = std::make_shared<const Config>(std::move(*cfg));
+        BuildWarnings warnings;
+        auto statics = build_runtime(config, warnings, current.get());
+        for (const auto& w : warnings.lines) {
+            spdlog::warn("{}", w);
+        }
+        if (!statics) {
+            spdlog::error("reload refused, keeping the running configuration: {}",
+                          statics.error());
+            return;
+        }
+        spdlog::set_level(spdlog::level::from_str(config->log_level));
+        control->set_statics(*statics);
+        publish_runtime();
+        spdlog::info("reloaded {}", config_path);
+    }
+
+    awaitable<void> reload_loop() {
+        net::signal_set hup(admin_ioc, SIGHUP);
+        for (;;) {
+            auto [ec, sig] = co_await hup.async_wait(use_nothrow);
+            if (ec) {
+                co_return;
+            }
+            reload();
+        }
     }
 
     awaitable<void> sweep_loop() {
@@ -134,7 +180,9 @@ struct Server::Impl {
     }
 };
 
-Server::Server(std::shared_ptr<const Runtime> runtime) : impl_(std::make_unique<Impl>()) {
+Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
+    : impl_(std::make_unique<Impl>()) {
+    impl_->config_path = std::move(config_path);
     auto& s = impl_->shared;
     s.runtime.store(runtime);
     const auto& cfg = *runtime->config;
@@ -237,6 +285,7 @@ int Server::run() {
         net::co_spawn(impl_->admin_ioc, impl_->admin_unix_loop(), log_spawn_error);
     }
     net::co_spawn(impl_->admin_ioc, impl_->sweep_loop(), log_spawn_error);
+    net::co_spawn(impl_->admin_ioc, impl_->reload_loop(), log_spawn_error);
 
     net::signal_set signals(ioc0, SIGINT, SIGTERM);
     signals.async_wait([this, &s, rt](error_code ec, int sig) {
