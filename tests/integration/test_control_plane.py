@@ -129,6 +129,12 @@ VALIDATION = [
      {"name": "x", "scope": {"project": "web"}, "value": "v"}, "scope.org"),
     ("secret_missing_value", "POST", "/v1/secrets", {"name": "x", "scope": {"org": "acme"}},
      "value"),
+    ("secret_empty_value", "POST", "/v1/secrets",
+     {"name": "x", "scope": {"org": "acme"}, "value": ""}, "value"),
+    ("secret_crlf_value", "POST", "/v1/secrets",
+     {"name": "x", "scope": {"org": "acme"}, "value": "a\r\nX-Injected: 1"}, "value"),
+    ("secret_value_not_string", "POST", "/v1/secrets",
+     {"name": "x", "scope": {"org": "acme"}, "value": 42}, "value"),
     ("secret_bad_name", "POST", "/v1/secrets",
      {"name": "a b/c", "scope": {"org": "acme"}, "value": "v"}, "name"),
     ("secret_unknown_field", "POST", "/v1/secrets",
@@ -174,6 +180,11 @@ VALIDATION = [
      {"scope": {"org": "acme"}, "pins": [_pin(colour="red")]}, "pins[0].colour"),
     ("rotate_bad_json", "PUT", "/v1/secrets/api_tok", b"{", "body"),
     ("rotate_missing_scope", "PUT", "/v1/secrets/api_tok", {"value": "v"}, "scope"),
+    ("rotate_empty_value", "PUT", "/v1/secrets/api_tok",
+     {"scope": {"org": "acme"}, "value": ""}, "value"),
+    ("pin_path_prefix", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(path_prefixes=["repos"])]}, "pins[0].path_prefixes"),
+    ("pins_not_array", "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": {}}, "pins"),
 ]
 
 
@@ -828,46 +839,63 @@ def test_restart_keeps_secrets_runs_and_ca(factory, world):
 
 
 def test_crash_during_writes_keeps_every_acknowledged_write(factory, world):
+    """Three writers stream `egressctl secret put`; egressd is SIGKILLed while writes are in
+    flight, twice. After each restart every acknowledged write is there, each writer's writes
+    form a prefix of its stream (no holes), and every stored secret decrypts to its value."""
     e = factory.start(mutate=cp_mutate(world))
-    values = {f"crash-{i:03d}": sval(f"crash{i}") for i in range(60)}
+    streams = [[f"crash-{w_}-{i:03d}" for i in range(40)] for w_ in range(3)]
+    values = {n: sval(f"c{n[6:]}") for seq in streams for n in seq}
     for n, v in values.items():
         e.secrets[f"cp:{n}"] = v
-    acked: list[str] = []
-    stop = threading.Event()
+    acked: set[str] = set()
+    lock = threading.Lock()
+    listed: dict = {}
 
-    def writer():
-        for name, v in values.items():
-            if stop.is_set():
-                return
-            r = ctl(e, "secret", "put", name, "--scope", "org=acme", stdin=v, timeout=15)
-            if r.returncode == 0:
-                acked.append(name)
+    for cycle in range(2):
+        stop = threading.Event()
 
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
-    helpers.poll(lambda: len(acked) >= 12, 30.0, "12 acknowledged writes", interval=0.005)
-    e.kill()  # SIGKILL in the middle of the stream
-    assert e.proc.returncode == -9
-    stop.set()
-    t.join(timeout=30)
-    assert not t.is_alive()
-    acked_at_kill = list(acked)  # every write whose response arrived (before the kill)
-    assert len(acked_at_kill) < len(values), "the stream ended before the kill"
+        def writer(seq):
+            for name in seq:
+                if stop.is_set():
+                    return
+                if name in listed:  # written before the previous crash
+                    continue
+                r = ctl(e, "secret", "put", name, "--scope", "org=acme", stdin=values[name],
+                        timeout=15)
+                if r.returncode == 0:
+                    with lock:
+                        acked.add(name)
 
-    e.start()
-    listed = {s["name"]: s for s in api_ok(e, "GET", "/v1/secrets")["secrets"]}
-    missing = [n for n in acked_at_kill if n not in listed]
-    assert not missing, f"acknowledged writes lost: {missing}"
-    assert all(s["version"] == 1 for s in listed.values())
-    # The store is consistent: writes are a prefix of the stream (nothing after a gap), and
-    # every secret present decrypts to exactly its value.
-    order = list(values)
-    present = [n for n in order if n in listed]
-    assert present == order[:len(present)], "a write went missing in the middle"
-    assert set(listed) == set(present)
-    for name in present:
+        goal = len(acked) + 15
+        threads = [threading.Thread(target=writer, args=(seq,), daemon=True) for seq in streams]
+        for t in threads:
+            t.start()
+        helpers.poll(lambda: len(acked) >= goal, 60.0, f"{goal} acknowledged writes",
+                     interval=0.002)
+        e.kill()  # SIGKILL with writes in flight
+        assert e.proc.returncode == -9
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+            assert not t.is_alive()
+        with lock:
+            acked_before_kill = set(acked)  # every write whose 201 arrived before the kill
+        assert len(acked_before_kill) < len(values), "the streams ended before the kill"
+
+        e.start()
+        listed = {s["name"]: s for s in api_ok(e, "GET", "/v1/secrets")["secrets"]}
+        missing = sorted(acked_before_kill - set(listed))
+        assert not missing, f"cycle {cycle}: acknowledged writes lost: {missing}"
+        assert set(listed) <= set(values)
+        assert all(s["version"] == 1 for s in listed.values())
+        for seq in streams:
+            present = [n for n in seq if n in listed]
+            assert present == seq[:len(present)], f"cycle {cycle}: a hole in {present}"
+
+    # Every secret in the store decrypts to exactly its value.
+    for name in sorted(listed):
         run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), name)])
-        marker = f"m-crash-{name}-" + pysecrets.token_hex(2)
+        marker = f"m-{name}-" + pysecrets.token_hex(2)
         c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
         c.close()
         assert resp.status == 200, (name, resp.status)
