@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Direct vs through egressd, HTTP/1.1 keep-alive, measured side by side in one run with
+# `egress-bench --compare` (A B A B ...: medians and per-pair ratios). Everything on loopback:
+# an nginx TLS upstream (small JSON), egressd with a pinned bearer credential.
+#
+#   bench/h1_compare.sh [BUILD_DIR] [CONNECTIONS] [DURATION] [PAIRS]
+#
+# Needs nginx (apt-get install -y nginx-light) and openssl. Prints egress-bench's comparison
+# and egressd's CPU µs per request and peak RSS.
+set -euo pipefail
+BUILD=${1:-build}
+CONNS=${2:-16}
+DUR=${3:-5s}
+PAIRS=${4:-3}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=$(cd "$BUILD" && pwd)
+W=$(mktemp -d /tmp/egress-h1bench.XXXXXX)
+cleanup() { kill "${NGINX_PID:-}" "${EG_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT
+free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Test PKI: a CA and an upstream certificate for 127.0.0.1.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=bench-ca \
+  -keyout "$W/ca.key" -out "$W/ca.pem" 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=127.0.0.1 \
+  -keyout "$W/up.key" -out "$W/up.csr" 2>/dev/null
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' > "$W/ext"
+openssl x509 -req -in "$W/up.csr" -CA "$W/ca.pem" -CAkey "$W/ca.key" -CAcreateserial -days 2 \
+  -extfile "$W/ext" -out "$W/up.pem" 2>/dev/null
+
+UP=$(free_port); PX=$(free_port); AD=$(free_port)
+mkdir -p "$W/nginx/logs"
+cat > "$W/nginx.conf" <<NGINX
+worker_processes 1;
+pid $W/nginx/nginx.pid;
+error_log $W/nginx/logs/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:$UP ssl;
+    ssl_certificate $W/up.pem;
+    ssl_certificate_key $W/up.key;
+    location /json { default_type application/json; return 200 '{"ok":true,"name":"egress"}'; }
+    location /64k { alias $W/64k.bin; }
+  }
+}
+NGINX
+head -c 65536 /dev/urandom > "$W/64k.bin"
+nginx -p "$W/nginx" -c "$W/nginx.conf" -g 'daemon off;' &
+NGINX_PID=$!
+
+echo "bench-token-$(openssl rand -hex 16)" > "$W/secret"
+echo "benchtoken" > "$W/run.token"
+cat > "$W/egressd.yaml" <<YAML
+listen: {proxy: 127.0.0.1:$PX, admin: 127.0.0.1:$AD}
+admin: {token_file: $W/admin.token}
+state: {path: $W/state}
+keys: {master_key_file: $W/master.key}
+upstream: {ca_file: $W/ca.pem}
+policy: {allow_networks: [127.0.0.1/32], allowed_ports: [$UP]}
+audit: {path: $W/audit.jsonl}
+log: {level: warn}
+runs:
+  - id: bench
+    token_file: $W/run.token
+    ca_cert_out: $W/run-ca.pem
+    pins:
+      - {host: "127.0.0.1:$UP", secret_file: $W/secret, inject: {type: bearer}}
+YAML
+"$BUILD/egressd" --config "$W/egressd.yaml" 2> "$W/egressd.log" &
+EG_PID=$!
+for _ in $(seq 100); do
+  curl -sf "http://127.0.0.1:$AD/readyz" >/dev/null 2>&1 && break; sleep 0.1
+done
+cat "$W/ca.pem" "$W/run-ca.pem" > "$W/both.pem"
+
+cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
+T0=$(cpu_ticks)
+"$BUILD/bench/egress-bench" --cacert "$W/both.pem" --connections "$CONNS" --duration "$DUR" \
+  --warmup 1s "https://127.0.0.1:$UP/${PATH_SUFFIX:-json}" --pairs "$PAIRS" \
+  --compare '' "--proxy http://bench:benchtoken@127.0.0.1:$PX" | tee "$W/compare.txt"
+T1=$(cpu_ticks)
+HZ=$(getconf CLK_TCK)
+REQS=$(wc -l < "$W/audit.jsonl")
+echo "egressd: $REQS audited requests, CPU $(( (T1 - T0) * 1000000 / HZ / (REQS > 0 ? REQS : 1) )) us/request," \
+     "peak RSS $(awk '/VmHWM/{print $2" "$3}' /proc/$EG_PID/status)"
