@@ -9,7 +9,6 @@ import json
 import os
 import secrets as pysecrets
 import shlex
-import shutil
 import ssl
 import stat
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 
 import helpers
 from cp_helpers import (SEEN, GitServer, admin_token, api, api_ok, bearer_pin, contains_any,
-                        create_run, ctl, ctl_ok, cp_mutate, egressctl_bin, expect, fp, get_via,
+                        create_run, ctl, ctl_ok, cp_mutate, egressctl_bin, expect, get_via,
                         make_bare_repo, make_leaf, master_key_file, put_secret, rotate_secret,
                         seen_auth, state_dir)
 
