@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 #include <fstream>
@@ -578,6 +579,58 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
     return p;
 }
 
+/// The X.509 name-constraint form of a host pattern: "api.test", ".s3.test" for "*.s3.test",
+/// or an IP literal; the port is dropped.
+std::string constraint_name(const std::string& pattern_text) {
+    auto pat = policy::HostPattern::parse(pattern_text);
+    if (!pat) {
+        return {};
+    }
+    std::string t = pat->text();
+    if (pat->port()) {
+        t = t.substr(0, t.rfind(':'));
+    }
+    if (!t.empty() && t.front() == '[') {
+        t = t.substr(1, t.size() - 2);
+    }
+    if (pat->wildcard()) {
+        t = t.substr(1);  // "*.a.test" -> ".a.test": subdomains only
+    }
+    return t;
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+    return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+/// Whether the name constraint `n` permits every name the constraint-form `p` stands for.
+bool constraint_covers(const std::string& n, const std::string& p) {
+    bool n_sub = !n.empty() && n.front() == '.';
+    if (!p.empty() && p.front() == '.') {
+        std::string base = p.substr(1);
+        return n_sub ? (p == n || ends_with(base, n)) : (base == n || ends_with(base, "." + n));
+    }
+    return n_sub ? ends_with(p, n) : (p == n || ends_with(p, "." + n));
+}
+
+/// The names a run's CA may certify: its pins, its allow list, and (when allowed unpinned
+/// hosts are intercepted) the global allow list.
+std::vector<std::string> run_constraints(const credstore::RunRecord& run, const Config& cfg) {
+    std::vector<std::string> out;
+    auto add = [&](const std::string& text) {
+        auto n = constraint_name(text);
+        if (!n.empty() && std::find(out.begin(), out.end(), n) == out.end()) {
+            out.push_back(n);
+        }
+    };
+    for (const auto& p : run.pins) add(p.host);
+    for (const auto& h : run.allow_hosts) add(h);
+    if (cfg.policy.unpinned == policy::Unpinned::Intercept) {
+        for (const auto& h : cfg.policy.allow_hosts) add(h.text());
+    }
+    return out;
+}
+
 }  // namespace
 
 ApiResponse ControlPlane::create_run(std::string_view body) {
@@ -633,7 +686,11 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
             run.pins.push_back(std::move(*p));
         }
     }
-    auto ca = tls::RunCa::create(run.id, std::chrono::seconds(*ttl));
+    // When the run's host set is known at creation, its CA may certify only those names, so
+    // even a leaked run CA can forge nothing else (X.509 name constraints). A run created
+    // without hosts (pins to be added later) gets an unconstrained CA.
+    auto permitted = run_constraints(run, *current_config());
+    auto ca = tls::RunCa::create(run.id, std::chrono::seconds(*ttl), permitted);
     if (!ca) return error(500, "ca_failed", ca.error());
     run.ca_cert_pem = (*ca)->cert_pem();
     std::string key = (*ca)->key_pem();
@@ -697,6 +754,15 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     if (ec) return error(400, "invalid_request", "body: invalid JSON: " + ec.message());
     auto p = parse_pin(v, "pin", run.scope, *snap, run.expires_at, now);
     if (!p) return error(400, "invalid_request", p.error());
+    auto permitted = run_constraints(run, *current_config());
+    auto wanted = constraint_name(p->host);
+    bool covered = !tls::RunCa::has_name_constraints(run.ca_cert_pem) || std::any_of(permitted.begin(), permitted.end(),
+                               [&](const std::string& n) { return constraint_covers(n, wanted); });
+    if (!covered) {
+        return error(409, "conflict",
+                     "pin.host: " + p->host + " is outside the names this run's CA may certify "
+                     "(name constraints are fixed at creation); create a new run");
+    }
     run.pins.push_back(*p);
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
@@ -894,6 +960,11 @@ ApiResponse ControlPlane::rotate_keys() {
     out["kek_id"] = target->key_id();
     out["rewrapped"] = count;
     return ok(200, out);
+}
+
+std::shared_ptr<const Config> ControlPlane::current_config() {
+    std::lock_guard lock(build_mu_);
+    return config_;
 }
 
 void ControlPlane::set_statics(std::shared_ptr<const Runtime> statics) {

@@ -78,6 +78,7 @@ private:
     ApiResponse revoke_run(const std::string& id);
     ApiResponse explain(const std::string& id, std::string_view query);
     ApiResponse rotate_keys();
+    std::shared_ptr<const Config> current_config();
     Result<credstore::SecretPtr> unseal_cached(const credstore::SealedSecret& s);
 
     std::shared_ptr<const Runtime> statics_;

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/result.h"
 #include "tls/openssl_ptr.h"
@@ -24,10 +25,19 @@ public:
     /// basicConstraints CA:TRUE critical, keyUsage keyCertSign|cRLSign critical, SKID,
     /// pathlen 0), valid from now - 5 min to now + validity, and one EC P-256 leaf key shared
     /// by every leaf of the run (minting is then only a signature).
+    ///
+    /// `permitted`, when not empty, makes the CA carry critical X.509 name constraints that
+    /// permit only those names, so even a leaked CA can forge nothing else: "api.test" (that
+    /// host and its subdomains), ".s3.test" (subdomains only, for "*.s3.test" pins) or an
+    /// IP literal. Entries must be normalized hosts (checked; anything else is an error).
     static Result<std::unique_ptr<RunCa>> create(std::string_view run_id,
-                                                 std::chrono::seconds validity);
+                                                 std::chrono::seconds validity,
+                                                 const std::vector<std::string>& permitted = {});
 
     std::string cert_pem() const;
+
+    /// Whether a CA certificate (PEM) carries X.509 name constraints.
+    static bool has_name_constraints(const std::string& cert_pem);
 
     /// The CA private key as PKCS#8 PEM, for sealing into the state store (fleet replicas
     /// and restarts must serve the run with the same CA). WARNING: key material; the caller

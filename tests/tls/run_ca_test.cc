@@ -178,6 +178,27 @@ TEST(RunCaTest, LoadFromSealedKeyServesTheSameCa) {
     EXPECT_FALSE(RunCa::load("junk", key).ok());
 }
 
+TEST(RunCaTest, NameConstraintsPermitOnlyTheRunsHosts) {
+    auto ca = RunCa::create("run-nc", hours(1), {"api.test", ".s3.test", "127.0.0.1"});
+    ASSERT_TRUE(ca.ok()) << ca.error();
+    EXPECT_TRUE(extension_critical((*ca)->cert(), NID_name_constraints));
+    auto ok = must_mint(**ca, "api.test");
+    auto sub = must_mint(**ca, "b.s3.test");
+    auto ip = must_mint(**ca, "127.0.0.1");
+    auto outside = must_mint(**ca, "evil.test");
+    auto apex = must_mint(**ca, "s3.test");
+    EXPECT_EQ(verify_error(ok->cert.get(), (*ca)->cert(), "api.test"), X509_V_OK);
+    EXPECT_EQ(verify_error(sub->cert.get(), (*ca)->cert(), "b.s3.test"), X509_V_OK);
+    EXPECT_EQ(verify_error(ip->cert.get(), (*ca)->cert(), "127.0.0.1"), X509_V_OK);
+    EXPECT_EQ(verify_error(outside->cert.get(), (*ca)->cert(), "evil.test"),
+              X509_V_ERR_PERMITTED_VIOLATION);
+    EXPECT_EQ(verify_error(apex->cert.get(), (*ca)->cert(), "s3.test"),
+              X509_V_ERR_PERMITTED_VIOLATION);
+    EXPECT_FALSE(RunCa::create("bad", hours(1), {"a,DNS:evil.test"}).ok());
+    EXPECT_TRUE(RunCa::has_name_constraints((*ca)->cert_pem()));
+    EXPECT_FALSE(RunCa::has_name_constraints(make_ca("plain")->cert_pem()));
+}
+
 TEST(RunCaTest, LeafHasServerFieldsAndAkid) {
     auto ca = make_ca();
     auto leaf = must_mint(*ca, "api.example.test");
