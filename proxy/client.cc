@@ -198,6 +198,11 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
         scope.sni = norm ? *norm : std::string("<invalid>");
     }
     scope.tls = true;
+    if (tls::negotiated_alpn(tls.native_handle()) == "h2") {
+        scope.proto_in = "h2";
+        co_await serve_intercepted_h2(tls, scope);
+        co_return;
+    }
     beast::flat_buffer tls_buf;
     co_await serve_intercepted_http1(tls, tls_buf, scope);
 }

@@ -34,6 +34,20 @@ struct Limits {
     std::chrono::milliseconds drain_timeout{30'000};
     size_t connections_per_run = 512;
     size_t h2_max_concurrent_streams = 100;
+    // HTTP/2 defences (both legs use the same values where they apply).
+    size_t h2_max_header_list_bytes = 65536;  // decoded header block, per stream
+    size_t h2_max_header_fields = 100;        // fields per header block
+    size_t h2_max_continuations = 8;          // CONTINUATION frames after one HEADERS
+    size_t h2_stream_reset_burst = 200;       // client RST_STREAM token bucket: burst
+    size_t h2_stream_reset_rate = 33;         //   and tokens regained per second
+    size_t h2_max_premature_resets = 100;     // streams reset before a response; over it
+                                              // and half the streams: GOAWAY ENHANCE_YOUR_CALM
+    size_t h2_control_frame_burst = 1000;     // PING/SETTINGS/PRIORITY/empty DATA bucket
+                                              // (regains burst/10 per second)
+    size_t h2_max_outbound_ack = 100;         // queued SETTINGS/PING ACKs
+    size_t h2_max_settings = 32;              // entries per SETTINGS frame
+    size_t h2_stream_window = 262144;         // per-stream window = per-stream buffer bound
+    std::chrono::milliseconds h2_settings_timeout{10'000};
     size_t leaf_cache_size = 1024;     // per run
     size_t max_upstream_idle_per_host = 32;
 };

@@ -3,7 +3,6 @@
 #include <boost/url/parse.hpp>
 
 #include "policy/header_rules.h"
-#include "policy/scrubber.h"
 
 namespace egress::proxy {
 
@@ -18,98 +17,85 @@ auto& lowest(Stream& s) {
     return beast::get_lowest_layer(s);
 }
 
-double ms_since(Clock::time_point t) {
-    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+/// Reads the next body piece of a Beast parser into `buf` (64 KiB): nothing is buffered
+/// whole. Returns an empty non-last chunk when only framing was parsed.
+template <bool isRequest, class Stream>
+awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf,
+                                  http::parser<isRequest, http::buffer_body>& p, char* buf,
+                                  std::chrono::milliseconds timeout) {
+    if (p.is_done()) {
+        co_return BodyChunk{{}, true, true};
+    }
+    p.get().body().data = buf;
+    p.get().body().size = kRelayBufferBytes;
+    lowest(s).expires_after(timeout);
+    auto [ec, n] = co_await http::async_read_some(s, inbuf, p, use_nothrow);
+    lowest(s).expires_never();
+    if (ec == http::error::need_buffer) {
+        ec = {};
+    }
+    if (ec) {
+        co_return BodyChunk{{}, false, false};
+    }
+    size_t got = kRelayBufferBytes - p.get().body().size;
+    co_return BodyChunk{std::string_view(buf, got), p.is_done(), true};
 }
 
-uint16_t default_port(bool tls) { return tls ? 443 : 80; }
-
-/// The Host value sent upstream: the agreed destination, default port omitted.
-std::string host_header(const policy::HostPort& hp, bool tls) {
-    std::string h = hp.is_ipv6_literal() ? "[" + hp.host + "]" : hp.host;
-    if (hp.port != default_port(tls)) {
-        h += ":" + std::to_string(hp.port);
+/// Fields the parser appended after the header (chunked trailers).
+template <class Fields>
+Headers trailers_after(const Fields& f, size_t header_fields) {
+    Headers out;
+    size_t i = 0;
+    for (const auto& field : f) {
+        if (i++ >= header_fields) {
+            out.push_back({policy::ascii_lower(field.name_string()), std::string(field.value())});
+        }
     }
-    return h;
+    return out;
 }
 
-struct RelayStats {
-    uint64_t bytes = 0;
-    error_code read_ec;
-    error_code write_ec;
-    bool ok() const { return !read_ec && !write_ec; }
-};
-
-/// Streams one message body from a parser on `in` to a serializer on `out`, 64 KiB at a
-/// time: nothing is buffered whole, and a slow reader slows the writer (backpressure).
-/// `scrub`, when active, replaces secret bytes on the way (equal length, so framing holds).
-template <bool isRequest, class In, class Out>
-awaitable<RelayStats> relay_body(In& in, beast::flat_buffer& inbuf,
-                                 http::parser<isRequest, http::buffer_body>& p, Out& out,
-                                 http::message<isRequest, http::buffer_body>& msg,
-                                 policy::Scrubber* scrub, std::chrono::milliseconds timeout) {
-    RelayStats st;
-    auto buf = std::make_unique<char[]>(kRelayBufferBytes);
-    std::string scrubbed;
-    http::serializer<isRequest, http::buffer_body> sr{msg};
-    msg.body().data = nullptr;
-    msg.body().size = 0;
-    msg.body().more = !p.is_done();
-    lowest(out).expires_after(timeout);
-    if (auto [ec, n] = co_await http::async_write_header(out, sr, use_nothrow); ec) {
-        st.write_ec = ec;
-        co_return st;
-    }
-    do {
-        if (!p.is_done()) {
-            p.get().body().data = buf.get();
-            p.get().body().size = kRelayBufferBytes;
-            lowest(in).expires_after(timeout);
-            auto [ec, n] = co_await http::async_read_some(in, inbuf, p, use_nothrow);
-            if (ec == http::error::need_buffer) {
-                ec = {};
-            }
-            if (ec) {
-                st.read_ec = ec;
-                co_return st;
-            }
-            size_t got = kRelayBufferBytes - p.get().body().size;
-            st.bytes += got;
-            std::string_view chunk(buf.get(), got);
-            if (scrub != nullptr && scrub->active()) {
-                scrubbed.clear();
-                scrub->feed(chunk, scrubbed);
-                if (p.is_done()) {
-                    scrub->finish(scrubbed);
+/// Writes one body piece with HTTP/1.1 framing: raw (Content-Length) or chunked, the last
+/// chunk carrying trailers.
+template <class Stream>
+awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bool last,
+                              const Headers* trailers, std::chrono::milliseconds timeout) {
+    std::string framing;
+    std::string tail;
+    std::vector<net::const_buffer> bufs;
+    if (chunked) {
+        if (!data.empty()) {
+            char hex[24];
+            int n = std::snprintf(hex, sizeof hex, "%zx\r\n", data.size());
+            framing.assign(hex, static_cast<size_t>(n));
+            bufs.push_back(net::buffer(framing));
+            bufs.push_back(net::buffer(data));
+            tail = "\r\n";
+        }
+        if (last) {
+            tail += "0\r\n";
+            if (trailers != nullptr) {
+                for (const auto& h : *trailers) {
+                    if (policy::valid_header_name(h.name) && policy::valid_header_value(h.value) &&
+                        !policy::is_hop_by_hop(h.name) && h.name != "content-length") {
+                        tail += h.name + ": " + h.value + "\r\n";
+                    }
                 }
-                chunk = scrubbed;
             }
-            if (chunk.empty() && !p.is_done()) {
-                continue;  // an empty buffer with more=true would serialize as the last chunk
-            }
-            // An empty but non-null buffer would serialize as a zero-size chunk, which is a
-            // last-chunk of its own: pass nullptr so only one terminator is written.
-            msg.body().data = chunk.empty() ? nullptr : const_cast<char*>(chunk.data());
-            msg.body().size = chunk.size();
-            msg.body().more = !p.is_done();
-        } else {
-            msg.body().data = nullptr;
-            msg.body().size = 0;
-            msg.body().more = false;
+            tail += "\r\n";
         }
-        lowest(out).expires_after(timeout);
-        auto [ec, n] = co_await http::async_write(out, sr, use_nothrow);
-        if (ec == http::error::need_buffer) {
-            ec = {};
+        if (!tail.empty()) {
+            bufs.push_back(net::buffer(tail));
         }
-        if (ec) {
-            st.write_ec = ec;
-            co_return st;
-        }
-    } while (!p.is_done() || !sr.is_done());
-    lowest(out).expires_never();
-    lowest(in).expires_never();
-    co_return st;
+    } else if (!data.empty()) {
+        bufs.push_back(net::buffer(data));
+    }
+    if (bufs.empty()) {
+        co_return true;
+    }
+    lowest(s).expires_after(timeout);
+    auto [ec, n] = co_await net::async_write(s, bufs, use_nothrow);
+    lowest(s).expires_never();
+    co_return !ec;
 }
 
 /// Converts a parsed HTTP/1.1 header into the protocol-neutral head.
@@ -166,7 +152,256 @@ Outcome<policy::RequestHead> to_request_head(const http::request<http::buffer_bo
     return head;
 }
 
+/// The client side of one HTTP/1.1 request.
+template <class Stream>
+class H1Downstream final : public Downstream {
+public:
+    H1Downstream(Stream& s, beast::flat_buffer& buf, http::request_parser<http::buffer_body>& p,
+                 std::chrono::milliseconds timeout)
+        : s_(s), buf_(buf), p_(p), timeout_(timeout) {
+        body_.none = p.is_done();
+        if (auto cl = p.content_length()) {
+            body_.length = *cl;
+        }
+        header_fields_ = static_cast<size_t>(std::distance(p.get().begin(), p.get().end()));
+        keep_alive_ = p.get().keep_alive();
+    }
+    const char* proto() const override { return "http/1.1"; }
+    BodyInfo request_body() const override { return body_; }
+    bool client_keep_alive() const override { return keep_alive_; }
+
+    awaitable<BodyChunk> read_body() override {
+        if (!rbuf_) {
+            rbuf_ = std::make_unique<char[]>(kRelayBufferBytes);
+        }
+        co_return co_await h1_read_body(s_, buf_, p_, rbuf_.get(), timeout_);
+    }
+    Headers request_trailers() override { return trailers_after(p_.get(), header_fields_); }
+
+    awaitable<void> send_continue() override {
+        static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+        lowest(s_).expires_after(timeout_);
+        co_await net::async_write(s_, net::buffer(kContinue), use_nothrow);
+        lowest(s_).expires_never();
+    }
+    awaitable<void> refuse(int status, const std::string& reason, bool keep_alive) override {
+        co_await write_refusal(s_, status, reason, keep_alive);
+    }
+    awaitable<bool> send_head(const ResponseHead& rh) override {
+        http::response<http::empty_body> res;
+        res.result(static_cast<unsigned>(rh.status));
+        if (!rh.reason.empty()) {
+            res.reason(rh.reason);
+        }
+        res.version(11);
+        for (const auto& h : rh.headers) {
+            if (policy::iequals(h.name, "transfer-encoding") ||
+                (!rh.body.none && policy::iequals(h.name, "content-length"))) {
+                continue;
+            }
+            res.insert(h.name, h.value);
+        }
+        none_ = rh.body.none;
+        if (!none_) {
+            if (rh.body.length) {
+                res.content_length(*rh.body.length);
+            } else {
+                chunked_ = true;  // close-delimited or h2 bodies are re-framed as chunked
+                res.chunked(true);
+            }
+        }
+        res.keep_alive(keep_alive_);
+        http::response_serializer<http::empty_body> sr{res};
+        lowest(s_).expires_after(timeout_);
+        auto [ec, n] = co_await http::async_write_header(s_, sr, use_nothrow);
+        lowest(s_).expires_never();
+        co_return !ec;
+    }
+    awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
+        if (none_) {
+            co_return true;
+        }
+        co_return co_await h1_write_body(s_, chunked_, data, last, trailers, timeout_);
+    }
+
+private:
+    Stream& s_;
+    beast::flat_buffer& buf_;
+    http::request_parser<http::buffer_body>& p_;
+    std::chrono::milliseconds timeout_;
+    std::unique_ptr<char[]> rbuf_;
+    BodyInfo body_;
+    size_t header_fields_ = 0;
+    bool keep_alive_ = false;
+    bool none_ = false;
+    bool chunked_ = false;
+};
+
+/// The origin side of one HTTP/1.1 request: a pooled TLS connection or plain TCP.
+template <class Stream>
+class H1Upstream final : public Upstream {
+public:
+    H1Upstream(Worker* w, std::unique_ptr<TlsConn> tls, std::unique_ptr<TcpStream> plain,
+               tcp::endpoint peer, bool reused, std::string host, std::chrono::milliseconds t)
+        : w_(w), tls_(std::move(tls)), plain_(std::move(plain)), peer_(peer), reused_(reused),
+          host_(std::move(host)), timeout_(t) {}
+    const char* proto() const override { return "http/1.1"; }
+    tcp::endpoint peer() const override { return peer_; }
+    bool reused() const override { return reused_; }
+
+    awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
+        http::request<http::empty_body> req;
+        req.method_string(head.method);
+        req.target(head.path);
+        req.version(11);
+        req.set(http::field::host, host_);
+        for (const auto& h : head.headers) {
+            // Transport framing is this serializer's job; te is hop-by-hop in HTTP/1.1.
+            if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
+                continue;
+            }
+            req.insert(h.name, h.value);
+        }
+        if (body.length) {
+            req.content_length(*body.length);
+        } else if (!body.none) {
+            chunked_ = true;
+            req.chunked(true);
+        }
+        http::request_serializer<http::empty_body> sr{req};
+        lowest(stream()).expires_after(timeout_);
+        auto [ec, n] = co_await http::async_write_header(stream(), sr, use_nothrow);
+        lowest(stream()).expires_never();
+        co_return !ec;
+    }
+    awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
+        co_return co_await h1_write_body(stream(), chunked_, data, last, trailers, timeout_);
+    }
+    awaitable<Outcome<ResponseHead>> read_head(bool head_request) override {
+        for (;;) {
+            rp_.emplace();
+            rp_->body_limit(boost::none);
+            rp_->header_limit(static_cast<uint32_t>(max_header_bytes_));
+            if (head_request) {
+                rp_->skip(true);
+            }
+            lowest(stream()).expires_after(timeout_);
+            auto [ec, n] = co_await http::async_read_header(stream(), buffer(), *rp_, use_nothrow);
+            lowest(stream()).expires_never();
+            if (ec) {
+                bool timeout = ec == beast::error::timeout;
+                co_return Refusal{timeout ? 504 : 502,
+                                  timeout ? "upstream_timeout" : "upstream_bad_response",
+                                  timeout ? "response_timeout" : "response"};
+            }
+            int code = rp_->get().result_int();
+            if (code >= 100 && code < 200 && code != 101) {
+                continue;
+            }
+            break;
+        }
+        auto& ures = rp_->get();
+        ResponseHead rh;
+        rh.status = ures.result_int();
+        rh.reason = std::string(ures.reason());
+        std::string connection_tokens;
+        if (auto it = ures.find(http::field::connection); it != ures.end()) {
+            connection_tokens = policy::ascii_lower(it->value());
+        }
+        for (const auto& f : ures) {
+            std::string name = policy::ascii_lower(f.name_string());
+            if (policy::is_hop_by_hop(name) ||
+                (!connection_tokens.empty() && connection_tokens.find(name) != std::string::npos)) {
+                continue;
+            }
+            rh.headers.push_back({std::string(f.name_string()), std::string(f.value())});
+        }
+        header_fields_ = static_cast<size_t>(std::distance(ures.begin(), ures.end()));
+        rh.body.none = rp_->is_done();
+        if (!rp_->chunked()) {
+            if (auto cl = rp_->content_length()) {
+                rh.body.length = *cl;
+            }
+        }
+        co_return rh;
+    }
+    awaitable<BodyChunk> read_body() override {
+        if (!rbuf_) {
+            rbuf_ = std::make_unique<char[]>(kRelayBufferBytes);
+        }
+        co_return co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get(), timeout_);
+    }
+    Headers response_trailers() override { return trailers_after(rp_->get(), header_fields_); }
+    void finish() override {
+        if (tls_ && w_ && rp_ && rp_->is_done() && rp_->get().keep_alive()) {
+            w_->pool->release(std::move(tls_));
+        }
+    }
+
+private:
+    Stream& stream() {
+        if constexpr (std::is_same_v<Stream, TlsStream>) {
+            return *tls_->stream;
+        } else {
+            return *plain_;
+        }
+    }
+    beast::flat_buffer& buffer() { return tls_ ? tls_->buffer : plain_buf_; }
+
+    Worker* w_;
+    std::unique_ptr<TlsConn> tls_;
+    std::unique_ptr<TcpStream> plain_;
+    beast::flat_buffer plain_buf_;
+    tcp::endpoint peer_;
+    bool reused_;
+    std::string host_;
+    std::chrono::milliseconds timeout_;
+    bool chunked_ = false;
+    std::optional<http::response_parser<http::buffer_body>> rp_;
+    std::unique_ptr<char[]> rbuf_;
+    size_t header_fields_ = 0;
+
+public:
+    size_t max_header_bytes_ = 65536;
+};
+
+/// One HTTP/1.1 request: head → protocol-neutral head → the shared core.
+template <class ClientStream>
+awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
+                               http::request_parser<http::buffer_body>& parser, Scope& scope,
+                               bool absolute_form) {
+    const auto started = Clock::now();
+    const auto& limits = scope.runtime->config->limits;
+    H1Downstream<ClientStream> down(client, cbuf, parser, limits.idle_timeout);
+    auto head_or = to_request_head(parser.get(), scope.tls, absolute_form);
+    if (auto* r = std::get_if<Refusal>(&head_or)) {
+        co_await write_refusal(client, r->status, r->reason, false);
+        audit_refusal(scope, std::string(parser.get().method_string()),
+                      std::string(parser.get().target()), r->status, r->reason, started);
+        co_return false;
+    }
+    co_return co_await serve_exchange(down, std::move(std::get<policy::RequestHead>(head_or)),
+                                      scope, started);
+}
+
 }  // namespace
+
+std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> conn, bool reused,
+                                           std::string host_header) {
+    auto peer = conn->peer;
+    auto rt = w.shared.runtime.load();
+    auto up = std::make_unique<H1Upstream<TlsStream>>(&w, std::move(conn), nullptr, peer, reused,
+                                                      std::move(host_header),
+                                                      rt->config->limits.idle_timeout);
+    up->max_header_bytes_ = rt->config->limits.max_header_bytes;
+    return up;
+}
+
+std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_header,
+                                                 std::chrono::milliseconds timeout) {
+    return std::make_unique<H1Upstream<TcpStream>>(nullptr, nullptr, std::move(d.stream), d.peer,
+                                                   false, std::move(host_header), timeout);
+}
 
 template <class Stream>
 awaitable<void> write_refusal(Stream& s, int status, const std::string& reason, bool keep_alive) {
@@ -192,302 +427,6 @@ awaitable<void> write_refusal(Stream& s, int status, const std::string& reason, 
 
 template awaitable<void> write_refusal<TcpStream>(TcpStream&, int, const std::string&, bool);
 template awaitable<void> write_refusal<TlsStream>(TlsStream&, int, const std::string&, bool);
-
-void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
-                   const std::string& reason, Clock::time_point started) {
-    auto& shared = scope.worker->shared;
-    AuditRecord rec;
-    rec.run = scope.run ? scope.run->policy.id : "";
-    rec.method = method;
-    rec.scheme = scope.tls ? "https" : (method == "CONNECT" ? "" : "http");
-    rec.host = scope.target.host;
-    rec.port = scope.target.port;
-    rec.path = path;
-    rec.status = status;
-    rec.decision = "deny";
-    rec.reason = reason;
-    rec.duration_ms = ms_since(started);
-    rec.proto_in = scope.proto_in;
-    shared.audit->write(rec);
-    shared.metrics.denied(reason);
-    shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
-    spdlog::info("conn={} run={} {} {}{} -> {} {}", scope.conn_id, rec.run, method,
-                 scope.target.authority(), path, status, reason);
-}
-
-namespace {
-
-/// One request, end to end: head → pipeline → upstream → response. Shared by intercepted
-/// https and absolute-form http. Returns whether the client connection may be reused.
-template <class ClientStream>
-awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
-                               http::request_parser<http::buffer_body>& parser, Scope& scope,
-                               bool absolute_form) {
-    const auto started = Clock::now();
-    Worker& w = *scope.worker;
-    Shared& shared = w.shared;
-    InflightGuard inflight(shared);
-    // Every request sees the current control-plane state: a rotated secret applies to the
-    // next request, and a revoked or expired run is refused even on an open connection.
-    {
-        auto current = shared.runtime.load();
-        auto fresh = current->find(scope.run->policy.id);
-        if (!fresh) {
-            bool expired = scope.run->policy.expires_at <= policy::Clock::now();
-            const char* reason = expired ? "run_expired" : "run_revoked";
-            co_await write_refusal(client, 403, reason, false);
-            audit_refusal(scope, std::string(parser.get().method_string()),
-                          std::string(parser.get().target()), 403, reason, started);
-            co_return false;
-        }
-        scope.run = std::move(fresh);
-        scope.runtime = std::move(current);
-    }
-    const Runtime& rt = *scope.runtime;
-    const auto& limits = rt.config->limits;
-    auto& req = parser.get();
-    const bool body_expected = !parser.is_done();
-    const bool client_keep_alive = req.keep_alive();
-    std::string method(req.method_string());
-
-    auto head_or = to_request_head(req, scope.tls, absolute_form);
-    if (auto* r = std::get_if<Refusal>(&head_or)) {
-        co_await write_refusal(client, r->status, r->reason, false);
-        audit_refusal(scope, method, std::string(req.target()), r->status, r->reason, started);
-        co_return false;
-    }
-    auto& head = std::get<policy::RequestHead>(head_or);
-
-    policy::RequestContext ctx;
-    ctx.global = &rt.config->policy;
-    ctx.run = &scope.run->policy;
-    ctx.target = scope.target;
-    ctx.sni = scope.sni;
-    ctx.tls = scope.tls;
-    ctx.now = policy::Clock::now();
-    auto decision = shared.pipeline.run(head, ctx);
-    if (!decision.forward()) {
-        bool ka = client_keep_alive && !body_expected;
-        co_await write_refusal(client, decision.status, decision.reason, ka);
-        audit_refusal(scope, method, head.path, decision.status, decision.reason, started);
-        co_return ka;
-    }
-
-    // Expect: 100-continue is answered here; the upstream never sees it.
-    if (const auto* expect = head.find("expect"); expect && policy::iequals(*expect, "100-continue")) {
-        head.remove("expect");
-        static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
-        lowest(client).expires_after(limits.idle_timeout);
-        co_await net::async_write(client, net::buffer(kContinue), use_nothrow);
-    }
-
-    // Upstream connection: pooled per (run, destination) for TLS; fresh for plain http.
-    std::unique_ptr<TlsConn> tls_conn;
-    std::unique_ptr<TcpStream> plain_conn;
-    beast::flat_buffer plain_buf;
-    tcp::endpoint peer;
-    bool reused = false;
-    auto connect = [&](bool allow_pool) -> awaitable<std::optional<Refusal>> {
-        reused = false;
-        if (scope.tls) {
-            auto key = UpstreamPool::key(scope.run->policy.id, scope.target);
-            tls_conn = allow_pool ? w.pool->acquire(key) : nullptr;
-            if (tls_conn) {
-                reused = true;
-                peer = tls_conn->peer;
-                co_return std::nullopt;
-            }
-            auto dialed = co_await dial_upstream(w, rt, scope.target);
-            if (auto* r = std::get_if<Refusal>(&dialed)) {
-                co_return *r;
-            }
-            auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)),
-                                             scope.target.host);
-            if (auto* r = std::get_if<Refusal>(&conn)) {
-                co_return *r;
-            }
-            tls_conn = std::move(std::get<std::unique_ptr<TlsConn>>(conn));
-            tls_conn->key = key;
-            peer = tls_conn->peer;
-            co_return std::nullopt;
-        }
-        auto dialed = co_await dial_upstream(w, rt, scope.target);
-        if (auto* r = std::get_if<Refusal>(&dialed)) {
-            co_return *r;
-        }
-        auto& d = std::get<Dialed>(dialed);
-        plain_conn = std::move(d.stream);
-        peer = d.peer;
-        co_return std::nullopt;
-    };
-    if (auto refusal = co_await connect(true)) {
-        if (!refusal->kind.empty()) {
-            shared.metrics.upstream_error(refusal->kind);
-        }
-        co_await write_refusal(client, refusal->status, refusal->reason, false);
-        audit_refusal(scope, method, head.path, refusal->status, refusal->reason, started);
-        co_return false;
-    }
-
-    // Serialize the head exactly as the pipeline left it.
-    http::request<http::buffer_body> ureq;
-    ureq.method_string(head.method);
-    ureq.target(head.path);
-    ureq.version(11);
-    ureq.set(http::field::host, host_header(scope.target, scope.tls));
-    for (const auto& h : head.headers) {
-        ureq.insert(h.name, h.value);
-    }
-    if (parser.chunked()) {
-        ureq.chunked(true);
-    }
-
-    AuditRecord rec;
-    rec.run = scope.run->policy.id;
-    rec.method = method;
-    rec.scheme = head.scheme;
-    rec.host = scope.target.host;
-    rec.port = scope.target.port;
-    rec.path = head.path;
-    rec.proto_in = scope.proto_in;
-    rec.proto_out = "http/1.1";
-    rec.upstream_addr = peer.address().to_string() + ":" + std::to_string(peer.port());
-    if (decision.pin != nullptr) {
-        rec.pin = decision.pin->id;
-        rec.secret = decision.pin->secret_name;
-    }
-    rec.reason = decision.reason;
-
-    policy::Scrubber scrubber(std::move(decision.scrub));
-    auto finish = [&](int status, const std::string& reason, const std::string& kind) {
-        rec.status = status;
-        rec.decision = "allow";  // the pipeline allowed it; reason records what went wrong
-        if (!reason.empty()) {
-            rec.reason = reason;
-        }
-        rec.duration_ms = ms_since(started);
-        if (!kind.empty()) {
-            shared.metrics.upstream_error(kind);
-        }
-        shared.audit->write(rec);
-        shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
-        spdlog::info("conn={} run={} {} {}{} -> {} pin={} in={} out={} {:.1f}ms", scope.conn_id,
-                     rec.run, method, scope.target.authority(), rec.path, status,
-                     rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out, rec.duration_ms);
-    };
-
-    // A pooled connection the upstream closed while idle fails before any response byte;
-    // a request without a body is then retried once on a fresh connection (nothing of it
-    // can have been processed).
-    enum class Exchange { Done, Retry };
-    bool client_ka = false;
-    bool upstream_reusable = false;
-    auto exchange = [&](auto& up, beast::flat_buffer& ubuf) -> awaitable<Exchange> {
-        const bool may_retry = reused && !body_expected;
-        // Request body: client → upstream.
-        auto sent = co_await relay_body(client, cbuf, parser, up, ureq, nullptr, limits.idle_timeout);
-        rec.bytes_in = sent.bytes;
-        if (sent.write_ec && may_retry) {
-            co_return Exchange::Retry;
-        }
-        if (sent.read_ec) {
-            finish(0, "client_aborted", "");
-            co_return Exchange::Done;
-        }
-        if (sent.write_ec) {
-            co_await write_refusal(client, 502, "upstream_write_failed", false);
-            finish(502, "upstream_write_failed", "write");
-            co_return Exchange::Done;
-        }
-        // Response head (skipping interim 1xx responses).
-        std::optional<http::response_parser<http::buffer_body>> rp;
-        for (;;) {
-            rp.emplace();
-            rp->body_limit(boost::none);
-            rp->header_limit(static_cast<uint32_t>(limits.max_header_bytes));
-            if (req.method() == http::verb::head) {
-                rp->skip(true);
-            }
-            lowest(up).expires_after(limits.idle_timeout);
-            auto [ec, n] = co_await http::async_read_header(up, ubuf, *rp, use_nothrow);
-            if (ec && may_retry && ec != beast::error::timeout) {
-                co_return Exchange::Retry;
-            }
-            if (ec) {
-                bool timeout = ec == beast::error::timeout;
-                co_await write_refusal(client, timeout ? 504 : 502,
-                                       timeout ? "upstream_timeout" : "upstream_bad_response",
-                                       false);
-                finish(timeout ? 504 : 502, timeout ? "upstream_timeout" : "upstream_bad_response",
-                       timeout ? "response_timeout" : "response");
-                co_return Exchange::Done;
-            }
-            int code = rp->get().result_int();
-            if (code >= 100 && code < 200 && code != 101) {
-                continue;
-            }
-            break;
-        }
-        auto& ures = rp->get();
-        http::response<http::buffer_body> cres;
-        cres.result(ures.result_int());
-        cres.reason(ures.reason());
-        cres.version(11);
-        std::string connection_tokens;
-        if (auto it = ures.find(http::field::connection); it != ures.end()) {
-            connection_tokens = policy::ascii_lower(it->value());
-        }
-        for (const auto& f : ures) {
-            std::string name = policy::ascii_lower(f.name_string());
-            if (policy::is_hop_by_hop(name) ||
-                (!connection_tokens.empty() && connection_tokens.find(name) != std::string::npos)) {
-                continue;
-            }
-            if (scrubber.active()) {
-                cres.insert(name, scrubber.scrub_value(f.value()));
-            } else {
-                cres.insert(f.name_string(), f.value());
-            }
-        }
-        if (rp->chunked() || (!rp->content_length() && !rp->is_done())) {
-            cres.chunked(true);  // close-delimited upstream bodies are re-framed as chunked
-        }
-        cres.keep_alive(client_keep_alive);
-        auto got = co_await relay_body(up, ubuf, *rp, client, cres, &scrubber, limits.idle_timeout);
-        rec.bytes_out = got.bytes;
-        if (!got.ok()) {
-            finish(ures.result_int(), got.read_ec ? "upstream_aborted" : "client_aborted",
-                   got.read_ec ? "response_body" : "");
-            co_return Exchange::Done;
-        }
-        finish(ures.result_int(), "", "");
-        client_ka = client_keep_alive;
-        upstream_reusable = ures.keep_alive() && rp->is_done();
-        co_return Exchange::Done;
-    };
-
-    for (int attempt = 0;; ++attempt) {
-        Exchange ex = tls_conn ? co_await exchange(*tls_conn->stream, tls_conn->buffer)
-                               : co_await exchange(*plain_conn, plain_buf);
-        if (ex == Exchange::Done || attempt > 0) {
-            break;
-        }
-        spdlog::debug("conn={} pooled upstream connection was closed; retrying", scope.conn_id);
-        tls_conn.reset();
-        if (auto refusal = co_await connect(false)) {
-            co_await write_refusal(client, refusal->status, refusal->reason, false);
-            audit_refusal(scope, method, head.path, refusal->status, refusal->reason, started);
-            co_return false;
-        }
-        rec.upstream_addr = peer.address().to_string() + ":" + std::to_string(peer.port());
-    }
-    if (tls_conn && upstream_reusable) {
-        w.pool->release(std::move(tls_conn));
-    }
-    co_return client_ka;
-}
-
-}  // namespace
 
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer,
                                         Scope& scope) {
@@ -515,6 +454,7 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
             audit_refusal(scope, "", "", 400, "bad_request", Clock::now());
             break;
         }
+        lowest(client).expires_never();
         if (scope.worker->shared.draining.load()) {
             parser.get().keep_alive(false);
         }

@@ -1,27 +1,14 @@
 #pragma once
 // HTTP/1.1 codec for the client side: requests read with Beast's parser become a
-// policy::RequestHead, go through the shared pipeline once, and are relayed with bodies
-// streamed both ways. Internal to proxy/.
+// policy::RequestHead and are served by the protocol-neutral core (proxy/exchange.h); this
+// file only adapts Beast to the Downstream/Upstream interfaces. Internal to proxy/.
 #include <chrono>
 #include <optional>
 #include <string>
 
-#include "proxy/upstream.h"
-#include "proxy/worker.h"
+#include "proxy/exchange.h"
 
 namespace egress::proxy {
-
-/// Identity and destination of one client connection (or, for absolute-form, one request).
-struct Scope {
-    Worker* worker = nullptr;
-    std::shared_ptr<const Runtime> runtime;
-    std::shared_ptr<Run> run;
-    policy::HostPort target;
-    std::optional<std::string> sni;
-    bool tls = false;  // intercepted TLS (https); false = absolute-form http://
-    uint64_t conn_id = 0;
-    std::string proto_in = "http/1.1";
-};
 
 /// Writes a refusal: status, text/plain body, X-Egress-Reason, and for 407
 /// Proxy-Authenticate, for 429 Retry-After.
@@ -35,9 +22,5 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
 /// Returns whether the client connection may be kept alive.
 awaitable<bool> forward_plain_http(TcpStream& client, beast::flat_buffer& buffer,
                                    http::request_parser<http::buffer_body>& parser, Scope& scope);
-
-/// Records a refusal in audit and metrics.
-void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
-                   const std::string& reason, std::chrono::steady_clock::time_point started);
 
 }  // namespace egress::proxy

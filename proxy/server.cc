@@ -191,12 +191,12 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
         throw std::runtime_error(audit.error());
     }
     s.audit = std::move(*audit);
-    auto server_ctx = tls::make_server_context({"http/1.1"});
+    auto server_ctx = tls::make_server_context({"h2", "http/1.1"});
     if (!server_ctx) {
         throw std::runtime_error("server TLS context: " + server_ctx.error());
     }
     s.server_ctx = std::make_unique<ssl::context>(server_ctx->release());
-    auto client_ctx = tls::make_client_context(cfg.upstream_ca_file, {"http/1.1"});
+    auto client_ctx = tls::make_client_context(cfg.upstream_ca_file, {"h2", "http/1.1"});
     if (!client_ctx) {
         throw std::runtime_error("upstream.ca_file: " + client_ctx.error());
     }

@@ -2,6 +2,7 @@
 
 #include <sys/socket.h>
 
+#include "proxy/h2_client.h"
 #include "tls/contexts.h"
 
 namespace egress::proxy {
@@ -148,6 +149,64 @@ void UpstreamPool::release(std::unique_ptr<TlsConn> conn) {
     }
     conn->idle_since = std::chrono::steady_clock::now();
     q.push_back(std::move(conn));
+}
+
+UpstreamPool::~UpstreamPool() {
+    for (auto& [key, sessions] : h2_) {
+        for (auto& p : sessions) {
+            p.session->shutdown();
+        }
+    }
+}
+
+std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key) {
+    auto it = h2_.find(key);
+    if (it == h2_.end()) {
+        return std::nullopt;
+    }
+    auto& v = it->second;
+    std::erase_if(v, [](const H2Pooled& p) { return !p.session->alive(); });
+    for (auto& p : v) {
+        if (p.session->has_capacity()) {
+            return p;
+        }
+    }
+    if (v.empty()) {
+        h2_.erase(it);
+    }
+    return std::nullopt;
+}
+
+void UpstreamPool::add_h2(const std::string& key, H2Pooled s) { h2_[key].push_back(std::move(s)); }
+
+bool UpstreamPool::begin_dial(const std::string& key, net::any_io_executor ex) {
+    if (auto h1 = h1_only_.find(key); h1 != h1_only_.end() && h1->second) {
+        return true;
+    }
+    if (dialing_.count(key) != 0) {
+        return false;
+    }
+    dialing_[key] = std::make_shared<net::steady_timer>(ex, net::steady_timer::time_point::max());
+    return true;
+}
+
+void UpstreamPool::end_dial(const std::string& key, std::optional<bool> negotiated_h2) {
+    if (negotiated_h2) {
+        h1_only_[key] = !*negotiated_h2;
+    }
+    if (auto it = dialing_.find(key); it != dialing_.end()) {
+        it->second->cancel();
+        dialing_.erase(it);
+    }
+}
+
+awaitable<void> UpstreamPool::wait_dial(const std::string& key) {
+    auto it = dialing_.find(key);
+    if (it == dialing_.end()) {
+        co_return;
+    }
+    auto timer = it->second;
+    co_await timer->async_wait(use_nothrow);
 }
 
 }  // namespace egress::proxy

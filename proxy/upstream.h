@@ -4,6 +4,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <variant>
@@ -12,6 +13,8 @@
 #include "proxy/worker.h"
 
 namespace egress::proxy {
+
+class H2ClientSession;
 
 /// A refusal or failure that becomes a status, an X-Egress-Reason and an audit record.
 struct Refusal {
@@ -46,18 +49,40 @@ struct TlsConn {
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
                                                          const std::string& host);
 
-/// Keep-alive connections of one worker. Never shared across runs or threads.
+/// A pooled HTTP/2 session and the vetted address it is connected to.
+struct H2Pooled {
+    std::shared_ptr<H2ClientSession> session;
+    tcp::endpoint peer;
+};
+
+/// Keep-alive connections and HTTP/2 sessions of one worker, keyed by (run, destination).
+/// Never shared across runs or threads.
 class UpstreamPool {
 public:
     explicit UpstreamPool(size_t max_idle_per_key) : max_idle_(max_idle_per_key) {}
+    ~UpstreamPool();
     static std::string key(const std::string& run, const policy::HostPort& dest);
     /// A live idle connection for key, or nullptr. Dead or stale connections are dropped.
     std::unique_ptr<TlsConn> acquire(const std::string& key);
     void release(std::unique_ptr<TlsConn> conn);
 
+    /// A live HTTP/2 session for key with room for one more stream, if any.
+    std::optional<H2Pooled> acquire_h2(const std::string& key);
+    void add_h2(const std::string& key, H2Pooled s);
+
+    /// Dial coalescing: while one TLS dial for key is in flight, others wait for it (it may
+    /// yield an h2 session they can share) unless the destination is known to speak only
+    /// HTTP/1.1. begin_dial returns false when the caller should wait_dial instead.
+    bool begin_dial(const std::string& key, net::any_io_executor ex);
+    void end_dial(const std::string& key, std::optional<bool> negotiated_h2);  // nullopt: failed
+    awaitable<void> wait_dial(const std::string& key);
+
 private:
     size_t max_idle_;
     std::unordered_map<std::string, std::deque<std::unique_ptr<TlsConn>>> idle_;
+    std::unordered_map<std::string, std::vector<H2Pooled>> h2_;
+    std::unordered_map<std::string, std::shared_ptr<net::steady_timer>> dialing_;
+    std::unordered_map<std::string, bool> h1_only_;
 };
 
 }  // namespace egress::proxy

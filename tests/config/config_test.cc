@@ -75,6 +75,18 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
     EXPECT_EQ(c.limits.connections_per_run, d.limits.connections_per_run);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, d.limits.h2_max_concurrent_streams);
+    EXPECT_EQ(c.limits.h2_max_concurrent_streams, 100u);
+    EXPECT_EQ(c.limits.h2_max_header_list_bytes, 65536u);
+    EXPECT_EQ(c.limits.h2_max_header_fields, 100u);
+    EXPECT_EQ(c.limits.h2_max_continuations, 8u);
+    EXPECT_EQ(c.limits.h2_stream_reset_burst, 200u);
+    EXPECT_EQ(c.limits.h2_stream_reset_rate, 33u);
+    EXPECT_EQ(c.limits.h2_max_premature_resets, 100u);
+    EXPECT_EQ(c.limits.h2_control_frame_burst, 1000u);
+    EXPECT_EQ(c.limits.h2_max_outbound_ack, 100u);
+    EXPECT_EQ(c.limits.h2_max_settings, 32u);
+    EXPECT_EQ(c.limits.h2_stream_window, 262144u);
+    EXPECT_EQ(c.limits.h2_settings_timeout, milliseconds(10'000));
     EXPECT_EQ(c.limits.leaf_cache_size, d.limits.leaf_cache_size);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
     EXPECT_EQ(c.audit.path, "var/audit.jsonl");
@@ -131,6 +143,17 @@ limits:
   drain_timeout: 1h
   connections_per_run: 64
   h2_max_concurrent_streams: 50
+  h2_max_header_list_bytes: 16384
+  h2_max_header_fields: 40
+  h2_max_continuations: 2
+  h2_stream_reset_burst: 50
+  h2_stream_reset_rate: 10
+  h2_max_premature_resets: 20
+  h2_control_frame_burst: 100
+  h2_max_outbound_ack: 10
+  h2_max_settings: 16
+  h2_stream_window: 65536
+  h2_settings_timeout: 2s
   leaf_cache_size: 16
   max_upstream_idle_per_host: 0
 audit:
@@ -212,6 +235,17 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
     EXPECT_EQ(c.limits.connections_per_run, 64u);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 50u);
+    EXPECT_EQ(c.limits.h2_max_header_list_bytes, 16384u);
+    EXPECT_EQ(c.limits.h2_max_header_fields, 40u);
+    EXPECT_EQ(c.limits.h2_max_continuations, 2u);
+    EXPECT_EQ(c.limits.h2_stream_reset_burst, 50u);
+    EXPECT_EQ(c.limits.h2_stream_reset_rate, 10u);
+    EXPECT_EQ(c.limits.h2_max_premature_resets, 20u);
+    EXPECT_EQ(c.limits.h2_control_frame_burst, 100u);
+    EXPECT_EQ(c.limits.h2_max_outbound_ack, 10u);
+    EXPECT_EQ(c.limits.h2_max_settings, 16u);
+    EXPECT_EQ(c.limits.h2_stream_window, 65536u);
+    EXPECT_EQ(c.limits.h2_settings_timeout, milliseconds(2'000));
     EXPECT_EQ(c.limits.leaf_cache_size, 16u);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
     EXPECT_EQ(c.audit.path, "-");

@@ -1,0 +1,398 @@
+// The protocol-neutral request core: written once for h1/h2 on either side (STYLE.md 2.5).
+#include "proxy/exchange.h"
+
+#include <charconv>
+
+#include "policy/header_rules.h"
+#include "policy/scrubber.h"
+#include "proxy/h2_client.h"
+
+namespace egress::proxy {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+/// The Host / :authority value sent upstream: the agreed destination, default port omitted.
+std::string host_header(const policy::HostPort& hp, bool tls) {
+    std::string h = hp.is_ipv6_literal() ? "[" + hp.host + "]" : hp.host;
+    if (hp.port != (tls ? 443 : 80)) {
+        h += ":" + std::to_string(hp.port);
+    }
+    return h;
+}
+
+/// An HTTP/2 stream on a pooled upstream session.
+class H2Upstream final : public Upstream {
+public:
+    H2Upstream(H2Pooled p, std::string authority)
+        : pooled_(std::move(p)), authority_(std::move(authority)) {}
+    const char* proto() const override { return "h2"; }
+    tcp::endpoint peer() const override { return pooled_.peer; }
+    bool reused() const override { return false; }
+
+    awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
+        policy::RequestHead h = head;
+        h.authority = authority_;
+        h.scheme = "https";
+        stream_ = pooled_.session->open(h, body.none);
+        co_return stream_ != nullptr;
+    }
+    awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
+        co_return co_await stream_->write(data, last, trailers);
+    }
+    awaitable<Outcome<ResponseHead>> read_head(bool head_request) override {
+        H2ClientResponse r;
+        if (!co_await stream_->response(r)) {
+            co_return Refusal{502, stream_->error_code() != 0 ? "upstream_reset"
+                                                              : "upstream_bad_response",
+                              "response"};
+        }
+        ResponseHead rh;
+        rh.status = r.status;
+        rh.body.none = r.end_stream || head_request || r.status == 204 || r.status == 304;
+        for (auto& h : r.headers) {
+            if (h.name == "content-length") {
+                uint64_t n = 0;
+                auto [p, ec] = std::from_chars(h.value.data(), h.value.data() + h.value.size(), n);
+                if (ec == std::errc() && p == h.value.data() + h.value.size()) {
+                    rh.body.length = n;
+                }
+            }
+            if (!policy::is_hop_by_hop(h.name)) {
+                rh.headers.push_back(std::move(h));
+            }
+        }
+        co_return rh;
+    }
+    awaitable<BodyChunk> read_body() override {
+        auto p = co_await stream_->read();
+        co_return BodyChunk{p.data, p.eof, p.ok};
+    }
+    Headers response_trailers() override { return stream_->trailers(); }
+    void finish() override {}
+
+private:
+    H2Pooled pooled_;
+    std::string authority_;
+    std::unique_ptr<H2ClientStream> stream_;
+};
+
+H2ClientOptions h2_client_options(const Limits& l) {
+    H2ClientOptions o;
+    o.stream_window = static_cast<uint32_t>(l.h2_stream_window);
+    o.connection_window = static_cast<uint32_t>(std::max<size_t>(l.h2_stream_window * 4, 1 << 20));
+    o.max_send_buffer = l.h2_stream_window;
+    o.max_header_list_bytes = std::max<size_t>(l.max_header_bytes, l.h2_max_header_list_bytes);
+    o.max_header_fields = std::max<size_t>(l.h2_max_header_fields, 100);
+    o.io_timeout = l.idle_timeout;
+    return o;
+}
+
+/// Upstream for the agreed destination: an h2 session with room, a pooled h1 connection, or
+/// a fresh dial (vetted address, verified TLS, ALPN h2|http/1.1 negotiated on its own).
+awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool allow_pool) {
+    Worker& w = *scope.worker;
+    const Runtime& rt = *scope.runtime;
+    const auto& limits = rt.config->limits;
+    std::string authority = host_header(scope.target, scope.tls);
+    if (!scope.tls) {
+        auto dialed = co_await dial_upstream(w, rt, scope.target);
+        if (auto* r = std::get_if<Refusal>(&dialed)) {
+            co_return *r;
+        }
+        co_return make_h1_plain_upstream(std::move(std::get<Dialed>(dialed)), authority,
+                                         limits.idle_timeout);
+    }
+    auto key = UpstreamPool::key(scope.run->policy.id, scope.target);
+    auto ex = w.ioc.get_executor();
+    for (int round = 0;; ++round) {
+        if (allow_pool) {
+            if (auto s = w.pool->acquire_h2(key)) {
+                co_return std::make_unique<H2Upstream>(std::move(*s), authority);
+            }
+            if (auto c = w.pool->acquire(key)) {
+                co_return make_h1_upstream(w, std::move(c), true, authority);
+            }
+        }
+        if (round < 8 && !w.pool->begin_dial(key, ex)) {
+            co_await w.pool->wait_dial(key);
+            continue;
+        }
+        break;
+    }
+    auto dialed = co_await dial_upstream(w, rt, scope.target);
+    if (auto* r = std::get_if<Refusal>(&dialed)) {
+        w.pool->end_dial(key, std::nullopt);
+        co_return *r;
+    }
+    auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)), scope.target.host);
+    if (auto* r = std::get_if<Refusal>(&conn)) {
+        w.pool->end_dial(key, std::nullopt);
+        co_return *r;
+    }
+    auto& c = std::get<std::unique_ptr<TlsConn>>(conn);
+    c->key = key;
+    if (c->alpn == "h2") {
+        H2Pooled p{H2ClientSession::start(std::move(c->stream), h2_client_options(limits)), c->peer};
+        w.pool->add_h2(key, p);
+        w.pool->end_dial(key, true);
+        co_return std::make_unique<H2Upstream>(std::move(p), authority);
+    }
+    w.pool->end_dial(key, false);
+    co_return make_h1_upstream(w, std::move(c), false, authority);
+}
+
+std::string endpoint_text(const tcp::endpoint& ep) {
+    return ep.address().to_string() + ":" + std::to_string(ep.port());
+}
+
+}  // namespace
+
+void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
+                   const std::string& reason, Clock::time_point started) {
+    auto& shared = scope.worker->shared;
+    AuditRecord rec;
+    rec.run = scope.run ? scope.run->policy.id : "";
+    rec.method = method;
+    rec.scheme = scope.tls ? "https" : (method == "CONNECT" ? "" : "http");
+    rec.host = scope.target.host;
+    rec.port = scope.target.port;
+    rec.path = path;
+    rec.status = status;
+    rec.decision = "deny";
+    rec.reason = reason;
+    rec.duration_ms = ms_since(started);
+    rec.proto_in = scope.proto_in;
+    shared.audit->write(rec);
+    shared.metrics.denied(reason);
+    shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
+    spdlog::info("conn={} run={} {} {}{} -> {} {}", scope.conn_id, rec.run, method,
+                 scope.target.authority(), path, status, reason);
+}
+
+awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope& scope,
+                               Clock::time_point started) {
+    Worker& w = *scope.worker;
+    Shared& shared = w.shared;
+    InflightGuard inflight(shared);
+    const BodyInfo req_body = down.request_body();
+    const bool client_ka = down.client_keep_alive();
+    // Every request sees the current control-plane state: a rotated secret applies to the
+    // next request, and a revoked or expired run is refused even on an open connection.
+    {
+        auto current = shared.runtime.load();
+        auto fresh = current->find(scope.run->policy.id);
+        if (!fresh) {
+            bool expired = scope.run->policy.expires_at <= policy::Clock::now();
+            const char* reason = expired ? "run_expired" : "run_revoked";
+            co_await down.refuse(403, reason, false);
+            audit_refusal(scope, head.method, head.path, 403, reason, started);
+            co_return false;
+        }
+        scope.run = std::move(fresh);
+        scope.runtime = std::move(current);
+    }
+    const Runtime& rt = *scope.runtime;
+    const std::string method = head.method;
+
+    policy::RequestContext ctx;
+    ctx.global = &rt.config->policy;
+    ctx.run = &scope.run->policy;
+    ctx.target = scope.target;
+    ctx.sni = scope.sni;
+    ctx.tls = scope.tls;
+    ctx.upstream_h2 = true;  // "te: trailers" survives; the h1 serializer drops any te
+    ctx.now = policy::Clock::now();
+    auto decision = shared.pipeline.run(head, ctx);
+    if (!decision.forward()) {
+        bool ka = client_ka && req_body.none;
+        co_await down.refuse(decision.status, decision.reason, ka);
+        audit_refusal(scope, method, head.path, decision.status, decision.reason, started);
+        co_return ka;
+    }
+
+    // Expect: 100-continue is answered here; the upstream never sees it.
+    if (const auto* expect = head.find("expect"); expect && policy::iequals(*expect, "100-continue")) {
+        head.remove("expect");
+        co_await down.send_continue();
+    }
+
+    auto opened = co_await open_upstream(scope, true);
+    if (auto* r = std::get_if<Refusal>(&opened)) {
+        if (!r->kind.empty()) {
+            shared.metrics.upstream_error(r->kind);
+        }
+        co_await down.refuse(r->status, r->reason, false);
+        audit_refusal(scope, method, head.path, r->status, r->reason, started);
+        co_return false;
+    }
+    auto up = std::move(std::get<std::unique_ptr<Upstream>>(opened));
+
+    AuditRecord rec;
+    rec.run = scope.run->policy.id;
+    rec.method = method;
+    rec.scheme = head.scheme;
+    rec.host = scope.target.host;
+    rec.port = scope.target.port;
+    rec.path = head.path;
+    rec.proto_in = scope.proto_in;
+    rec.proto_out = up->proto();
+    rec.upstream_addr = endpoint_text(up->peer());
+    if (decision.pin != nullptr) {
+        rec.pin = decision.pin->id;
+        rec.secret = decision.pin->secret_name;
+    }
+    rec.reason = decision.reason;
+
+    policy::Scrubber scrubber(std::move(decision.scrub));
+    auto finish = [&](int status, const std::string& reason, const std::string& kind) {
+        rec.status = status;
+        rec.decision = "allow";  // the pipeline allowed it; reason records what went wrong
+        if (!reason.empty()) {
+            rec.reason = reason;
+        }
+        rec.duration_ms = ms_since(started);
+        if (!kind.empty()) {
+            shared.metrics.upstream_error(kind);
+        }
+        shared.audit->write(rec);
+        shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
+        spdlog::info("conn={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
+                     scope.conn_id, rec.run, method, scope.target.authority(), rec.path, status,
+                     rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out, rec.proto_out,
+                     rec.duration_ms);
+    };
+
+    // Request head and body, then the response head. A pooled h1 connection the upstream
+    // closed while idle fails before any response byte; a request without a body is then
+    // retried once on a fresh connection (nothing of it can have been processed).
+    std::optional<ResponseHead> resp;
+    for (int attempt = 0;; ++attempt) {
+        const bool may_retry = attempt == 0 && up->reused() && req_body.none;
+        bool sent = co_await up->send_head(head, req_body);
+        bool client_failed = false;
+        if (sent && !req_body.none) {
+            for (;;) {
+                auto chunk = co_await down.read_body();
+                if (!chunk.ok) {
+                    client_failed = true;
+                    break;
+                }
+                rec.bytes_in += chunk.data.size();
+                if (chunk.data.empty() && !chunk.last) {
+                    continue;
+                }
+                Headers trailers;
+                if (chunk.last) {
+                    trailers = down.request_trailers();
+                }
+                if (!co_await up->send_body(chunk.data, chunk.last,
+                                            trailers.empty() ? nullptr : &trailers)) {
+                    sent = false;
+                    break;
+                }
+                if (chunk.last) {
+                    break;
+                }
+            }
+        }
+        if (client_failed) {
+            finish(0, "client_aborted", "");
+            co_return false;
+        }
+        if (!sent && may_retry) {
+            goto retry;
+        }
+        if (!sent) {
+            co_await down.refuse(502, "upstream_write_failed", false);
+            finish(502, "upstream_write_failed", "write");
+            co_return false;
+        }
+        {
+            auto got = co_await up->read_head(method == "HEAD");
+            if (auto* r = std::get_if<Refusal>(&got)) {
+                if (may_retry && r->reason != "upstream_timeout") {
+                    goto retry;
+                }
+                co_await down.refuse(r->status, r->reason, false);
+                finish(r->status, r->reason, r->kind);
+                co_return false;
+            }
+            resp = std::move(std::get<ResponseHead>(got));
+            break;
+        }
+    retry:
+        spdlog::debug("conn={} pooled upstream connection was closed; retrying", scope.conn_id);
+        up.reset();
+        auto again = co_await open_upstream(scope, false);
+        if (auto* r = std::get_if<Refusal>(&again)) {
+            co_await down.refuse(r->status, r->reason, false);
+            audit_refusal(scope, method, head.path, r->status, r->reason, started);
+            co_return false;
+        }
+        up = std::move(std::get<std::unique_ptr<Upstream>>(again));
+        rec.upstream_addr = endpoint_text(up->peer());
+        rec.proto_out = up->proto();
+    }
+
+    // Response: headers scrubbed, body streamed (scrubbed), trailers passed through.
+    if (scrubber.active()) {
+        for (auto& h : resp->headers) {
+            h.value = scrubber.scrub_value(h.value);
+        }
+    }
+    if (!co_await down.send_head(*resp)) {
+        finish(resp->status, "client_aborted", "");
+        co_return false;
+    }
+    if (!resp->body.none) {
+        std::string scrubbed;
+        for (;;) {
+            auto chunk = co_await up->read_body();
+            if (!chunk.ok) {
+                // Tell the client the body is incomplete (h1: close without last-chunk; h2: reset).
+                finish(resp->status, "upstream_aborted", "response_body");
+                co_return false;
+            }
+            rec.bytes_out += chunk.data.size();
+            std::string_view out = chunk.data;
+            if (scrubber.active()) {
+                scrubbed.clear();
+                scrubber.feed(chunk.data, scrubbed);
+                if (chunk.last) {
+                    scrubber.finish(scrubbed);
+                }
+                out = scrubbed;
+            }
+            if (out.empty() && !chunk.last) {
+                continue;
+            }
+            Headers trailers;
+            if (chunk.last) {
+                trailers = up->response_trailers();
+                if (scrubber.active()) {
+                    for (auto& h : trailers) {
+                        h.value = scrubber.scrub_value(h.value);
+                    }
+                }
+            }
+            if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
+                finish(resp->status, "client_aborted", "");
+                co_return false;
+            }
+            if (chunk.last) {
+                break;
+            }
+        }
+    }
+    finish(resp->status, "", "");
+    up->finish();
+    co_return client_ka;
+}
+
+}  // namespace egress::proxy

@@ -1,0 +1,118 @@
+#pragma once
+// The protocol-neutral request core (DESIGN.md steps 6–11): one request head goes through the
+// pipeline once, then upstream connect (pooled h1 connection or a stream on a pooled h2
+// session), body relay both ways with backpressure, scrub and audit. Written once for every
+// {h1, h2} client × {h1, h2} upstream combination; the codecs are thin adapters behind the
+// Downstream and Upstream interfaces. Internal to proxy/ (includes Asio, not Beast's parser
+// nor nghttp2).
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "policy/request_head.h"
+#include "proxy/upstream.h"
+#include "proxy/worker.h"
+
+namespace egress::proxy {
+
+/// Identity and destination of one client connection (or, for absolute-form, one request).
+struct Scope {
+    Worker* worker = nullptr;
+    std::shared_ptr<const Runtime> runtime;
+    std::shared_ptr<Run> run;
+    policy::HostPort target;
+    std::optional<std::string> sni;
+    bool tls = false;  // intercepted TLS (https); false = absolute-form http://
+    uint64_t conn_id = 0;
+    std::string proto_in = "http/1.1";
+};
+
+using Headers = std::vector<policy::Header>;
+
+/// How a message body is framed, independent of protocol.
+struct BodyInfo {
+    bool none = false;                  // no body at all (END_STREAM on HEADERS, no CL/TE)
+    std::optional<uint64_t> length;     // known length (content-length), if any
+};
+
+/// One piece of a body. `data` stays valid until the next read on the same source.
+struct BodyChunk {
+    std::string_view data;
+    bool last = false;   // the body (and its trailers) is complete
+    bool ok = true;      // false: the peer aborted, reset or timed out
+};
+
+struct ResponseHead {
+    int status = 0;
+    std::string reason;  // HTTP/1.1 reason phrase, if the upstream sent one
+    Headers headers;     // lowercase names, hop-by-hop removed
+    BodyInfo body;
+};
+
+/// The client side of one request. Methods run on the connection's executor; at most one
+/// read and one write are in flight (the core is sequential).
+class Downstream {
+public:
+    virtual ~Downstream() = default;
+    virtual const char* proto() const = 0;  // "http/1.1" | "h2"
+    virtual BodyInfo request_body() const = 0;
+    /// Next request body piece; its view is valid until the next call. After the previous
+    /// piece was forwarded (the next call), its bytes are released to the client (h2 window).
+    virtual awaitable<BodyChunk> read_body() = 0;
+    /// Request trailers, valid after read_body returned last (empty if none).
+    virtual Headers request_trailers() = 0;
+    /// Answers "Expect: 100-continue" (HTTP/1.1 only; h2 ignores it).
+    virtual awaitable<void> send_continue() = 0;
+    /// A refusal: status, text body, X-Egress-Reason. `keep_alive` is a hint for HTTP/1.1.
+    virtual awaitable<void> refuse(int status, const std::string& reason, bool keep_alive) = 0;
+    /// Sends the response head; `head.body.none` means no body follows.
+    virtual awaitable<bool> send_head(const ResponseHead& head) = 0;
+    /// Sends a body piece; with `last`, ends the response (with `trailers` if non-null and
+    /// the framing can carry them). Waits while the client is slow (backpressure).
+    virtual awaitable<bool> send_body(std::string_view data, bool last,
+                                      const Headers* trailers) = 0;
+    /// HTTP/1.1: whether the client sent "Connection: keep-alive" semantics.
+    virtual bool client_keep_alive() const = 0;
+};
+
+/// The origin side of one request.
+class Upstream {
+public:
+    virtual ~Upstream() = default;
+    virtual const char* proto() const = 0;  // "http/1.1" | "h2"
+    virtual tcp::endpoint peer() const = 0;
+    /// A pooled connection that may have been closed while idle (retry once on failure).
+    virtual bool reused() const = 0;
+    virtual awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) = 0;
+    virtual awaitable<bool> send_body(std::string_view data, bool last,
+                                      const Headers* trailers) = 0;
+    /// The final response head (1xx skipped). Refusal on failure (502/504 + reason).
+    virtual awaitable<Outcome<ResponseHead>> read_head(bool head_request) = 0;
+    virtual awaitable<BodyChunk> read_body() = 0;
+    virtual Headers response_trailers() = 0;
+    /// The exchange completed cleanly: the connection may go back to the pool.
+    virtual void finish() = 0;
+};
+
+/// One request, end to end: refresh the run, pipeline, upstream, relay, scrub, audit.
+/// Returns whether an HTTP/1.1 client connection may be reused.
+awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope& scope,
+                               std::chrono::steady_clock::time_point started);
+
+/// Records a refusal in audit and metrics.
+void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
+                   const std::string& reason, std::chrono::steady_clock::time_point started);
+
+// --- codec factories (defined by the codecs) ---------------------------------------------
+std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> conn, bool reused,
+                                           std::string host_header);
+std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_header,
+                                                 std::chrono::milliseconds timeout);
+
+/// Serves HTTP/2 on an intercepted TLS connection (ALPN "h2") until it closes.
+awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope);
+
+}  // namespace egress::proxy

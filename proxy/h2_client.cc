@@ -1,0 +1,491 @@
+#include "proxy/h2_client.h"
+
+#include <spdlog/spdlog.h>
+
+#include <charconv>
+#include <cstring>
+#include <deque>
+#include <unordered_map>
+
+#include "proxy/h2_common.h"
+
+namespace egress::proxy {
+
+using Clock = std::chrono::steady_clock;
+
+struct H2ClientStreamState {
+    explicit H2ClientStreamState(const net::any_io_executor& ex) : signal(ex) {}
+    int32_t id = -1;
+    Signal signal;  // wakes the stream's owner on any change
+    // request body, owner → nghttp2
+    std::deque<std::string> out;
+    size_t out_off = 0;
+    size_t out_bytes = 0;
+    bool out_last = false;
+    std::vector<policy::Header> out_trailers;
+    bool deferred = false;
+    // response, nghttp2 → owner
+    H2ClientResponse head;
+    bool head_done = false;
+    bool in_trailers = false;
+    size_t header_bytes = 0;
+    size_t header_fields = 0;
+    std::vector<policy::Header> trailers;
+    std::deque<std::string> in;
+    bool front_out = false;  // in.front() was handed to the owner
+    bool eof = false;
+    bool closed = false;
+    bool abandoned = false;
+    uint32_t error = 0;
+};
+
+struct H2ClientSession::Impl {
+    Impl(std::unique_ptr<TlsStream> s, H2ClientOptions o)
+        : stream(std::move(s)), io(*stream), opts(o), watchdog(stream->get_executor()) {}
+    ~Impl() {
+        // The session goes first: nothing its callbacks reference may die before it.
+        session.reset();
+    }
+    std::unique_ptr<TlsStream> stream;
+    H2Io io;
+    H2ClientOptions opts;
+    SessionPtr session;
+    std::unordered_map<int32_t, std::shared_ptr<H2ClientStreamState>> streams;
+    bool goaway = false;
+    net::steady_timer watchdog;
+
+    H2ClientStreamState* find(int32_t id) {
+        auto it = streams.find(id);
+        return it == streams.end() ? nullptr : it->second.get();
+    }
+    void fail_all() {
+        for (auto& [id, st] : streams) {
+            st->closed = true;
+            st->signal.notify();
+        }
+    }
+};
+
+namespace {
+
+using Impl = H2ClientSession::Impl;
+
+ssize_t read_request_body(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
+                          size_t length, uint32_t* data_flags, nghttp2_data_source* source,
+                          void* user_data) {
+    auto* st = static_cast<H2ClientStreamState*>(source->ptr);
+    size_t copied = 0;
+    while (copied < length && !st->out.empty()) {
+        auto& front = st->out.front();
+        size_t n = std::min(length - copied, front.size() - st->out_off);
+        std::memcpy(buf + copied, front.data() + st->out_off, n);
+        copied += n;
+        st->out_off += n;
+        st->out_bytes -= n;
+        if (st->out_off == front.size()) {
+            st->out.pop_front();
+            st->out_off = 0;
+        }
+    }
+    if (copied > 0) {
+        st->signal.notify();  // room for the owner's next write
+    }
+    if (st->out.empty() && st->out_last) {
+        *data_flags |= NGHTTP2_DATA_FLAG_EOF;
+        if (!st->out_trailers.empty()) {
+            std::vector<nghttp2_nv> nva;
+            for (const auto& h : st->out_trailers) {
+                nva.push_back(make_nv(h.name, h.value));
+            }
+            if (nghttp2_submit_trailer(session, stream_id, nva.data(), nva.size()) == 0) {
+                *data_flags |= NGHTTP2_DATA_FLAG_NO_END_STREAM;
+            }
+        }
+        return static_cast<ssize_t>(copied);
+    }
+    if (copied == 0) {
+        st->deferred = true;
+        return NGHTTP2_ERR_DEFERRED;
+    }
+    return static_cast<ssize_t>(copied);
+}
+
+int on_begin_headers(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
+    auto* im = static_cast<Impl*>(user_data);
+    if (auto* st = im->find(frame->hd.stream_id)) {
+        st->header_bytes = 0;
+        st->header_fields = 0;
+        st->in_trailers = st->head_done;
+    }
+    return 0;
+}
+
+int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name, size_t namelen,
+              const uint8_t* value, size_t valuelen, uint8_t, void* user_data) {
+    auto* im = static_cast<Impl*>(user_data);
+    auto* st = im->find(frame->hd.stream_id);
+    if (st == nullptr) {
+        return 0;
+    }
+    st->header_bytes += namelen + valuelen + 32;
+    if (++st->header_fields > im->opts.max_header_fields ||
+        st->header_bytes > im->opts.max_header_list_bytes) {
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // resets this stream only
+    }
+    auto n = sv(name, namelen);
+    auto v = sv(value, valuelen);
+    if (st->in_trailers) {
+        if (!n.empty() && n[0] != ':') {
+            st->trailers.push_back({std::string(n), std::string(v)});
+        }
+        return 0;
+    }
+    if (n == ":status") {
+        int code = 0;
+        std::from_chars(v.data(), v.data() + v.size(), code);
+        st->head.status = code;
+        st->head.headers.clear();
+    } else if (!n.empty() && n[0] != ':') {
+        st->head.headers.push_back({std::string(n), std::string(v)});
+    }
+    return 0;
+}
+
+int on_frame_recv(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
+    auto* im = static_cast<Impl*>(user_data);
+    if (frame->hd.type == NGHTTP2_GOAWAY) {
+        im->goaway = true;
+        return 0;
+    }
+    auto* st = im->find(frame->hd.stream_id);
+    if (st == nullptr) {
+        return 0;
+    }
+    const bool end = (frame->hd.flags & NGHTTP2_FLAG_END_STREAM) != 0;
+    if (frame->hd.type == NGHTTP2_HEADERS) {
+        if (!st->head_done) {
+            if (st->head.status >= 100 && st->head.status < 200) {
+                st->head = {};  // interim response: wait for the final one
+                return 0;
+            }
+            st->head_done = true;
+            st->head.end_stream = end;
+        }
+        if (end) {
+            st->eof = true;
+        }
+        st->signal.notify();
+    } else if (frame->hd.type == NGHTTP2_DATA && end) {
+        st->eof = true;
+        st->signal.notify();
+    }
+    return 0;
+}
+
+int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const uint8_t* data,
+                  size_t len, void* user_data) {
+    auto* im = static_cast<Impl*>(user_data);
+    auto* st = im->find(stream_id);
+    if (st == nullptr || st->abandoned) {
+        nghttp2_session_consume(session, stream_id, len);  // nobody will forward it
+        return 0;
+    }
+    st->in.emplace_back(reinterpret_cast<const char*>(data), len);
+    st->signal.notify();
+    return 0;
+}
+
+int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* user_data) {
+    auto* im = static_cast<Impl*>(user_data);
+    auto it = im->streams.find(stream_id);
+    if (it == im->streams.end()) {
+        return 0;
+    }
+    auto& st = *it->second;
+    st.closed = true;
+    st.error = error_code;
+    st.signal.notify();
+    im->streams.erase(it);  // the owner keeps its shared_ptr
+    return 0;
+}
+
+awaitable<void> read_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
+    auto buf = std::make_unique<uint8_t[]>(16 * 1024);
+    while (!im.io.dead) {
+        auto [ec, n] =
+            co_await im.stream->async_read_some(net::buffer(buf.get(), 16 * 1024), use_nothrow);
+        if (ec) {
+            break;
+        }
+        im.io.last_activity = Clock::now();
+        ssize_t rv = nghttp2_session_mem_recv(im.session.get(), buf.get(), n);
+        if (rv < 0) {
+            spdlog::debug("h2 upstream: {}", nghttp2_strerror(static_cast<int>(rv)));
+            break;
+        }
+        im.io.wsig.notify();
+    }
+    im.io.dead = true;
+    im.io.wsig.notify();
+    im.fail_all();
+    im.watchdog.cancel();
+}
+
+awaitable<void> write_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
+    co_await im.io.write_loop();
+    im.fail_all();
+    im.watchdog.cancel();
+}
+
+awaitable<void> watch_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
+    while (!im.io.dead) {
+        im.watchdog.expires_after(std::chrono::seconds(1));
+        co_await im.watchdog.async_wait(use_nothrow);
+        if (im.io.dead) {
+            break;
+        }
+        auto now = Clock::now();
+        if (im.io.writing && now - im.io.write_started > im.opts.io_timeout) {
+            im.io.dead = true;  // the server stopped reading
+            im.io.close_socket();
+            im.fail_all();
+            break;
+        }
+        if (im.streams.empty() && now - im.io.last_activity > im.opts.idle_timeout) {
+            im.goaway = true;
+            nghttp2_session_terminate_session(im.session.get(), NGHTTP2_NO_ERROR);
+            im.io.wsig.notify();
+        }
+    }
+}
+
+void log_error(std::exception_ptr e) {
+    if (e) {
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            spdlog::error("h2 client coroutine: {}", ex.what());
+        }
+    }
+}
+
+}  // namespace
+
+std::shared_ptr<H2ClientSession> H2ClientSession::start(std::unique_ptr<TlsStream> stream,
+                                                        H2ClientOptions opts) {
+    std::shared_ptr<H2ClientSession> self(new H2ClientSession());
+    self->impl_ = std::make_unique<Impl>(std::move(stream), opts);
+    Impl& im = *self->impl_;
+
+    nghttp2_session_callbacks* cbs_raw = nullptr;
+    nghttp2_session_callbacks_new(&cbs_raw);
+    CallbacksPtr cbs(cbs_raw);
+    nghttp2_session_callbacks_set_on_begin_headers_callback(cbs.get(), on_begin_headers);
+    nghttp2_session_callbacks_set_on_header_callback(cbs.get(), on_header);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs.get(), on_frame_recv);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
+    nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
+    nghttp2_option* opt_raw = nullptr;
+    nghttp2_option_new(&opt_raw);
+    OptionPtr opt(opt_raw);
+    nghttp2_option_set_no_auto_window_update(opt.get(), 1);
+    nghttp2_option_set_peer_max_concurrent_streams(opt.get(), 100);
+    nghttp2_session* s = nullptr;
+    nghttp2_session_client_new2(&s, cbs.get(), &im, opt.get());
+    im.session.reset(s);
+    im.io.session = s;
+
+    nghttp2_settings_entry settings[] = {
+        {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
+        {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, opts.stream_window},
+        {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, static_cast<uint32_t>(opts.max_header_list_bytes)},
+    };
+    nghttp2_submit_settings(s, NGHTTP2_FLAG_NONE, settings, std::size(settings));
+    nghttp2_session_set_local_window_size(s, NGHTTP2_FLAG_NONE, 0,
+                                          static_cast<int32_t>(opts.connection_window));
+
+    auto ex = im.stream->get_executor();
+    net::co_spawn(ex, read_loop(self, im), log_error);
+    net::co_spawn(ex, write_loop(self, im), log_error);
+    net::co_spawn(ex, watch_loop(self, im), log_error);
+    return self;
+}
+
+H2ClientSession::~H2ClientSession() = default;
+
+bool H2ClientSession::alive() const { return !impl_->io.dead; }
+
+size_t H2ClientSession::open_streams() const { return impl_->streams.size(); }
+
+bool H2ClientSession::has_capacity() const {
+    if (impl_->io.dead || impl_->goaway) {
+        return false;
+    }
+    uint32_t remote = nghttp2_session_get_remote_settings(impl_->session.get(),
+                                                          NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS);
+    return impl_->streams.size() < std::min<uint32_t>(remote, 256);
+}
+
+std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead& head,
+                                                      bool end_stream) {
+    Impl& im = *impl_;
+    if (im.io.dead || im.goaway) {
+        return nullptr;
+    }
+    std::vector<nghttp2_nv> nva;
+    nva.reserve(head.headers.size() + 4);
+    nva.push_back(make_nv(":method", head.method));
+    nva.push_back(make_nv(":scheme", head.scheme));
+    nva.push_back(make_nv(":authority", head.authority));
+    nva.push_back(make_nv(":path", head.path));
+    for (const auto& h : head.headers) {
+        if (!h2_forbidden(h)) {
+            nva.push_back(make_nv(h.name, h.value));
+        }
+    }
+    auto st = std::make_shared<H2ClientStreamState>(im.stream->get_executor());
+    nghttp2_data_provider prd{};
+    prd.source.ptr = st.get();
+    prd.read_callback = read_request_body;
+    int32_t id = nghttp2_submit_request(im.session.get(), nullptr, nva.data(), nva.size(),
+                                        end_stream ? nullptr : &prd, nullptr);
+    if (id < 0) {
+        spdlog::debug("h2 submit_request: {}", nghttp2_strerror(id));
+        return nullptr;
+    }
+    st->id = id;
+    st->out_last = end_stream;
+    im.streams[id] = st;
+    im.io.wsig.notify();
+    return std::make_unique<H2ClientStream>(shared_from_this(), std::move(st));
+}
+
+void H2ClientSession::shutdown() {
+    if (!impl_->io.dead) {
+        impl_->goaway = true;
+        nghttp2_session_terminate_session(impl_->session.get(), NGHTTP2_NO_ERROR);
+        impl_->io.wsig.notify();
+    }
+}
+
+// --- stream ------------------------------------------------------------------------------
+
+H2ClientStream::H2ClientStream(std::shared_ptr<H2ClientSession> session,
+                               std::shared_ptr<H2ClientStreamState> state)
+    : session_(std::move(session)), state_(std::move(state)) {}
+
+H2ClientStream::~H2ClientStream() { reset(); }
+
+void H2ClientStream::reset() {
+    auto& st = *state_;
+    auto& im = *session_->impl_;
+    if (st.abandoned) {
+        return;
+    }
+    st.abandoned = true;
+    if (im.io.dead) {
+        return;
+    }
+    if (!st.closed && !(st.eof && st.out_last && st.out.empty())) {
+        nghttp2_submit_rst_stream(im.session.get(), NGHTTP2_FLAG_NONE, st.id, NGHTTP2_CANCEL);
+    }
+    size_t left = 0;
+    for (const auto& c : st.in) {
+        left += c.size();
+    }
+    st.in.clear();
+    if (left > 0) {
+        nghttp2_session_consume(im.session.get(), st.id, left);
+    }
+    im.io.wsig.notify();
+}
+
+awaitable<bool> H2ClientStream::write(std::string_view data, bool last,
+                                      const std::vector<policy::Header>* trailers) {
+    auto& st = *state_;
+    auto& im = *session_->impl_;
+    if (st.closed || im.io.dead || st.out_last) {
+        co_return false;
+    }
+    if (!data.empty()) {
+        st.out.emplace_back(data);
+        st.out_bytes += data.size();
+    }
+    if (last) {
+        st.out_last = true;
+        if (trailers != nullptr) {
+            for (const auto& h : *trailers) {
+                if (!h2_forbidden(h) && h.name != "content-length") {
+                    st.out_trailers.push_back(h);
+                }
+            }
+        }
+    }
+    if (st.deferred) {
+        st.deferred = false;
+        nghttp2_session_resume_data(im.session.get(), st.id);
+    }
+    im.io.wsig.notify();
+    while (st.out_bytes > im.opts.max_send_buffer) {
+        if (st.closed || im.io.dead) {
+            co_return false;
+        }
+        if (!co_await st.signal.wait(im.opts.io_timeout)) {
+            co_return false;
+        }
+    }
+    co_return !im.io.dead;
+}
+
+awaitable<bool> H2ClientStream::response(H2ClientResponse& out) {
+    auto& st = *state_;
+    auto& im = *session_->impl_;
+    for (;;) {
+        if (st.head_done) {
+            out = st.head;
+            co_return true;
+        }
+        if (st.closed || im.io.dead) {
+            co_return false;
+        }
+        if (!co_await st.signal.wait(im.opts.io_timeout)) {
+            co_return false;
+        }
+    }
+}
+
+awaitable<H2ClientStream::Piece> H2ClientStream::read() {
+    auto& st = *state_;
+    auto& im = *session_->impl_;
+    if (st.front_out) {
+        // The previous piece has been forwarded: give its bytes back to the server.
+        st.front_out = false;
+        size_t n = st.in.front().size();
+        st.in.pop_front();
+        if (!im.io.dead) {
+            nghttp2_session_consume(im.session.get(), st.id, n);
+            im.io.wsig.notify();
+        }
+    }
+    for (;;) {
+        if (!st.in.empty()) {
+            st.front_out = true;
+            co_return Piece{st.in.front(), false, true};
+        }
+        if (st.eof) {
+            co_return Piece{{}, true, true};
+        }
+        if (st.closed || im.io.dead) {
+            co_return Piece{{}, false, false};
+        }
+        if (!co_await st.signal.wait(im.opts.io_timeout)) {
+            co_return Piece{{}, false, false};
+        }
+    }
+}
+
+const std::vector<policy::Header>& H2ClientStream::trailers() const { return state_->trailers; }
+
+uint32_t H2ClientStream::error_code() const { return state_->error; }
+
+}  // namespace egress::proxy

@@ -1,0 +1,108 @@
+#pragma once
+// HTTP/2 client over one TLS connection (nghttp2), multiplexing streams up to the peer's
+// SETTINGS_MAX_CONCURRENT_STREAMS. Used by the proxy's upstream leg and reusable as is by a
+// load generator: it depends only on Asio/Beast streams and policy::RequestHead (pure), not on
+// the proxy's scopes, runtime or pool.
+//
+// Threading: everything runs on the stream's executor (one thread); no method may be called
+// from another thread. The session owns one reader and one writer coroutine (one writer per
+// connection); nghttp2 is never re-entered from its callbacks.
+//
+// Flow control: automatic window updates are off. Response DATA is acknowledged to the server
+// (nghttp2_session_consume) only when the caller asks for the next piece, i.e. after it has
+// forwarded the previous one; at most `stream_window` bytes are buffered per stream.
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "policy/request_head.h"
+#include "proxy/net.h"
+
+namespace egress::proxy {
+
+struct H2ClientOptions {
+    uint32_t stream_window = 256 * 1024;      // receive window per stream (= buffer bound)
+    uint32_t connection_window = 1 << 20;     // receive window for the connection
+    size_t max_send_buffer = 256 * 1024;      // request bytes queued per stream before write() waits
+    size_t max_header_list_bytes = 65536;     // response header block limit
+    size_t max_header_fields = 100;
+    std::chrono::milliseconds idle_timeout{30'000};  // no open stream this long: GOAWAY, close
+    std::chrono::milliseconds io_timeout{60'000};    // a stream read/write waits at most this
+};
+
+struct H2ClientResponse {
+    int status = 0;
+    std::vector<policy::Header> headers;  // lowercase, pseudo-headers removed
+    bool end_stream = false;              // no body follows
+};
+
+class H2ClientSession;
+struct H2ClientStreamState;
+
+/// One request/response on a session. Destroying an unfinished stream resets it (CANCEL).
+class H2ClientStream {
+public:
+    H2ClientStream(std::shared_ptr<H2ClientSession> session,
+                   std::shared_ptr<H2ClientStreamState> state);
+    ~H2ClientStream();
+    H2ClientStream(const H2ClientStream&) = delete;
+    H2ClientStream& operator=(const H2ClientStream&) = delete;
+
+    /// Queues request body bytes; waits while more than max_send_buffer are queued.
+    /// `last` ends the request, with `trailers` when non-null. False: stream/session failed.
+    awaitable<bool> write(std::string_view data, bool last,
+                          const std::vector<policy::Header>* trailers = nullptr);
+    /// Waits for the final response head (1xx skipped). False: reset, closed or timed out.
+    awaitable<bool> response(H2ClientResponse& out);
+    /// Next response body piece (valid until the next call; empty with eof=true at the end).
+    /// Bytes returned by the previous call are consumed (window update) first.
+    struct Piece {
+        std::string_view data;
+        bool eof = false;
+        bool ok = true;
+    };
+    awaitable<Piece> read();
+    /// Response trailers, after read() reported eof.
+    const std::vector<policy::Header>& trailers() const;
+    /// RST_STREAM error code when the stream was reset (0 otherwise).
+    uint32_t error_code() const;
+    void reset();
+
+private:
+    std::shared_ptr<H2ClientSession> session_;
+    std::shared_ptr<H2ClientStreamState> state_;
+};
+
+class H2ClientSession : public std::enable_shared_from_this<H2ClientSession> {
+public:
+    /// Takes a connected TLS stream whose ALPN is "h2", sends the preface and SETTINGS and
+    /// starts the reader and writer on the stream's executor.
+    static std::shared_ptr<H2ClientSession> start(std::unique_ptr<TlsStream> stream,
+                                                  H2ClientOptions opts = {});
+    ~H2ClientSession();
+
+    /// Whether new streams may be opened (no GOAWAY, not closed, below the peer's limit).
+    bool has_capacity() const;
+    bool alive() const;
+    size_t open_streams() const;
+
+    /// Opens a stream for `head` (:method, :scheme, :authority, :path from the head; headers
+    /// as given, lowercase; connection-specific headers must already be gone). With
+    /// `end_stream` the request has no body. nullptr when the session cannot open streams.
+    std::unique_ptr<H2ClientStream> open(const policy::RequestHead& head, bool end_stream);
+
+    /// GOAWAY and close once in-flight streams are done.
+    void shutdown();
+
+    struct Impl;
+
+private:
+    H2ClientSession() = default;
+    friend class H2ClientStream;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace egress::proxy

@@ -1,0 +1,144 @@
+#pragma once
+// Small pieces shared by the HTTP/2 server and client codecs. Include only from proxy/h2_*.cc
+// (pulls in nghttp2).
+#include <nghttp2/nghttp2.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "policy/request_head.h"
+#include "proxy/net.h"
+
+namespace egress::proxy {
+
+/// A one-waiter wake-up on one executor (single thread, no locks): notify() before wait()
+/// is not lost. WARNING: only one coroutine may wait at a time.
+class Signal {
+public:
+    explicit Signal(const net::any_io_executor& ex)
+        : timer_(ex, net::steady_timer::time_point::max()) {}
+    void notify() {
+        pending_ = true;
+        timer_.cancel();
+    }
+    /// Waits for notify() or `timeout`; returns false on timeout.
+    awaitable<bool> wait(std::chrono::milliseconds timeout) {
+        if (pending_) {
+            pending_ = false;
+            co_return true;
+        }
+        timer_.expires_after(timeout);
+        auto [ec] = co_await timer_.async_wait(use_nothrow);
+        timer_.expires_at(net::steady_timer::time_point::max());
+        if (pending_) {
+            pending_ = false;
+            co_return true;
+        }
+        co_return ec == net::error::operation_aborted;  // cancelled without notify: treat as wake
+    }
+    void cancel() { timer_.cancel(); }
+
+private:
+    net::steady_timer timer_;
+    bool pending_ = false;
+};
+
+struct SessionDeleter {
+    void operator()(nghttp2_session* s) const { nghttp2_session_del(s); }
+};
+using SessionPtr = std::unique_ptr<nghttp2_session, SessionDeleter>;
+
+struct OptionDeleter {
+    void operator()(nghttp2_option* o) const { nghttp2_option_del(o); }
+};
+using OptionPtr = std::unique_ptr<nghttp2_option, OptionDeleter>;
+
+struct CallbacksDeleter {
+    void operator()(nghttp2_session_callbacks* c) const { nghttp2_session_callbacks_del(c); }
+};
+using CallbacksPtr = std::unique_ptr<nghttp2_session_callbacks, CallbacksDeleter>;
+
+inline nghttp2_nv make_nv(std::string_view name, std::string_view value) {
+    return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
+                      reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), name.size(),
+                      value.size(), NGHTTP2_NV_FLAG_NONE};
+}
+
+inline std::string_view sv(const uint8_t* p, size_t n) {
+    return {reinterpret_cast<const char*>(p), n};
+}
+
+/// Headers that may not appear in an HTTP/2 message (RFC 9113 8.2.2); "te" other than
+/// "trailers" is also dropped.
+inline bool h2_forbidden(const policy::Header& h) {
+    const auto& n = h.name;
+    if (n == "te") {
+        return !policy::iequals(h.value, "trailers");
+    }
+    return n == "connection" || n == "keep-alive" || n == "proxy-connection" ||
+           n == "transfer-encoding" || n == "upgrade" || n == "host";
+}
+
+/// Shared state of one HTTP/2 connection's I/O: the writer is the only coroutine that writes
+/// to the TLS stream, and the only caller of nghttp2_session_mem_send.
+struct H2Io {
+    explicit H2Io(TlsStream& s) : stream(&s), wsig(s.get_executor()) {}
+    TlsStream* stream;
+    nghttp2_session* session = nullptr;
+    Signal wsig;  // "there may be something to send"
+    bool dead = false;
+    bool writing = false;
+    std::chrono::steady_clock::time_point write_started{};
+    std::chrono::steady_clock::time_point last_activity = std::chrono::steady_clock::now();
+
+    void close_socket() {
+        error_code ignored;
+        auto& sock = beast::get_lowest_layer(*stream).socket();
+        sock.shutdown(tcp::socket::shutdown_both, ignored);
+        sock.close(ignored);
+    }
+
+    /// The writer: serializes frames with mem_send (copying each piece before the next call,
+    /// whose pointer it invalidates), one async_write at a time, until the session wants
+    /// neither to read nor to write, or the connection dies.
+    awaitable<void> write_loop() {
+        std::string wbuf;
+        while (!dead) {
+            wbuf.clear();
+            while (wbuf.size() < 64 * 1024) {
+                const uint8_t* data = nullptr;
+                ssize_t n = nghttp2_session_mem_send(session, &data);
+                if (n < 0) {
+                    dead = true;
+                    break;
+                }
+                if (n == 0) {
+                    break;
+                }
+                wbuf.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
+            }
+            if (!wbuf.empty()) {
+                writing = true;
+                write_started = std::chrono::steady_clock::now();
+                auto [ec, n] = co_await net::async_write(*stream, net::buffer(wbuf), use_nothrow);
+                writing = false;
+                if (ec) {
+                    dead = true;
+                    break;
+                }
+                continue;
+            }
+            if (dead || (!nghttp2_session_want_read(session) && !nghttp2_session_want_write(session))) {
+                break;
+            }
+            co_await wsig.wait(std::chrono::hours(24));
+        }
+        dead = true;
+        close_socket();
+    }
+};
+
+}  // namespace egress::proxy

@@ -1,0 +1,669 @@
+// HTTP/2 on the intercepted client leg: one reader coroutine (mem_recv), one writer coroutine
+// (mem_send, the only writer), a watchdog (timeouts, drain), and one coroutine per stream
+// running the shared core. Streams are looked up by id after every callback; the session is
+// destroyed before anything its callbacks reference.
+#include "proxy/h2_server.h"
+
+#include <charconv>
+#include <cstring>
+#include <deque>
+#include <unordered_map>
+
+#include "policy/header_rules.h"
+#include "proxy/h2_common.h"
+
+namespace egress::proxy {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct ServerStream {
+    explicit ServerStream(const net::any_io_executor& ex) : signal(ex) {}
+    int32_t id = 0;
+    Signal signal;  // wakes the stream's handler on any change
+    // request
+    policy::RequestHead head;
+    std::string host;  // a "host" header, if sent
+    bool has_host = false;
+    std::optional<uint64_t> content_length;
+    size_t header_bytes = 0;
+    size_t header_fields = 0;
+    std::vector<std::string> cookies;
+    bool in_trailers = false;
+    Headers trailers;
+    bool end_on_headers = false;
+    bool req_end = false;
+    std::deque<std::string> in;
+    bool front_out = false;
+    // response
+    bool response_started = false;
+    std::deque<std::string> out;
+    size_t out_off = 0;
+    size_t out_bytes = 0;
+    bool out_last = false;
+    Headers out_trailers;
+    bool deferred = false;
+    // state
+    bool closed = false;
+    uint32_t error = 0;
+    bool handled = false;       // a handler owns it
+    bool handler_gone = false;  // its handler finished: late DATA is consumed at once
+};
+
+struct Conn {
+    Conn(TlsStream& s, Scope sc) : io(s), scope(std::move(sc)), watchdog(s.get_executor()),
+                                   handlers_done(s.get_executor()) {}
+    ~Conn() { session.reset(); }  // before the streams its callbacks point into
+
+    H2Io io;
+    Scope scope;
+    Limits limits;
+    SessionPtr session;
+    std::unordered_map<int32_t, std::shared_ptr<ServerStream>> streams;
+    std::vector<int32_t> ready;  // complete request heads from the last mem_recv
+    net::steady_timer watchdog;
+    Signal handlers_done;
+    size_t handlers = 0;
+    Clock::time_point started = Clock::now();
+    bool settings_acked = false;
+    bool goaway_sent = false;
+    // flood accounting
+    uint64_t total_streams = 0;
+    uint64_t premature_resets = 0;
+    double control_tokens = 0;
+    Clock::time_point control_refill = Clock::now();
+    bool calm = false;  // misbehaving peer: GOAWAY ENHANCE_YOUR_CALM after this mem_recv
+
+    ServerStream* find(int32_t id) {
+        auto it = streams.find(id);
+        return it == streams.end() ? nullptr : it->second.get();
+    }
+    void control_frame() {
+        auto now = Clock::now();
+        double burst = static_cast<double>(limits.h2_control_frame_burst);
+        control_tokens = std::min(
+            burst, control_tokens + std::chrono::duration<double>(now - control_refill).count() *
+                                        burst / 10.0);
+        control_refill = now;
+        if (control_tokens < 1.0) {
+            calm = true;
+            return;
+        }
+        control_tokens -= 1.0;
+    }
+    void fail_all() {
+        for (auto& [id, st] : streams) {
+            st->closed = true;
+            st->signal.notify();
+        }
+    }
+};
+
+// --- nghttp2 callbacks: never call mem_send/mem_recv here ---------------------------------
+
+int on_begin_headers(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    if (frame->hd.type != NGHTTP2_HEADERS) {
+        return 0;
+    }
+    if (frame->headers.cat == NGHTTP2_HCAT_REQUEST) {
+        auto st = std::make_shared<ServerStream>(c->io.stream->get_executor());
+        st->id = frame->hd.stream_id;
+        st->head.scheme = "";
+        c->streams[st->id] = std::move(st);
+        ++c->total_streams;
+    } else if (auto* st = c->find(frame->hd.stream_id)) {
+        st->in_trailers = true;
+        st->header_bytes = 0;
+        st->header_fields = 0;
+    }
+    return 0;
+}
+
+int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name, size_t namelen,
+              const uint8_t* value, size_t valuelen, uint8_t, void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    auto* st = c->find(frame->hd.stream_id);
+    if (st == nullptr) {
+        return 0;
+    }
+    // Decoded size, not wire size: an HPACK bomb of table references stops here.
+    st->header_bytes += namelen + valuelen + 32;
+    if (++st->header_fields > c->limits.h2_max_header_fields ||
+        st->header_bytes > c->limits.h2_max_header_list_bytes) {
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // RST_STREAM on this stream only
+    }
+    auto n = sv(name, namelen);
+    auto v = sv(value, valuelen);
+    if (st->in_trailers) {
+        if (!n.empty() && n[0] != ':') {
+            st->trailers.push_back({std::string(n), std::string(v)});
+        }
+        return 0;
+    }
+    if (n == ":method") {
+        st->head.method = v;
+    } else if (n == ":scheme") {
+        st->head.scheme = v;
+    } else if (n == ":authority") {
+        st->head.authority = v;
+    } else if (n == ":path") {
+        st->head.path = v;
+    } else if (!n.empty() && n[0] == ':') {
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // e.g. :protocol (not enabled)
+    } else if (n == "host") {
+        if (st->has_host) {
+            st->host = "\n";  // two host headers: never agrees with anything
+        } else {
+            st->host = v;
+        }
+        st->has_host = true;
+    } else if (n == "cookie") {
+        st->cookies.emplace_back(v);  // HTTP/2 splits cookies; joined for HTTP/1.1 (RFC 9113 8.2.3)
+    } else {
+        if (n == "content-length") {
+            uint64_t len = 0;
+            auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), len);
+            if (ec == std::errc() && p == v.data() + v.size()) {
+                st->content_length = len;
+            }
+        }
+        st->head.headers.push_back({std::string(n), std::string(v)});
+    }
+    return 0;
+}
+
+int on_frame_recv(nghttp2_session* session, const nghttp2_frame* frame, void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    const bool end = (frame->hd.flags & NGHTTP2_FLAG_END_STREAM) != 0;
+    switch (frame->hd.type) {
+        case NGHTTP2_SETTINGS:
+            if (frame->hd.flags & NGHTTP2_FLAG_ACK) {
+                c->settings_acked = true;
+            } else {
+                c->control_frame();
+            }
+            return 0;
+        case NGHTTP2_PING:
+            if (!(frame->hd.flags & NGHTTP2_FLAG_ACK)) {
+                c->control_frame();
+            }
+            return 0;
+        case NGHTTP2_PRIORITY:
+            c->control_frame();
+            return 0;
+        case NGHTTP2_RST_STREAM:
+            if (auto* st = c->find(frame->hd.stream_id); st && !st->response_started) {
+                ++c->premature_resets;
+                if (c->premature_resets >= c->limits.h2_max_premature_resets &&
+                    c->premature_resets * 2 >= c->total_streams) {
+                    c->calm = true;
+                }
+            }
+            return 0;
+        default:
+            break;
+    }
+    auto* st = c->find(frame->hd.stream_id);
+    if (st == nullptr) {
+        return 0;
+    }
+    if (frame->hd.type == NGHTTP2_HEADERS) {
+        if (frame->headers.cat == NGHTTP2_HCAT_REQUEST) {
+            st->end_on_headers = end;
+            st->req_end = end;
+            c->ready.push_back(st->id);
+        } else if (end) {
+            st->req_end = true;
+        }
+        st->signal.notify();
+    } else if (frame->hd.type == NGHTTP2_DATA) {
+        if (frame->hd.length == 0 && !end) {
+            c->control_frame();  // empty DATA frames cost us and carry nothing
+        }
+        if (end) {
+            st->req_end = true;
+            st->signal.notify();
+        }
+    }
+    return 0;
+}
+
+int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const uint8_t* data,
+                  size_t len, void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    auto* st = c->find(stream_id);
+    if (st == nullptr || st->closed || st->handler_gone) {
+        nghttp2_session_consume(session, stream_id, len);  // nobody will forward it
+        return 0;
+    }
+    st->in.emplace_back(reinterpret_cast<const char*>(data), len);
+    st->signal.notify();
+    return 0;
+}
+
+int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_code,
+                    void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    auto it = c->streams.find(stream_id);
+    if (it == c->streams.end()) {
+        return 0;
+    }
+    auto st = it->second;
+    st->closed = true;
+    st->error = error_code;
+    st->signal.notify();
+    if (!st->handled) {
+        // Buffered request bytes nobody will read go back to the connection window.
+        size_t left = 0;
+        for (const auto& b : st->in) {
+            left += b.size();
+        }
+        st->in.clear();
+        if (left > 0) {
+            nghttp2_session_consume(session, stream_id, left);
+        }
+    }
+    c->streams.erase(it);
+    return 0;
+}
+
+ssize_t read_response_body(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
+                           size_t length, uint32_t* data_flags, nghttp2_data_source* source,
+                           void*) {
+    auto* st = static_cast<ServerStream*>(source->ptr);
+    size_t copied = 0;
+    while (copied < length && !st->out.empty()) {
+        auto& front = st->out.front();
+        size_t n = std::min(length - copied, front.size() - st->out_off);
+        std::memcpy(buf + copied, front.data() + st->out_off, n);
+        copied += n;
+        st->out_off += n;
+        st->out_bytes -= n;
+        if (st->out_off == front.size()) {
+            st->out.pop_front();
+            st->out_off = 0;
+        }
+    }
+    if (copied > 0) {
+        st->signal.notify();  // room for the handler's next piece
+    }
+    if (st->out.empty() && st->out_last) {
+        *data_flags |= NGHTTP2_DATA_FLAG_EOF;
+        if (!st->out_trailers.empty()) {
+            std::vector<nghttp2_nv> nva;
+            for (const auto& h : st->out_trailers) {
+                nva.push_back(make_nv(h.name, h.value));
+            }
+            if (nghttp2_submit_trailer(session, stream_id, nva.data(), nva.size()) == 0) {
+                *data_flags |= NGHTTP2_DATA_FLAG_NO_END_STREAM;
+            }
+        }
+        return static_cast<ssize_t>(copied);
+    }
+    if (copied == 0) {
+        st->deferred = true;
+        return NGHTTP2_ERR_DEFERRED;
+    }
+    return static_cast<ssize_t>(copied);
+}
+
+// --- the stream as the core's Downstream ------------------------------------------------
+
+class H2Downstream final : public Downstream {
+public:
+    H2Downstream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStream> st)
+        : c_(std::move(c)), st_(std::move(st)) {}
+    ~H2Downstream() override {
+        auto& st = *st_;
+        st.handler_gone = true;
+        if (c_->io.dead) {
+            return;
+        }
+        if (!st.closed && !st.out_last) {
+            // The core gave up (client or upstream failure): the response is incomplete.
+            nghttp2_submit_rst_stream(c_->session.get(), NGHTTP2_FLAG_NONE, st.id,
+                                      st.response_started ? NGHTTP2_INTERNAL_ERROR : NGHTTP2_CANCEL);
+        }
+        size_t left = 0;
+        for (const auto& b : st.in) {
+            left += b.size();
+        }
+        st.in.clear();
+        st.front_out = false;
+        if (left > 0) {
+            nghttp2_session_consume(c_->session.get(), st.id, left);
+        }
+        c_->io.wsig.notify();
+    }
+    const char* proto() const override { return "h2"; }
+    BodyInfo request_body() const override {
+        BodyInfo b;
+        b.none = st_->end_on_headers;
+        b.length = st_->content_length;
+        return b;
+    }
+    bool client_keep_alive() const override { return true; }
+
+    awaitable<BodyChunk> read_body() override {
+        auto& st = *st_;
+        if (st.front_out) {
+            // Forwarded: only now is the client allowed to send more (flow control).
+            st.front_out = false;
+            size_t n = st.in.front().size();
+            st.in.pop_front();
+            if (!c_->io.dead) {
+                nghttp2_session_consume(c_->session.get(), st.id, n);
+                c_->io.wsig.notify();
+            }
+        }
+        for (;;) {
+            if (!st.in.empty()) {
+                st.front_out = true;
+                co_return BodyChunk{st.in.front(), st.req_end && st.in.size() == 1, true};
+            }
+            if (st.req_end) {
+                co_return BodyChunk{{}, true, true};
+            }
+            if (st.closed || c_->io.dead) {
+                co_return BodyChunk{{}, false, false};
+            }
+            if (!co_await st.signal.wait(c_->limits.idle_timeout)) {
+                co_return BodyChunk{{}, false, false};
+            }
+        }
+    }
+    Headers request_trailers() override { return st_->trailers; }
+    awaitable<void> send_continue() override { co_return; }
+
+    awaitable<void> refuse(int status, const std::string& reason, bool) override {
+        ResponseHead rh;
+        rh.status = status;
+        std::string body = "egressd: " + std::to_string(status) + ": " + reason + "\n";
+        rh.headers = {{"content-type", "text/plain; charset=utf-8"},
+                      {"x-egress-reason", reason},
+                      {"content-length", std::to_string(body.size())}};
+        rh.body.length = body.size();
+        if (co_await send_head(rh)) {
+            co_await send_body(body, true, nullptr);
+        }
+    }
+
+    awaitable<bool> send_head(const ResponseHead& rh) override {
+        auto& st = *st_;
+        if (st.closed || c_->io.dead || st.response_started) {
+            co_return false;
+        }
+        st.response_started = true;
+        std::string status = std::to_string(rh.status);
+        std::vector<policy::Header> lowered;
+        lowered.reserve(rh.headers.size());
+        for (const auto& h : rh.headers) {
+            policy::Header l{policy::ascii_lower(h.name), h.value};
+            if (!h2_forbidden(l) && l.name != "te") {
+                lowered.push_back(std::move(l));
+            }
+        }
+        std::vector<nghttp2_nv> nva;
+        nva.push_back(make_nv(":status", status));
+        for (const auto& h : lowered) {
+            nva.push_back(make_nv(h.name, h.value));
+        }
+        nghttp2_data_provider prd{};
+        prd.source.ptr = st_.get();
+        prd.read_callback = read_response_body;
+        if (rh.body.none) {
+            st.out_last = true;
+        }
+        int rv = nghttp2_submit_response(c_->session.get(), st.id, nva.data(), nva.size(),
+                                         rh.body.none ? nullptr : &prd);
+        c_->io.wsig.notify();
+        co_return rv == 0;
+    }
+
+    awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
+        auto& st = *st_;
+        if (st.closed || c_->io.dead || st.out_last) {
+            co_return false;
+        }
+        if (!data.empty()) {
+            st.out.emplace_back(data);
+            st.out_bytes += data.size();
+        }
+        if (last) {
+            st.out_last = true;
+            if (trailers != nullptr) {
+                for (const auto& h : *trailers) {
+                    policy::Header l{policy::ascii_lower(h.name), h.value};
+                    if (!h2_forbidden(l) && l.name != "te" && l.name != "content-length") {
+                        st.out_trailers.push_back(std::move(l));
+                    }
+                }
+            }
+        }
+        if (st.deferred) {
+            st.deferred = false;
+            nghttp2_session_resume_data(c_->session.get(), st.id);
+        }
+        c_->io.wsig.notify();
+        // Backpressure: a slow reader on this stream holds only this stream's handler.
+        while (st.out_bytes > c_->limits.h2_stream_window) {
+            if (st.closed || c_->io.dead) {
+                co_return false;
+            }
+            if (!co_await st.signal.wait(c_->limits.idle_timeout)) {
+                co_return false;
+            }
+        }
+        co_return !st.closed || st.out_last;
+    }
+
+private:
+    std::shared_ptr<Conn> c_;
+    std::shared_ptr<ServerStream> st_;
+};
+
+awaitable<void> serve_stream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStream> st) {
+    struct Count {
+        Conn& c;
+        ~Count() {
+            if (--c.handlers == 0) {
+                c.handlers_done.notify();
+            }
+        }
+    } count{*c};
+    const auto started = Clock::now();
+    if (st->closed || c->io.dead) {
+        co_return;  // reset before we got to it (rapid reset): nothing forwarded
+    }
+    Scope scope = c->scope;
+    scope.proto_in = "h2";
+    H2Downstream down(c, st);
+    auto& head = st->head;
+    if (!st->cookies.empty()) {
+        std::string joined;
+        for (const auto& ck : st->cookies) {
+            joined += joined.empty() ? ck : "; " + ck;
+        }
+        head.headers.push_back({"cookie", std::move(joined)});
+    }
+    auto refuse = [&](int status, const char* reason) -> awaitable<void> {
+        co_await down.refuse(status, reason, false);
+        audit_refusal(scope, head.method, head.path, status, reason, started);
+    };
+    if (head.method == "CONNECT") {
+        co_await refuse(405, "connect_in_tunnel");
+        co_return;
+    }
+    if (head.scheme != "https") {
+        co_await refuse(400, "bad_scheme");
+        co_return;
+    }
+    if (st->has_host) {
+        if (head.authority.empty()) {
+            head.authority = st->host;
+        } else if (!policy::iequals(st->host, head.authority)) {
+            co_await refuse(400, "host_authority_mismatch");
+            co_return;
+        }
+    }
+    if (c->scope.worker->shared.draining.load()) {
+        co_await refuse(503, "draining");
+        co_return;
+    }
+    co_await serve_exchange(down, std::move(head), scope, started);
+}
+
+void log_error(std::exception_ptr e) {
+    if (e) {
+        try {
+            std::rethrow_exception(e);
+        } catch (const std::exception& ex) {
+            spdlog::error("h2 stream coroutine: {}", ex.what());
+        }
+    }
+}
+
+awaitable<void> read_loop(std::shared_ptr<Conn> c) {
+    auto buf = std::make_unique<uint8_t[]>(16 * 1024);
+    auto ex = co_await net::this_coro::executor;
+    while (!c->io.dead) {
+        auto [ec, n] =
+            co_await c->io.stream->async_read_some(net::buffer(buf.get(), 16 * 1024), use_nothrow);
+        if (ec) {
+            break;
+        }
+        c->io.last_activity = Clock::now();
+        ssize_t rv = nghttp2_session_mem_recv(c->session.get(), buf.get(), n);
+        if (rv < 0) {
+            spdlog::info("conn={} h2: {}", c->scope.conn_id, nghttp2_strerror(static_cast<int>(rv)));
+            if (rv == NGHTTP2_ERR_FLOODED || rv == NGHTTP2_ERR_BAD_CLIENT_MAGIC) {
+                break;
+            }
+            // nghttp2 has queued a GOAWAY for protocol errors: let the writer flush it.
+            nghttp2_session_terminate_session(c->session.get(), NGHTTP2_PROTOCOL_ERROR);
+            c->io.wsig.notify();
+            break;
+        }
+        if (c->calm && !c->goaway_sent) {
+            spdlog::info("conn={} h2: misbehaving client (resets/control flood): GOAWAY",
+                         c->scope.conn_id);
+            c->goaway_sent = true;
+            nghttp2_session_terminate_session(c->session.get(), NGHTTP2_ENHANCE_YOUR_CALM);
+            c->ready.clear();
+        }
+        // Spawn after mem_recv returned: a stream reset in the same read never starts.
+        for (int32_t id : c->ready) {
+            auto it = c->streams.find(id);
+            if (it == c->streams.end() || it->second->closed) {
+                continue;
+            }
+            it->second->handled = true;
+            ++c->handlers;
+            net::co_spawn(ex, serve_stream(c, it->second), log_error);
+        }
+        c->ready.clear();
+        c->io.wsig.notify();
+        if (c->goaway_sent || !nghttp2_session_want_read(c->session.get())) {
+            break;
+        }
+    }
+    // Reader done: GOAWAY (no-op if already terminated); the writer flushes what is queued,
+    // then sees the session wants neither to read nor to write, and closes.
+    nghttp2_session_terminate_session(c->session.get(), NGHTTP2_NO_ERROR);
+    c->io.wsig.notify();
+    c->watchdog.cancel();
+}
+
+awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
+    while (!c->io.dead) {
+        c->watchdog.expires_after(std::chrono::milliseconds(250));
+        co_await c->watchdog.async_wait(use_nothrow);
+        if (c->io.dead) {
+            break;
+        }
+        auto now = Clock::now();
+        auto* s = c->session.get();
+        if (c->io.writing && now - c->io.write_started > c->limits.idle_timeout) {
+            c->io.dead = true;  // the client stopped reading
+            c->io.close_socket();
+            break;
+        }
+        if (!c->settings_acked && now - c->started > c->limits.h2_settings_timeout) {
+            nghttp2_session_terminate_session(s, NGHTTP2_SETTINGS_TIMEOUT);
+            c->io.wsig.notify();
+            break;
+        }
+        if (c->scope.worker->shared.draining.load() && !c->goaway_sent) {
+            c->goaway_sent = true;
+            nghttp2_submit_goaway(s, NGHTTP2_FLAG_NONE, nghttp2_session_get_last_proc_stream_id(s),
+                                  NGHTTP2_NO_ERROR, nullptr, 0);
+            c->io.wsig.notify();
+        }
+        bool idle = c->streams.empty() && c->handlers == 0;
+        if (idle && (c->goaway_sent || now - c->io.last_activity > c->limits.idle_timeout)) {
+            nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
+            c->io.wsig.notify();
+            break;
+        }
+    }
+}
+
+}  // namespace
+
+awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
+    auto c = std::make_shared<Conn>(client, scope);
+    c->limits = scope.runtime->config->limits;
+    const auto& l = c->limits;
+    c->control_tokens = static_cast<double>(l.h2_control_frame_burst);
+
+    nghttp2_session_callbacks* cbs_raw = nullptr;
+    nghttp2_session_callbacks_new(&cbs_raw);
+    CallbacksPtr cbs(cbs_raw);
+    nghttp2_session_callbacks_set_on_begin_headers_callback(cbs.get(), on_begin_headers);
+    nghttp2_session_callbacks_set_on_header_callback(cbs.get(), on_header);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs.get(), on_frame_recv);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
+    nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
+    nghttp2_option* opt_raw = nullptr;
+    nghttp2_option_new(&opt_raw);
+    OptionPtr opt(opt_raw);
+    // HTTP messaging checks stay ON: uppercase or CR/LF/NUL in fields, connection-specific
+    // headers, bad pseudo-headers, content-length vs DATA are stream errors inside nghttp2.
+    nghttp2_option_set_no_auto_window_update(opt.get(), 1);
+    nghttp2_option_set_max_continuations(opt.get(), l.h2_max_continuations);
+    nghttp2_option_set_stream_reset_rate_limit(opt.get(), l.h2_stream_reset_burst,
+                                               l.h2_stream_reset_rate);
+    nghttp2_option_set_max_outbound_ack(opt.get(), l.h2_max_outbound_ack);
+    nghttp2_option_set_max_settings(opt.get(), l.h2_max_settings);
+    nghttp2_option_set_no_closed_streams(opt.get(), 1);
+    nghttp2_session* s = nullptr;
+    if (nghttp2_session_server_new2(&s, cbs.get(), c.get(), opt.get()) != 0) {
+        co_return;
+    }
+    c->session.reset(s);
+    c->io.session = s;
+    nghttp2_settings_entry settings[] = {
+        {NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, static_cast<uint32_t>(l.h2_max_concurrent_streams)},
+        {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, static_cast<uint32_t>(l.h2_stream_window)},
+        {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, static_cast<uint32_t>(l.h2_max_header_list_bytes)},
+        {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
+    };
+    nghttp2_submit_settings(s, NGHTTP2_FLAG_NONE, settings, std::size(settings));
+    // Connection window: enough for a few streams' windows, still bounded per connection.
+    nghttp2_session_set_local_window_size(
+        s, NGHTTP2_FLAG_NONE, 0,
+        static_cast<int32_t>(std::min<size_t>(l.h2_stream_window * 4, (1u << 31) - 1)));
+
+    using namespace net::experimental::awaitable_operators;
+    co_await (read_loop(c) && c->io.write_loop() && watch_loop(c));
+    c->io.dead = true;
+    c->fail_all();
+    // Every stream handler holds the connection; wait for them before the TLS stream goes.
+    while (c->handlers > 0) {
+        co_await c->handlers_done.wait(std::chrono::seconds(1));
+    }
+}
+
+}  // namespace egress::proxy
