@@ -1,0 +1,180 @@
+"""HTTP/2 fixtures and a raw HTTP/2 client (python3-h2) for the h2 integration tests."""
+from __future__ import annotations
+
+import socket
+import ssl
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import pytest
+
+import helpers
+from h2_upstream import H2Upstream
+
+H2_HOST = "h2.test"  # resolved by egressd's override; the test cert has api.test etc.
+
+
+@pytest.fixture(scope="module")
+def h2up(world):
+    u = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    yield u
+    u.close()
+
+
+def add_h2_pins(world, h2up, limits: dict | None = None):
+    """A config mutator: pins api.test / basic.test on the h2 upstream's port as well."""
+    def mutate(cfg):
+        P = h2up.port
+        r1 = cfg["runs"][0]
+        sf = world.secret_files
+        r1["pins"] += [
+            {"host": f"api.test:{P}", "secret_file": sf["api_token"], "inject": {"type": "bearer"}},
+            {"host": f"hdr.test:{P}", "secret_file": sf["hdr_key"],
+             "inject": {"type": "header", "name": "x-api-key", "template": "Key {secret}"}},
+        ]
+        cfg["policy"]["allowed_ports"] = sorted(set(cfg["policy"]["allowed_ports"]) | {P})
+        if limits:
+            cfg["limits"].update(limits)
+    return mutate
+
+
+class H2Client:
+    """A raw HTTP/2 client through egressd: CONNECT, TLS (ALPN h2), then frames via h2."""
+
+    def __init__(self, e, world, host: str, port: int, run: str = "r1", ca: str | None = None,
+                 timeout: float = 10.0, settings: dict | None = None):
+        c, r = helpers.proxy_connect(e.proxy_port, f"{host}:{port}", world.auth(run),
+                                     timeout=timeout)
+        assert r.status == 200, (r.status, r.egress_reason)
+        ctx = ssl.create_default_context(cafile=ca or e.config["runs"][0]["ca_cert_out"])
+        ctx.set_alpn_protocols(["h2"])
+        self.sock = ctx.wrap_socket(c.sock, server_hostname=host)
+        self.sock.settimeout(timeout)
+        assert self.sock.selected_alpn_protocol() == "h2"
+        self.conn = h2.connection.H2Connection(
+            config=h2.config.H2Configuration(client_side=True, header_encoding="utf-8",
+                                             validate_outbound_headers=False,
+                                             normalize_outbound_headers=False,
+                                             validate_inbound_headers=False))
+        self.conn.initiate_connection()
+        if settings:
+            self.conn.update_settings(settings)
+        self.flush()
+        self.authority = f"{host}:{port}"
+        self.responses: dict[int, dict] = {}
+        self.goaway = None
+        self.closed = False
+        self.hold: set[int] = set()  # streams whose DATA is never acknowledged (slow readers)
+
+    def flush(self):
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def send_raw(self, data: bytes):
+        self.sock.sendall(data)
+
+    def headers(self, path: str, method: str = "GET", extra=(), end_stream=True,
+                authority: str | None = None) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        hdrs = [(":method", method), (":scheme", "https"),
+                (":authority", authority or self.authority), (":path", path), *extra]
+        self.conn.send_headers(sid, hdrs, end_stream=end_stream)
+        self.responses[sid] = {"status": None, "headers": [], "body": b"", "trailers": [],
+                               "reset": None, "ended": False}
+        return sid
+
+    def pump(self, until=lambda: False, timeout: float = 10.0):
+        """Reads frames until `until()` is true, the connection closes, or timeout."""
+        import time
+        deadline = time.monotonic() + timeout
+        while not until() and not self.closed and time.monotonic() < deadline:
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                break
+            except (ssl.SSLError, OSError):
+                self.closed = True
+                break
+            if not data:
+                self.closed = True
+                break
+            try:
+                events = self.conn.receive_data(data)
+            except h2.exceptions.ProtocolError:
+                self.closed = True
+                break
+            for ev in events:
+                r = self.responses.get(getattr(ev, "stream_id", None) or 0)
+                if isinstance(ev, h2.events.ResponseReceived):
+                    r["status"] = int(dict(ev.headers)[":status"])
+                    r["headers"] = [(k, v) for k, v in ev.headers if not k.startswith(":")]
+                elif isinstance(ev, h2.events.DataReceived):
+                    r["body"] += ev.data
+                    if ev.stream_id in self.hold:
+                        r["held"] = r.get("held", 0) + len(ev.data)
+                    else:
+                        self.conn.acknowledge_received_data(ev.flow_controlled_length,
+                                                            ev.stream_id)
+                elif isinstance(ev, h2.events.TrailersReceived):
+                    r["trailers"] = list(ev.headers)
+                elif isinstance(ev, h2.events.StreamEnded):
+                    r["ended"] = True
+                elif isinstance(ev, h2.events.StreamReset):
+                    if r is not None:
+                        r["reset"] = ev.error_code
+                elif isinstance(ev, h2.events.ConnectionTerminated):
+                    self.goaway = ev.error_code
+            try:
+                self.flush()
+            except OSError:
+                self.closed = True
+
+    def request(self, path: str, method: str = "GET", extra=(), body: bytes | None = None,
+                trailers=None, authority: str | None = None, timeout: float = 20.0) -> dict:
+        sid = self.headers(path, method, extra, end_stream=(body is None and not trailers),
+                           authority=authority)
+        if body is not None:
+            view = memoryview(body)
+            while view:
+                n = min(len(view), self.conn.local_flow_control_window(sid),
+                        self.conn.max_outbound_frame_size)
+                if n <= 0:
+                    self.pump(until=lambda: self.conn.local_flow_control_window(sid) > 0,
+                              timeout=timeout)
+                    if self.closed:
+                        break
+                    continue
+                self.conn.send_data(sid, bytes(view[:n]))
+                view = view[n:]
+                self.flush()
+            if trailers:
+                self.conn.send_headers(sid, trailers, end_stream=True)
+            else:
+                self.conn.end_stream(sid)
+        elif trailers:
+            pass
+        self.flush()
+        r = self.responses[sid]
+        self.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=timeout)
+        return r
+
+    def close(self):
+        try:
+            self.conn.close_connection()
+            self.flush()
+        except Exception:
+            pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def header(r: dict, name: str):
+    for k, v in r["headers"]:
+        if k.lower() == name:
+            return v
+    return None

@@ -1,0 +1,231 @@
+"""An HTTP/2 test upstream (python3-h2 over TLS with ALPN "h2" only) that records every request.
+
+Endpoints (like upstream.Upstream):
+    /echo       JSON: method, path, headers, body length/sha256, request trailers, proto "h2"
+    /bytes/N    N deterministic bytes (upstream.payload), Content-Length
+    /trailers   JSON echo as above, then response trailers grpc-status: 0, x-trailer: t1
+    /reflect    the request's Authorization / X-Api-Key value in header x-seen and the body
+    /status/N   an empty response with status N
+Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import ssl
+import threading
+import urllib.parse
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+
+from upstream import Seen, iter_payload
+
+
+class _Stream:
+    def __init__(self, sid: int, headers: list[tuple[str, str]]):
+        self.sid = sid
+        self.headers = headers
+        self.pseudo = {k: v for k, v in headers if k.startswith(":")}
+        self.regular = [(k, v) for k, v in headers if not k.startswith(":")]
+        self.sha = hashlib.sha256()
+        self.n = 0
+        self.trailers: list[tuple[str, str]] = []
+        self.out = b""            # response body still to send
+        self.out_trailers = None
+        self.body_iter = None     # generator for big bodies
+        self.done = False
+        self.responded = False
+
+
+class H2Upstream:
+    def __init__(self, cert: str, key: str):
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(cert, key)
+        self.ctx.set_alpn_protocols(["h2"])
+        self.lock = threading.Lock()
+        self.requests_seen: list[Seen] = []
+        self.connections = 0
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    # -- observation (same shape as upstream.Upstream) --------------------------------------
+    @property
+    def requests(self) -> list[Seen]:
+        with self.lock:
+            return list(self.requests_seen)
+
+    def find(self, marker: str) -> list[Seen]:
+        return [r for r in self.requests if marker in r.path]
+
+    def close(self):
+        self._stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+
+    # -- server -----------------------------------------------------------------------------
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket):
+        raw.settimeout(30)
+        try:
+            s = self.ctx.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()
+            return
+        sni = None
+        conn = h2.connection.H2Connection(
+            config=h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+        conn.initiate_connection()
+        conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100})
+        s.sendall(conn.data_to_send())
+        streams: dict[int, _Stream] = {}
+        try:
+            while not self._stop.is_set():
+                self._pump(conn, streams)
+                out = conn.data_to_send()
+                if out:
+                    s.sendall(out)
+                    continue
+                data = s.recv(65536)
+                if not data:
+                    break
+                try:
+                    events = conn.receive_data(data)
+                except h2.exceptions.ProtocolError:
+                    s.sendall(conn.data_to_send())
+                    break
+                for ev in events:
+                    self._event(conn, streams, ev, sni)
+                s.sendall(conn.data_to_send())
+        except (OSError, ssl.SSLError, ConnectionError):
+            pass
+        finally:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _event(self, conn, streams, ev, sni):
+        if isinstance(ev, h2.events.RequestReceived):
+            st = _Stream(ev.stream_id, list(ev.headers))
+            streams[ev.stream_id] = st
+        elif isinstance(ev, h2.events.DataReceived):
+            st = streams.get(ev.stream_id)
+            if st is not None:
+                st.sha.update(ev.data)
+                st.n += len(ev.data)
+            conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        elif isinstance(ev, h2.events.TrailersReceived):
+            st = streams.get(ev.stream_id)
+            if st is not None:
+                st.trailers = list(ev.headers)
+        elif isinstance(ev, h2.events.StreamEnded):
+            st = streams.get(ev.stream_id)
+            if st is not None and not st.responded:
+                self._respond(conn, st)
+        elif isinstance(ev, h2.events.StreamReset):
+            streams.pop(ev.stream_id, None)
+
+    def _respond(self, conn, st: _Stream):
+        st.responded = True
+        p = st.pseudo
+        path = p.get(":path", "/")
+        seen = Seen(p.get(":method", ""), path, st.regular, st.n)
+        seen.authority = p.get(":authority")
+        seen.trailers = st.trailers
+        with self.lock:
+            self.requests_seen.append(seen)
+        url = urllib.parse.urlsplit(path)
+        parts = url.path.split("/")
+        base = "/" + parts[1] if len(parts) > 1 else "/"
+        echo = {"method": p.get(":method"), "path": path, "authority": p.get(":authority"),
+                "headers": [[k, v] for k, v in st.regular], "body_length": st.n,
+                "body_sha256": st.sha.hexdigest(), "trailers": [[k, v] for k, v in st.trailers],
+                "proto": "h2"}
+        if base in ("/echo", "/upload"):
+            body = json.dumps(echo).encode()
+            self._send(conn, st, 200, [("content-type", "application/json"),
+                                       ("content-length", str(len(body)))], body)
+        elif base == "/trailers":
+            body = json.dumps(echo).encode()
+            self._send(conn, st, 200, [("content-type", "application/json")], body,
+                       trailers=[("grpc-status", "0"), ("x-trailer", "t1")])
+        elif len(parts) == 3 and parts[1] == "bytes" and parts[2].isdigit():
+            total = int(parts[2])
+            st.body_iter = iter_payload(total, 16384)
+            conn.send_headers(st.sid, [(":status", "200"), ("content-type", "application/octet-stream"),
+                                       ("content-length", str(total))],
+                              end_stream=(total == 0 or p.get(":method") == "HEAD"))
+            if total == 0 or p.get(":method") == "HEAD":
+                st.body_iter = None
+                st.done = True
+        elif base == "/reflect":
+            value = dict(st.regular).get("authorization") or dict(st.regular).get("x-api-key") or ""
+            body = b"seen=" + value.encode("latin-1") + b";end\n"
+            self._send(conn, st, 200, [("content-type", "text/plain"), ("x-seen", value)], body)
+        elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():
+            self._send(conn, st, int(parts[2]), [("content-length", "0")], b"")
+        else:
+            self._send(conn, st, 404, [("content-type", "text/plain")], b"not found\n")
+
+    def _send(self, conn, st, status, headers, body: bytes, trailers=None):
+        conn.send_headers(st.sid, [(":status", str(status))] + headers,
+                          end_stream=(not body and not trailers))
+        st.out = body
+        st.out_trailers = trailers
+        if not body and trailers:
+            conn.send_headers(st.sid, trailers, end_stream=True)
+            st.done = True
+        elif not body:
+            st.done = True
+
+    def _pump(self, conn, streams: dict[int, _Stream]):
+        """Sends as much pending body as the flow-control windows allow."""
+        for sid, st in list(streams.items()):
+            if not st.responded:
+                continue
+            if st.done:
+                streams.pop(sid, None)
+                continue
+            try:
+                while True:
+                    if not st.out and st.body_iter is not None:
+                        st.out = next(st.body_iter, b"")
+                        if not st.out:
+                            st.body_iter = None
+                    if not st.out:
+                        if st.body_iter is None:
+                            if st.out_trailers:
+                                conn.send_headers(sid, st.out_trailers, end_stream=True)
+                            else:
+                                conn.end_stream(sid)
+                            st.done = True
+                        break
+                    window = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+                    if window <= 0:
+                        break
+                    piece, st.out = st.out[:window], st.out[window:]
+                    conn.send_data(sid, piece)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError, KeyError):
+                st.done = True
+            except h2.exceptions.FlowControlError:
+                pass

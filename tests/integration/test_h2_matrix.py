@@ -1,0 +1,198 @@
+"""The protocol matrix {h1, h2} client x {h1, h2} upstream, named like nghttpx's TestH1H1...:
+each case checks injection, host agreement, a large body, and trailers where the protocol has
+them. Real clients: curl (--http1.1 / --http2) through HTTPS_PROXY, httpx with http2=True, and a
+raw python3-h2 client for what the others cannot show (trailers, :authority mismatch)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+
+import httpx
+import pytest
+
+import helpers
+from clients import proxy_env, run_ca
+from h2_helpers import H2Client, add_h2_pins, h2up, header  # noqa: F401 (fixture)
+from upstream import payload_sha256
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def e2(factory, world, h2up):
+    return factory.start(add_h2_pins(world, h2up))
+
+
+def curl(world, e, url, http2: bool, *args, timeout=60):
+    env = proxy_env(e, "r1", world.tokens["r1"])
+    cmd = ["curl", "-sS", "--http2" if http2 else "--http1.1", "--max-time", str(timeout),
+           "--cacert", run_ca(e, "r1"), *args, url]
+    return subprocess.run(cmd, env=env, capture_output=True, timeout=timeout + 10)
+
+
+def upstream_port(world, h2up, up: str) -> int:
+    return h2up.port if up == "h2" else world.U
+
+
+def upstream_of(world, h2up, up: str):
+    return h2up if up == "h2" else world.upstream
+
+
+MATRIX = ["h1h1", "h1h2", "h2h1", "h2h2"]
+
+
+def split(case):
+    return case[:2], case[2:]
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_injection_curl(world, e2, h2up, marker, case):
+    down, up = split(case)
+    P = upstream_port(world, h2up, up)
+    r = curl(world, e2, f"https://api.test:{P}/echo/{marker}?{marker}", down == "h2", "-f",
+             "-H", "Authorization: Bearer client-supplied", "-w", "\n%{http_version}")
+    assert r.returncode == 0, r.stderr
+    body, _, version = r.stdout.decode().rpartition("\n")
+    assert version == ("2" if down == "h2" else "1.1")
+    echo = json.loads(body)
+    assert world.secrets["api_token"] not in body
+    [seen] = upstream_of(world, h2up, up).find(marker)
+    auth = seen.header("Authorization")
+    assert auth == [f"Bearer {world.secrets['api_token']}"], auth
+    assert (echo.get("proto") == "h2") == (up == "h2")
+    assert not seen.header("Proxy-Authorization")
+    rec = [x for x in e2.audit_records() if marker in (x.get("path") or "")][-1]
+    assert rec["proto_in"] == ("h2" if down == "h2" else "http/1.1")
+    assert rec["proto_out"] == ("h2" if up == "h2" else "http/1.1")
+    assert rec["decision"] == "allow" and rec["status"] == 200
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_host_agreement(world, e2, h2up, marker, case):
+    """A Host / :authority naming another host than the CONNECT target: 421, nothing sent."""
+    down, up = split(case)
+    P = upstream_port(world, h2up, up)
+    r = curl(world, e2, f"https://api.test:{P}/echo/{marker}", down == "h2",
+             "-H", f"Host: other.test:{P}", "-i")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode(errors="replace")
+    status_lines = [ln for ln in out.splitlines() if ln.startswith("HTTP/")]
+    assert status_lines[-1].split()[1] == "421", out[:500]
+    assert "host_mismatch" in out
+    assert upstream_of(world, h2up, up).find(marker) == []
+
+
+@pytest.mark.parametrize("case", MATRIX)
+def test_large_download_and_upload(world, e2, h2up, marker, case, tmp_path):
+    down, up = split(case)
+    P = upstream_port(world, h2up, up)
+    n = 20 * MiB
+    out = tmp_path / "dl.bin"
+    r = curl(world, e2, f"https://api.test:{P}/bytes/{n}?{marker}", down == "h2", "-f",
+             "-o", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    h = hashlib.sha256(out.read_bytes()).hexdigest()
+    assert out.stat().st_size == n and h == payload_sha256(n)
+    out.unlink()
+    # upload (Content-Length from a file)
+    src = tmp_path / "up.bin"
+    data = bytes(range(256)) * (8 * 4096)  # 8 MiB
+    src.write_bytes(data)
+    r = curl(world, e2, f"https://api.test:{P}/upload?{marker}-up", down == "h2", "-f",
+             "--data-binary", f"@{src}", "-H", "Content-Type: application/octet-stream",
+             timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    length = got.get("length", got.get("body_length"))
+    digest = got.get("sha256", got.get("body_sha256"))
+    assert length == len(data) and digest == hashlib.sha256(data).hexdigest()
+    assert e2.vm_hwm_kib() < 64 * 1024
+
+
+@pytest.mark.parametrize("case", ["h2h1", "h2h2"])
+def test_httpx_http2(world, e2, h2up, marker, case):
+    _, up = split(case)
+    P = upstream_port(world, h2up, up)
+    proxy = e2.proxy_url("r1", world.tokens["r1"])
+    with httpx.Client(http2=True, proxies=proxy, verify=run_ca(e2, "r1"), timeout=30) as c:
+        rs = [c.get(f"https://api.test:{P}/echo/{marker}-{i}?{marker}") for i in range(5)]
+    for r in rs:
+        assert r.status_code == 200 and r.http_version == "HTTP/2"
+        assert world.secrets["api_token"] not in r.text
+    assert len(upstream_of(world, h2up, up).find(marker)) == 5
+    for seen in upstream_of(world, h2up, up).find(marker):
+        assert seen.header("Authorization") == [f"Bearer {world.secrets['api_token']}"]
+
+
+def test_h2h2_trailers_both_ways(world, e2, h2up, marker):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    try:
+        r = c.request(f"/trailers/{marker}", "POST",
+                      extra=[("te", "trailers"), ("content-type", "application/grpc")],
+                      body=b"\x00\x00\x00\x00\x05hello",
+                      trailers=[("x-req-trailer", "rt1")])
+    finally:
+        c.close()
+    assert r["status"] == 200, r
+    assert ("grpc-status", "0") in r["trailers"] and ("x-trailer", "t1") in r["trailers"]
+    echo = json.loads(r["body"])
+    assert ["x-req-trailer", "rt1"] in echo["trailers"]
+    assert ["te", "trailers"] in echo["headers"]
+    [seen] = h2up.find(marker)
+    assert seen.header("authorization") == [f"Bearer {world.secrets['api_token']}"]
+
+
+def test_h2h1_request_trailers_and_chunked_response(world, e2, h2up, marker):
+    """h2 client -> h1 upstream: a body without content-length goes out chunked (trailers ride
+    on the last chunk); the response arrives as an h2 stream."""
+    c = H2Client(e2, world, "api.test", world.U)
+    try:
+        r = c.request(f"/upload?{marker}", "POST", body=b"x" * 100000,
+                      trailers=[("x-req-trailer", "rt1")])
+        r2 = c.request(f"/chunked/300000?{marker}-2")
+    finally:
+        c.close()
+    assert r["status"] == 200, r
+    assert json.loads(r["body"])["length"] == 100000
+    assert r2["status"] == 200 and len(r2["body"]) == 300000
+    [seen] = world.upstream.find(marker + "-2") or [None]
+    assert seen is not None and seen.header("Authorization") == [
+        f"Bearer {world.secrets['api_token']}"]
+
+
+def test_h1h2_response_trailers_over_chunked(world, e2, h2up, marker):
+    """h1 client -> h2 upstream: response trailers arrive on the chunked last-chunk."""
+    conn = helpers.tunnel(e2.proxy_port, "api.test", h2up.port, world.auth(), run_ca(e2, "r1"))
+    try:
+        conn.send(f"GET /trailers/{marker} HTTP/1.1\r\nHost: api.test:{h2up.port}\r\n"
+                  "TE: trailers\r\nConnection: close\r\n\r\n".encode())
+        raw = conn.read_to_eof()
+    finally:
+        conn.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert b"\r\n0\r\n" in body and b"grpc-status: 0\r\n" in body.lower()
+
+
+def test_h2_streams_multiplexed_slow_reader_does_not_stall_others(world, e2, h2up, marker):
+    """One stream's 8 MiB response is never acknowledged (its stream window stays closed, the
+    connection window is large); other streams on the same connection still complete, and
+    egressd buffers only a bounded amount for the stalled one."""
+    c = H2Client(e2, world, "api.test", h2up.port)
+    try:
+        c.conn.increment_flow_control_window(64 * MiB)  # connection level only
+        c.flush()
+        big = c.headers(f"/bytes/{8 * MiB}?{marker}-big")
+        c.hold.add(big)
+        c.flush()
+        small = [c.request(f"/echo/{marker}-{i}?{marker}", timeout=10) for i in range(5)]
+        held = c.responses[big].get("held", 0)
+    finally:
+        c.close()
+    for s in small:
+        assert s["status"] == 200, s
+    assert held <= 65535, held  # the client's stream window was respected
+    assert len(h2up.find(marker)) >= 6
+    assert e2.vm_hwm_kib() < 64 * 1024
