@@ -239,7 +239,7 @@ def test_secrets_never_returned_by_any_response(cp, world, api_secret):
     rotated = rotate_secret(cp, "never_tok", v2, org="acme", project="web")
     assert rotated["version"] == 2
     run = create_run(cp, world, {"org": "acme", "project": "web"},
-                     [bearer_pin(api_host(world), "never_tok")])
+                     [bearer_pin(api_host(world), "never_tok")], allow=["other.test"])
     api_ok(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin("other.test", "api_tok"))
     api_ok(cp, "GET", f"/v1/runs/{run.id}")
     api_ok(cp, "GET", "/v1/secrets")
@@ -1021,3 +1021,22 @@ echo done
     r2 = helpers.curl([f"https://api.test:{U}/echo/{m_curl}-revoked"], env=env, timeout=20)
     assert r2.returncode != 0
     assert not world.upstream.find(f"{m_curl}-revoked")
+
+
+def test_run_ca_is_name_constrained_to_the_runs_hosts(cp, world, api_secret):
+    """A run created with its hosts gets a CA that can certify only them (issue 6 item 3):
+    openssl shows the constraint, a pin outside it is refused, one inside is accepted."""
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), "api_tok")],
+                     allow=["*.s3.test"])
+    text = subprocess.run(["openssl", "x509", "-noout", "-text", "-in", run.ca_file],
+                          capture_output=True, text=True, check=True).stdout
+    assert "X509v3 Name Constraints: critical" in text
+    assert "DNS:api.test" in text and "DNS:.s3.test" in text
+    r = api(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin("evil.test", "api_tok"))
+    assert r.status == 409 and b"name constraints" in r.body
+    api_ok(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin("b.s3.test", "api_tok"))
+    # and the constrained CA still serves its pinned host end to end
+    marker = "m-nc-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200
