@@ -71,6 +71,10 @@ runs:
 YAML
 "$BUILD/egressd" --config "$W/egressd.yaml" 2> "$W/egressd.log" &
 EG_PID=$!
+if [ -n "${PERF_OUT:-}" ]; then  # optional profile of egressd during the run
+  perf record -F 499 -p "$EG_PID" -o "$PERF_OUT" 2>/dev/null &
+  PERF_PID=$!
+fi
 for _ in $(seq 100); do
   curl -sf "http://127.0.0.1:$AD/readyz" >/dev/null 2>&1 && break; sleep 0.1
 done
@@ -82,6 +86,7 @@ T0=$(cpu_ticks)
   --warmup 1s "https://127.0.0.1:$UP/${PATH_SUFFIX:-json}" --pairs "$PAIRS" \
   --compare '' "--proxy http://bench:benchtoken@127.0.0.1:$PX" | tee "$W/compare.txt"
 T1=$(cpu_ticks)
+if [ -n "${PERF_PID:-}" ]; then kill -INT "$PERF_PID"; wait "$PERF_PID" 2>/dev/null || true; fi
 HZ=$(getconf CLK_TCK)
 REQS=$(wc -l < "$W/audit.jsonl")
 echo "egressd: $REQS audited requests, CPU $(( (T1 - T0) * 1000000 / HZ / (REQS > 0 ? REQS : 1) )) us/request," \

@@ -3,13 +3,13 @@
 #include <boost/url/parse.hpp>
 
 #include "policy/header_rules.h"
+#include "proxy/buffer_pool.h"
 
 namespace egress::proxy {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kRelayBufferBytes = 64 * 1024;
 constexpr auto kRefusalWriteTimeout = std::chrono::seconds(5);
 
 template <class Stream>
@@ -172,7 +172,7 @@ public:
 
     awaitable<BodyChunk> read_body() override {
         if (!rbuf_) {
-            rbuf_ = std::make_unique<char[]>(kRelayBufferBytes);
+            rbuf_ = acquire_relay_buffer();
         }
         co_return co_await h1_read_body(s_, buf_, p_, rbuf_.get(), timeout_);
     }
@@ -229,7 +229,7 @@ private:
     beast::flat_buffer& buf_;
     http::request_parser<http::buffer_body>& p_;
     std::chrono::milliseconds timeout_;
-    std::unique_ptr<char[]> rbuf_;
+    RelayBuffer rbuf_;
     BodyInfo body_;
     size_t header_fields_ = 0;
     bool keep_alive_ = false;
@@ -327,7 +327,7 @@ public:
     }
     awaitable<BodyChunk> read_body() override {
         if (!rbuf_) {
-            rbuf_ = std::make_unique<char[]>(kRelayBufferBytes);
+            rbuf_ = acquire_relay_buffer();
         }
         co_return co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get(), timeout_);
     }
@@ -358,7 +358,7 @@ private:
     std::chrono::milliseconds timeout_;
     bool chunked_ = false;
     std::optional<http::response_parser<http::buffer_body>> rp_;
-    std::unique_ptr<char[]> rbuf_;
+    RelayBuffer rbuf_;
     size_t header_fields_ = 0;
 
 public:
