@@ -12,5 +12,5 @@ $SUDO apt-get install -y --no-install-recommends \
   libssl-dev libnghttp2-dev libc-ares-dev libyaml-cpp-dev libspdlog-dev \
   libgtest-dev libgmock-dev libbenchmark-dev \
   ca-certificates openssl curl git procps \
-  python3 python3-pytest python3-requests python3-h2 python3-httpx \
+  python3 python3-pytest python3-requests python3-h2 python3-httpx python3-yaml \
   nghttp2-client nghttp2-server
