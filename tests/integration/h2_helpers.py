@@ -92,6 +92,7 @@ class H2Client:
         deadline = time.monotonic() + timeout
         while not until() and not self.closed and time.monotonic() < deadline:
             try:
+                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
                 data = self.sock.recv(65536)
             except (socket.timeout, TimeoutError):
                 break
@@ -178,3 +179,86 @@ def header(r: dict, name: str):
         if k.lower() == name:
             return v
     return None
+
+
+class RawH2:
+    """Raw frames on a fresh H2Client connection after the SETTINGS exchange: header blocks are
+    encoded with our own HPACK encoder (nothing validated), and replies are parsed with
+    hyperframe + hpack, so streams the h2 state machine would refuse to open still work."""
+
+    def __init__(self, c: H2Client):
+        import hpack
+        c.pump(timeout=0.3)  # SETTINGS both ways (h2 acknowledges the server's)
+        self.c = c
+        self.enc = hpack.Encoder()
+        self.dec = hpack.Decoder()
+        self.dec.max_allowed_table_size = 1 << 16
+        self.buf = b""
+        self.next_sid = 1
+        self.streams: dict[int, dict] = {}
+        self.goaway = None
+        self.closed = False
+
+    def send_headers(self, hdrs, end_stream=True) -> int:
+        from hyperframe.frame import HeadersFrame
+        sid = self.next_sid
+        self.next_sid += 2
+        flags = ["END_HEADERS"] + (["END_STREAM"] if end_stream else [])
+        self.streams[sid] = {"status": None, "reset": None, "ended": False, "headers": []}
+        self.c.send_raw(HeadersFrame(sid, data=self.enc.encode(hdrs), flags=flags).serialize())
+        return sid
+
+    def send(self, data: bytes):
+        self.c.send_raw(data)
+
+    def pump(self, until=lambda: False, timeout: float = 5.0):
+        import time
+        from hyperframe.frame import (DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame,
+                                      RstStreamFrame, WindowUpdateFrame)
+        deadline = time.monotonic() + timeout
+        while not until() and not self.closed and time.monotonic() < deadline:
+            try:
+                self.c.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                data = self.c.sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                break
+            except (ssl.SSLError, OSError):
+                self.closed = True
+                break
+            if not data:
+                self.closed = True
+                break
+            self.buf += data
+            while len(self.buf) >= 9:
+                f, length = Frame.parse_frame_header(memoryview(self.buf[:9]))
+                if len(self.buf) < 9 + length:
+                    break
+                f.parse_body(memoryview(self.buf[9:9 + length]))
+                self.buf = self.buf[9 + length:]
+                st = self.streams.get(f.stream_id)
+                if isinstance(f, HeadersFrame):
+                    hdrs = self.dec.decode(f.data)
+                    if st is not None:
+                        for k, v in hdrs:
+                            k = k.decode() if isinstance(k, bytes) else k
+                            v = v.decode() if isinstance(v, bytes) else v
+                            if k == ":status":
+                                st["status"] = int(v)
+                            else:
+                                st["headers"].append((k, v))
+                if isinstance(f, (HeadersFrame, DataFrame)) and "END_STREAM" in f.flags and st:
+                    st["ended"] = True
+                if isinstance(f, DataFrame) and f.flow_controlled_length:
+                    self.c.send_raw(WindowUpdateFrame(0, window_increment=f.flow_controlled_length)
+                                    .serialize())
+                if isinstance(f, RstStreamFrame) and st is not None:
+                    st["reset"] = f.error_code
+                if isinstance(f, GoAwayFrame):
+                    self.goaway = f.error_code
+                if isinstance(f, PingFrame) and "ACK" not in f.flags:
+                    self.c.send_raw(PingFrame(0, opaque_data=f.opaque_data, flags=["ACK"])
+                                    .serialize())
+
+    def refused(self, sid) -> bool:
+        st = self.streams[sid]
+        return st["reset"] is not None or self.goaway is not None or (st["status"] or 0) >= 400

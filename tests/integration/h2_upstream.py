@@ -86,6 +86,7 @@ class H2Upstream:
 
     def _serve(self, raw: socket.socket):
         raw.settimeout(30)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             s = self.ctx.wrap_socket(raw, server_side=True)
         except (OSError, ssl.SSLError):

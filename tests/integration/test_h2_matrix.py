@@ -62,7 +62,8 @@ def test_injection_curl(world, e2, h2up, marker, case):
     assert auth == [f"Bearer {world.secrets['api_token']}"], auth
     assert (echo.get("proto") == "h2") == (up == "h2")
     assert not seen.header("Proxy-Authorization")
-    rec = [x for x in e2.audit_records() if marker in (x.get("path") or "")][-1]
+    rec = helpers.poll(lambda: [x for x in e2.audit_records()
+                                if marker in (x.get("path") or "")], 5, "audit record")[-1]
     assert rec["proto_in"] == ("h2" if down == "h2" else "http/1.1")
     assert rec["proto_out"] == ("h2" if up == "h2" else "http/1.1")
     assert rec["decision"] == "allow" and rec["status"] == 200

@@ -1,0 +1,241 @@
+"""HTTP/2 attacks with raw frames (python3-h2 / hyperframe) against the intercepted leg: rapid
+reset, CONTINUATION flood, HPACK bomb, too many streams, malformed requests, CR/LF meant for an
+HTTP/1.1 upstream. Each is refused, nothing reaches the upstream (so nothing is injected), and
+a well-behaved httpx HTTP/2 client is served the whole time."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from hyperframe.frame import ContinuationFrame, HeadersFrame, RstStreamFrame
+
+from clients import run_ca
+from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
+
+ENHANCE_YOUR_CALM = 11
+
+
+@pytest.fixture(scope="module")
+def e2(factory, world, h2up):
+    return factory.start(add_h2_pins(world, h2up))
+
+
+@pytest.fixture
+def good_client(world, e2, h2up):
+    """A well-behaved HTTP/2 client running concurrently with the attack."""
+    stop = threading.Event()
+    stats = {"ok": 0, "errors": []}
+    proxy = e2.proxy_url("r1", world.tokens["r1"])
+    url = f"https://api.test:{h2up.port}/echo/good"
+
+    def loop():
+        with httpx.Client(http2=True, proxies=proxy, verify=run_ca(e2, "r1"), timeout=10) as c:
+            while not stop.is_set():
+                try:
+                    r = c.get(url)
+                    if r.status_code == 200 and r.http_version == "HTTP/2":
+                        stats["ok"] += 1
+                    else:
+                        stats["errors"].append(r.status_code)
+                except Exception as ex:  # noqa: BLE001
+                    stats["errors"].append(repr(ex))
+                time.sleep(0.01)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while stats["ok"] == 0 and not stats["errors"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield stats
+    time.sleep(0.2)  # and still served after the attack
+    stop.set()
+    t.join(timeout=15)
+    assert stats["ok"] > 0, stats
+    assert not stats["errors"], stats
+
+
+def assert_nothing_reached(world, h2up, marker):
+    assert h2up.find(marker) == [], [r.path for r in h2up.find(marker)]
+    assert world.upstream.find(marker) == []
+
+
+def test_rapid_reset_goaway(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    c.pump(timeout=0.3)  # settings exchange
+    burst = b""
+    for i in range(1000):
+        sid = c.headers(f"/echo/{marker}-{i}", end_stream=True)
+        c.conn.reset_stream(sid)
+        burst += c.conn.data_to_send()
+        if len(burst) > 8192:
+            try:
+                c.send_raw(burst)
+            except OSError:
+                break
+            burst = b""
+    try:
+        c.send_raw(burst)
+    except OSError:
+        pass
+    c.pump(until=lambda: c.goaway is not None, timeout=5)
+    c.close()
+    print("rapid reset: goaway", c.goaway, "closed", c.closed)
+    assert c.goaway == ENHANCE_YOUR_CALM or c.closed, c.goaway
+    time.sleep(0.3)
+    assert_nothing_reached(world, h2up, marker)
+    assert e2.alive()
+
+
+def test_continuation_flood(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    c.pump(timeout=0.3)
+    enc = c.conn.encoder
+    block = enc.encode([(":method", "GET"), (":scheme", "https"),
+                        (":authority", f"api.test:{h2up.port}"), (":path", f"/echo/{marker}")])
+    sid = 1 if not c.responses else max(c.responses) + 2
+    frames = HeadersFrame(sid, data=block, flags=["END_STREAM"]).serialize()
+    for i in range(50):
+        frames += ContinuationFrame(sid, data=enc.encode([(f"x-c{i}", "v")])).serialize()
+    c.send_raw(frames)
+    c.pump(until=lambda: c.goaway is not None, timeout=5)
+    c.close()
+    assert c.goaway is not None or c.closed
+    assert_nothing_reached(world, h2up, marker)
+
+
+def test_hpack_bomb_resets_stream_only(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    try:
+        bomb = [("x-bomb", "a" * 4000)] * 300  # 1.2 MB decoded from ~4.3 KB on the wire
+        r = c.request(f"/echo/{marker}", extra=bomb, timeout=5)
+        assert r["reset"] is not None or (r["status"] or 0) >= 400, r
+        # The connection survives a stream error.
+        ok = c.request(f"/echo/{marker}-after-ok")
+        assert ok["status"] == 200, ok
+    finally:
+        c.close()
+    assert h2up.find(marker + "-after-ok") != []
+    assert [x for x in h2up.find(marker) if "after-ok" not in x.path] == []
+
+
+def test_too_many_streams_refused(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    A = f"api.test:{h2up.port}"
+    try:
+        sids = []
+        for i in range(130):
+            try:
+                sids.append(raw.send_headers([(":method", "POST"), (":scheme", "https"),
+                                              (":authority", A),
+                                              (":path", f"/upload/{marker}-{i}")],
+                                             end_stream=False))
+            except OSError:  # the connection was torn down mid-burst
+                sids.append(raw.next_sid - 2)
+                break
+        raw.pump(until=lambda: raw.goaway is not None or
+                 sum(1 for s in sids if raw.streams[s]["reset"] == 7) >= 30, timeout=5)
+        # nghttp2 answers streams over the acknowledged limit with GOAWAY(PROTOCOL_ERROR)
+        # (over a not yet acknowledged limit: RST_STREAM(REFUSED_STREAM) per stream).
+        refused = [s for s in sids[100:]] if raw.goaway == 1 else \
+            [s for s in sids if raw.streams[s]["reset"] == 7]
+        assert len(refused) >= 1 if raw.goaway == 1 else len(refused) >= 30, (raw.goaway, raw.closed, [raw.streams[s] for s in sids][-5:])
+    finally:
+        c.close()
+    time.sleep(0.3)
+    seen = {r.path for r in h2up.find(marker)}
+    for s in refused:
+        assert f"/upload/{marker}-{sids.index(s)}" not in seen
+
+
+@pytest.mark.parametrize("name,extra,pseudo", [
+    ("missing_path", [], [(":method", "GET"), (":scheme", "https"), (":authority", None)]),
+    ("unknown_pseudo", [(":foo", "bar")], None),
+    ("uppercase_name", [("X-Upper", "1")], None),
+    ("connection_header", [("connection", "keep-alive")], None),
+    ("transfer_encoding", [("transfer-encoding", "chunked")], None),
+    ("te_gzip", [("te", "gzip")], None),
+    ("upgrade", [("upgrade", "websocket")], None),
+    ("nul_in_value", [("x-a", "a\x00b")], None),
+])
+def test_malformed_request_is_stream_error(world, e2, h2up, marker, good_client, name, extra,
+                                           pseudo):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    try:
+        authority = f"api.test:{h2up.port}"
+        if pseudo is not None:
+            hdrs = [(k, v if v is not None else authority) for k, v in pseudo]
+        else:
+            hdrs = [(":method", "GET"), (":scheme", "https"), (":authority", authority),
+                    (":path", f"/echo/{marker}")] + extra
+        sid = raw.send_headers(hdrs)
+        raw.pump(until=lambda: raw.refused(sid) or raw.streams[sid]["ended"], timeout=5)
+        assert raw.refused(sid), raw.streams[sid]
+    finally:
+        c.close()
+    assert_nothing_reached(world, h2up, marker)
+
+
+def test_content_length_mismatch_is_stream_error(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    try:
+        r = c.request(f"/upload/{marker}", "POST", extra=[("content-length", "100")],
+                      body=b"x" * 10, timeout=5)
+        assert r["reset"] is not None or (r["status"] or 0) >= 400, r
+    finally:
+        c.close()
+    time.sleep(0.3)
+    assert_nothing_reached(world, h2up, marker)
+
+
+@pytest.mark.parametrize("value", ["a\r\nX-Injected: 1", "a\nX-Injected: 1", "a\rb"])
+def test_crlf_in_value_for_h1_upstream_refused(world, e2, h2up, marker, good_client, value):
+    """A header value that would split into two HTTP/1.1 header lines never leaves."""
+    c = H2Client(e2, world, "api.test", world.U)
+    raw = RawH2(c)
+    try:
+        sid = raw.send_headers([(":method", "GET"), (":scheme", "https"),
+                                (":authority", f"api.test:{world.U}"),
+                                (":path", f"/echo/{marker}"), ("x-evil", value)])
+        raw.pump(until=lambda: raw.refused(sid) or raw.streams[sid]["ended"], timeout=5)
+        assert raw.refused(sid), raw.streams[sid]
+    finally:
+        c.close()
+    assert world.upstream.find(marker) == []
+    assert not any(k.lower() == "x-injected" for r in world.upstream.requests for k, _ in r.headers)
+
+
+def test_host_header_disagreeing_with_authority_refused(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    try:
+        r = c.request(f"/echo/{marker}", extra=[("host", f"other.test:{h2up.port}")])
+        assert r["status"] == 400, r
+        assert ("x-egress-reason", "host_authority_mismatch") in r["headers"]
+        # 421 on that stream only: the next stream on the connection names another host.
+        r2 = c.request(f"/echo/{marker}-2", authority=f"other.test:{h2up.port}")
+        assert r2["status"] == 421, r2
+        ok = c.request(f"/echo/{marker}-ok")
+        assert ok["status"] == 200
+    finally:
+        c.close()
+    assert h2up.find(marker + "-ok") != []
+    assert [x for x in h2up.find(marker) if "-ok" not in x.path] == []
+
+
+def test_ping_and_settings_flood_goaway(world, e2, h2up, marker, good_client):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    c.pump(timeout=0.3)
+    try:
+        for i in range(3000):
+            c.conn.ping(i.to_bytes(8, "big"))
+            c.conn.update_settings({4: 65535 + (i % 2)})
+        c.send_raw(c.conn.data_to_send())
+    except OSError:
+        pass
+    c.pump(until=lambda: c.goaway is not None, timeout=5)
+    c.close()
+    assert c.goaway is not None or c.closed
+    assert e2.alive()
