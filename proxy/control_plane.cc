@@ -74,6 +74,16 @@ json::value scope_json(const Scope& s) {
     return o;
 }
 
+/// What the API says about a secret: never its value.
+json::value secret_meta_json(const credstore::SealedSecret& s) {
+    json::object o;
+    o["name"] = s.name;
+    o["scope"] = scope_json(s.scope);
+    o["version"] = s.version;
+    o["created_at"] = s.created_at;
+    return o;
+}
+
 /// Reads an optional string field; errors name it.
 Result<std::string> get_string(const json::object& o, const char* key, const std::string& path,
                                bool required) {
@@ -404,19 +414,7 @@ ApiResponse ControlPlane::create_secret(std::string_view body) {
         return error(409, "conflict", "secret '" + *name + "' already exists in scope " +
                                           scope->to_string() + "; use PUT to rotate it");
     }
-    auto sealed = credstore::seal(keys_.primary(), *name, *scope, 1, *value);
-    OPENSSL_cleanse(value->data(), value->size());
-    if (!sealed) return error(400, "invalid_request", "value: " + sealed.error());
-    credstore::Mutation m;
-    m.kind = credstore::Mutation::Kind::PutSecret;
-    m.secret = *sealed;
-    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
-    json::object out;
-    out["name"] = sealed->name;
-    out["scope"] = scope_json(sealed->scope);
-    out["version"] = sealed->version;
-    out["created_at"] = sealed->created_at;
-    return ok(201, out);
+    return store_secret(*name, *scope, 1, *value, 201);
 }
 
 ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_view body) {
@@ -426,6 +424,12 @@ ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_vie
     if (!scope) return error(400, "invalid_request", scope.error());
     auto value = get_string(*o, "value", "", true);
     if (!value) return error(400, "invalid_request", value.error());
+    for (const auto& [k, v] : *o) {
+        if (k != "scope" && k != "value") {
+            OPENSSL_cleanse(value->data(), value->size());
+            return error(400, "invalid_request", std::string(k) + ": unknown field");
+        }
+    }
     std::lock_guard lock(mu_);
     auto snap = store_->snapshot();
     auto it = snap->secrets.find(credstore::secret_key(name, *scope));
@@ -433,31 +437,26 @@ ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_vie
         OPENSSL_cleanse(value->data(), value->size());
         return error(404, "not_found", "no secret '" + name + "' in scope " + scope->to_string());
     }
-    auto sealed = credstore::seal(keys_.primary(), name, *scope, it->second.version + 1, *value);
-    OPENSSL_cleanse(value->data(), value->size());
+    return store_secret(name, *scope, it->second.version + 1, *value, 200);
+}
+
+ApiResponse ControlPlane::store_secret(const std::string& name, const Scope& scope,
+                                       uint64_t version, std::string& value, int status) {
+    auto sealed = credstore::seal(keys_.primary(), name, scope, version, value);
+    OPENSSL_cleanse(value.data(), value.size());
     if (!sealed) return error(400, "invalid_request", "value: " + sealed.error());
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutSecret;
     m.secret = *sealed;
     if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
-    json::object out;
-    out["name"] = sealed->name;
-    out["scope"] = scope_json(sealed->scope);
-    out["version"] = sealed->version;
-    out["created_at"] = sealed->created_at;
-    return ok(200, out);
+    return ok(status, secret_meta_json(*sealed));
 }
 
 ApiResponse ControlPlane::list_secrets() {
     auto snap = store_->snapshot();
     json::array arr;
     for (const auto& [k, s] : snap->secrets) {
-        json::object o;
-        o["name"] = s.name;
-        o["scope"] = scope_json(s.scope);
-        o["version"] = s.version;
-        o["created_at"] = s.created_at;
-        arr.push_back(o);
+        arr.push_back(secret_meta_json(s));
     }
     json::object out;
     out["secrets"] = arr;

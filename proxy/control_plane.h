@@ -71,6 +71,9 @@ private:
     ApiResponse create_secret(std::string_view body);
     ApiResponse rotate_secret(const std::string& name, std::string_view body);
     ApiResponse list_secrets();
+    /// Seals `value` (then wipes it), stores it, answers with its metadata.
+    ApiResponse store_secret(const std::string& name, const credstore::Scope& scope,
+                             uint64_t version, std::string& value, int status);
     ApiResponse delete_secret(const std::string& name, std::string_view query);
     ApiResponse create_run(std::string_view body);
     ApiResponse show_run(const std::string& id);
