@@ -553,7 +553,9 @@ public:
              {"log", section({{"level",
                                set_choice<std::string>(
                                    c.log_level, {"trace", "debug", "info", "warn", "error", "off"},
-                                   {"trace", "debug", "info", "warn", "error", "off"})}})},
+                                   {"trace", "debug", "info", "warn", "error", "off"})},
+                              {"format", set_choice<std::string>(c.log_format, {"text", "json"},
+                                                                 {"text", "json"})}})},
              {"runs",
               [this, &c](const YAML::Node& v, const std::string& p) { parse_runs(v, p, c); }}});
         check_listeners(c);

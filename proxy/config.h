@@ -97,6 +97,7 @@ struct Config {
     Limits limits;
     AuditConfig audit;
     std::string log_level = "info";   // trace|debug|info|warn|error|off
+    std::string log_format = "text";  // text | json (one object per line)
     std::vector<RunConfig> runs;
     std::string source;               // file path, for messages
 };

@@ -171,8 +171,9 @@ void audit_refusal(Scope& scope, const std::string& method, const std::string& p
     shared.audit->write(rec);
     shared.metrics.denied(reason);
     shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
-    spdlog::info("conn={} run={} {} {}{} -> {} {}", scope.conn_id, rec.run, method,
-                 scope.target.authority(), path, status, reason);
+    spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id,
+                 shared.next_req_id.fetch_add(1), rec.run, method, scope.target.authority(), path,
+                 status, reason);
 }
 
 awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope& scope,
@@ -262,8 +263,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
         shared.audit->write(rec);
         shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
-        spdlog::info("conn={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
-                     scope.conn_id, rec.run, method, scope.target.authority(), rec.path, status,
+        spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
+                     scope.conn_id, shared.next_req_id.fetch_add(1), rec.run, method, scope.target.authority(), rec.path, status,
                      rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out, rec.proto_out,
                      rec.duration_ms);
     };

@@ -5,10 +5,10 @@
 #include <cstring>
 #include <string>
 
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
 #include "proxy/config.h"
+#include "proxy/logging.h"
 #include "proxy/runtime.h"
 #include "proxy/server.h"
 
@@ -65,9 +65,7 @@ int main(int argc, char** argv) {
         return 0;
     }
     harden_process();
-    auto logger = spdlog::stderr_color_mt("egressd");
-    spdlog::set_default_logger(logger);
-    spdlog::set_level(spdlog::level::from_str(cfg->log_level));
+    egress::proxy::setup_logging(cfg->log_format, cfg->log_level);
 
     auto config = std::make_shared<const egress::proxy::Config>(std::move(*cfg));
     egress::proxy::BuildWarnings warnings;

@@ -55,6 +55,7 @@ struct Shared {
     std::atomic<bool> draining{false};
     std::atomic<int64_t> inflight{0};  // requests and tunnels in progress (drain waits on it)
     std::atomic<uint64_t> next_conn_id{1};
+    std::atomic<uint64_t> next_req_id{1};
     ConnectionRegistry connections;
     ControlPlane* control = nullptr;  // set when the admin API is enabled
 };

@@ -927,13 +927,21 @@ def test_e2e_empty_env_shell_curl_requests_git(factory, world, git_world, tmp_pa
     ctx.check_hostname = False
     req = urllib.request.Request(f"https://127.0.0.1:{git.port}/repo.git/info/refs"
                                  "?service=git-upload-pack")
-    try:
-        urllib.request.urlopen(req, context=ctx, timeout=10)
-        raise AssertionError("git server answered without a token")
-    except urllib.error.HTTPError as ex:
-        assert ex.code == 401
+    # The probe goes straight to the Python test server; on a loaded CI machine its handler
+    # thread has been seen to drop the first connection, so retry (bounded).
+    for attempt in range(3):
+        try:
+            urllib.request.urlopen(req, context=ctx, timeout=10)
+            raise AssertionError("git server answered without a token")
+        except urllib.error.HTTPError as ex:
+            assert ex.code == 401
+            break
+        except (ConnectionError, http.client.RemoteDisconnected):
+            if attempt == 2:
+                raise
     with git.lock:
-        assert [ok for _m, _p, ok in git.log] == [False]
+        oks = [ok for _m, _p, ok in git.log]
+        assert oks and not any(oks)
         git.log.clear()
 
     e = factory.start(mutate=cp_mutate(world, {"git.test": ["127.0.0.1"]}, [git.port]))
