@@ -49,6 +49,10 @@ class DriverFactory {
 /// HTTP/1.1 with keep-alive (or one request per connection with --new-connection).
 std::unique_ptr<DriverFactory> make_http1_factory(const RunContext& context);
 
+/// HTTP/2 (TLS, ALPN h2) on the proxy's HTTP/2 client: --streams concurrent streams per
+/// connection, or one stream per connection with --new-connection.
+std::unique_ptr<DriverFactory> make_http2_factory(const RunContext& context);
+
 /// Resolves the first hop (proxy or target) and builds the TLS client context. Blocking; call
 /// once per run before any driver starts. nullptr with `error` set when the run cannot start.
 std::shared_ptr<const TransportSetup> make_transport_setup(const BenchOptions& options,

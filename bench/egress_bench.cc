@@ -34,11 +34,6 @@ std::optional<BenchOptions> parse_supported(const std::vector<std::string>& args
     code = usage_error(parsed.error);
     return std::nullopt;
   }
-  if (parsed.options.protocol == Protocol::kHttp2) {
-    std::cerr << "egress-bench: --h2 is not yet supported\n";
-    code = kExitUsage;
-    return std::nullopt;
-  }
   return std::move(parsed.options);
 }
 

@@ -252,7 +252,8 @@ Drives HTTP load at URL (https:// or http://), directly or through a forward pro
   --cacert FILE        verify the target's certificate against FILE (default: system store)
   --insecure           do not verify the target's certificate
   --h1                 HTTP/1.1 (default)
-  --h2                 HTTP/2 (not yet supported)
+  --h2                 HTTP/2 (https targets only; ALPN must select h2)
+  --streams M          --h2: concurrent streams per connection (default 1)
   --connections N      concurrent connections (default 1)
   --threads T          io_context threads (default 1)
   --duration D         measured run time, e.g. 10s, 500ms, 2m (default 10s)
@@ -332,6 +333,11 @@ ParseResult parse_options(const std::vector<std::string>& args) {
       auto n = parse_uint<int>(v);
       if (!n || *n < 1 || *n > 100000) return fail(a + " must be an integer in 1..100000");
       (a == "--connections" || a == "-c" ? o.connections : o.threads) = *n;
+    } else if (a == "--streams") {
+      if (!value(v)) return result;
+      auto n = parse_uint<int>(v);
+      if (!n || *n < 1 || *n > 1000) return fail("--streams must be an integer in 1..1000");
+      o.streams = *n;
     } else if (a == "--requests" || a == "-n") {
       if (!value(v)) return result;
       auto n = parse_uint<std::uint64_t>(v);
@@ -385,6 +391,9 @@ ParseResult parse_options(const std::vector<std::string>& args) {
     o.duration = std::chrono::seconds(10);
   }
   o.threads = std::min(o.threads, o.connections);
+  if (o.protocol == Protocol::kHttp2 && !o.target.tls) {
+    return fail("--h2 needs an https:// target (no cleartext h2c)");
+  }
   return result;
 }
 

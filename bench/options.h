@@ -41,6 +41,7 @@ struct BenchOptions {
   bool insecure = false;
   Protocol protocol = Protocol::kHttp1;
   int connections = 1;
+  int streams = 1;  // --h2: concurrent streams per connection
   int threads = 1;
   std::optional<Duration> duration;       // default 10 s when neither bound is given
   std::optional<std::uint64_t> requests;  // counted requests, exact

@@ -26,6 +26,10 @@ std::string mode_text(const BenchOptions& o) {
   std::string s = o.rate ? "open loop at " + fixed(*o.rate, 1) + " req/s" : "closed loop";
   s += ", " + std::to_string(o.connections) + " connection" + (o.connections == 1 ? "" : "s");
   s += o.new_connection ? ", new connection per request" : ", keep-alive";
+  if (o.protocol == Protocol::kHttp2 && !o.new_connection) {
+    s += ", " + std::to_string(o.streams) + " stream" + (o.streams == 1 ? "" : "s") +
+         " per connection";
+  }
   s += ", " + std::to_string(o.threads) + " thread" + (o.threads == 1 ? "" : "s");
   return s;
 }
@@ -49,6 +53,7 @@ json::object run_json(const BenchOptions& options, const RunResult& r) {
   o["protocol"] = options.protocol == Protocol::kHttp2 ? "h2" : "h1";
   o["method"] = options.method;
   o["connections"] = options.connections;
+  o["streams"] = options.protocol == Protocol::kHttp2 && !options.new_connection ? options.streams : 1;
   o["threads"] = options.threads;
   o["new_connection"] = options.new_connection;
   o["rate"] = options.rate ? json::value(*options.rate) : json::value(nullptr);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench/driver.h"
+#include "bench/options.h"
 #include "bench/scheduler.h"
 
 namespace egress::bench {
@@ -79,7 +80,8 @@ RunResult run_benchmark(const BenchOptions& options) {
   InterruptScope interrupt_scope(scheduler);
 
   const RunContext context{options, scheduler, *transport};
-  auto factory = make_http1_factory(context);
+  auto factory = options.protocol == Protocol::kHttp2 ? make_http2_factory(context)
+                                                      : make_http1_factory(context);
   std::vector<ConnectionDriverPtr> drivers;
   std::atomic<bool> crashed{false};
   for (int i = 0; i < options.connections; ++i) {

@@ -14,6 +14,8 @@ std::string error_key(ErrorKind kind, unsigned status) {
       return "connect_" + std::to_string(status);
     case ErrorKind::kTls:
       return "tls";
+    case ErrorKind::kAlpn:
+      return "alpn";
     case ErrorKind::kTimeout:
       return "timeout";
     case ErrorKind::kWrite:

@@ -21,6 +21,7 @@ enum class ErrorKind {
   kProxyIo,      // I/O error while exchanging CONNECT with the proxy
   kProxyStatus,  // the proxy answered CONNECT with a non-2xx status ("connect_403")
   kTls,          // TLS handshake failed (including certificate verification)
+  kAlpn,         // --h2: the server did not select h2 in ALPN
   kTimeout,      // any phase exceeded --timeout
   kWrite,        // writing the request failed
   kRead,         // reading the response failed (reset, EOF, truncated TLS)

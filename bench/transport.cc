@@ -51,6 +51,15 @@ void Connection::close() {
   }
 }
 
+std::unique_ptr<TlsStream> Connection::release_tls() {
+  if (!tls_) {
+    return nullptr;
+  }
+  auto out = std::make_unique<TlsStream>(std::move(*tls_));
+  tls_.reset();
+  return out;
+}
+
 TransportSetup::TransportSetup(const BenchOptions& options, std::vector<tcp::endpoint> endpoints)
     : options_(options), endpoints_(std::move(endpoints)) {
   if (options_.proxy && options_.target.tls) {

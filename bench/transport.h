@@ -10,6 +10,7 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/ssl.hpp>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -51,6 +52,9 @@ class Connection {
   auto visit(F&& f) {
     return tls_ ? f(*tls_) : f(*tcp_);
   }
+  /// Moves the TLS stream out (for a session that owns it, e.g. HTTP/2); the connection is
+  /// closed afterwards. nullptr when the connection is not TLS.
+  std::unique_ptr<TlsStream> release_tls();
 
  private:
   friend class TransportSetup;

@@ -9,6 +9,8 @@
   absolute-form requests are parsed and forwarded one by one. It counts CONNECTs and records
   request lines and Proxy-Authorization values; it can require credentials (407), refuse hosts
   (403) and send every CONNECT to 127.0.0.1 whatever the name (``resolve_to``).
+* ``H2Origin``: an HTTP/2 origin (python3-h2, TLS, ALPN "h2" only) on 127.0.0.1, recording every
+  request and counting connections; ``/status/N`` answers N.
 * ``silent_listener()`` / ``closed_port()``: a port that never answers / refuses.
 """
 from __future__ import annotations
@@ -289,3 +291,105 @@ def closed_port() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     return s
+
+
+class H2Origin:
+    """An HTTP/2 origin (python3-h2 over TLS, ALPN "h2" only) on 127.0.0.1, recording every
+    request (method, path, headers, body length) and counting connections. ``/status/N``
+    answers N; every other path answers 200 with a small body."""
+
+    BODY = b"hello from h2 origin\n"
+
+    def __init__(self, pki: dict):
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(pki["cert"], pki["key"])
+        ctx.set_alpn_protocols(["h2"])
+        self.tls = ctx
+        self.lock = threading.Lock()
+        self.requests: list[tuple[str, str, list, int]] = []
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.stopped = False
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def url(self, path="/", host="127.0.0.1"):
+        return f"https://{host}:{self.port}{path}"
+
+    def _accept(self):
+        while not self.stopped:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(s,), daemon=True).start()
+
+    def _serve(self, raw: socket.socket):
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        _nodelay(raw)
+        raw.settimeout(IDLE_TIMEOUT)
+        try:
+            conn_sock = self.tls.wrap_socket(raw, server_side=True)
+        except (OSError, ssl.SSLError):
+            raw.close()
+            return
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        conn.initiate_connection()
+        streams: dict[int, list] = {}  # id -> [headers, body_len]
+        try:
+            conn_sock.sendall(conn.data_to_send())
+            while True:
+                data = conn_sock.recv(65536)
+                if not data:
+                    return
+                for ev in conn.receive_data(data):
+                    if isinstance(ev, h2.events.RequestReceived):
+                        streams[ev.stream_id] = [
+                            [(k.decode() if isinstance(k, bytes) else k,
+                              v.decode() if isinstance(v, bytes) else v) for k, v in ev.headers],
+                            0]
+                    elif isinstance(ev, h2.events.DataReceived):
+                        if ev.stream_id in streams:
+                            streams[ev.stream_id][1] += len(ev.data)
+                        conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    if isinstance(ev, h2.events.StreamEnded):
+                        self._respond(conn, ev.stream_id, streams.pop(ev.stream_id, None))
+                    elif isinstance(ev, h2.events.ConnectionTerminated):
+                        conn_sock.sendall(conn.data_to_send())
+                        return
+                out = conn.data_to_send()
+                if out:
+                    conn_sock.sendall(out)
+        except Exception:  # noqa: BLE001 — clients that hang up are part of the tests
+            return
+        finally:
+            conn_sock.close()
+
+    def _respond(self, conn, sid: int, st):
+        if st is None:
+            return
+        headers, body_len = st
+        h = dict((k, v) for k, v in headers if k.startswith(":"))
+        method, path = h.get(":method", ""), h.get(":path", "")
+        with self.lock:
+            self.requests.append((method, path, headers, body_len))
+        status = int(path.split("/")[2]) if path.startswith("/status/") else 200
+        body = b"" if method == "HEAD" else self.BODY
+        conn.send_headers(sid, [(":status", str(status)),
+                                ("content-length", str(len(self.BODY)))],
+                          end_stream=not body)
+        if body:
+            conn.send_data(sid, body, end_stream=True)
+
+    def stop(self):
+        self.stopped = True
+        self.sock.close()

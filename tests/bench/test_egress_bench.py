@@ -103,7 +103,7 @@ def test_percentiles_ordered_and_nonzero(origin, pki):
 
 def test_json_documented_fields(origin, pki):
     out = bench_json("--cacert", pki["ca"], "--requests", 5, origin.url())
-    for key in ("target", "proxy", "protocol", "method", "connections", "threads",
+    for key in ("target", "proxy", "protocol", "method", "connections", "streams", "threads",
                 "new_connection", "rate", "elapsed_s", "warmup_s", "requests", "rps",
                 "latency_us", "connect_latency_us", "errors", "error_samples", "status", "alpn",
                 "connections_opened", "tls_handshakes", "tls_resumed", "bytes_received",
@@ -332,9 +332,117 @@ def test_compare_json(origin, pki):
 
 # --- usage -----------------------------------------------------------------------------------
 
-def test_h2_not_yet_supported(origin):
-    r = bench("--h2", origin.url(), expect=2)
-    assert "not yet supported" in r.stderr
+# --- HTTP/2 (the proxy's H2ClientSession) ---------------------------------------------------
+
+@pytest.fixture
+def h2_origin(pki):
+    o = servers.H2Origin(pki)
+    yield o
+    o.stop()
+
+
+def test_h2_requests_exact_with_streams(h2_origin, pki):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--connections", 2, "--streams", 10,
+                     "--requests", 500, h2_origin.url("/x?y=1"))
+    assert out["requests"] == {"total": 500, "ok": 500, "errors": 0, "warmup": 0}
+    assert len(h2_origin.requests) == 500
+    assert out["status"] == {"200": 500}
+    assert out["protocol"] == "h2" and out["streams"] == 10
+    assert out["alpn"] == {"h2": 2}
+    assert out["connections_opened"] == 2 and h2_origin.connections == 2
+    assert out["body_bytes_received"] == 500 * len(servers.H2Origin.BODY)
+    assert out["bytes_received"] > out["body_bytes_received"] and out["bytes_sent"] > 0
+    lat = out["latency_us"]
+    assert lat["count"] == 500
+    assert 0 < lat["min"] <= lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p99_9"] <= lat["max"]
+    method, path, headers, body = h2_origin.requests[0]
+    assert (method, path, body) == ("GET", "/x?y=1", 0)
+    assert (":authority", f"127.0.0.1:{h2_origin.port}") in headers
+    assert ("user-agent", "egress-bench") in headers
+
+
+def test_h2_streams_are_concurrent(h2_origin, pki):
+    # 1 connection x 10 streams: more than one request must be in flight at a time, which a
+    # server answering in order cannot show directly; the session count is the check that all
+    # 200 went over one connection.
+    out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 10, "--requests", 200,
+                     h2_origin.url())
+    assert out["requests"]["ok"] == 200 and h2_origin.connections == 1
+
+
+def test_h2_errors_counted(h2_origin, pki):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 4, "--requests", 40,
+                     h2_origin.url("/status/503"), expect=1)
+    assert out["requests"] == {"total": 40, "ok": 0, "errors": 40, "warmup": 0}
+    assert out["errors"] == {"status_5xx": 40} and out["status"] == {"503": 40}
+    out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 4, "--requests", 12,
+                     h2_origin.url("/status/404"), expect=1)
+    assert out["errors"] == {"status_4xx": 12}
+
+
+def test_h2_method_body_and_headers(h2_origin, pki):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 3, "--requests", 9,
+                     "--body-size", 70000, "-H", "X-Test: 1", "-H", "Host: api.test",
+                     h2_origin.url("/up"))
+    assert out["requests"]["ok"] == 9 and out["method"] == "POST"
+    assert len(h2_origin.requests) == 9
+    for method, path, headers, body in h2_origin.requests:
+        assert (method, path, body) == ("POST", "/up", 70000)
+        assert ("x-test", "1") in headers and (":authority", "api.test") in headers
+        assert ("content-length", "70000") in headers
+
+
+def test_h2_alpn_refused_by_h1_server(origin, pki):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--requests", 3, origin.url(), expect=1)
+    assert out["errors"] == {"alpn": 3}
+    assert "not h2" in out["error_samples"]["alpn"]
+    assert origin.requests == []
+
+
+def test_h2_through_proxy(h2_origin, pki, proxy):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--proxy", proxy.url("alice:pw"),
+                     "--connections", 2, "--streams", 10, "--requests", 300,
+                     h2_origin.url("/", host="localhost"))
+    assert out["requests"] == {"total": 300, "ok": 300, "errors": 0, "warmup": 0}
+    assert len(h2_origin.requests) == 300
+    assert proxy.connects == 2 and h2_origin.connections == 2
+    assert proxy.auth_seen == [basic("alice:pw")] * 2
+    assert out["alpn"] == {"h2": 2}
+
+
+def test_h2_new_connection_through_proxy(h2_origin, pki, proxy):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--proxy", proxy.url("u:p"),
+                     "--new-connection", "--streams", 10, "--connections", 2, "--requests", 20,
+                     h2_origin.url("/", host="localhost"))
+    assert out["requests"]["ok"] == 20 and len(h2_origin.requests) == 20
+    assert proxy.connects == 20 and h2_origin.connections == 20
+    assert out["connections_opened"] == 20 and out["alpn"] == {"h2": 20}
+    assert out["streams"] == 1
+    assert out["tls_resumed"] >= 1
+
+
+def test_h2_rate_duration_and_warmup(h2_origin, pki):
+    out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 5, "--rate", 200,
+                     "--duration", "1s", "--warmup", "300ms", h2_origin.url())
+    assert 150 <= out["requests"]["total"] <= 205, out["requests"]
+    assert out["requests"]["errors"] == 0
+    assert out["requests"]["warmup"] >= 40
+    assert len(h2_origin.requests) == out["requests"]["total"] + out["requests"]["warmup"]
+
+
+def test_h2_compare(h2_origin, pki, proxy):
+    out = json.loads(bench("--json", "--h2", "--cacert", pki["ca"], "--streams", 4,
+                           "--requests", 40, h2_origin.url("/", host="localhost"),
+                           "--compare", "", f"--proxy {proxy.url()}", "--pairs", 2).stdout)
+    assert len(out["ratios"]) == 2
+    for side in ("a", "b"):
+        assert all(r["requests"] == 40 and r["errors"] == 0 for r in out[side]["runs"])
+    assert proxy.connects == 2
+
+
+def test_h2_needs_https(plain_origin):
+    r = bench("--h2", plain_origin.url(), expect=2)
+    assert "https" in r.stderr
 
 
 @pytest.mark.parametrize("args", [

@@ -1,0 +1,383 @@
+// HTTP/2 driver, built on the proxy's HTTP/2 client (proxy/h2_client.h; issue 5: no second
+// HTTP/2 client). Per connection slot: TCP (+ CONNECT) + TLS with ALPN "h2", one
+// H2ClientSession, and --streams workers on it, each keeping one stream in flight (so up to M
+// concurrent streams per connection). With --new-connection every request gets its own
+// connection and session (one stream each).
+
+#include <algorithm>
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <deque>
+#include <exception>
+
+#include "bench/driver.h"
+#include "bench/scheduler.h"
+#include "bench/transport.h"
+#include "policy/request_head.h"
+#include "proxy/h2_client.h"
+
+namespace egress::bench {
+namespace {
+
+using proxy::H2ClientResponse;
+using proxy::H2ClientSession;
+using proxy::H2ClientStream;
+
+/// The request every stream of the run sends, built once.
+struct H2Request {
+  policy::RequestHead head;
+  std::string body;
+  bool end_stream = true;
+  std::uint64_t size = 0;  // header field bytes (name + value, uncompressed) + body
+};
+
+H2Request make_request(const BenchOptions& o) {
+  H2Request r;
+  r.head.method = o.method;
+  r.head.scheme = "https";
+  r.head.authority = o.target.authority;
+  r.head.path = o.target.origin_form;
+  bool has_user_agent = false;
+  bool has_content_length = false;
+  for (const auto& [name, value] : o.headers) {
+    std::string lower = policy::ascii_lower(name);
+    if (lower == "host") {
+      r.head.authority = value;  // -H Host replaces :authority
+      continue;
+    }
+    has_user_agent = has_user_agent || lower == "user-agent";
+    has_content_length = has_content_length || lower == "content-length";
+    r.head.headers.push_back({std::move(lower), value});
+  }
+  if (!has_user_agent) {
+    r.head.headers.insert(r.head.headers.begin(), {"user-agent", "egress-bench"});
+  }
+  if ((o.body_size > 0 || o.method == "POST" || o.method == "PUT") && !has_content_length) {
+    r.head.headers.push_back({"content-length", std::to_string(o.body_size)});
+  }
+  r.body.assign(o.body_size, 'x');
+  r.end_stream = o.body_size == 0;
+  r.size = 7 + r.head.method.size() + 7 + r.head.scheme.size() + 10 + r.head.authority.size() +
+           5 + r.head.path.size() + r.body.size();
+  for (const auto& h : r.head.headers) {
+    r.size += h.name.size() + h.value.size();
+  }
+  return r;
+}
+
+struct Exchange {
+  std::optional<Failure> failure;
+  unsigned status = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t body_bytes = 0;
+};
+
+std::uint64_t micros_since(Clock::time_point from, Clock::time_point to) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count();
+  return ns <= 0 ? 0 : static_cast<std::uint64_t>((ns + 999) / 1000);  // round up: never 0
+}
+
+class Http2Driver final : public ConnectionDriver {
+ public:
+  Http2Driver(const RunContext& context, const H2Request& request, RunStats& stats,
+              net::any_io_executor executor)
+      : context_(context),
+        request_(request),
+        stats_(stats),
+        executor_(executor),
+        timer_(executor),
+        latch_(executor) {}
+
+  net::awaitable<void> run() override;
+
+ private:
+  net::awaitable<std::optional<Ticket>> take_ticket(net::steady_timer& timer);
+  net::awaitable<std::optional<Failure>> open();
+  net::awaitable<void> close();
+  net::awaitable<void> worker(std::shared_ptr<H2ClientSession> session,
+                              std::optional<Ticket> ticket);
+  net::awaitable<Exchange> exchange(H2ClientSession& session, H2ClientStream& stream);
+  void record_failure(const Ticket& ticket, const Failure& failure);
+  void record(const Ticket& ticket, const Exchange& x);
+
+  const RunContext& context_;
+  const H2Request& request_;
+  RunStats& stats_;
+  net::any_io_executor executor_;
+  net::steady_timer timer_;  // the driver's own open-loop waits
+  net::steady_timer latch_;  // wakes run() when the last worker ends
+  std::shared_ptr<H2ClientSession> session_;
+  SSL* ssl_ = nullptr;  // the session's TLS object, to keep its ticket resumable on close
+  std::deque<Ticket> pending_;  // taken but not sent: the session stopped taking streams
+  int running_ = 0;
+  std::exception_ptr worker_error_;
+};
+
+net::awaitable<void> Http2Driver::run() {
+  const bool new_connection = context_.options.new_connection;
+  const int streams = new_connection ? 1 : std::max(1, context_.options.streams);
+  auto next_ticket = [this]() -> net::awaitable<std::optional<Ticket>> {
+    if (!pending_.empty()) {
+      Ticket t = pending_.front();
+      pending_.pop_front();
+      co_return t;
+    }
+    co_return co_await take_ticket(timer_);
+  };
+  for (;;) {
+    if (pending_.empty() && context_.scheduler.finished(Clock::now())) {
+      co_return;
+    }
+    std::optional<Ticket> first;
+    if (new_connection) {
+      first = co_await next_ticket();
+      if (!first) {
+        co_return;
+      }
+    }
+    if (auto failure = co_await open()) {
+      // Charge the failure to a ticket, so a refused port cannot spin outside the budget.
+      if (!first) {
+        first = co_await next_ticket();
+      }
+      if (!first) {
+        co_return;
+      }
+      record_failure(*first, *failure);
+      continue;
+    }
+    if (new_connection) {
+      auto stream = session_->open(request_.head, request_.end_stream);
+      if (!stream) {
+        record_failure(*first, {ErrorKind::kWrite, 0, "cannot open an HTTP/2 stream"});
+      } else {
+        const Exchange x = co_await exchange(*session_, *stream);
+        stream.reset();
+        record(*first, x);
+      }
+      co_await close();
+      continue;
+    }
+    // Multiplexed: `streams` workers share the session; pending tickets (left over when the
+    // previous session stopped taking streams, e.g. GOAWAY) go first.
+    running_ = streams;
+    for (int i = 0; i < streams; ++i) {
+      std::optional<Ticket> t;
+      if (!pending_.empty()) {
+        t = pending_.front();
+        pending_.pop_front();
+      }
+      net::co_spawn(executor_, worker(session_, t), [this](std::exception_ptr e) {
+        if (e && !worker_error_) {
+          worker_error_ = e;
+        }
+        if (--running_ == 0) {
+          latch_.cancel();
+        }
+      });
+    }
+    while (running_ > 0) {
+      latch_.expires_at(Clock::time_point::max());
+      co_await latch_.async_wait(use_nothrow);
+    }
+    co_await close();
+    if (worker_error_) {
+      std::rethrow_exception(worker_error_);
+    }
+  }
+}
+
+net::awaitable<void> Http2Driver::worker(std::shared_ptr<H2ClientSession> session,
+                                         std::optional<Ticket> ticket) {
+  net::steady_timer timer(executor_);
+  bool retried = ticket.has_value();  // a leftover ticket gets one more session, not more
+  for (;;) {
+    if (!ticket) {
+      ticket = co_await take_ticket(timer);
+      if (!ticket) {
+        co_return;
+      }
+      retried = false;
+    }
+    auto stream = session->open(request_.head, request_.end_stream);
+    if (!stream) {
+      if (retried) {
+        record_failure(*ticket, {ErrorKind::kWrite, 0, "cannot open an HTTP/2 stream"});
+      } else {
+        pending_.push_back(*ticket);  // the next session sends it
+      }
+      co_return;
+    }
+    const Exchange x = co_await exchange(*session, *stream);
+    stream.reset();
+    record(*ticket, x);
+    ticket.reset();
+  }
+}
+
+net::awaitable<std::optional<Ticket>> Http2Driver::take_ticket(net::steady_timer& timer) {
+  auto ticket = context_.scheduler.next(Clock::now());
+  if (ticket && ticket->intended > Clock::now()) {
+    timer.expires_at(ticket->intended);
+    co_await timer.async_wait(use_nothrow);
+  }
+  co_return ticket;
+}
+
+net::awaitable<std::optional<Failure>> Http2Driver::open() {
+  const auto started = Clock::now();
+  Connection conn;
+  TransportSetup::Opened opened;
+  if (auto failure = co_await context_.transport.open(conn, opened)) {
+    conn.close();
+    co_return failure;
+  }
+  stats_.connect_latency.record(micros_since(started, Clock::now()));
+  ++stats_.connections_opened;
+  ++stats_.protocols[opened.protocol];
+  ++stats_.tls_handshakes;
+  stats_.tls_resumed += opened.resumed ? 1 : 0;
+  if (opened.protocol != "h2") {
+    conn.close();
+    co_return Failure{ErrorKind::kAlpn, 0,
+                      "the server selected " +
+                          (opened.protocol == "none" ? std::string("no protocol")
+                                                     : "'" + opened.protocol + "'") +
+                          " in ALPN, not h2"};
+  }
+  auto tls = conn.release_tls();
+  ssl_ = tls->native_handle();
+  proxy::H2ClientOptions ho;
+  ho.io_timeout = std::max(std::chrono::milliseconds(1),
+                           std::chrono::duration_cast<std::chrono::milliseconds>(
+                               context_.options.timeout));
+  ho.idle_timeout = std::max(ho.idle_timeout, ho.io_timeout);
+  session_ = H2ClientSession::start(std::move(tls), ho);
+  co_return std::nullopt;
+}
+
+net::awaitable<void> Http2Driver::close() {
+  if (!session_) {
+    co_return;
+  }
+  // GOAWAY, then wait (bounded) until the writer has stopped, so the TLS object can be marked
+  // shut down: OpenSSL would otherwise flag the session ticket not resumable when it is freed.
+  session_->shutdown();
+  const auto deadline = Clock::now() + context_.options.timeout;
+  for (int spins = 0; session_->alive() && Clock::now() < deadline; ++spins) {
+    if (spins < 64) {
+      co_await net::post(executor_, net::use_awaitable);
+    } else {
+      timer_.expires_after(std::chrono::milliseconds(1));
+      co_await timer_.async_wait(use_nothrow);
+    }
+  }
+  if (!session_->alive() && ssl_ != nullptr) {
+    SSL_set_shutdown(ssl_, SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);
+  }
+  ssl_ = nullptr;
+  session_.reset();
+}
+
+net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2ClientStream& stream) {
+  Exchange x;
+  const auto started = Clock::now();
+  const auto timeout = context_.options.timeout;
+  auto failure = [&](ErrorKind kind, std::string_view what) -> Failure {
+    if (Clock::now() - started >= timeout) {
+      return {ErrorKind::kTimeout, 0, "timed out " + std::string(what)};
+    }
+    if (stream.error_code() != 0) {
+      return {kind, 0,
+              "stream reset (error " + std::to_string(stream.error_code()) + ") " +
+                  std::string(what)};
+    }
+    if (!session.alive()) {
+      return {kind, 0, "connection closed " + std::string(what)};
+    }
+    return {kind, 0, "stream closed " + std::string(what)};
+  };
+  if (!request_.end_stream && !co_await stream.write(request_.body, true)) {
+    x.failure = failure(ErrorKind::kWrite, "while sending the request body");
+    co_return x;
+  }
+  H2ClientResponse response;
+  if (!co_await stream.response(response)) {
+    x.failure = failure(ErrorKind::kRead, "before the response head");
+    co_return x;
+  }
+  x.status = static_cast<unsigned>(response.status);
+  x.bytes = 7 + 3;  // ":status" and its value
+  for (const auto& h : response.headers) {
+    x.bytes += h.name.size() + h.value.size();
+  }
+  for (;;) {
+    auto piece = co_await stream.read();
+    if (!piece.ok) {
+      x.failure = failure(ErrorKind::kRead, "during the response body");
+      co_return x;
+    }
+    if (piece.eof) {
+      break;
+    }
+    x.body_bytes += piece.data.size();
+  }
+  x.bytes += x.body_bytes;
+  co_return x;
+}
+
+void Http2Driver::record_failure(const Ticket& ticket, const Failure& failure) {
+  if (!ticket.counted) {
+    ++stats_.warmup_requests;
+    return;
+  }
+  stats_.add_error(failure.key(), failure.message);
+  stats_.last_completion = std::max(stats_.last_completion, Clock::now());
+}
+
+void Http2Driver::record(const Ticket& ticket, const Exchange& x) {
+  if (x.failure) {
+    record_failure(ticket, *x.failure);
+    return;
+  }
+  if (!ticket.counted) {
+    ++stats_.warmup_requests;
+    return;
+  }
+  const auto done = Clock::now();
+  stats_.latency.record(micros_since(ticket.intended, done));
+  stats_.last_completion = std::max(stats_.last_completion, done);
+  stats_.bytes_sent += request_.size;
+  stats_.bytes_received += x.bytes;
+  stats_.body_bytes_received += x.body_bytes;
+  if (x.status < stats_.status_counts.size()) {
+    ++stats_.status_counts[x.status];
+  }
+  if (x.status >= 400) {
+    stats_.add_error(error_key(ErrorKind::kStatus, x.status), "HTTP " + std::to_string(x.status));
+  } else {
+    ++stats_.ok;
+  }
+}
+
+class Http2Factory final : public DriverFactory {
+ public:
+  explicit Http2Factory(const RunContext& context)
+      : context_(context), request_(make_request(context.options)) {}
+
+  ConnectionDriverPtr create(RunStats& stats, net::any_io_executor executor) override {
+    return std::make_unique<Http2Driver>(context_, request_, stats, std::move(executor));
+  }
+
+ private:
+  const RunContext& context_;
+  const H2Request request_;
+};
+
+}  // namespace
+
+std::unique_ptr<DriverFactory> make_http2_factory(const RunContext& context) {
+  return std::make_unique<Http2Factory>(context);
+}
+
+}  // namespace egress::bench
