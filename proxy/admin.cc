@@ -1,5 +1,7 @@
 // Admin listener: /healthz, /readyz, /metrics, and the /v1 control-plane API (bearer token).
 // Runs on its own io_context thread, so control-plane writes (fsync) never stall the proxy.
+#include <sys/stat.h>
+
 #include "proxy/control_plane.h"
 #include "proxy/worker.h"
 
@@ -55,7 +57,14 @@ uint64_t ConnectionRegistry::add(const std::string& run, net::any_io_executor ex
                                  std::weak_ptr<int> fd_token) {
     std::lock_guard lock(mu_);
     uint64_t id = next_id_++;
-    by_run_[run][id] = Entry{std::move(ex), std::move(fd_token)};
+    uint64_t inode = 0;
+    if (auto fd = fd_token.lock()) {
+        struct stat st{};
+        if (::fstat(*fd, &st) == 0) {
+            inode = static_cast<uint64_t>(st.st_ino);
+        }
+    }
+    by_run_[run][id] = Entry{std::move(ex), std::move(fd_token), inode};
     return id;
 }
 
@@ -77,8 +86,11 @@ size_t ConnectionRegistry::close_run(const std::string& run) {
         return 0;
     }
     for (auto& [id, e] : it->second) {
-        net::post(e.ex, [tok = e.fd_token] {
-            if (auto fd = tok.lock()) {
+        net::post(e.ex, [tok = e.fd_token, inode = e.inode] {
+            auto fd = tok.lock();
+            struct stat st{};
+            if (fd && inode != 0 && ::fstat(*fd, &st) == 0 &&
+                static_cast<uint64_t>(st.st_ino) == inode) {
                 ::shutdown(*fd, SHUT_RDWR);
             }
         });

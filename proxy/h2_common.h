@@ -3,7 +3,9 @@
 // (pulls in nghttp2).
 #include <nghttp2/nghttp2.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -65,6 +67,50 @@ inline nghttp2_nv make_nv(std::string_view name, std::string_view value) {
     return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
                       reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), name.size(),
                       value.size(), NGHTTP2_NV_FLAG_NONE};
+}
+
+/// The data-provider body shared by both sides: copies queued pieces of `st->out` into
+/// nghttp2's buffer, wakes the producer when room frees up, ends the stream (with trailers
+/// when there are any) after the last piece, and defers when nothing is queued yet (the
+/// producer calls nghttp2_session_resume_data). `Stream` has out, out_off, out_bytes,
+/// out_last, out_trailers, deferred and signal members.
+template <class Stream>
+ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf, size_t length,
+                      uint32_t* data_flags, Stream* st) {
+    size_t copied = 0;
+    while (copied < length && !st->out.empty()) {
+        auto& front = st->out.front();
+        size_t n = std::min(length - copied, front.size() - st->out_off);
+        std::memcpy(buf + copied, front.data() + st->out_off, n);
+        copied += n;
+        st->out_off += n;
+        st->out_bytes -= n;
+        if (st->out_off == front.size()) {
+            st->out.pop_front();
+            st->out_off = 0;
+        }
+    }
+    if (copied > 0) {
+        st->signal.notify();  // room for the producer's next piece
+    }
+    if (st->out.empty() && st->out_last) {
+        *data_flags |= NGHTTP2_DATA_FLAG_EOF;
+        if (!st->out_trailers.empty()) {
+            std::vector<nghttp2_nv> nva;
+            for (const auto& h : st->out_trailers) {
+                nva.push_back(make_nv(h.name, h.value));
+            }
+            if (nghttp2_submit_trailer(session, stream_id, nva.data(), nva.size()) == 0) {
+                *data_flags |= NGHTTP2_DATA_FLAG_NO_END_STREAM;
+            }
+        }
+        return static_cast<ssize_t>(copied);
+    }
+    if (copied == 0) {
+        st->deferred = true;
+        return NGHTTP2_ERR_DEFERRED;
+    }
+    return static_cast<ssize_t>(copied);
 }
 
 inline std::string_view sv(const uint8_t* p, size_t n) {

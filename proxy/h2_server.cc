@@ -272,41 +272,8 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
 ssize_t read_response_body(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
                            size_t length, uint32_t* data_flags, nghttp2_data_source* source,
                            void*) {
-    auto* st = static_cast<ServerStream*>(source->ptr);
-    size_t copied = 0;
-    while (copied < length && !st->out.empty()) {
-        auto& front = st->out.front();
-        size_t n = std::min(length - copied, front.size() - st->out_off);
-        std::memcpy(buf + copied, front.data() + st->out_off, n);
-        copied += n;
-        st->out_off += n;
-        st->out_bytes -= n;
-        if (st->out_off == front.size()) {
-            st->out.pop_front();
-            st->out_off = 0;
-        }
-    }
-    if (copied > 0) {
-        st->signal.notify();  // room for the handler's next piece
-    }
-    if (st->out.empty() && st->out_last) {
-        *data_flags |= NGHTTP2_DATA_FLAG_EOF;
-        if (!st->out_trailers.empty()) {
-            std::vector<nghttp2_nv> nva;
-            for (const auto& h : st->out_trailers) {
-                nva.push_back(make_nv(h.name, h.value));
-            }
-            if (nghttp2_submit_trailer(session, stream_id, nva.data(), nva.size()) == 0) {
-                *data_flags |= NGHTTP2_DATA_FLAG_NO_END_STREAM;
-            }
-        }
-        return static_cast<ssize_t>(copied);
-    }
-    if (copied == 0) {
-        st->deferred = true;
-        return NGHTTP2_ERR_DEFERRED;
-    }
-    return static_cast<ssize_t>(copied);
+    return read_outbound(session, stream_id, buf, length, data_flags,
+                         static_cast<ServerStream*>(source->ptr));
 }
 
 // --- the stream as the core's Downstream ------------------------------------------------

@@ -24,8 +24,9 @@ class UpstreamPool;
 class ControlPlane;
 
 /// Open client connections by run, so revoking a run closes them at once. close_run posts
-/// a shutdown(fd) to each connection's own executor; the connection resets its token (on
-/// that same thread) before its socket closes, so a stale fd is never touched.
+/// a shutdown(fd) to each connection's own executor. The connection resets its token when it
+/// ends, and the socket's inode is checked before the shutdown, so an fd number that was
+/// closed and reused by another socket (another thread's, e.g. the admin API's) is never hit.
 class ConnectionRegistry {
 public:
     uint64_t add(const std::string& run, net::any_io_executor ex, std::weak_ptr<int> fd_token);
@@ -36,6 +37,7 @@ private:
     struct Entry {
         net::any_io_executor ex;
         std::weak_ptr<int> fd_token;
+        uint64_t inode = 0;  // the socket's inode: a reused fd number is never shut down
     };
     std::mutex mu_;
     uint64_t next_id_ = 1;
