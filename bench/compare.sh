@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Direct vs through egressd, measured side by side in one run with `egress-bench --compare`
+# (A B A B ...: medians and per-pair ratios). Everything on loopback: a TLS upstream (nginx for
+# h1, nghttpd for h2), egressd intercepting with a pinned bearer credential.
+#
+#   bench/compare.sh h1 [BUILD_DIR] [CONNECTIONS] [DURATION] [PAIRS]
+#   bench/compare.sh h2 [BUILD_DIR] [CONNECTIONS] [STREAMS] [DURATION] [PAIRS]
+#
+# Needs openssl and nginx (h1: apt-get install -y nginx-light) or nghttpd (h2: nghttp2-server).
+# PATH_SUFFIX picks the upstream path (h1: json or 64k; h2: 1k); PERF_OUT=FILE records a perf
+# profile of egressd during the run. Prints the comparison, egressd's CPU µs per request and
+# its peak RSS.
+set -euo pipefail
+PROTO=${1:?usage: compare.sh h1|h2 [BUILD_DIR] ...}
+shift
+BUILD=${1:-build}
+if [ "$PROTO" = h2 ]; then
+  CONNS=${2:-2}; STREAMS=${3:-50}; DUR=${4:-5s}; PAIRS=${5:-3}
+else
+  CONNS=${2:-16}; STREAMS=1; DUR=${3:-5s}; PAIRS=${4:-3}
+fi
+BUILD=$(cd "$BUILD" && pwd)
+W=$(mktemp -d "/tmp/egress-${PROTO}bench.XXXXXX")
+cleanup() { kill "${UP_PID:-}" "${EG_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT
+free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Test PKI: a CA and an upstream certificate for 127.0.0.1.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=bench-ca \
+  -keyout "$W/ca.key" -out "$W/ca.pem" 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=127.0.0.1 \
+  -keyout "$W/up.key" -out "$W/up.csr" 2>/dev/null
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' > "$W/ext"
+openssl x509 -req -in "$W/up.csr" -CA "$W/ca.pem" -CAkey "$W/ca.key" -CAcreateserial -days 2 \
+  -extfile "$W/ext" -out "$W/up.pem" 2>/dev/null
+
+UP=$(free_port); PX=$(free_port); AD=$(free_port)
+if [ "$PROTO" = h2 ]; then
+  mkdir -p "$W/docroot"
+  head -c 1024 /dev/urandom > "$W/docroot/1k"
+  nghttpd --address=127.0.0.1 -d "$W/docroot" "$UP" "$W/up.key" "$W/up.pem" > "$W/nghttpd.log" 2>&1 &
+  UP_PID=$!
+  DEFAULT_PATH=1k
+  PROTO_ARGS="--h2 --streams $STREAMS"
+else
+  mkdir -p "$W/nginx/logs"
+  head -c 65536 /dev/urandom > "$W/64k.bin"
+  cat > "$W/nginx.conf" <<NGINX
+worker_processes 1;
+pid $W/nginx/nginx.pid;
+error_log $W/nginx/logs/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:$UP ssl;
+    ssl_certificate $W/up.pem;
+    ssl_certificate_key $W/up.key;
+    location /json { default_type application/json; return 200 '{"ok":true,"name":"egress"}'; }
+    location /64k { alias $W/64k.bin; }
+  }
+}
+NGINX
+  nginx -p "$W/nginx" -c "$W/nginx.conf" -g 'daemon off;' &
+  UP_PID=$!
+  DEFAULT_PATH=json
+  PROTO_ARGS=""
+fi
+for _ in $(seq 100); do
+  (exec 3<>"/dev/tcp/127.0.0.1/$UP") 2>/dev/null && break; sleep 0.1
+done
+
+echo "bench-token-$(openssl rand -hex 16)" > "$W/secret"
+echo "benchtoken" > "$W/run.token"
+cat > "$W/egressd.yaml" <<YAML
+listen: {proxy: 127.0.0.1:$PX, admin: 127.0.0.1:$AD}
+admin: {token_file: $W/admin.token}
+state: {path: $W/state}
+keys: {master_key_file: $W/master.key}
+upstream: {ca_file: $W/ca.pem}
+policy: {allow_networks: [127.0.0.1/32], allowed_ports: [$UP]}
+audit: {path: $W/audit.jsonl}
+log: {level: warn}
+runs:
+  - id: bench
+    token_file: $W/run.token
+    ca_cert_out: $W/run-ca.pem
+    pins:
+      - {host: "127.0.0.1:$UP", secret_file: $W/secret, inject: {type: bearer}}
+YAML
+"$BUILD/egressd" --config "$W/egressd.yaml" 2> "$W/egressd.log" &
+EG_PID=$!
+if [ -n "${PERF_OUT:-}" ]; then  # optional profile of egressd during the run
+  perf record -F 499 -p "$EG_PID" -o "$PERF_OUT" 2>/dev/null &
+  PERF_PID=$!
+fi
+for _ in $(seq 100); do
+  curl -sf "http://127.0.0.1:$AD/readyz" >/dev/null 2>&1 && break; sleep 0.1
+done
+cat "$W/ca.pem" "$W/run-ca.pem" > "$W/both.pem"
+
+cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
+T0=$(cpu_ticks)
+# shellcheck disable=SC2086  # PROTO_ARGS is a list of options
+"$BUILD/bench/egress-bench" $PROTO_ARGS --cacert "$W/both.pem" --connections "$CONNS" \
+  --duration "$DUR" --warmup 1s "https://127.0.0.1:$UP/${PATH_SUFFIX:-$DEFAULT_PATH}" \
+  --pairs "$PAIRS" --compare '' "--proxy http://bench:benchtoken@127.0.0.1:$PX" \
+  | tee "$W/compare.txt"
+T1=$(cpu_ticks)
+if [ -n "${PERF_PID:-}" ]; then kill -INT "$PERF_PID"; wait "$PERF_PID" 2>/dev/null || true; fi
+HZ=$(getconf CLK_TCK)
+REQS=$(wc -l < "$W/audit.jsonl")
+echo "egressd: $REQS audited requests, CPU $(( (T1 - T0) * 1000000 / HZ / (REQS > 0 ? REQS : 1) )) us/request," \
+     "peak RSS $(awk '/VmHWM/{print $2" "$3}' /proc/$EG_PID/status)"
