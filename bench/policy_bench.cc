@@ -49,6 +49,7 @@ RunPolicy make_run(int64_t n, bool wildcard) {
         pin.secret = secret;
         run.pins.push_back(std::move(pin));
     }
+    index_pins(run);  // as the runtime does for every run it loads
     return run;
 }
 

@@ -53,6 +53,8 @@ public:
     bool matches(const HostPort& hp) const;
 
     std::optional<uint16_t> port() const { return port_; }
+    /// The exact host, or for a wildcard the parent after "*." (e.g. "s3.amazonaws.com").
+    const std::string& host() const { return host_; }
     bool wildcard() const { return wildcard_; }
     /// The pattern as written after normalization, e.g. "*.a.test:8443".
     const std::string& text() const { return text_; }

@@ -178,6 +178,57 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
     return {};
 }
 
+void index_pins(RunPolicy& run) {
+    auto index = std::make_shared<PinIndex>();
+    for (uint32_t i = 0; i < run.pins.size(); ++i) {
+        const auto& h = run.pins[i].host;
+        (h.wildcard() ? index->wildcard_parent : index->exact)[h.host()].push_back(i);
+    }
+    index->pin_count = run.pins.size();
+    run.pin_index = std::move(index);
+}
+
+namespace {
+
+/// Calls fn(pin) for the pins that could match `host`, in pin order, until fn returns true.
+/// Returns the pin fn accepted, or nullptr.
+template <class Fn>
+const Pin* find_pin(const RunPolicy& run, const std::string& host, Fn&& fn) {
+    const PinIndex* index = run.pin_index.get();
+    if (index == nullptr || index->pin_count != run.pins.size()) {
+        for (const Pin& pin : run.pins) {
+            if (fn(pin)) {
+                return &pin;
+            }
+        }
+        return nullptr;
+    }
+    static const std::vector<uint32_t> kNone;
+    auto exact_it = index->exact.find(host);
+    const auto& exact = exact_it == index->exact.end() ? kNone : exact_it->second;
+    auto dot = host.find('.');
+    const std::vector<uint32_t>* wild = &kNone;
+    if (dot != std::string::npos) {
+        auto it = index->wildcard_parent.find(host.substr(dot + 1));
+        if (it != index->wildcard_parent.end()) {
+            wild = &it->second;
+        }
+    }
+    size_t a = 0;
+    size_t b = 0;
+    while (a < exact.size() || b < wild->size()) {  // merge: keep the pins' order
+        uint32_t i = (b >= wild->size() || (a < exact.size() && exact[a] < (*wild)[b]))
+                         ? exact[a++]
+                         : (*wild)[b++];
+        if (fn(run.pins[i])) {
+            return &run.pins[i];
+        }
+    }
+    return nullptr;
+}
+
+}  // namespace
+
 DestinationDecision decide_destination(const GlobalPolicy& global, const RunPolicy& run,
                                        const HostPort& dest, TimePoint now) {
     DestinationDecision d;
@@ -189,9 +240,9 @@ DestinationDecision decide_destination(const GlobalPolicy& global, const RunPoli
         d.reason = "run_expired";
         return d;
     }
-    d.pinned = std::any_of(run.pins.begin(), run.pins.end(), [&](const Pin& pin) {
-        return pin_live(pin, now) && pattern_allows(pin.host, dest, global);
-    });
+    d.pinned = find_pin(run, dest.host, [&](const Pin& pin) {
+                   return pin_live(pin, now) && pattern_allows(pin.host, dest, global);
+               }) != nullptr;
     if (d.pinned) {
         d.carry = Carry::Intercept;
         return d;
@@ -205,8 +256,9 @@ DestinationDecision decide_destination(const GlobalPolicy& global, const RunPoli
     const bool named =
         std::any_of(run.allow_hosts.begin(), run.allow_hosts.end(), host_named) ||
         std::any_of(global.allow_hosts.begin(), global.allow_hosts.end(), host_named) ||
-        std::any_of(run.pins.begin(), run.pins.end(),
-                    [&](const Pin& pin) { return pin_live(pin, now) && host_named(pin.host); });
+        find_pin(run, dest.host, [&](const Pin& pin) {
+            return pin_live(pin, now) && host_named(pin.host);
+        }) != nullptr;
     d.reason = named ? "port_not_allowed" : "host_not_allowed";
     return d;
 }
@@ -217,28 +269,26 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
            std::any_of(global.allow_hosts.begin(), global.allow_hosts.end(), allows);
 }
 
+
 const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
                      std::string_view path, TimePoint now) {
     if (!run_live(run, now)) {
         return nullptr;
     }
     const std::string_view path_only = path.substr(0, path.find('?'));
-    for (const Pin& pin : run.pins) {
-        if (pin_live(pin, now) && pin.host.matches(dest) && method_matches(pin, method) &&
-            path_matches(pin, path_only)) {
-            return &pin;
-        }
-    }
-    return nullptr;
+    return find_pin(run, dest.host, [&](const Pin& pin) {
+        return pin_live(pin, now) && pin.host.matches(dest) && method_matches(pin, method) &&
+               path_matches(pin, path_only);
+    });
 }
 
 bool host_pinned(const RunPolicy& run, const HostPort& dest, TimePoint now) {
     if (!run_live(run, now)) {
         return false;
     }
-    return std::any_of(run.pins.begin(), run.pins.end(), [&](const Pin& pin) {
-        return pin_live(pin, now) && pin.host.matches(dest);
-    });
+    return find_pin(run, dest.host, [&](const Pin& pin) {
+               return pin_live(pin, now) && pin.host.matches(dest);
+           }) != nullptr;
 }
 
 }  // namespace egress::policy

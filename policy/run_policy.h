@@ -3,7 +3,9 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <memory>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/result.h"
@@ -61,10 +63,19 @@ struct Pin {
     TimePoint expires_at = TimePoint::max();
 };
 
+/// Pins by host, so a run with thousands of pins matches a request in O(1) instead of
+/// scanning them all: exact hosts, and wildcard pins by the parent they stand under.
+struct PinIndex {
+    std::unordered_map<std::string, std::vector<uint32_t>> exact;
+    std::unordered_map<std::string, std::vector<uint32_t>> wildcard_parent;
+    size_t pin_count = 0;  // the index is ignored unless it was built for exactly these pins
+};
+
 struct RunPolicy {
     std::string id;
     std::vector<HostPattern> allow_hosts;
     std::vector<Pin> pins;
+    std::shared_ptr<const PinIndex> pin_index;  // optional; see index_pins()
     TimePoint expires_at = TimePoint::max();
     bool revoked = false;
 };
@@ -83,6 +94,10 @@ struct DestinationDecision {
     std::string reason;
     bool pinned = false;  // some live pin of the run matches host (and port)
 };
+
+/// Builds run.pin_index for the current pins. Matching gives the same answers with or
+/// without it (first matching pin in order); it only stops the scan over every pin.
+void index_pins(RunPolicy& run);
 
 /// Decides how a CONNECT (or absolute-form) destination is carried, before any byte leaves.
 /// A host is pinned when a live pin matches it; allowed when the run's or the global allow

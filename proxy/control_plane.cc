@@ -1071,6 +1071,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
             pin.expires_at = policy::Clock::from_time_t(p.expires_at);
             run->policy.pins.push_back(std::move(pin));
         }
+        policy::index_pins(run->policy);
         built[id] = run;
         fps[id] = fp;
         rt->runs[id] = run;

@@ -132,6 +132,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             run->anonymous = true;
             rt->anonymous = run;
         }
+        policy::index_pins(run->policy);
         rt->runs[rc.id] = std::move(run);
     }
     if (!errors.empty()) {

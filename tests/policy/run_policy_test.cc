@@ -272,3 +272,57 @@ TEST(HostPinned, IgnoresPathAndMethod) {
 
 }  // namespace
 }  // namespace egress::policy
+
+namespace egress::policy {
+namespace {
+
+// The pin index must never change an answer: compare indexed and linear matching over a
+// table of hosts, ports, methods and paths, including wildcard and port-specific pins.
+TEST(PinIndex, SameAnswersAsTheLinearScan) {
+    RunPolicy run;
+    run.id = "r";
+    const char* hosts[] = {"api.test",  "*.s3.test", "api.test:8443", "x.s3.test",
+                           "other.test", "*.a.test", "b.a.test",      "10.0.0.1"};
+    for (size_t i = 0; i < std::size(hosts); ++i) {
+        Pin p;
+        p.id = "p" + std::to_string(i);
+        p.host = *HostPattern::parse(hosts[i]);
+        if (i == 3) {
+            p.methods = {"POST"};
+        }
+        if (i == 0) {
+            p.path_prefixes = {"/v1/"};
+        }
+        run.pins.push_back(std::move(p));
+    }
+    RunPolicy indexed = run;
+    index_pins(indexed);
+    ASSERT_TRUE(indexed.pin_index);
+    GlobalPolicy global;
+    auto now = Clock::now();
+    const char* queries[] = {"api.test", "x.s3.test", "y.s3.test", "s3.test", "a.b.s3.test",
+                             "b.a.test", "c.a.test", "other.test", "nope.test", "10.0.0.1"};
+    for (const char* q : queries) {
+        for (uint16_t port : {443, 8443}) {
+            HostPort hp{q, port};
+            for (const char* m : {"GET", "POST"}) {
+                for (const char* path : {"/v1/x", "/v2/x"}) {
+                    const Pin* a = match_pin(run, hp, m, path, now);
+                    const Pin* b = match_pin(indexed, hp, m, path, now);
+                    EXPECT_EQ(a ? a->id : "-", b ? b->id : "-") << q << ":" << port << m << path;
+                }
+            }
+            EXPECT_EQ(host_pinned(run, hp, now), host_pinned(indexed, hp, now)) << q;
+            auto da = decide_destination(global, run, hp, now);
+            auto db = decide_destination(global, indexed, hp, now);
+            EXPECT_EQ(da.carry, db.carry) << q << ":" << port;
+            EXPECT_EQ(da.reason, db.reason) << q << ":" << port;
+        }
+    }
+    // A stale index (pins changed after indexing) is ignored, not trusted.
+    indexed.pins.pop_back();
+    EXPECT_EQ(match_pin(indexed, HostPort{"10.0.0.1", 443}, "GET", "/", now), nullptr);
+}
+
+}  // namespace
+}  // namespace egress::policy
