@@ -55,7 +55,17 @@ Identity identify(const Runtime& rt, const http::request<http::buffer_body>& req
     }
     auto run = rt.find(user);
     bool ok = run && token_matches(*run, pass);
+    std::string ended_reason;
+    if (!run) {
+        if (auto e = rt.ended.find(user);
+            e != rt.ended.end() && credstore::constant_time_equals(sha256_hex(pass), e->second.first)) {
+            ended_reason = e->second.second;
+        }
+    }
     OPENSSL_cleanse(pass.data(), pass.size());
+    if (!ended_reason.empty()) {
+        return {nullptr, 403, ended_reason};
+    }
     if (!ok) {
         return {nullptr, 407, "bad_identity"};
     }

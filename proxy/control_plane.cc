@@ -983,6 +983,14 @@ size_t ControlPlane::sweep_expired() {
             m.kind = credstore::Mutation::Kind::DeleteRun;
             m.run_id = id;
             muts.push_back(m);
+            std::lock_guard build_lock(build_mu_);
+            if (swept_.emplace(id, run.token_sha256).second) {
+                swept_order_.push_back(id);
+            }
+            while (swept_order_.size() > 4096) {  // remember recent ones only
+                swept_.erase(swept_order_.front());
+                swept_order_.pop_front();
+            }
         }
     }
     if (muts.empty()) return 0;
@@ -1003,8 +1011,15 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
     const int64_t now = unix_now();
     std::map<std::string, std::shared_ptr<Run>> built;
     std::map<std::string, std::string> fps;
+    for (const auto& [id, token_sha] : swept_) {
+        rt->ended[id] = {token_sha, "run_expired"};
+    }
     for (const auto& [id, rec] : snap->runs) {
-        if (rec.revoked || rec.expires_at <= now || rt->runs.count(id) != 0) {
+        if (rec.revoked || rec.expires_at <= now) {
+            rt->ended[id] = {rec.token_sha256, rec.revoked ? "run_revoked" : "run_expired"};
+            continue;
+        }
+        if (rt->runs.count(id) != 0) {
             continue;
         }
         // What the Run is built from: the record and the versions of the secrets it uses.

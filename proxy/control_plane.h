@@ -2,6 +2,7 @@
 // The control plane: admin API routes over the state store, and the data path's view of
 // dynamic runs. No Asio here: routes are plain functions of (method, target, body), so they
 // are unit-testable without sockets; proxy/admin.cc carries them over HTTP.
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -95,6 +96,8 @@ private:
     std::map<std::string, credstore::SecretPtr> unsealed_;  // secret_key + version → value
     std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run
     std::map<std::string, std::string> fingerprints_;      // run id → what it was built from
+    std::map<std::string, std::string> swept_;             // swept run id → token SHA-256
+    std::deque<std::string> swept_order_;                  // bounds swept_ (oldest first)
 };
 
 }  // namespace egress::proxy

@@ -40,6 +40,10 @@ struct Runtime {
     policy::AddressPolicy addresses;
     std::map<std::string, std::shared_ptr<Run>> runs;
     std::shared_ptr<Run> anonymous;  // set when the only static run has no token
+    /// Dynamic runs that ended (revoked, expired, or recently swept): id → (token SHA-256,
+    /// reason). A client presenting such a run's own token gets 403 with the reason instead
+    /// of 407, so it learns why; nobody else learns the run existed.
+    std::map<std::string, std::pair<std::string, std::string>> ended;
 
     std::shared_ptr<Run> find(const std::string& id) const;
 };

@@ -483,10 +483,14 @@ def test_run_expiry(cp, world, api_secret):
         c.close()
         return resp if resp.status != 200 else None
     resp = helpers.poll(refused_new, 5.0, "new CONNECT refused after expiry", interval=0.1)
-    assert resp.status in (403, 407), (resp.status, resp.egress_reason)
+    assert (resp.status, resp.egress_reason) == (403, "run_expired")
     # At most a few seconds after expiry, the sweep has removed it.
     helpers.poll(lambda: api(cp, "GET", f"/v1/runs/{run.id}").status == 404, 5.0,
                  "expired run swept", interval=0.1)
+    # after the sweep the run's own token still learns why (not a bare 407)
+    c, resp = helpers.proxy_connect(run.proxy_port, api_host(world), run.auth)
+    c.close()
+    assert (resp.status, resp.egress_reason) == (403, "run_expired")
     if st == 403:
         cp.wait_audit(lambda a: a.get("run") == run.id and a.get("status") == 403
                       and a.get("reason") == "run_expired", 1)
@@ -526,7 +530,12 @@ def test_revocation_closes_open_connections_and_refuses_new_ones(cp, world, api_
     for target in (api_host(world), f"tunnel.test:{world.U}"):
         c, resp = helpers.proxy_connect(run.proxy_port, target, run.auth)
         c.close()
-        assert resp.status in (403, 407), (target, resp.status)
+        assert (resp.status, resp.egress_reason) == (403, "run_revoked"), (target, resp.status)
+    # a wrong token for the revoked run learns nothing: 407 as for an unknown run
+    c, resp = helpers.proxy_connect(run.proxy_port, target,
+                                    helpers.basic_auth(run.id, "not-the-token"))
+    c.close()
+    assert resp.status == 407
     shown = api_ok(cp, "GET", f"/v1/runs/{run.id}")
     assert shown["revoked"] is True
     # no pins can be added to a revoked run
@@ -832,7 +841,7 @@ def test_restart_keeps_secrets_runs_and_ca(factory, world):
     # revocation survived too
     c, resp = helpers.proxy_connect(revoked.proxy_port, api_host(world), revoked.auth)
     c.close()
-    assert resp.status in (403, 407), resp.status
+    assert (resp.status, resp.egress_reason) == (403, "run_revoked"), resp.status
     # the admin token did not change
     assert api(e, "GET", "/v1/secrets").status == 200
 
