@@ -7,12 +7,9 @@
 
 namespace egress::proxy {
 
-namespace {
-
-std::string iso8601_now() {
-    auto now = std::chrono::system_clock::now();
-    auto secs = std::chrono::system_clock::to_time_t(now);
-    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()) % 1000;
+std::string iso8601_utc(std::chrono::system_clock::time_point t) {
+    auto secs = std::chrono::system_clock::to_time_t(t);
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()) % 1000;
     std::tm tm{};
     gmtime_r(&secs, &tm);
     char buf[64];
@@ -22,11 +19,9 @@ std::string iso8601_now() {
     return buf;
 }
 
-}  // namespace
-
 std::string audit_json(const AuditRecord& r) {
     boost::json::object o;
-    o["time"] = iso8601_now();
+    o["time"] = iso8601_utc(std::chrono::system_clock::now());
     o["run"] = r.run.empty() ? boost::json::value(nullptr) : boost::json::value(r.run);
     o["method"] = r.method;
     o["scheme"] = r.scheme;

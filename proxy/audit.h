@@ -1,6 +1,7 @@
 #pragma once
 // Audit: exactly one JSON line per request (DESIGN.md "Audit record"). Never a secret value:
 // records carry the pin id and the secret's *name* only.
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -44,6 +45,9 @@ private:
     FILE* file_ = nullptr;
     bool owned_ = false;
 };
+
+/// "2026-12-02T17:53:31.687Z": the one timestamp format of audit records and JSON logs.
+std::string iso8601_utc(std::chrono::system_clock::time_point t);
 
 /// The JSON line for a record (no trailing newline). Exposed for tests.
 std::string audit_json(const AuditRecord& rec);

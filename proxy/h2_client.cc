@@ -94,9 +94,8 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     if (st == nullptr) {
         return 0;
     }
-    st->header_bytes += namelen + valuelen + 32;
-    if (++st->header_fields > im->opts.max_header_fields ||
-        st->header_bytes > im->opts.max_header_list_bytes) {
+    if (!within_header_budget(st, namelen, valuelen, im->opts.max_header_fields,
+                              im->opts.max_header_list_bytes)) {
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // resets this stream only
     }
     auto n = sv(name, namelen);

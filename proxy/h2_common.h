@@ -69,6 +69,16 @@ inline nghttp2_nv make_nv(std::string_view name, std::string_view value) {
                       value.size(), NGHTTP2_NV_FLAG_NONE};
 }
 
+/// Counts one decoded header field against a stream's budget (both codecs use it). Decoded
+/// size, not wire size, so an HPACK bomb of table references stops here. Returns false when
+/// the stream is over `max_fields` or `max_bytes` (the caller resets that stream only).
+template <class Stream>
+bool within_header_budget(Stream* st, size_t namelen, size_t valuelen, size_t max_fields,
+                          size_t max_bytes) {
+    st->header_bytes += namelen + valuelen + 32;  // RFC 9113 6.5.2 field size
+    return ++st->header_fields <= max_fields && st->header_bytes <= max_bytes;
+}
+
 /// The data-provider body shared by both sides: copies queued pieces of `st->out` into
 /// nghttp2's buffer, wakes the producer when room frees up, ends the stream (with trailers
 /// when there are any) after the last piece, and defers when nothing is queued yet (the

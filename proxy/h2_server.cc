@@ -128,10 +128,8 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     if (st == nullptr) {
         return 0;
     }
-    // Decoded size, not wire size: an HPACK bomb of table references stops here.
-    st->header_bytes += namelen + valuelen + 32;
-    if (++st->header_fields > c->limits.h2_max_header_fields ||
-        st->header_bytes > c->limits.h2_max_header_list_bytes) {
+    if (!within_header_budget(st, namelen, valuelen, c->limits.h2_max_header_fields,
+                              c->limits.h2_max_header_list_bytes)) {
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // RST_STREAM on this stream only
     }
     auto n = sv(name, namelen);

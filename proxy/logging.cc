@@ -1,5 +1,7 @@
 #include "proxy/logging.h"
 
+#include "proxy/audit.h"
+
 #include <chrono>
 #include <ctime>
 
@@ -15,17 +17,9 @@ namespace {
 class JsonFormatter final : public spdlog::formatter {
 public:
     void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
-        auto secs = std::chrono::system_clock::to_time_t(msg.time);
-        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      msg.time.time_since_epoch()) % 1000;
-        std::tm tm{};
-        gmtime_r(&secs, &tm);
-        char ts[64];
-        std::snprintf(ts, sizeof ts, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
-                      tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-                      static_cast<int>(ms.count()));
         auto level = spdlog::level::to_string_view(msg.level);
-        std::string line = json_log_line(ts, std::string(level.data(), level.size()),
+        std::string line = json_log_line(iso8601_utc(msg.time),
+                                         std::string(level.data(), level.size()),
                                          std::string(msg.payload.data(), msg.payload.size()));
         line.push_back('\n');
         dest.append(line.data(), line.data() + line.size());
