@@ -95,10 +95,6 @@ struct Exchange {
   std::uint64_t body_bytes = 0;
 };
 
-std::uint64_t micros_since(Clock::time_point from, Clock::time_point to) {
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count();
-  return ns <= 0 ? 0 : static_cast<std::uint64_t>((ns + 999) / 1000);  // round up: never 0
-}
 
 class Http1Driver final : public ConnectionDriver {
  public:
@@ -224,12 +220,7 @@ net::awaitable<Exchange> Http1Driver::exchange(Stream& stream) {
 }
 
 void Http1Driver::record_failure(const Ticket& ticket, const Failure& failure) {
-  if (!ticket.counted) {
-    ++stats_.warmup_requests;
-    return;
-  }
-  stats_.add_error(failure.key(), failure.message);
-  stats_.last_completion = std::max(stats_.last_completion, Clock::now());
+  stats_.record_failure(ticket.counted, failure.key(), failure.message);
 }
 
 void Http1Driver::record(const Ticket& ticket, const Exchange& x) {
@@ -237,24 +228,7 @@ void Http1Driver::record(const Ticket& ticket, const Exchange& x) {
     record_failure(ticket, *x.failure);
     return;
   }
-  if (!ticket.counted) {
-    ++stats_.warmup_requests;
-    return;
-  }
-  const auto done = Clock::now();
-  stats_.latency.record(micros_since(ticket.intended, done));
-  stats_.last_completion = std::max(stats_.last_completion, done);
-  stats_.bytes_sent += request_.size();
-  stats_.bytes_received += x.bytes;
-  stats_.body_bytes_received += x.body_bytes;
-  if (x.status < stats_.status_counts.size()) {
-    ++stats_.status_counts[x.status];
-  }
-  if (x.status >= 400) {
-    stats_.add_error(error_key(ErrorKind::kStatus, x.status), "HTTP " + std::to_string(x.status));
-  } else {
-    ++stats_.ok;
-  }
+  stats_.record_response(ticket.counted, ticket.intended, x.status, request_.size(), x.bytes, x.body_bytes);
 }
 
 class Http1Factory final : public DriverFactory {

@@ -68,4 +68,35 @@ void RunStats::merge(const RunStats& other) {
   last_completion = std::max(last_completion, other.last_completion);
 }
 
+void RunStats::record_failure(bool counted, const std::string& key, std::string_view message) {
+  if (!counted) {
+    ++warmup_requests;
+    return;
+  }
+  add_error(key, message);
+  last_completion = std::max(last_completion, Clock::now());
+}
+
+void RunStats::record_response(bool counted, Clock::time_point intended, unsigned status,
+                               std::uint64_t sent, std::uint64_t bytes, std::uint64_t body) {
+  if (!counted) {
+    ++warmup_requests;
+    return;
+  }
+  const auto done = Clock::now();
+  latency.record(micros_since(intended, done));
+  last_completion = std::max(last_completion, done);
+  bytes_sent += sent;
+  bytes_received += bytes;
+  body_bytes_received += body;
+  if (status < status_counts.size()) {
+    ++status_counts[status];
+  }
+  if (status >= 400) {
+    add_error(error_key(ErrorKind::kStatus, status), "HTTP " + std::to_string(status));
+  } else {
+    ++ok;
+  }
+}
+
 }  // namespace egress::bench

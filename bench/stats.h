@@ -31,6 +31,12 @@ enum class ErrorKind {
 
 std::string error_key(ErrorKind kind, unsigned status = 0);
 
+/// Whole microseconds from `from` to `to`, rounded up so a recorded latency is never 0.
+inline std::uint64_t micros_since(Clock::time_point from, Clock::time_point to) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(to - from).count();
+  return ns <= 0 ? 0 : static_cast<std::uint64_t>((ns + 999) / 1000);
+}
+
 struct RunStats {
   LatencyHistogram latency;          // counted requests that got a response, µs
   LatencyHistogram connect_latency;  // TCP + CONNECT + TLS of every successful open, µs
@@ -52,6 +58,13 @@ struct RunStats {
   /// Counts one counted error; `message` is kept as the sample for its key if it is the first.
   void add_error(const std::string& key, std::string_view message);
   void merge(const RunStats& other);
+
+  /// One finished request, shared by every driver. A warmup request (not counted) only bumps
+  /// warmup_requests. A response's latency is measured from `intended` (its scheduled send
+  /// time, so open-loop stalls are not hidden); 4xx/5xx count as status errors.
+  void record_failure(bool counted, const std::string& key, std::string_view message);
+  void record_response(bool counted, Clock::time_point intended, unsigned status,
+                       std::uint64_t bytes_sent, std::uint64_t bytes, std::uint64_t body_bytes);
 };
 
 }  // namespace egress::bench
