@@ -1,0 +1,63 @@
+"""Each limit is a named config key with a safe default; these set the key low and check that
+egressd enforces it with a clear refusal while other clients keep being served."""
+from __future__ import annotations
+
+import time
+
+import helpers
+from clients import run_ca
+
+
+def _limits(**kw):
+    return lambda c: c.setdefault("limits", {}).update(kw)
+
+
+def test_connections_per_run_answers_429_with_retry_after(world, factory, marker):
+    e = factory.start(mutate=_limits(connections_per_run=2))
+    ca = run_ca(e, "r1")
+    held = [helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca) for _ in range(2)]
+    try:
+        c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth())
+        c.close()
+        assert (r.status, r.egress_reason) == (429, "too_many_connections")
+        assert r.header("Retry-After") == "1"
+    finally:
+        held[0].close()
+    # a slot freed is usable again (the close is noticed asynchronously: bounded poll)
+    deadline = time.monotonic() + 5
+    while True:
+        c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth())
+        c.close()
+        if r.status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status == 200
+    held[1].close()
+    assert any(a.get("reason") == "too_many_connections" and a.get("status") == 429
+               for a in e.audit_records())
+
+
+def test_max_header_bytes_answers_431(world, factory):
+    e = factory.start(mutate=_limits(max_header_bytes=4096))
+    c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth(),
+                                 extra="X-Big: " + "a" * 8000 + "\r\n")
+    c.close()
+    assert (r.status, r.egress_reason) == (431, "header_too_large")
+    # a head under the limit is served
+    c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth(),
+                                 extra="X-Small: " + "a" * 1000 + "\r\n")
+    c.close()
+    assert r.status == 200
+
+
+def test_idle_timeout_closes_an_idle_keep_alive_connection(world, factory, marker):
+    e = factory.start(mutate=_limits(idle_timeout="1s"))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    r = helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}")
+    assert r.status == 200
+    started = time.monotonic()
+    c.sock.settimeout(10)
+    assert c.read_to_eof() == b""  # egressd closes the idle connection
+    waited = time.monotonic() - started
+    c.close()
+    assert 0.5 < waited < 8, waited
