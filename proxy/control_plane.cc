@@ -181,8 +181,20 @@ Result<json::object> parse_body(std::string_view body) {
     if (!v.is_object()) {
         return make_error("body: must be a JSON object");
     }
-    return v.as_object();
+    return std::move(v.as_object());  // moved, not copied: one copy of a secret value to wipe
 }
+
+/// Wipes a parsed secret value in place when the request is done (admin.cc wipes the raw body).
+struct WipeField {
+    json::object& object;
+    const char* key;
+    ~WipeField() {
+        if (auto* v = object.if_contains(key); v != nullptr && v->is_string()) {
+            auto& str = v->as_string();
+            OPENSSL_cleanse(str.data(), str.size());
+        }
+    }
+};
 
 policy::InjectType inject_type(const std::string& t) {
     return t == "basic" ? policy::InjectType::Basic
@@ -392,6 +404,7 @@ Result<credstore::SecretPtr> ControlPlane::unseal_cached(const credstore::Sealed
 ApiResponse ControlPlane::create_secret(std::string_view body) {
     auto o = parse_body(body);
     if (!o) return error(400, "invalid_request", o.error());
+    WipeField wipe{*o, "value"};
     auto name = get_string(*o, "name", "", true);
     if (!name) return error(400, "invalid_request", name.error());
     if (!valid_name(*name)) {
@@ -420,6 +433,7 @@ ApiResponse ControlPlane::create_secret(std::string_view body) {
 ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_view body) {
     auto o = parse_body(body);
     if (!o) return error(400, "invalid_request", o.error());
+    WipeField wipe{*o, "value"};
     auto scope = get_scope(*o, "");
     if (!scope) return error(400, "invalid_request", scope.error());
     auto value = get_string(*o, "value", "", true);
