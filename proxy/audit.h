@@ -4,7 +4,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 #include <optional>
 #include <string>
 
@@ -30,20 +36,49 @@ struct AuditRecord {
     std::string upstream_addr;
     std::string proto_in;   // "http/1.1", "h2", "tunnel"
     std::string proto_out;
+    uint64_t req_id = 0;     // same id on a request's decision and completion records
+    std::string event;       // "decision" for the pre-request record of audit.durable; else empty
 };
 
+/// The audit file. Plain mode: each record is appended and flushed by the caller's thread.
+/// Durable mode (audit.durable): records go to one writer thread that appends every record
+/// queued since its last pass with one write(2) and one fdatasync(2) (group commit), then
+/// reports each `write_durable` caller's record as on disk. Records keep their order.
 class AuditLog {
 public:
-    /// "-" writes to standard output.
-    static Result<std::unique_ptr<AuditLog>> open(const std::string& path);
-    ~AuditLog();
+    /// "-" writes to standard output (durable mode then only flushes, it cannot fsync a pipe).
+    static Result<std::unique_ptr<AuditLog>> open(const std::string& path, bool durable = false);
+    ~AuditLog();  // durable: writes what is queued, then stops the writer
+    AuditLog(const AuditLog&) = delete;
+    AuditLog& operator=(const AuditLog&) = delete;
+
+    bool durable() const { return durable_; }
+    /// Appends a record (durable mode: queues it behind earlier ones, does not wait).
     void write(const AuditRecord& rec);
+    /// Durable mode: calls `done(true)` on the writer thread once the record is on disk, or
+    /// `done(false)` if writing or syncing failed (the caller must then not proceed).
+    /// Plain mode: writes it and calls `done(true)` at once.
+    void write_durable(const AuditRecord& rec, std::function<void(bool)> done);
+    /// fdatasync calls made so far (a measure of how well commits are grouped).
+    uint64_t syncs() const { return syncs_.load(); }
 
 private:
     AuditLog() = default;
+    void writer_loop();
+    struct Pending {
+        std::string line;
+        std::function<void(bool)> done;
+    };
     std::mutex mu_;
     FILE* file_ = nullptr;
     bool owned_ = false;
+    bool durable_ = false;
+    int fd_ = -1;
+    std::condition_variable wake_;
+    std::vector<Pending> queue_;
+    bool stopping_ = false;
+    std::thread writer_;
+    std::atomic<uint64_t> syncs_{0};
 };
 
 /// "2026-12-02T17:53:31.687Z": the one timestamp format of audit records and JSON logs.

@@ -3,6 +3,7 @@
 
 #include "policy/header_rules.h"
 #include "proxy/http1.h"
+#include "tls/client_hello.h"
 #include "tls/contexts.h"
 
 namespace egress::proxy {
@@ -13,25 +14,47 @@ using Clock = std::chrono::steady_clock;
 using namespace net::experimental::awaitable_operators;
 constexpr size_t kTunnelBufferBytes = 16 * 1024;
 
-/// Counts a client connection against its run's connections_per_run limit.
-class RunConnectionGuard {
+/// A client connection admitted to its run: counted against limits.connections_per_run and
+/// registered so that revoking the run closes it at once. Released when the connection ends.
+class RunAdmission {
 public:
-    bool acquire(std::shared_ptr<Run> run, size_t limit) {
+    explicit RunAdmission(Shared& shared) : shared_(shared) {}
+    RunAdmission(const RunAdmission&) = delete;
+    RunAdmission& operator=(const RunAdmission&) = delete;
+
+    /// False (nothing held) when the run is at its connection limit.
+    bool admit(std::shared_ptr<Run> run, size_t limit, tcp::socket& socket) {
         if (run->connections.fetch_add(1) >= limit) {
             run->connections.fetch_sub(1);
             return false;
         }
         run_ = std::move(run);
+        fd_token_ = std::make_shared<int>(socket.native_handle());
+        registration_ = shared_.connections.add(run_->policy.id, socket.get_executor(), fd_token_);
         return true;
     }
-    ~RunConnectionGuard() {
+    ~RunAdmission() {
+        fd_token_.reset();  // same thread as any posted shutdown: the fd is never stale
         if (run_) {
+            shared_.connections.remove(run_->policy.id, registration_);
             run_->connections.fetch_sub(1);
         }
     }
 
 private:
+    Shared& shared_;
     std::shared_ptr<Run> run_;
+    std::shared_ptr<int> fd_token_;
+    uint64_t registration_ = 0;
+};
+
+/// Counts a client connection in egressd_active_connections.
+struct ActiveConnection {
+    explicit ActiveConnection(Metrics& m) : m_(m) { m_.active_connections.fetch_add(1); }
+    ~ActiveConnection() { m_.active_connections.fetch_sub(1); }
+    ActiveConnection(const ActiveConnection&) = delete;
+    ActiveConnection& operator=(const ActiveConnection&) = delete;
+    Metrics& m_;
 };
 
 struct Identity {
@@ -106,9 +129,16 @@ awaitable<void> idle_watchdog(Clock::time_point& last_activity, std::chrono::mil
     }
 }
 
-/// Blind relay for allowed, unpinned hosts under `unpinned: tunnel`.
+awaitable<bool> announce_established(TcpStream& client) {
+    static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
+    auto [ec, n] = co_await net::async_write(client.socket(), net::buffer(kEstablished), use_nothrow);
+    co_return !ec;
+}
+
+/// Blind relay for allowed, unpinned hosts under `unpinned: tunnel`. `announce`: answer the
+/// CONNECT with 200 first (false on the transparent listener, where there is no CONNECT).
 awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
-                           Clock::time_point started) {
+                           Clock::time_point started, bool announce) {
     Worker& w = *scope.worker;
     InflightGuard inflight(w.shared);
     const Runtime& rt = *scope.runtime;
@@ -117,14 +147,14 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         if (!r->kind.empty()) {
             w.shared.metrics.upstream_error(r->kind);
         }
-        co_await write_refusal(client, r->status, r->reason, false);
-        audit_refusal(scope, "CONNECT", "", r->status, r->reason, started);
+        if (announce) {
+            co_await write_refusal(client, r->status, r->reason, false);
+        }
+        audit_refusal(scope, scope.method, "", r->status, r->reason, started);
         co_return;
     }
     auto& d = std::get<Dialed>(dialed);
-    static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
-    auto [ec, n] = co_await net::async_write(client.socket(), net::buffer(kEstablished), use_nothrow);
-    if (ec) {
+    if (announce && !co_await announce_established(client)) {
         co_return;
     }
     uint64_t up_bytes = 0;
@@ -141,7 +171,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
               idle_watchdog(last_activity, rt.config->limits.idle_timeout));
     AuditRecord rec;
     rec.run = scope.run->policy.id;
-    rec.method = "CONNECT";
+    rec.method = scope.method;
     rec.host = scope.target.host;
     rec.port = scope.target.port;
     rec.status = 200;
@@ -158,17 +188,28 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
 }
 
 /// TLS interception of a pinned (or intercepted) host with a leaf minted by the run CA.
+/// `announce` as for run_tunnel; without it the ClientHello is still unread in the socket.
 awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
-                              Clock::time_point started) {
+                              Clock::time_point started, bool announce) {
     Worker& w = *scope.worker;
     auto& leaves = *scope.run->leaves;
     auto misses_before = leaves.misses();
     auto leaf = leaves.get(scope.target.host);
     if (!leaf) {
-        spdlog::error("conn={} leaf mint for {} failed: {}", scope.conn_id, scope.target.host,
-                      leaf.error());
-        co_await write_refusal(client, 502, "leaf_mint_failed", false);
-        audit_refusal(scope, "CONNECT", "", 502, "leaf_mint_failed", started);
+        bool rate = leaf.error() == tls::kMintRateExceeded;
+        int status = rate ? 429 : 502;
+        std::string reason = rate ? std::string(tls::kMintRateExceeded) : "leaf_mint_failed";
+        if (rate) {
+            spdlog::warn("conn={} run {}: leaf mint rate exceeded (limits.leaf_mints_per_minute)",
+                         scope.conn_id, scope.run->policy.id);
+        } else {
+            spdlog::error("conn={} leaf mint for {} failed: {}", scope.conn_id, scope.target.host,
+                          leaf.error());
+        }
+        if (announce) {
+            co_await write_refusal(client, status, reason, false);
+        }
+        audit_refusal(scope, scope.method, "", status, reason, started);
         co_return;
     }
     if (leaves.misses() != misses_before) {
@@ -176,16 +217,14 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     } else {
         w.shared.metrics.cert_cache_hits.fetch_add(1);
     }
-    static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
-    auto [ec, n] = co_await net::async_write(client.socket(), net::buffer(kEstablished), use_nothrow);
-    if (ec) {
+    if (announce && !co_await announce_established(client)) {
         co_return;
     }
     if (buf.size() > 0) {
         // A client that pipelines its ClientHello behind CONNECT before the 200: the bytes
         // are already in our buffer and cannot be handed to OpenSSL's socket BIO.
         co_await write_refusal(client, 400, "data_before_connect_response", false);
-        audit_refusal(scope, "CONNECT", "", 400, "data_before_connect_response", started);
+        audit_refusal(scope, scope.method, "", 400, "data_before_connect_response", started);
         co_return;
     }
     TlsStream tls(std::move(client), *w.shared.server_ctx);
@@ -199,7 +238,7 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     if (hec) {
         spdlog::info("conn={} client tls handshake for {} failed: {}", scope.conn_id,
                      scope.target.host, hec.message());
-        audit_refusal(scope, "CONNECT", "", 0, "client_tls_failed", started);
+        audit_refusal(scope, scope.method, "", 0, "client_tls_failed", started);
         co_return;
     }
     beast::get_lowest_layer(tls).expires_never();
@@ -230,11 +269,7 @@ bool secret_unavailable(const Run& run, const policy::HostPort& dest) {
 
 awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     Shared& shared = w.shared;
-    shared.metrics.active_connections.fetch_add(1);
-    struct ActiveGuard {
-        Metrics& m;
-        ~ActiveGuard() { m.active_connections.fetch_sub(1); }
-    } active{shared.metrics};
+    ActiveConnection active(shared.metrics);
 
     error_code ignored;
     socket.set_option(tcp::no_delay(true), ignored);
@@ -246,21 +281,7 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     scope.worker = &w;
     scope.runtime = rt;
     scope.conn_id = shared.next_conn_id.fetch_add(1);
-    RunConnectionGuard run_guard;
-    std::shared_ptr<int> fd_token;
-    uint64_t registration = 0;
-    struct RegistrationGuard {
-        Shared& shared;
-        Scope& scope;
-        std::shared_ptr<int>& token;
-        uint64_t& id;
-        ~RegistrationGuard() {
-            token.reset();  // same thread as any posted shutdown: the fd is never stale
-            if (id != 0 && scope.run) {
-                shared.connections.remove(scope.run->policy.id, id);
-            }
-        }
-    } registration_guard{shared, scope, fd_token, registration};
+    RunAdmission admission(shared);
     bool first = true;
 
     for (;;) {
@@ -297,17 +318,12 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
             co_return;
         }
         if (!scope.run) {
-            if (!run_guard.acquire(id.run, limits.connections_per_run)) {
-                scope.run = id.run;
+            scope.run = id.run;
+            if (!admission.admit(id.run, limits.connections_per_run, stream.socket())) {
                 co_await write_refusal(stream, 429, "too_many_connections", false);
                 audit_refusal(scope, method, "", 429, "too_many_connections", started);
                 co_return;
             }
-            scope.run = id.run;
-            // Registered so that revoking the run closes this connection at once.
-            fd_token = std::make_shared<int>(stream.socket().native_handle());
-            registration = shared.connections.add(scope.run->policy.id,
-                                                  stream.get_executor(), fd_token);
         } else if (scope.run->policy.id != id.run->policy.id) {
             co_await write_refusal(stream, 403, "identity_changed", false);
             audit_refusal(scope, method, "", 403, "identity_changed", started);
@@ -363,10 +379,11 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
         }
         if (is_connect) {
             scope.proto_in = dd.carry == policy::Carry::Tunnel ? "tunnel" : "http/1.1";
+            scope.method = "CONNECT";
             if (dd.carry == policy::Carry::Tunnel) {
-                co_await run_tunnel(stream, buf, scope, started);
+                co_await run_tunnel(stream, buf, scope, started, true);
             } else {
-                co_await run_intercept(stream, buf, scope, started);
+                co_await run_intercept(stream, buf, scope, started, true);
             }
             co_return;
         }
@@ -375,6 +392,252 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
         if (!keep || shared.draining.load()) {
             co_return;
         }
+    }
+}
+
+namespace {
+
+constexpr int kSoOriginalDst = 80;  // SO_ORIGINAL_DST (linux/netfilter_ipv4.h) and
+                                    // IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h)
+
+/// The destination the client dialled before the kernel redirected it to us (iptables or
+/// nftables REDIRECT/DNAT record it in conntrack). Nullopt if the socket was not redirected.
+std::optional<tcp::endpoint> original_destination(tcp::socket& socket) {
+    const int fd = socket.native_handle();
+    tcp::endpoint ep;
+    socklen_t len = static_cast<socklen_t>(ep.capacity());
+    error_code ec;
+    auto local = socket.local_endpoint(ec);
+    if (ec) {
+        return std::nullopt;
+    }
+    if (local.address().is_v6() && !local.address().to_v6().is_v4_mapped() &&
+        ::getsockopt(fd, SOL_IPV6, kSoOriginalDst, ep.data(), &len) == 0) {
+        ep.resize(len);
+    } else if (len = static_cast<socklen_t>(ep.capacity());
+               ::getsockopt(fd, SOL_IP, kSoOriginalDst, ep.data(), &len) == 0) {
+        ep.resize(len);
+    } else {
+        return std::nullopt;
+    }
+    if (ep == local) {
+        return std::nullopt;  // dialled the transparent port directly: nothing was redirected
+    }
+    return ep;
+}
+
+policy::IpAddress to_policy_address(const net::ip::address& a) {
+    if (a.is_v6() && a.to_v6().is_v4_mapped()) {
+        return to_policy_address(net::ip::make_address_v4(net::ip::v4_mapped, a.to_v6()));
+    }
+    policy::IpAddress ip;
+    if (a.is_v4()) {
+        auto b = a.to_v4().to_bytes();
+        std::copy(b.begin(), b.end(), ip.bytes.begin());
+    } else {
+        ip.family = policy::IpAddress::Family::V6;
+        auto b = a.to_v6().to_bytes();
+        std::copy(b.begin(), b.end(), ip.bytes.begin());
+    }
+    return ip;
+}
+
+struct Peeked {
+    tls::ClientHelloPeek hello;
+    bool eof = false;  // closed or timed out before a decision
+};
+
+/// Waits for the start of the connection and peeks (MSG_PEEK: nothing is consumed) until it is
+/// a complete ClientHello, clearly not TLS, or malformed; bounded by `deadline`.
+awaitable<Peeked> peek_first_bytes(tcp::socket& socket, Clock::time_point deadline) {
+    std::vector<uint8_t> buf(5 + tls::kMaxClientHello + 5 * 4);  // record headers of a split hello
+    net::steady_timer timer(co_await net::this_coro::executor);
+    size_t last = 0;
+    for (;;) {
+        timer.expires_at(deadline);
+        auto r = co_await (socket.async_wait(tcp::socket::wait_read, use_nothrow) ||
+                           timer.async_wait(use_nothrow));
+        if (r.index() == 1) {
+            co_return Peeked{{}, true};
+        }
+        error_code ec;
+        size_t n = socket.receive(net::buffer(buf), tcp::socket::message_peek, ec);
+        if (ec || n == 0) {
+            co_return Peeked{{}, true};
+        }
+        auto p = tls::peek_client_hello(std::span<const uint8_t>(buf.data(), n));
+        if (p.status != tls::ClientHelloPeek::Status::NeedMore) {
+            co_return Peeked{std::move(p), false};
+        }
+        if (n == buf.size()) {
+            co_return Peeked{{tls::ClientHelloPeek::Status::Malformed, {}}, false};
+        }
+        if (n == last) {
+            // The socket stays readable while peeked bytes sit unread: wait before peeking
+            // again for the rest of a ClientHello split across segments.
+            timer.expires_after(std::chrono::milliseconds(5));
+            co_await timer.async_wait(use_nothrow);
+        }
+        last = n;
+        if (Clock::now() >= deadline) {
+            co_return Peeked{{}, true};
+        }
+    }
+}
+
+/// Cleartext HTTP on the transparent listener: origin-form requests, the host from Host and
+/// the port from the original destination (they must agree).
+awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t port) {
+    Shared& shared = scope.worker->shared;
+    const auto& limits = scope.runtime->config->limits;
+    beast::flat_buffer buf;
+    bool first = true;
+    for (;;) {
+        const auto started = Clock::now();
+        http::request_parser<http::buffer_body> parser;
+        parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
+        parser.body_limit(boost::none);
+        stream.expires_after(first ? limits.header_timeout : limits.idle_timeout);
+        auto [ec, n] = co_await http::async_read_header(stream, buf, parser, use_nothrow);
+        first = false;
+        if (ec == http::error::end_of_stream || ec == net::error::eof ||
+            ec == beast::error::timeout || ec == net::error::operation_aborted) {
+            co_return;
+        }
+        if (ec) {
+            int status = ec == http::error::header_limit ? 431 : 400;
+            std::string reason = status == 431 ? "header_too_large" : "bad_request";
+            co_await write_refusal(stream, status, reason, false);
+            audit_refusal(scope, "", "", status, reason, started);
+            co_return;
+        }
+        stream.expires_never();
+        auto& req = parser.get();
+        std::string method(req.method_string());
+        auto host = req.find(http::field::host);
+        auto dest = host == req.end() ? Result<policy::HostPort>(make_error("no Host"))
+                                      : policy::parse_authority(host->value(), 80);
+        std::string reason;
+        if (!dest) {
+            reason = "bad_host";
+        } else if (dest->port != port) {
+            reason = "host_mismatch";  // Host names another port than the one dialled
+        }
+        if (!reason.empty()) {
+            co_await write_refusal(stream, 400, reason, false);
+            audit_refusal(scope, method, std::string(req.target()), 400, reason, started);
+            co_return;
+        }
+        scope.target = *dest;
+        auto dd = policy::decide_destination(scope.runtime->config->policy, scope.run->policy,
+                                             scope.target, policy::Clock::now());
+        if (dd.carry == policy::Carry::Deny) {
+            bool ka = req.keep_alive() && parser.is_done();
+            co_await write_refusal(stream, 403, dd.reason, ka);
+            audit_refusal(scope, method, std::string(req.target()), 403, dd.reason, started);
+            if (!ka) {
+                co_return;
+            }
+            continue;
+        }
+        bool keep = co_await forward_origin_http(stream, buf, parser, scope);
+        if (!keep || shared.draining.load()) {
+            co_return;
+        }
+    }
+}
+
+}  // namespace
+
+awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
+    Shared& shared = w.shared;
+    ActiveConnection active(shared.metrics);
+    const auto started = Clock::now();
+    error_code ec;
+    socket.set_option(tcp::no_delay(true), ec);
+    auto rt = shared.runtime.load();
+    const auto& limits = rt->config->limits;
+    Scope scope;
+    scope.worker = &w;
+    scope.runtime = rt;
+    scope.conn_id = shared.next_conn_id.fetch_add(1);
+    scope.method = "TLS";
+    scope.proto_in = "transparent";
+
+    auto original = original_destination(socket);
+    if (!original) {
+        spdlog::info("conn={} transparent: not a redirected connection", scope.conn_id);
+        audit_refusal(scope, "", "", 400, "no_original_destination", started);
+        co_return;
+    }
+    auto peer = socket.remote_endpoint(ec);
+    if (ec) {
+        co_return;
+    }
+    // Identity: the run bound to the client's source address (or the sidecar's only run).
+    scope.run = rt->find_by_source(to_policy_address(peer.address()));
+    if (!scope.run) {
+        spdlog::info("conn={} transparent: no run for source {}", scope.conn_id,
+                     peer.address().to_string());
+        audit_refusal(scope, "", "", 403, "no_identity", started);
+        co_return;
+    }
+    RunAdmission admission(shared);
+    if (!admission.admit(scope.run, limits.connections_per_run, socket)) {
+        audit_refusal(scope, "", "", 429, "too_many_connections", started);
+        co_return;
+    }
+
+    auto peeked = co_await peek_first_bytes(socket, started + limits.header_timeout);
+    if (peeked.eof) {
+        co_return;
+    }
+    using Status = tls::ClientHelloPeek::Status;
+    TcpStream stream(std::move(socket));
+    if (peeked.hello.status == Status::NotTls) {
+        scope.proto_in = "http/1.1";
+        co_await serve_transparent_http(stream, scope, original->port());
+        co_return;
+    }
+    if (peeked.hello.status == Status::Malformed) {
+        audit_refusal(scope, "", "", 400, "bad_client_hello", started);
+        co_return;
+    }
+    // The host is the SNI; without one, the address that was dialled. The credential only
+    // ever goes where egressd itself resolves and vets that host (never to the original
+    // address the sandbox chose), so a ClientHello naming a pinned host while dialling
+    // another address gains nothing: the request reaches the pinned host.
+    auto norm = policy::normalize_host(original->address().to_string());
+    if (peeked.hello.sni) {
+        norm = policy::normalize_host(*peeked.hello.sni);
+        if (!norm) {
+            audit_refusal(scope, "", "", 400, "bad_sni", started);
+            co_return;
+        }
+    }
+    if (!norm) {
+        co_return;
+    }
+    const std::string host = *norm;
+    scope.target = policy::HostPort{host, original->port()};
+    auto dd = policy::decide_destination(rt->config->policy, scope.run->policy, scope.target,
+                                         policy::Clock::now());
+    if (dd.carry == policy::Carry::Deny) {
+        std::string reason = dd.reason;
+        if (reason == "host_not_allowed" && secret_unavailable(*scope.run, scope.target)) {
+            reason = "secret_unavailable";
+        }
+        spdlog::info("conn={} transparent {}:{} (dialled {}) refused: {}", scope.conn_id, host,
+                     original->port(), original->address().to_string(), reason);
+        audit_refusal(scope, "", "", 403, reason, started);
+        co_return;  // no HTTP to answer with before a handshake: the connection is closed
+    }
+    beast::flat_buffer none;
+    if (dd.carry == policy::Carry::Tunnel) {
+        scope.proto_in = "tunnel";
+        co_await run_tunnel(stream, none, scope, started, false);
+    } else {
+        co_await run_intercept(stream, none, scope, started, false);
     }
 }
 

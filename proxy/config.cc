@@ -546,6 +546,8 @@ public:
                        {"h2_stream_window", set_count(l.h2_stream_window, 16384, (1u << 31) - 1)},
                        {"h2_settings_timeout", set_timeout(l.h2_settings_timeout)},
                        {"leaf_cache_size", set_count(l.leaf_cache_size, 1, kMaxCount)},
+                       {"leaf_mints_per_minute",
+                        set_count(l.leaf_mints_per_minute, 0, kMaxCount)},
                        {"max_upstream_idle_per_host",
                         set_count(l.max_upstream_idle_per_host, 0, kMaxCount)}})},
              {"audit", section({{"path", set_string(c.audit.path)},

@@ -49,6 +49,7 @@ struct Limits {
     size_t h2_stream_window = 262144;         // per-stream window = per-stream buffer bound
     std::chrono::milliseconds h2_settings_timeout{10'000};
     size_t leaf_cache_size = 1024;     // per run
+    size_t leaf_mints_per_minute = 600;  // per run (token bucket); 0 = unlimited
     size_t max_upstream_idle_per_host = 32;
 };
 

@@ -1060,6 +1060,9 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
         for (const auto& h : rec.allow_hosts) {
             if (auto pat = policy::HostPattern::parse(h)) run->policy.allow_hosts.push_back(*pat);
         }
+        for (const auto& c : rec.source_cidrs) {
+            if (auto cidr = policy::Cidr::parse(c)) run->sources.push_back(*cidr);
+        }
         if (prev != built_.end() && prev->second->ca) {
             run->ca = prev->second->ca;  // same run: keep its CA and warm leaf cache
             run->leaves = prev->second->leaves;
@@ -1073,7 +1076,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
             auto ca = tls::RunCa::load(rec.ca_cert_pem, (*key)->reveal());
             if (!ca) continue;
             run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
-            run->leaves = make_leaf_cache(run->ca, config_->limits.leaf_cache_size);
+            run->leaves = make_leaf_cache(run->ca, config_->limits);
         }
         for (const auto& p : rec.pins) {
             auto pat = policy::HostPattern::parse(p.host);

@@ -13,6 +13,21 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+/// Queues `rec` on the durable audit log and resumes on this coroutine's executor once the
+/// writer thread has synced it (true) or failed to (false). The event loop never blocks on
+/// the disk; requests waiting at the same time share one fdatasync.
+awaitable<bool> audit_durably(AuditLog& log, const AuditRecord& rec) {
+    auto ex = co_await net::this_coro::executor;
+    co_return co_await net::async_initiate<decltype(net::use_awaitable), void(bool)>(
+        [&log, &rec, ex](auto handler) {
+            auto h = std::make_shared<decltype(handler)>(std::move(handler));
+            log.write_durable(rec, [h, ex](bool ok) {
+                net::post(ex, [h, ok]() mutable { (*h)(ok); });
+            });
+        },
+        net::use_awaitable);
+}
+
 double ms_since(Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
@@ -249,6 +264,20 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         rec.secret = decision.pin->secret_name;
     }
     rec.reason = decision.reason;
+    rec.req_id = shared.next_req_id.fetch_add(1);
+
+    if (shared.audit->durable()) {
+        // audit.durable: the decision is on disk before the request (and its credential)
+        // leaves. If it cannot be written, nothing is sent.
+        AuditRecord pre = rec;
+        pre.event = "decision";
+        pre.decision = "allow";
+        if (!co_await audit_durably(*shared.audit, pre)) {
+            co_await down.refuse(503, "audit_unavailable", false);
+            audit_refusal(scope, method, head.path, 503, "audit_unavailable", started);
+            co_return false;
+        }
+    }
 
     policy::Scrubber scrubber(std::move(decision.scrub));
     auto finish = [&](int status, const std::string& reason, const std::string& kind) {
@@ -264,7 +293,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         shared.audit->write(rec);
         shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
         spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
-                     scope.conn_id, shared.next_req_id.fetch_add(1), rec.run, method, scope.target.authority(), rec.path, status,
+                     scope.conn_id, rec.req_id, rec.run, method, scope.target.authority(), rec.path, status,
                      rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out, rec.proto_out,
                      rec.duration_ms);
     };

@@ -28,6 +28,9 @@ struct Scope {
     bool tls = false;  // intercepted TLS (https); false = absolute-form http://
     uint64_t conn_id = 0;
     std::string proto_in = "http/1.1";
+    /// What audit records of the connection itself (not of a request) name as the method:
+    /// "CONNECT" on the forward port, "TLS" on the transparent listener.
+    std::string method = "CONNECT";
 };
 
 using Headers = std::vector<policy::Header>;

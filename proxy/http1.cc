@@ -476,4 +476,9 @@ awaitable<bool> forward_plain_http(TcpStream& client, beast::flat_buffer& buffer
     co_return co_await handle_request(client, buffer, parser, scope, true);
 }
 
+awaitable<bool> forward_origin_http(TcpStream& client, beast::flat_buffer& buffer,
+                                    http::request_parser<http::buffer_body>& parser, Scope& scope) {
+    co_return co_await handle_request(client, buffer, parser, scope, false);
+}
+
 }  // namespace egress::proxy

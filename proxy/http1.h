@@ -23,4 +23,9 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
 awaitable<bool> forward_plain_http(TcpStream& client, beast::flat_buffer& buffer,
                                    http::request_parser<http::buffer_body>& parser, Scope& scope);
 
+/// Handles one origin-form request on the transparent listener (cleartext), whose header is
+/// already parsed and whose destination (scope.target) is decided.
+awaitable<bool> forward_origin_http(TcpStream& client, beast::flat_buffer& buffer,
+                                    http::request_parser<http::buffer_body>& parser, Scope& scope);
+
 }  // namespace egress::proxy

@@ -44,6 +44,34 @@ std::shared_ptr<Run> Runtime::find(const std::string& id) const {
     return it == runs.end() ? nullptr : it->second;
 }
 
+std::shared_ptr<Run> Runtime::find_by_source(const policy::IpAddress& client) const {
+    std::shared_ptr<Run> best;
+    int best_prefix = -1;
+    bool tied = false;
+    for (const auto& [id, run] : runs) {
+        for (const auto& c : run->sources) {
+            if (!c.contains(client)) {
+                continue;
+            }
+            if (c.prefix > best_prefix) {
+                best = run;
+                best_prefix = c.prefix;
+                tied = false;
+            } else if (c.prefix == best_prefix && best != run) {
+                tied = true;
+            }
+        }
+    }
+    if (tied) {
+        return nullptr;
+    }
+    if (best) {
+        return best;
+    }
+    // The sidecar's single run serves any source, unless it is bound to some.
+    return anonymous && anonymous->sources.empty() ? anonymous : nullptr;
+}
+
 Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
                                                BuildWarnings& warnings, const Runtime* previous) {
     auto rt = std::make_shared<Runtime>();
@@ -56,6 +84,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
         auto run = std::make_shared<Run>();
         run->policy.id = rc.id;
         run->policy.allow_hosts = rc.allow_hosts;
+        run->sources = rc.sources;
         auto validity = rc.ttl ? *rc.ttl : std::chrono::seconds(kProcessRunValidity);
         if (rc.ttl) {
             run->policy.expires_at = now + *rc.ttl;
@@ -119,7 +148,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                 continue;
             }
             run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
-            run->leaves = make_leaf_cache(run->ca, config->limits.leaf_cache_size);
+            run->leaves = make_leaf_cache(run->ca, config->limits);
         }
         if (!rc.ca_cert_out.empty()) {
             auto w = write_file_atomic(rc.ca_cert_out, run->ca->cert_pem(), 0644);
@@ -145,8 +174,10 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
     return rt;
 }
 
-std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca, size_t capacity) {
-    auto* cache = new tls::LeafCache(*ca, capacity);
+std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,
+                                                const Limits& limits) {
+    auto* cache = new tls::LeafCache(*ca, limits.leaf_cache_size);
+    cache->set_mint_rate(limits.leaf_mints_per_minute);
     return std::shared_ptr<tls::LeafCache>(cache, [ca](tls::LeafCache* p) { delete p; });
 }
 

@@ -32,6 +32,7 @@ struct Run {
     /// Pins whose secret could not be loaded (e.g. a secret file not mounted yet): their
     /// hosts are refused with "secret_unavailable" instead of "host_not_allowed".
     std::vector<policy::HostPattern> unavailable_pins;
+    std::vector<policy::Cidr> sources;  // transparent mode: client addresses bound to the run
     std::atomic<size_t> connections{0};
 };
 
@@ -46,6 +47,10 @@ struct Runtime {
     std::map<std::string, std::pair<std::string, std::string>> ended;
 
     std::shared_ptr<Run> find(const std::string& id) const;
+    /// Transparent mode: the run whose `sources` hold `client` (longest prefix wins; two runs
+    /// tied on the longest prefix: none, the binding is ambiguous), else the anonymous run
+    /// if it has no sources of its own.
+    std::shared_ptr<Run> find_by_source(const policy::IpAddress& client) const;
 };
 
 struct BuildWarnings {
@@ -61,8 +66,9 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                                                BuildWarnings& warnings,
                                                const Runtime* previous = nullptr);
 
-/// A leaf cache that owns a reference to its CA.
-std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca, size_t capacity);
+/// A leaf cache that owns a reference to its CA, sized and rate-limited by `limits`.
+std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,
+                                                const Limits& limits);
 
 /// True if `token` is the run's proxy token (constant time).
 bool token_matches(const Run& run, std::string_view token);

@@ -50,6 +50,7 @@ struct Server::Impl {
     net::io_context admin_ioc{1};  // admin API: blocking store writes stay off the data path
     std::vector<std::unique_ptr<Worker>> workers;
     std::unique_ptr<tcp::acceptor> proxy_acceptor;
+    std::unique_ptr<tcp::acceptor> transparent_acceptor;
     std::unique_ptr<tcp::acceptor> admin_acceptor;
     std::unique_ptr<net::local::stream_protocol::acceptor> admin_unix_acceptor;
     size_t next_worker = 0;
@@ -81,7 +82,11 @@ struct Server::Impl {
         }
         auto current = shared.runtime.load();
         const Config& old = *current->config;
+        auto listen_text = [](const std::optional<ListenAddress>& a) {
+            return a ? a->to_string() : std::string();
+        };
         if (cfg->proxy.to_string() != old.proxy.to_string() ||
+            listen_text(cfg->transparent) != listen_text(old.transparent) ||
             cfg->admin.to_string() != old.admin.to_string() ||
             cfg->upstream_ca_file != old.upstream_ca_file ||
             cfg->state_path != old.state_path || cfg->master_key_file != old.master_key_file ||
@@ -164,7 +169,9 @@ struct Server::Impl {
         }
     }
 
-    awaitable<void> accept_loop(tcp::acceptor& acceptor) {
+    using Serve = awaitable<void> (*)(tcp::socket, Worker&);
+
+    awaitable<void> accept_loop(tcp::acceptor& acceptor, Serve serve) {
         for (;;) {
             Worker& w = pick_worker();
             auto [ec, sock] = co_await acceptor.async_accept(w.ioc, use_nothrow);
@@ -175,7 +182,7 @@ struct Server::Impl {
                 spdlog::warn("accept: {}", ec.message());
                 continue;  // e.g. EMFILE: keep serving the connections we have
             }
-            net::co_spawn(w.ioc, serve_proxy_client(std::move(sock), w), log_spawn_error);
+            net::co_spawn(w.ioc, serve(std::move(sock), w), log_spawn_error);
         }
     }
 };
@@ -186,7 +193,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     auto& s = impl_->shared;
     s.runtime.store(runtime);
     const auto& cfg = *runtime->config;
-    auto audit = AuditLog::open(cfg.audit.path);
+    auto audit = AuditLog::open(cfg.audit.path, cfg.audit.durable);
     if (!audit) {
         throw std::runtime_error(audit.error());
     }
@@ -224,6 +231,10 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     };
     impl_->proxy_acceptor = open(cfg.proxy, "listen.proxy");
     s.own_listeners.push_back(impl_->proxy_acceptor->local_endpoint());
+    if (cfg.transparent) {
+        impl_->transparent_acceptor = open(*cfg.transparent, "listen.transparent");
+        s.own_listeners.push_back(impl_->transparent_acceptor->local_endpoint());
+    }
     if (cfg.admin.is_unix()) {
         std::error_code fec;
         std::filesystem::remove(cfg.admin.unix_path, fec);
@@ -278,7 +289,18 @@ int Server::run() {
                  impl_->admin_acceptor ? std::to_string(impl_->admin_acceptor->local_endpoint().port())
                                        : rt->config->admin.unix_path,
                  impl_->workers.size());
-    net::co_spawn(ioc0, impl_->accept_loop(*impl_->proxy_acceptor), log_spawn_error);
+    if (impl_->transparent_acceptor) {
+        spdlog::info("transparent listener on {}",
+                     rt->config->transparent->host + ":" +
+                         std::to_string(impl_->transparent_acceptor->local_endpoint().port()));
+    }
+    net::co_spawn(ioc0, impl_->accept_loop(*impl_->proxy_acceptor, serve_proxy_client),
+                  log_spawn_error);
+    if (impl_->transparent_acceptor) {
+        net::co_spawn(ioc0,
+                      impl_->accept_loop(*impl_->transparent_acceptor, serve_transparent_client),
+                      log_spawn_error);
+    }
     if (impl_->admin_acceptor) {
         net::co_spawn(impl_->admin_ioc, impl_->admin_tcp_loop(), log_spawn_error);
     } else {
@@ -296,6 +318,9 @@ int Server::run() {
         s.draining.store(true);
         error_code ignored;
         impl_->proxy_acceptor->close(ignored);
+        if (impl_->transparent_acceptor) {
+            impl_->transparent_acceptor->close(ignored);
+        }
         // Wait for in-flight requests and tunnels, bounded by drain_timeout.
         net::co_spawn(
             impl_->workers[0]->ioc,

@@ -86,6 +86,9 @@ struct Worker {
 
 /// Serves one client connection on the forward-proxy port (CONNECT and absolute-form).
 awaitable<void> serve_proxy_client(tcp::socket socket, Worker& worker);
+/// Serves one connection the kernel redirected to the transparent listener: original
+/// destination from the socket, host from the peeked TLS SNI (or Host), run from the source.
+awaitable<void> serve_transparent_client(tcp::socket socket, Worker& worker);
 /// Serves one admin connection (/healthz, /readyz, /metrics, /v1 control-plane API).
 template <class Socket>
 awaitable<void> serve_admin_client(Socket socket, Shared& shared);

@@ -1,5 +1,6 @@
 #include "tls/leaf_cache.h"
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 
@@ -27,6 +28,13 @@ LeafCache::LeafCache(const RunCa& ca, size_t capacity) : ca_(ca), capacity_(capa
 
 LeafCache::LeafCache(const RunCa& ca, size_t capacity, std::chrono::seconds leaf_validity)
     : ca_(ca), capacity_(capacity), leaf_validity_(leaf_validity) {}
+
+void LeafCache::set_mint_rate(size_t per_minute) {
+    std::lock_guard lock(mu_);
+    mint_rate_ = per_minute;
+    mint_tokens_ = static_cast<double>(per_minute);
+    mint_refill_ = std::chrono::steady_clock::now();
+}
 
 namespace {
 
@@ -68,7 +76,27 @@ Result<std::shared_ptr<const Leaf>> LeafCache::get(const std::string& host) {
             lru_.splice(lru_.begin(), lru_, entry->lru_pos);
             return entry->leaf;
         }
-    } else {
+    }
+    if (mint_rate_ != 0) {
+        auto now = std::chrono::steady_clock::now();
+        double per_second = static_cast<double>(mint_rate_) / 60.0;
+        mint_tokens_ = std::min(static_cast<double>(mint_rate_),
+                                mint_tokens_ + per_second *
+                                    std::chrono::duration<double>(now - mint_refill_).count());
+        mint_refill_ = now;
+        if (mint_tokens_ < 1.0) {
+            if (entry && entry->leaf != nullptr && Clock::now() < entry->leaf->not_after) {
+                ++hits_;  // due for a re-mint but still valid: keep serving it
+                if (entry->in_lru) {
+                    lru_.splice(lru_.begin(), lru_, entry->lru_pos);
+                }
+                return entry->leaf;
+            }
+            return make_error(std::string(kMintRateExceeded));
+        }
+        mint_tokens_ -= 1.0;
+    }
+    if (!entry) {
         entry = std::make_shared<Entry>();
         map_.emplace(host, entry);
     }

@@ -9,12 +9,16 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "common/result.h"
 #include "tls/run_ca.h"
 
 namespace egress::tls {
+
+/// The error `LeafCache::get` returns when the per-run mint budget is spent.
+inline constexpr std::string_view kMintRateExceeded = "mint_rate_exceeded";
 
 class LeafCache {
 public:
@@ -24,6 +28,12 @@ public:
 
     /// Thread-safe. `host` must be normalized and must already have passed policy.
     Result<std::shared_ptr<const Leaf>> get(const std::string& host);
+
+    /// At most `per_minute` mints (first mints and re-mints) per rolling minute, as a token
+    /// bucket holding `per_minute` tokens; 0 = unlimited. Over it, `get` fails with
+    /// kMintRateExceeded for a host with no usable leaf (a host whose leaf is due for a
+    /// re-mint but still valid keeps being served). Bounds a storm of distinct SNI names.
+    void set_mint_rate(size_t per_minute);
 
     /// Cached leaves (mints in flight for a new host are not counted).
     size_t size() const;
@@ -43,6 +53,9 @@ private:
     std::condition_variable minted_;
     std::list<std::string> lru_;  // front = most recent
     std::unordered_map<std::string, std::shared_ptr<Entry>> map_;
+    size_t mint_rate_ = 0;        // per minute; 0 = unlimited
+    double mint_tokens_ = 0;
+    std::chrono::steady_clock::time_point mint_refill_{};
     uint64_t hits_ = 0;
     uint64_t misses_ = 0;
 };

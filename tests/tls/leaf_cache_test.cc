@@ -240,5 +240,34 @@ TEST(LeafCacheTest, LeafEndingWithTheCaIsKeptUntilItExpires) {
     EXPECT_EQ(cache.size(), 0u);
 }
 
+TEST(LeafCacheTest, MintRateBoundsDistinctNamesButKeepsServingCachedOnes) {
+    auto ca = make_ca();
+    LeafCache cache(*ca, 64);
+    cache.set_mint_rate(3);  // 3 per minute: a burst of 3, then one every 20 s
+    ASSERT_NE(must_get(cache, "a.test"), nullptr);
+    ASSERT_NE(must_get(cache, "b.test"), nullptr);
+    ASSERT_NE(must_get(cache, "c.test"), nullptr);
+    auto over = cache.get("d.test");
+    ASSERT_FALSE(over.ok());
+    EXPECT_EQ(over.error(), kMintRateExceeded);
+    EXPECT_EQ(cache.misses(), 3u);  // the refused name was not minted
+    EXPECT_EQ(cache.size(), 3u);    // nor cached
+    // Names already minted are hits and cost nothing.
+    for (int i = 0; i < 10; ++i) {
+        ASSERT_NE(must_get(cache, "a.test"), nullptr);
+    }
+    EXPECT_EQ(cache.hits(), 10u);
+}
+
+TEST(LeafCacheTest, ZeroMintRateIsUnlimited) {
+    auto ca = make_ca();
+    LeafCache cache(*ca, 64);
+    cache.set_mint_rate(0);
+    for (int i = 0; i < 20; ++i) {
+        ASSERT_NE(must_get(cache, "h" + std::to_string(i) + ".test"), nullptr);
+    }
+    EXPECT_EQ(cache.misses(), 20u);
+}
+
 }  // namespace
 }  // namespace egress::tls

@@ -1,0 +1,170 @@
+"""Transparent mode: egressd as a sandbox's default route (issue #7).
+
+The namespace tests need root (CAP_NET_ADMIN: network namespaces, veth, iptables), as CI runs;
+without it they are skipped with the reason. Everything they address is the test's own namespace
+(10.250.x.0/30) and loopback. configs/sandbox-netns.sh builds the namespace, exactly as a user
+would; `curl` runs inside with no proxy variables and only the run CA trusted.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+
+import pytest
+
+import helpers
+from upstream import free_port
+
+SCRIPT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs",
+                                      "sandbox-netns.sh"))
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, iptables)"
+    for tool in ("ip", "iptables", "curl"):
+        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            return f"{tool} is not installed"
+    probe = f"egp{os.getpid() % 100000}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class Sandbox:
+    def __init__(self, name: str, subnet_base: str, proxy_port: int, ports: list[int],
+                 hosts: list[str]):
+        self.name = name
+        a, b, c, d = (int(x) for x in subnet_base.split("."))
+        self.gateway = f"{a}.{b}.{c}.{d + 1}"
+        self.address = f"{a}.{b}.{c}.{d + 2}"
+        args = [SCRIPT, "up", name, "--proxy-port", str(proxy_port), "--subnet", subnet_base,
+                "--ports", ",".join(str(p) for p in ports)]
+        for h in hosts:
+            args += ["--host", h]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, f"sandbox-netns.sh up failed: {r.stderr}{r.stdout}"
+        assert f"listen.transparent: {self.gateway}:{proxy_port}" in r.stdout
+
+    def run(self, *cmd: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        return subprocess.run([SCRIPT, "exec", self.name, "--", *cmd], capture_output=True,
+                              text=True, timeout=timeout, env=helpers.clean_env())
+
+    def curl(self, *args: str, timeout: int = 10) -> subprocess.CompletedProcess:
+        return self.run("curl", "-sS", "--http1.1", "--max-time", str(timeout), *args,
+                        timeout=timeout + 10)
+
+    def down(self):
+        subprocess.run([SCRIPT, "down", self.name], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def netns_setup(world, factory):
+    why = _netns_unavailable()
+    if why:
+        pytest.skip(why)
+    tp = free_port()
+    tag = uuid.uuid4().hex[:4]
+    w = world
+    hosts = ["api.test", "plain.test", "tunnel.test", "unlisted.test"]
+    bound = Sandbox(f"egt{tag}a", "10.250.31.0", tp, [w.U, w.plain.port], hosts)
+    stranger = None
+    try:
+        stranger = Sandbox(f"egt{tag}b", "10.250.32.0", tp, [w.U], hosts)
+
+        def mutate(cfg):
+            # Both sandboxes' gateways (REDIRECT targets the incoming interface's address).
+            cfg["listen"]["transparent"] = f"0.0.0.0:{tp}"
+            cfg["runs"][0]["sources"] = [f"{bound.address}/32"]
+            cfg["runs"][1]["sources"] = ["10.250.40.0/24"]  # some other sandbox
+        e = factory.start(mutate)
+        yield e, bound, stranger
+    finally:
+        bound.down()
+        if stranger:
+            stranger.down()
+
+
+def test_curl_in_the_sandbox_gets_the_credential_injected(world, netns_setup, marker):
+    e, sb, _ = netns_setup
+    ca = os.path.join(e.workdir, "r1-ca.pem")
+    # No proxy variables, only the run CA trusted; api.test resolves (hosts file) to the
+    # gateway, and the kernel redirects the connection to egressd.
+    r = sb.curl("--cacert", ca, "-H", "Authorization: Bearer sandbox-forged",
+                f"https://api.test:{world.U}/echo?{marker}")
+    assert r.returncode == 0, r.stderr
+    seen = world.upstream.find(marker)
+    assert len(seen) == 1
+    assert seen[0].header("authorization") == [f"Bearer {world.secrets['api_token']}"]
+    assert seen[0].sni == "api.test"
+    recs = e.wait_audit(lambda x: x.get("host") == "api.test" and x.get("status") == 200
+                        and x.get("path") == "/echo")
+    assert recs[-1]["run"] == "r1"
+    assert recs[-1]["decision"] == "allow"
+    assert recs[-1]["pin"] is not None
+
+
+def test_a_host_outside_policy_is_closed_and_audited(netns_setup, world):
+    e, sb, _ = netns_setup
+    ca = os.path.join(e.workdir, "r1-ca.pem")
+    r = sb.curl("--cacert", ca, f"https://unlisted.test:{world.U}/")
+    assert r.returncode != 0  # closed before any handshake: nothing to trust, nothing sent
+    rec = e.wait_audit(lambda x: x.get("host") == "unlisted.test" and x["decision"] == "deny")
+    assert rec[-1]["reason"] == "host_not_allowed"
+    assert rec[-1]["run"] == "r1"
+    assert not [s for s in world.upstream.requests if s.sni == "unlisted.test"]
+
+
+def test_cleartext_http_is_served_without_a_credential(netns_setup, world, marker):
+    e, sb, _ = netns_setup
+    r = sb.curl(f"http://plain.test:{world.plain.port}/echo?{marker}")
+    assert r.returncode == 0, r.stderr
+    seen = world.plain.find(marker)
+    assert len(seen) == 1
+    assert seen[0].header("authorization") == []  # a pinned host over cleartext: no credential
+
+
+def test_other_ports_and_egressd_itself_are_unreachable(netns_setup, world):
+    e, sb, _ = netns_setup
+    admin_port = int(e.config["listen"]["admin"].rsplit(":", 1)[1])
+    tp = int(e.config["listen"]["transparent"].rsplit(":", 1)[1])
+    for port in (9, admin_port, tp):  # not redirected: dropped (a timeout, not a refusal)
+        r = sb.curl(f"http://{sb.gateway}:{port}/", timeout=2)
+        assert r.returncode == 28, (port, r.returncode, r.stderr)
+    # DNS is refused at once: no name resolves except through the hosts file.
+    r = sb.run("getent", "hosts", "example.com")
+    assert r.returncode != 0
+
+
+def test_a_source_bound_to_no_run_is_refused(netns_setup, world, marker):
+    e, _, stranger = netns_setup
+    ca = os.path.join(e.workdir, "r1-ca.pem")
+    r = stranger.curl("--cacert", ca, f"https://api.test:{world.U}/echo?{marker}")
+    assert r.returncode != 0
+    assert world.upstream.find(marker) == []
+    rec = e.wait_audit(lambda x: x.get("reason") == "no_identity")
+    assert rec[-1]["status"] == 403
+
+
+def test_a_direct_connection_to_the_transparent_port_is_refused(factory, world):
+    """Without root: a connection that was not redirected has no original destination."""
+    tp = free_port()
+
+    def mutate(cfg):
+        cfg["listen"]["transparent"] = f"127.0.0.1:{tp}"
+    e = factory.start(mutate)
+    s = socket.create_connection(("127.0.0.1", tp), timeout=5)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n")
+    s.settimeout(5)
+    try:
+        got = s.recv(100)
+    except ConnectionResetError:  # closed with our request unread
+        got = b""
+    assert got == b""  # closed without an answer and without forwarding anything
+    s.close()
+    rec = e.wait_audit(lambda x: x.get("reason") == "no_original_destination")
+    assert rec[-1]["decision"] == "deny"
