@@ -9,7 +9,8 @@
 # Needs openssl and nginx (h1: apt-get install -y nginx-light) or nghttpd (h2: nghttp2-server).
 # PATH_SUFFIX picks the upstream path (h1: json or 64k; h2: 1k); PERF_OUT=FILE records a perf
 # profile of egressd during the run. Prints the comparison, egressd's CPU µs per request and
-# its peak RSS.
+# its peak RSS. COMPARE_DURABLE=1 compares egressd with audit.durable off (A) and on (B)
+# instead of direct vs egressd: two egressd processes, same upstream, same run.
 set -euo pipefail
 PROTO=${1:?usage: compare.sh h1|h2 [BUILD_DIR] ...}
 shift
@@ -21,7 +22,7 @@ else
 fi
 BUILD=$(cd "$BUILD" && pwd)
 W=$(mktemp -d "/tmp/egress-${PROTO}bench.XXXXXX")
-cleanup() { kill "${UP_PID:-}" "${EG_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
+cleanup() { kill "${UP_PID:-}" "${EG_PID:-}" "${EG2_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -99,13 +100,31 @@ for _ in $(seq 100); do
   curl -sf "http://127.0.0.1:$AD/readyz" >/dev/null 2>&1 && break; sleep 0.1
 done
 cat "$W/ca.pem" "$W/run-ca.pem" > "$W/both.pem"
+A_ARGS=''
+B_ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX"
+if [ -n "${COMPARE_DURABLE:-}" ]; then
+  PX2=$(free_port); AD2=$(free_port); mkdir -p "$W/d"
+  sed -e "s/127.0.0.1:$PX,/127.0.0.1:$PX2,/" -e "s/127.0.0.1:$AD}/127.0.0.1:$AD2}/" \
+      -e "s|audit: {path: $W/audit.jsonl}|audit: {path: $W/d/audit.jsonl, durable: true}|" \
+      -e "s|$W/run-ca.pem|$W/d/run-ca.pem|" -e "s|path: $W/state|path: $W/d/state|" \
+      "$W/egressd.yaml" > "$W/d/egressd.yaml"
+  "$BUILD/egressd" --config "$W/d/egressd.yaml" 2> "$W/d/egressd.log" &
+  EG2_PID=$!
+  for _ in $(seq 100); do
+    curl -sf "http://127.0.0.1:$AD2/readyz" >/dev/null 2>&1 && break; sleep 0.1
+  done
+  cat "$W/d/run-ca.pem" >> "$W/both.pem"
+  A_ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX"
+  B_ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX2"
+  echo "A = egressd, audit.durable false; B = egressd, audit.durable true"
+fi
 
 cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
 T0=$(cpu_ticks)
 # shellcheck disable=SC2086  # PROTO_ARGS is a list of options
 "$BUILD/bench/egress-bench" $PROTO_ARGS --cacert "$W/both.pem" --connections "$CONNS" \
   --duration "$DUR" --warmup 1s "https://127.0.0.1:$UP/${PATH_SUFFIX:-$DEFAULT_PATH}" \
-  --pairs "$PAIRS" --compare '' "--proxy http://bench:benchtoken@127.0.0.1:$PX" \
+  --pairs "$PAIRS" --compare "$A_ARGS" "$B_ARGS" \
   | tee "$W/compare.txt"
 T1=$(cpu_ticks)
 if [ -n "${PERF_PID:-}" ]; then kill -INT "$PERF_PID"; wait "$PERF_PID" 2>/dev/null || true; fi
@@ -113,3 +132,7 @@ HZ=$(getconf CLK_TCK)
 REQS=$(wc -l < "$W/audit.jsonl")
 echo "egressd: $REQS audited requests, CPU $(( (T1 - T0) * 1000000 / HZ / (REQS > 0 ? REQS : 1) )) us/request," \
      "peak RSS $(awk '/VmHWM/{print $2" "$3}' /proc/$EG_PID/status)"
+if [ -n "${EG2_PID:-}" ]; then
+  echo "egressd (durable): $(grep -c '"event":"decision"' "$W/d/audit.jsonl") decision records" \
+       "for $(grep -vc '"event":"decision"' "$W/d/audit.jsonl") requests"
+fi
