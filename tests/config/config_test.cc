@@ -155,6 +155,7 @@ limits:
   h2_stream_window: 65536
   h2_settings_timeout: 2s
   leaf_cache_size: 16
+  leaf_mints_per_minute: 120
   max_upstream_idle_per_host: 0
 audit:
   path: "-"
@@ -247,6 +248,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.h2_stream_window, 65536u);
     EXPECT_EQ(c.limits.h2_settings_timeout, milliseconds(2'000));
     EXPECT_EQ(c.limits.leaf_cache_size, 16u);
+    EXPECT_EQ(c.limits.leaf_mints_per_minute, 120u);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
     EXPECT_EQ(c.audit.path, "-");
     EXPECT_TRUE(c.audit.durable);
