@@ -97,8 +97,17 @@ Identity identify(const Runtime& rt, const http::request<http::buffer_body>& req
 
 awaitable<void> pump(tcp::socket& from, tcp::socket& to, uint64_t& bytes,
                      Clock::time_point& last_activity) {
-    auto buf = std::make_unique<char[]>(kTunnelBufferBytes);
+    // The buffer is allocated when the first byte arrives: an idle tunnel holds none
+    // (10 000 idle tunnels: bench/idle_tunnels.py).
+    std::unique_ptr<char[]> buf;
     for (;;) {
+        if (!buf) {
+            auto [wec] = co_await from.async_wait(tcp::socket::wait_read, use_nothrow);
+            if (wec) {
+                break;
+            }
+            buf = std::make_unique<char[]>(kTunnelBufferBytes);
+        }
         auto [ec, n] = co_await from.async_read_some(net::buffer(buf.get(), kTunnelBufferBytes),
                                                      use_nothrow);
         if (n > 0) {
