@@ -296,26 +296,12 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     for (;;) {
         const auto started = Clock::now();
         http::request_parser<http::buffer_body> parser;
-        parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
-        parser.body_limit(boost::none);
-        stream.expires_after(first ? limits.header_timeout : limits.idle_timeout);
-        auto [ec, n] = co_await http::async_read_header(stream, buf, parser, use_nothrow);
+        auto got = co_await read_request_head(stream, buf, parser, first, limits);
         first = false;
-        if (ec == http::error::end_of_stream || ec == net::error::eof ||
-            ec == beast::error::timeout || ec == net::error::operation_aborted) {
+        if (got != HeadRead::Ok) {
+            co_await refuse_head(stream, got, scope, started);
             co_return;
         }
-        if (ec == http::error::header_limit) {
-            co_await write_refusal(stream, 431, "header_too_large", false);
-            audit_refusal(scope, "", "", 431, "header_too_large", started);
-            co_return;
-        }
-        if (ec) {
-            co_await write_refusal(stream, 400, "bad_request", false);
-            audit_refusal(scope, "", "", 400, "bad_request", started);
-            co_return;
-        }
-        stream.expires_never();
         auto& req = parser.get();
         std::string method(req.method_string());
         bool is_connect = req.method() == http::verb::connect;
@@ -504,23 +490,12 @@ awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t
     for (;;) {
         const auto started = Clock::now();
         http::request_parser<http::buffer_body> parser;
-        parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
-        parser.body_limit(boost::none);
-        stream.expires_after(first ? limits.header_timeout : limits.idle_timeout);
-        auto [ec, n] = co_await http::async_read_header(stream, buf, parser, use_nothrow);
+        auto got = co_await read_request_head(stream, buf, parser, first, limits);
         first = false;
-        if (ec == http::error::end_of_stream || ec == net::error::eof ||
-            ec == beast::error::timeout || ec == net::error::operation_aborted) {
+        if (got != HeadRead::Ok) {
+            co_await refuse_head(stream, got, scope, started);
             co_return;
         }
-        if (ec) {
-            int status = ec == http::error::header_limit ? 431 : 400;
-            std::string reason = status == 431 ? "header_too_large" : "bad_request";
-            co_await write_refusal(stream, status, reason, false);
-            audit_refusal(scope, "", "", status, reason, started);
-            co_return;
-        }
-        stream.expires_never();
         auto& req = parser.get();
         std::string method(req.method_string());
         auto host = req.find(http::field::host);

@@ -168,6 +168,20 @@ std::string endpoint_text(const tcp::endpoint& ep) {
 
 }  // namespace
 
+namespace {
+
+/// The one audit record, metrics and log line of a refused request (`rec` complete).
+void record_denial(Scope& scope, const AuditRecord& rec) {
+    auto& shared = scope.worker->shared;
+    shared.audit->write(rec);
+    shared.metrics.denied(rec.reason);
+    shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
+    spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id, rec.req_id, rec.run,
+                 rec.method, scope.target.authority(), rec.path, rec.status, rec.reason);
+}
+
+}  // namespace
+
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
                    const std::string& reason, Clock::time_point started) {
     auto& shared = scope.worker->shared;
@@ -183,12 +197,8 @@ void audit_refusal(Scope& scope, const std::string& method, const std::string& p
     rec.reason = reason;
     rec.duration_ms = ms_since(started);
     rec.proto_in = scope.proto_in;
-    shared.audit->write(rec);
-    shared.metrics.denied(reason);
-    shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
-    spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id,
-                 shared.next_req_id.fetch_add(1), rec.run, method, scope.target.authority(), path,
-                 status, reason);
+    rec.req_id = shared.next_req_id.fetch_add(1);
+    record_denial(scope, rec);
 }
 
 awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope& scope,
@@ -306,11 +316,13 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         const bool may_retry = attempt == 0 && up->reused() && req_body.none;
         bool sent = co_await up->send_head(head, req_body);
         bool client_failed = false;
+        BodyFailure client_failure = BodyFailure::Aborted;
         if (sent && !req_body.none) {
             for (;;) {
                 auto chunk = co_await down.read_body();
                 if (!chunk.ok) {
                     client_failed = true;
+                    client_failure = chunk.failure;
                     break;
                 }
                 rec.bytes_in += chunk.data.size();
@@ -332,7 +344,22 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             }
         }
         if (client_failed) {
-            finish(0, "client_aborted", "");
+            // The upstream connection is dropped, not pooled: the partial request dies with it.
+            if (client_failure == BodyFailure::Aborted) {
+                finish(0, "client_aborted", "");
+                co_return false;
+            }
+            // A malformed or stalled request body is a refusal of the request (the head went
+            // out, the request never completes upstream): the client is told and it is counted.
+            const bool framing = client_failure == BodyFailure::Framing;
+            const int status = framing ? 400 : 408;
+            const std::string reason = framing ? "bad_framing" : "body_timeout";
+            co_await down.refuse(status, reason, false);
+            rec.status = status;
+            rec.decision = "deny";
+            rec.reason = reason;
+            rec.duration_ms = ms_since(started);
+            record_denial(scope, rec);
             co_return false;
         }
         if (!sent && may_retry) {

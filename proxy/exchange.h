@@ -41,11 +41,19 @@ struct BodyInfo {
     std::optional<uint64_t> length;     // known length (content-length), if any
 };
 
+/// Why a body read failed.
+enum class BodyFailure : uint8_t {
+    Aborted,  // the peer closed or reset
+    Timeout,  // no progress within idle_timeout
+    Framing,  // malformed framing (chunk syntax, length mismatch): a smuggling attempt or a bug
+};
+
 /// One piece of a body. `data` stays valid until the next read on the same source.
 struct BodyChunk {
     std::string_view data;
     bool last = false;   // the body (and its trailers) is complete
-    bool ok = true;      // false: the peer aborted, reset or timed out
+    bool ok = true;      // false: see `failure`
+    BodyFailure failure = BodyFailure::Aborted;
 };
 
 struct ResponseHead {

@@ -27,6 +27,7 @@ struct ServerStream {
     std::string host;  // a "host" header, if sent
     bool has_host = false;
     std::optional<uint64_t> content_length;
+    uint64_t received = 0;  // request body bytes
     size_t header_bytes = 0;
     size_t header_fields = 0;
     std::vector<std::string> cookies;
@@ -47,6 +48,8 @@ struct ServerStream {
     // state
     bool closed = false;
     uint32_t error = 0;
+    Clock::time_point began = Clock::now();
+    std::string refusal;  // why egressd or nghttp2 reset it (audited), empty for a client reset
     bool handled = false;       // a handler owns it
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
 };
@@ -130,6 +133,7 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     }
     if (!within_header_budget(st, namelen, valuelen, c->limits.h2_max_header_fields,
                               c->limits.h2_max_header_list_bytes)) {
+        st->refusal = "header_too_large";
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // RST_STREAM on this stream only
     }
     auto n = sv(name, namelen);
@@ -149,6 +153,7 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     } else if (n == ":path") {
         st->head.path = v;
     } else if (!n.empty() && n[0] == ':') {
+        st->refusal = "bad_request";
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // e.g. :protocol (not enabled)
     } else if (n == "host") {
         if (st->has_host) {
@@ -236,8 +241,22 @@ int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const ui
         nghttp2_session_consume(session, stream_id, len);  // nobody will forward it
         return 0;
     }
+    st->received += len;
     st->in.emplace_back(reinterpret_cast<const char*>(data), len);
     st->signal.notify();
+    return 0;
+}
+
+/// nghttp2 rejected a frame of a stream (HTTP messaging rules: a malformed or duplicated
+/// header, an absolute :path, DATA beyond content-length...) and resets that stream.
+int on_invalid_frame_recv(nghttp2_session*, const nghttp2_frame* frame, int lib_error,
+                          void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    if (auto* st = c->find(frame->hd.stream_id); st != nullptr && st->refusal.empty()) {
+        st->refusal = frame->hd.type == NGHTTP2_DATA ? "bad_framing" : "bad_request";
+        spdlog::info("conn={} h2 stream {} refused by the codec: {}", c->scope.conn_id,
+                     frame->hd.stream_id, nghttp2_strerror(lib_error));
+    }
     return 0;
 }
 
@@ -249,9 +268,18 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
         return 0;
     }
     auto st = it->second;
+    if (st->refusal.empty() && error_code == NGHTTP2_PROTOCOL_ERROR && !st->req_end &&
+        st->content_length && st->received != *st->content_length) {
+        st->refusal = "bad_framing";  // nghttp2 reset it: DATA disagreed with content-length
+    }
     st->closed = true;
     st->error = error_code;
     st->signal.notify();
+    if (!st->handled && !st->refusal.empty()) {
+        // Reset before a handler took it: this is the request's one audit record.
+        int status = st->refusal == "header_too_large" ? 431 : 400;
+        audit_refusal(c->scope, st->head.method, st->head.path, status, st->refusal, st->began);
+    }
     if (!st->handled) {
         // Buffered request bytes nobody will read go back to the connection window.
         size_t left = 0;
@@ -332,10 +360,13 @@ public:
                 co_return BodyChunk{{}, true, true};
             }
             if (st.closed || c_->io.dead) {
-                co_return BodyChunk{{}, false, false};
+                // nghttp2 resets a stream whose DATA breaks its content-length.
+                co_return BodyChunk{{}, false, false,
+                                    st.refusal == "bad_framing" ? BodyFailure::Framing
+                                                                : BodyFailure::Aborted};
             }
             if (!co_await st.signal.wait(c_->limits.idle_timeout)) {
-                co_return BodyChunk{{}, false, false};
+                co_return BodyChunk{{}, false, false, BodyFailure::Timeout};
             }
         }
     }
@@ -591,6 +622,7 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     nghttp2_session_callbacks_set_on_frame_recv_callback(cbs.get(), on_frame_recv);
     nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
     nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
+    nghttp2_session_callbacks_set_on_invalid_frame_recv_callback(cbs.get(), on_invalid_frame_recv);
     nghttp2_option* opt_raw = nullptr;
     nghttp2_option_new(&opt_raw);
     OptionPtr opt(opt_raw);

@@ -17,6 +17,40 @@ auto& lowest(Stream& s) {
     return beast::get_lowest_layer(s);
 }
 
+/// A deadline for one read that cancels it instead of closing the socket (beast's stream
+/// expiry closes it), so the connection can still carry a 408 to a slow client.
+class ReadDeadline {
+public:
+    template <class Stream>
+    ReadDeadline(Stream& s, std::chrono::milliseconds d)
+        : timer_(s.get_executor()), state_(std::make_shared<State>()) {
+        timer_.expires_after(d);
+        auto& sock = lowest(s).socket();
+        timer_.async_wait([st = state_, &sock](error_code ec) {
+            if (!ec && st->active) {  // `sock` is only touched while its read is pending
+                st->fired = true;
+                error_code ignored;
+                sock.cancel(ignored);
+            }
+        });
+    }
+    ~ReadDeadline() {
+        state_->active = false;
+        timer_.cancel();
+    }
+    ReadDeadline(const ReadDeadline&) = delete;
+    ReadDeadline& operator=(const ReadDeadline&) = delete;
+    bool fired() const { return state_->fired; }
+
+private:
+    struct State {
+        bool active = true;
+        bool fired = false;
+    };
+    net::steady_timer timer_;
+    std::shared_ptr<State> state_;
+};
+
 /// Reads the next body piece of a Beast parser into `buf` (64 KiB): nothing is buffered
 /// whole. Returns an empty non-last chunk when only framing was parsed.
 template <bool isRequest, class Stream>
@@ -28,14 +62,20 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf,
     }
     p.get().body().data = buf;
     p.get().body().size = kRelayBufferBytes;
-    lowest(s).expires_after(timeout);
+    ReadDeadline deadline(s, timeout);
     auto [ec, n] = co_await http::async_read_some(s, inbuf, p, use_nothrow);
-    lowest(s).expires_never();
     if (ec == http::error::need_buffer) {
         ec = {};
     }
     if (ec) {
-        co_return BodyChunk{{}, false, false};
+        auto failure = BodyFailure::Aborted;
+        if (deadline.fired()) {
+            failure = BodyFailure::Timeout;
+        } else if (ec.category() == http::make_error_code(http::error::bad_chunk).category() &&
+                   ec != http::error::end_of_stream && ec != http::error::partial_message) {
+            failure = BodyFailure::Framing;  // bad chunk size, extension, body overrun...
+        }
+        co_return BodyChunk{{}, false, false, failure};
     }
     size_t got = kRelayBufferBytes - p.get().body().size;
     co_return BodyChunk{std::string_view(buf, got), p.is_done(), true};
@@ -428,33 +468,80 @@ awaitable<void> write_refusal(Stream& s, int status, const std::string& reason, 
 template awaitable<void> write_refusal<TcpStream>(TcpStream&, int, const std::string&, bool);
 template awaitable<void> write_refusal<TlsStream>(TlsStream&, int, const std::string&, bool);
 
+template <class Stream>
+awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
+                                      http::request_parser<http::buffer_body>& parser, bool first,
+                                      const Limits& limits) {
+    parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
+    parser.body_limit(boost::none);
+    if (!first && buf.size() == 0) {
+        lowest(s).expires_after(limits.idle_timeout);
+        auto [ec, n] = co_await s.async_read_some(buf.prepare(4096), use_nothrow);
+        lowest(s).expires_never();
+        if (ec) {
+            co_return HeadRead::Closed;  // idle keep-alive connection ends quietly
+        }
+        buf.commit(n);
+    }
+    ReadDeadline deadline(s, limits.header_timeout);
+    auto [ec, n] = co_await http::async_read_header(s, buf, parser, use_nothrow);
+    if (!ec) {
+        co_return HeadRead::Ok;
+    }
+    if (deadline.fired()) {
+        co_return HeadRead::Timeout;
+    }
+    if (ec == http::error::header_limit) {
+        co_return HeadRead::TooLarge;
+    }
+    // A parser error or a TLS protocol error (e.g. a refused renegotiation) is answered.
+    const bool bad = ec.category() == http::make_error_code(http::error::bad_target).category() ||
+                     (ec.category() == net::error::get_ssl_category() &&
+                      ec != ssl::error::stream_truncated);
+    if (!bad || ec == http::error::end_of_stream || ec == http::error::partial_message) {
+        co_return HeadRead::Closed;  // eof (maybe mid-head), reset, TLS truncation, shutdown
+    }
+    co_return HeadRead::Bad;
+}
+
+template <class Stream>
+awaitable<void> refuse_head(Stream& s, HeadRead result, Scope& scope, Clock::time_point started) {
+    int status = 400;
+    std::string reason = "bad_request";
+    if (result == HeadRead::Closed || result == HeadRead::Ok) {
+        co_return;
+    }
+    if (result == HeadRead::Timeout) {
+        status = 408;
+        reason = "header_timeout";
+    } else if (result == HeadRead::TooLarge) {
+        status = 431;
+        reason = "header_too_large";
+    }
+    co_await write_refusal(s, status, reason, false);
+    audit_refusal(scope, "", "", status, reason, started);
+}
+
+template awaitable<HeadRead> read_request_head<TcpStream>(
+    TcpStream&, beast::flat_buffer&, http::request_parser<http::buffer_body>&, bool, const Limits&);
+template awaitable<HeadRead> read_request_head<TlsStream>(
+    TlsStream&, beast::flat_buffer&, http::request_parser<http::buffer_body>&, bool, const Limits&);
+template awaitable<void> refuse_head<TcpStream>(TcpStream&, HeadRead, Scope&, Clock::time_point);
+template awaitable<void> refuse_head<TlsStream>(TlsStream&, HeadRead, Scope&, Clock::time_point);
+
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer,
                                         Scope& scope) {
     const auto& limits = scope.runtime->config->limits;
     bool first = true;
     for (;;) {
+        const auto started = Clock::now();
         http::request_parser<http::buffer_body> parser;
-        parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
-        parser.body_limit(boost::none);
-        lowest(client).expires_after(first ? limits.header_timeout : limits.idle_timeout);
-        auto [ec, n] = co_await http::async_read_header(client, buffer, parser, use_nothrow);
+        auto got = co_await read_request_head(client, buffer, parser, first, limits);
         first = false;
-        if (ec == http::error::end_of_stream || ec == net::error::eof ||
-            ec == ssl::error::stream_truncated || ec == beast::error::timeout ||
-            ec == net::error::operation_aborted) {
-            break;  // clean close, idle timeout, or shutdown
-        }
-        if (ec == http::error::header_limit) {
-            co_await write_refusal(client, 431, "header_too_large", false);
-            audit_refusal(scope, "", "", 431, "header_too_large", Clock::now());
+        if (got != HeadRead::Ok) {
+            co_await refuse_head(client, got, scope, started);
             break;
         }
-        if (ec) {
-            co_await write_refusal(client, 400, "bad_request", false);
-            audit_refusal(scope, "", "", 400, "bad_request", Clock::now());
-            break;
-        }
-        lowest(client).expires_never();
         if (scope.worker->shared.draining.load()) {
             parser.get().keep_alive(false);
         }

@@ -15,6 +15,29 @@ namespace egress::proxy {
 template <class Stream>
 awaitable<void> write_refusal(Stream& s, int status, const std::string& reason, bool keep_alive);
 
+/// How reading a request head ended.
+enum class HeadRead : uint8_t {
+    Ok,
+    Closed,    // clean close, reset, or a keep-alive connection idle past idle_timeout
+    Timeout,   // started (or first request) but no complete head within header_timeout
+    TooLarge,  // over max_header_bytes
+    Bad,       // unparseable
+};
+
+/// Reads one request head into `parser`. A keep-alive connection (`first` false, nothing
+/// buffered) may idle for idle_timeout before the next request's first byte; from then on (and
+/// from accept on the first request) the whole head must arrive within header_timeout, so a
+/// slowloris client is cut off at header_timeout wherever it starts.
+template <class Stream>
+awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
+                                      http::request_parser<http::buffer_body>& parser, bool first,
+                                      const Limits& limits);
+
+/// Answers a failed head read (408 header_timeout, 431, 400) and audits it; nothing for Closed.
+template <class Stream>
+awaitable<void> refuse_head(Stream& s, HeadRead result, Scope& scope,
+                            std::chrono::steady_clock::time_point started);
+
 /// Serves requests on an intercepted TLS connection until it closes.
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer, Scope& scope);
 
