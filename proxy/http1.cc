@@ -17,6 +17,9 @@ auto& lowest(Stream& s) {
     return beast::get_lowest_layer(s);
 }
 
+/// Responses with a Content-Length up to this go out head and body in one write.
+constexpr uint64_t kCoalesceBodyBytes = 16 * 1024;
+
 /// A deadline for one read that cancels it instead of closing the socket (beast's stream
 /// expiry closes it), so the connection can still carry a 408 to a slow client.
 class ReadDeadline {
@@ -98,10 +101,14 @@ Headers trailers_after(const Fields& f, size_t header_fields) {
 /// chunk carrying trailers.
 template <class Stream>
 awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bool last,
-                              const Headers* trailers, std::chrono::milliseconds timeout) {
+                              const Headers* trailers, std::chrono::milliseconds timeout,
+                              std::string_view head = {}) {
     std::string framing;
     std::string tail;
     std::vector<net::const_buffer> bufs;
+    if (!head.empty()) {
+        bufs.push_back(net::buffer(head));  // a held-back head goes out in the same write
+    }
     if (chunked) {
         if (!data.empty()) {
             char hex[24];
@@ -252,6 +259,21 @@ public:
         }
         res.keep_alive(keep_alive_);
         http::response_serializer<http::empty_body> sr{res};
+        if (!none_ && !chunked_ && *rh.body.length <= kCoalesceBodyBytes) {
+            // A small fixed-length body: hold the head back and send it with the body in one
+            // write (one TLS record, one syscall instead of two per response).
+            sr.split(true);
+            error_code ec;
+            while (!ec && !sr.is_header_done()) {
+                sr.next(ec, [&](error_code&, const auto& buffers) {
+                    for (auto b : beast::buffers_range_ref(buffers)) {
+                        held_head_.append(static_cast<const char*>(b.data()), b.size());
+                    }
+                    sr.consume(beast::buffer_bytes(buffers));
+                });
+            }
+            co_return !ec;
+        }
         lowest(s_).expires_after(timeout_);
         auto [ec, n] = co_await http::async_write_header(s_, sr, use_nothrow);
         lowest(s_).expires_never();
@@ -261,7 +283,9 @@ public:
         if (none_) {
             co_return true;
         }
-        co_return co_await h1_write_body(s_, chunked_, data, last, trailers, timeout_);
+        std::string head = std::move(held_head_);
+        held_head_.clear();
+        co_return co_await h1_write_body(s_, chunked_, data, last, trailers, timeout_, head);
     }
 
 private:
@@ -275,6 +299,7 @@ private:
     bool keep_alive_ = false;
     bool none_ = false;
     bool chunked_ = false;
+    std::string held_head_;  // serialized response head awaiting the body (small bodies)
 };
 
 /// The origin side of one HTTP/1.1 request: a pooled TLS connection or plain TCP.
