@@ -1,0 +1,25 @@
+// Link stubs for the socket-bound parts of proxy/ that proxy/http1.cc and proxy/h2_server.cc
+// reference but the fuzz targets never reach: the worker's resolver and upstream pool
+// (server.cc, resolver.cc, upstream.cc pull in c-ares and every dial path) and the audit of
+// refusals (exchange.cc). Each target defines serve_exchange itself.
+#include "proxy/exchange.h"
+
+namespace egress::proxy {
+
+struct Resolver::Impl {};
+Resolver::~Resolver() = default;
+
+UpstreamPool::~UpstreamPool() = default;
+void UpstreamPool::release(std::unique_ptr<TlsConn>) {}
+
+Worker::Worker(Shared& s) : shared(s) {}
+Worker::~Worker() = default;
+
+void audit_refusal(Scope&, const std::string&, const std::string&, int status,
+                   const std::string& reason, std::chrono::steady_clock::time_point) {
+    if (status < 400 || status > 599 || reason.empty()) {
+        std::abort();  // every refusal is a 4xx/5xx with a reason
+    }
+}
+
+}  // namespace egress::proxy
