@@ -17,6 +17,9 @@ auto& lowest(Stream& s) {
     return beast::get_lowest_layer(s);
 }
 
+/// Free buffer space before each body read: one TLS record's plaintext.
+constexpr size_t kBodyReadBytes = 16 * 1024;
+
 /// Responses with a Content-Length up to this go out head and body in one write.
 constexpr uint64_t kCoalesceBodyBytes = 16 * 1024;
 
@@ -65,6 +68,11 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf,
     }
     p.get().body().data = buf;
     p.get().body().size = kRelayBufferBytes;
+    // Beast reads max(512, free capacity) bytes per call: without room for a whole TLS record
+    // a body would be relayed (and re-encrypted, and sent) in 512-byte pieces.
+    if (inbuf.capacity() - inbuf.size() < kBodyReadBytes) {
+        inbuf.reserve(inbuf.size() + kBodyReadBytes);
+    }
     ReadDeadline deadline(s, timeout);
     auto [ec, n] = co_await http::async_read_some(s, inbuf, p, use_nothrow);
     if (ec == http::error::need_buffer) {
