@@ -27,11 +27,31 @@ struct ScanState {
 size_t scan(const std::vector<std::string>& needles, size_t max_len, std::string& buf, bool final,
             ScanState& st) {
     std::array<bool, 256> first{};
+    std::array<unsigned char, 256> firsts{};  // the distinct first bytes, for memchr
+    size_t n_firsts = 0;
     for (const std::string& n : needles) {
-        first[static_cast<unsigned char>(n.front())] = true;
+        auto c = static_cast<unsigned char>(n.front());
+        if (!first[c]) {
+            first[c] = true;
+            firsts[n_firsts++] = c;
+        }
     }
     const size_t size = buf.size();
     for (size_t i = 0; i < size; ++i) {
+        if (st.covered_left == 0) {
+            // Outside a match, jump to the next byte that can start a needle (memchr is
+            // vectorised; a body rarely holds one).
+            size_t next = size;
+            for (size_t k = 0; k < n_firsts; ++k) {
+                if (const void* p = std::memchr(buf.data() + i, firsts[k], next - i)) {
+                    next = static_cast<size_t>(static_cast<const char*>(p) - buf.data());
+                }
+            }
+            i = next;
+            if (i == size) {
+                break;
+            }
+        }
         const size_t left = size - i;
         const bool candidate = first[static_cast<unsigned char>(buf[i])];
         if (candidate && !final && left < max_len) {
