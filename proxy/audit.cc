@@ -1,13 +1,13 @@
 #include "proxy/audit.h"
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
 
-#include <boost/json.hpp>
 
 namespace egress::proxy {
 
@@ -23,36 +23,96 @@ std::string iso8601_utc(std::chrono::system_clock::time_point t) {
     return buf;
 }
 
+namespace {
+
+/// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters).
+void json_string(std::string& out, std::string_view v) {
+    out.push_back('"');
+    for (char ch : v) {
+        auto c = static_cast<unsigned char>(ch);
+        if (c == '"' || c == '\\') {
+            out.push_back('\\');
+            out.push_back(ch);
+        } else if (c < 0x20) {
+            char esc[8];
+            std::snprintf(esc, sizeof esc, "\\u%04x", c);
+            out += esc;
+        } else {
+            out.push_back(ch);
+        }
+    }
+    out.push_back('"');
+}
+
+/// Starts `"name":` after '{' or a previous field.
+void field(std::string& out, std::string_view name) {
+    if (out.size() > 1) {
+        out.push_back(',');
+    }
+    out.push_back('"');
+    out += name;
+    out += "\":";
+}
+
+void str_field(std::string& out, std::string_view name, std::string_view v) {
+    field(out, name);
+    json_string(out, v);
+}
+
+void opt_field(std::string& out, std::string_view name, std::string_view v, bool present) {
+    field(out, name);
+    if (present) {
+        json_string(out, v);
+    } else {
+        out += "null";
+    }
+}
+
+void num_field(std::string& out, std::string_view name, uint64_t v) {
+    field(out, name);
+    out += std::to_string(v);
+}
+
+}  // namespace
+
+// Written by hand rather than through boost::json::object: one per request on the hot path,
+// and the fields and their order are fixed (DESIGN.md "Audit record").
 std::string audit_json(const AuditRecord& r) {
-    boost::json::object o;
-    o["time"] = iso8601_utc(std::chrono::system_clock::now());
-    o["run"] = r.run.empty() ? boost::json::value(nullptr) : boost::json::value(r.run);
-    o["method"] = r.method;
-    o["scheme"] = r.scheme;
-    o["host"] = r.host;
-    o["port"] = r.port;
+    std::string out;
+    out.reserve(384);
+    out.push_back('{');
+    str_field(out, "time", iso8601_utc(std::chrono::system_clock::now()));
+    opt_field(out, "run", r.run, !r.run.empty());
+    str_field(out, "method", r.method);
+    str_field(out, "scheme", r.scheme);
+    str_field(out, "host", r.host);
+    num_field(out, "port", r.port);
     auto q = r.path.find('?');
-    o["path"] = q == std::string::npos ? r.path : r.path.substr(0, q);
-    o["status"] = r.status;
-    o["pin"] = r.pin ? boost::json::value(*r.pin) : boost::json::value(nullptr);
-    o["secret"] = r.secret ? boost::json::value(*r.secret) : boost::json::value(nullptr);
-    o["decision"] = r.decision;
-    o["reason"] = r.reason;
-    o["bytes_in"] = r.bytes_in;
-    o["bytes_out"] = r.bytes_out;
-    o["duration_ms"] = std::round(r.duration_ms * 1000.0) / 1000.0;
-    o["upstream_addr"] = r.upstream_addr.empty() ? boost::json::value(nullptr)
-                                                 : boost::json::value(r.upstream_addr);
-    o["proto_in"] = r.proto_in;
-    o["proto_out"] = r.proto_out.empty() ? boost::json::value(nullptr)
-                                         : boost::json::value(r.proto_out);
+    str_field(out, "path", std::string_view(r.path).substr(0, q));
+    field(out, "status");
+    out += std::to_string(r.status);
+    opt_field(out, "pin", r.pin ? std::string_view(*r.pin) : std::string_view(), r.pin.has_value());
+    opt_field(out, "secret", r.secret ? std::string_view(*r.secret) : std::string_view(),
+              r.secret.has_value());
+    str_field(out, "decision", r.decision);
+    str_field(out, "reason", r.reason);
+    num_field(out, "bytes_in", r.bytes_in);
+    num_field(out, "bytes_out", r.bytes_out);
+    field(out, "duration_ms");
+    char ms[32];
+    std::snprintf(ms, sizeof ms, "%.3f", r.duration_ms);
+    out += ms;
+    opt_field(out, "upstream_addr", r.upstream_addr, !r.upstream_addr.empty());
+    str_field(out, "proto_in", r.proto_in);
+    opt_field(out, "proto_out", r.proto_out, !r.proto_out.empty());
     if (r.req_id != 0) {
-        o["req_id"] = r.req_id;
+        num_field(out, "req_id", r.req_id);
     }
     if (!r.event.empty()) {
-        o["event"] = r.event;
+        str_field(out, "event", r.event);
     }
-    return boost::json::serialize(o);
+    out.push_back('}');
+    return out;
 }
 
 Result<std::unique_ptr<AuditLog>> AuditLog::open(const std::string& path, bool durable) {

@@ -125,6 +125,40 @@ TEST(AuditLog, PlainModeReportsDurableWritesAtOnce) {
     EXPECT_EQ(read_records(path).size(), 1u);
 }
 
+TEST(AuditJson, IsOneValidObjectWithEveryFieldAndEscapes) {
+    AuditRecord r = record(42);
+    r.method = "GE\"T";
+    r.path = "/a\\b\x01c?q=secret";
+    r.reason = "line\nbreak";
+    r.status = 403;
+    r.duration_ms = 1.23456;
+    auto v = boost::json::parse(audit_json(r)).as_object();
+    EXPECT_EQ(v.at("method").as_string(), "GE\"T");
+    EXPECT_EQ(v.at("path").as_string(), "/a\\b\x01c");  // query removed
+    EXPECT_EQ(v.at("reason").as_string(), "line\nbreak");
+    EXPECT_EQ(v.at("status").to_number<int>(), 403);
+    EXPECT_EQ(v.at("port").to_number<int>(), 443);
+    EXPECT_NEAR(v.at("duration_ms").to_number<double>(), 1.235, 1e-9);
+    EXPECT_TRUE(v.at("pin").is_null());
+    EXPECT_TRUE(v.at("secret").is_null());
+    EXPECT_TRUE(v.at("upstream_addr").is_null());
+    EXPECT_TRUE(v.at("proto_out").is_null());
+    EXPECT_EQ(v.at("req_id").to_number<uint64_t>(), 42u);
+    EXPECT_FALSE(v.contains("event"));
+    for (const char* k : {"time", "run", "method", "scheme", "host", "port", "path", "status",
+                          "pin", "secret", "decision", "reason", "bytes_in", "bytes_out",
+                          "duration_ms", "upstream_addr", "proto_in", "proto_out"}) {
+        EXPECT_TRUE(v.contains(k)) << k;
+    }
+    r.pin = "r1-pin-0";
+    r.secret = "gh";
+    r.run.clear();
+    auto w = boost::json::parse(audit_json(r)).as_object();
+    EXPECT_EQ(w.at("pin").as_string(), "r1-pin-0");
+    EXPECT_EQ(w.at("secret").as_string(), "gh");
+    EXPECT_TRUE(w.at("run").is_null());
+}
+
 TEST(AuditLog, UnwritablePathNamesTheKey) {
     auto log = AuditLog::open("/proc/egress-no-such-dir/audit.jsonl", true);
     ASSERT_FALSE(log.ok());
