@@ -300,7 +300,11 @@ AddressVerdict AddressPolicy::vet(const IpAddress& ip) const {
         return v;
     }
     std::optional<IpAddress> inner;
-    if (!ip.is_v4()) {
+    // :: and ::1 are IPv6's own unspecified and loopback, not IPv4-compatible forms of
+    // 0.0.0.0 / 0.0.0.1: an IPv4 exception such as 0.0.0.0/8 never admits them (found by
+    // fuzzing, tests/fuzz/regressions/address).
+    const bool v6_special = !ip.is_v4() && all_zero(ip.bytes, 0, 15) && ip.bytes[15] <= 1;
+    if (!ip.is_v4() && !v6_special) {
         inner = embedded_v4(ip.bytes).v4;
     }
     for (const Cidr& c : allow_) {

@@ -224,6 +224,10 @@ INSTANTIATE_TEST_SUITE_P(
         VetCase{{"127.0.0.1/32"}, "::ffff:127.0.0.1", true, ""},
         VetCase{{"127.0.0.1/32"}, "64:ff9b::127.0.0.1", true, ""},
         VetCase{{"127.0.0.1/32"}, "::1", false, "denied_address:loopback"},
+        // :: and ::1 are not IPv4-compatible 0.0.0.0 / 0.0.0.1 (fuzz regression).
+        VetCase{{"0.0.0.0/8"}, "::1", false, "denied_address:loopback"},
+        VetCase{{"0.0.0.0/8"}, "::", false, "denied_address:unspecified"},
+        VetCase{{"0.0.0.0/8"}, "::0.0.0.2", true, ""},
         VetCase{{"::1"}, "::1", true, ""}, VetCase{{"10.0.0.0/8"}, "10.9.8.7", true, ""},
         VetCase{{"10.0.0.0/8"}, "192.168.0.1", false, "denied_address:private"},
         // Metadata needs an exception that names it exactly.
