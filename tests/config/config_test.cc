@@ -539,8 +539,20 @@ const ErrorRow kErrorRows[] = {
     {"YamlBadIndent", "listen:\n  proxy: 127.0.0.1:1\n admin: x\n", "test.yaml: line "},
     {"YamlUndefinedAlias", "audit: {path: *nope}\n", "test.yaml: line 1: "},
     {"TwoDocuments", "audit: {path: a}\n---\naudit: {path: b}\n",
-     "test.yaml: expected one YAML document, found 2"},
+     "test.yaml: expected one YAML document, found more than one"},
+    // fuzz_config regressions: yaml-cpp's endless empty documents are refused, not looped on;
+    // echoed values never break a line.
+    {"YamlEndlessDocuments", ",", "test.yaml: expected one YAML document, found more than one"},
 };
+
+TEST(ConfigErrorsEcho, ControlBytesInEchoedValuesAreEscaped) {
+    auto r = parse_config("listen:\n  proxy: \"127.0.0.1:1\\nruns[0].id: x\\e[2J\"\n", "test.yaml");
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().find('\n'), std::string::npos) << r.error();  // one problem, one line
+    EXPECT_EQ(r.error().find('\x1b'), std::string::npos) << r.error();
+    EXPECT_NE(r.error().find("got '127.0.0.1:1\\x0aruns[0].id: x\\x1b[2J'"), std::string::npos)
+        << r.error();
+}
 
 INSTANTIATE_TEST_SUITE_P(Table, ConfigErrors, testing::ValuesIn(kErrorRows),
                          [](const testing::TestParamInfo<ErrorRow>& info) {
