@@ -189,17 +189,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         const bool hit = c.contains(*ip) || (inner && c.contains(*inner));
         justified = justified || (hit && (cls != AddressClass::Metadata || exact));
     }
-    // Reported: vet() checks exceptions against embedded_v4(), which reads :: and ::1 as the
-    // IPv4-compatible forms of 0.0.0.0 and 0.0.0.1, so "0.0.0.0/8" also allows [::1].
-    bool compat_loopback = !ip->is_v4() && ip->bytes[15] <= 1;  // :: or ::1
-    for (size_t i = 0; i < 15; ++i) {
-        compat_loopback = compat_loopback && ip->bytes[i] == 0;
-    }
-    if (compat_loopback) {
-        FUZZ_CHECK_KNOWN("address-compat-loopback", justified,
-                         "non-public " + text + " allowed without a matching exception");
-    } else {
-        FUZZ_CHECK(justified, "non-public " + text + " allowed without a matching exception");
-    }
+    FUZZ_CHECK(justified, "non-public " + text + " allowed without a matching exception");
     return 0;
 }

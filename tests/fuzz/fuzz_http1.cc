@@ -117,6 +117,7 @@ void check_serialization(const policy::RequestHead& head, const std::string& hos
 
     http::request_parser<http::empty_body> back;
     back.header_limit(1u << 20);
+    back.body_limit(boost::none);  // only the head is compared; any Content-Length is fine
     beast::error_code ec;
     size_t n = back.put(net::buffer(wire), ec);
     FUZZ_CHECK(!ec && back.is_header_done(), "serialized head does not parse: " + ec.message());
