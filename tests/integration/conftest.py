@@ -164,7 +164,7 @@ def base_config(w: World, wd: str, *, unpinned: str = "tunnel", single_anonymous
             "allowed_ports": sorted({U, w.plain.port, w.bad.port, w.silent.port, w.closed_port,
                                      pp, ap}),
         },
-        "limits": {"header_timeout": "5s", "connect_timeout": "2s", "tls_timeout": "1s",
+        "limits": {"header_timeout": "5s", "connect_timeout": "2s", "tls_timeout": "3s",
                    "drain_timeout": "2s"},
         "audit": {"path": os.path.join(wd, "audit.jsonl")},
         "runs": runs,
