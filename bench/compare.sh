@@ -93,7 +93,7 @@ YAML
 "$BUILD/egressd" --config "$W/egressd.yaml" 2> "$W/egressd.log" &
 EG_PID=$!
 if [ -n "${PERF_OUT:-}" ]; then  # optional profile of egressd during the run
-  perf record -F 499 -p "$EG_PID" -o "$PERF_OUT" 2>/dev/null &
+  perf record ${PERF_ARGS:--F 499} -p "$EG_PID" -o "$PERF_OUT" 2>/dev/null &
   PERF_PID=$!
 fi
 for _ in $(seq 100); do

@@ -44,9 +44,9 @@ void json_string(std::string& out, std::string_view v) {
     out.push_back('"');
 }
 
-/// Starts `"name":` after '{' or a previous field.
+/// Starts `"name":` after '{' or a previous field (a value never ends in '{').
 void field(std::string& out, std::string_view name) {
-    if (out.size() > 1) {
+    if (out.back() != '{') {
         out.push_back(',');
     }
     out.push_back('"');
@@ -80,6 +80,11 @@ void num_field(std::string& out, std::string_view name, uint64_t v) {
 std::string audit_json(const AuditRecord& r) {
     std::string out;
     out.reserve(384);
+    append_audit_json(out, r);
+    return out;
+}
+
+void append_audit_json(std::string& out, const AuditRecord& r) {
     out.push_back('{');
     str_field(out, "time", iso8601_utc(std::chrono::system_clock::now()));
     opt_field(out, "run", r.run, !r.run.empty());
@@ -112,7 +117,6 @@ std::string audit_json(const AuditRecord& r) {
         str_field(out, "event", r.event);
     }
     out.push_back('}');
-    return out;
 }
 
 Result<std::unique_ptr<AuditLog>> AuditLog::open(const std::string& path, bool durable) {
@@ -164,6 +168,20 @@ void AuditLog::write(const AuditRecord& rec) {
         return;
     }
     std::fwrite(line.data(), 1, line.size(), file_);
+    std::fflush(file_);
+}
+
+void AuditLog::append(std::string_view lines) {
+    if (lines.empty()) {
+        return;
+    }
+    std::lock_guard lock(mu_);
+    if (durable_) {
+        queue_.push_back({std::string(lines), nullptr});
+        wake_.notify_one();
+        return;
+    }
+    std::fwrite(lines.data(), 1, lines.size(), file_);
     std::fflush(file_);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "common/result.h"
 
@@ -55,6 +56,9 @@ public:
     bool durable() const { return durable_; }
     /// Appends a record (durable mode: queues it behind earlier ones, does not wait).
     void write(const AuditRecord& rec);
+    /// Appends complete JSON lines at once (one write(2) in plain mode; durable mode queues
+    /// them as one entry, completion records need no acknowledgement).
+    void append(std::string_view lines);
     /// Durable mode: calls `done(true)` on the writer thread once the record is on disk, or
     /// `done(false)` if writing or syncing failed (the caller must then not proceed).
     /// Plain mode: writes it and calls `done(true)` at once.
@@ -86,5 +90,7 @@ std::string iso8601_utc(std::chrono::system_clock::time_point t);
 
 /// The JSON line for a record (no trailing newline). Exposed for tests.
 std::string audit_json(const AuditRecord& rec);
+/// The same, appended to `out`.
+void append_audit_json(std::string& out, const AuditRecord& rec);
 
 }  // namespace egress::proxy

@@ -192,7 +192,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     rec.upstream_addr = d.peer.address().to_string() + ":" + std::to_string(d.peer.port());
     rec.proto_in = "tunnel";
     rec.proto_out = "tunnel";
-    w.shared.audit->write(rec);
+    w.audit(rec);
     w.shared.metrics.request("allow", "tunnel", rec.duration_ms / 1000.0);
 }
 

@@ -173,7 +173,7 @@ namespace {
 /// The one audit record, metrics and log line of a refused request (`rec` complete).
 void record_denial(Scope& scope, const AuditRecord& rec) {
     auto& shared = scope.worker->shared;
-    shared.audit->write(rec);
+    scope.worker->audit(rec);
     shared.metrics.denied(rec.reason);
     shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
     spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id, rec.req_id, rec.run,
@@ -300,7 +300,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         if (!kind.empty()) {
             shared.metrics.upstream_error(kind);
         }
-        shared.audit->write(rec);
+        w.audit(rec);
         shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
         spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
                      scope.conn_id, rec.req_id, rec.run, method, scope.target.authority(), rec.path, status,

@@ -20,8 +20,27 @@ Worker::Worker(Shared& s) : shared(s) {
 }
 
 Worker::~Worker() {
+    flush_audit();  // the io_context may have stopped before a posted flush ran
     pool.reset();
     resolver.reset();
+}
+
+void Worker::audit(const AuditRecord& rec) {
+    const bool schedule = audit_pending.empty();
+    append_audit_json(audit_pending, rec);
+    audit_pending.push_back('\n');
+    if (audit_pending.size() >= kAuditFlushBytes) {
+        flush_audit();  // a long turn: do not let the buffer grow
+    } else if (schedule) {
+        net::post(ioc, [this] { flush_audit(); });
+    }
+}
+
+void Worker::flush_audit() {
+    if (!audit_pending.empty()) {
+        shared.audit->append(audit_pending);
+        audit_pending.clear();
+    }
 }
 
 namespace {
@@ -355,6 +374,9 @@ int Server::run() {
     ioc0.run();
     for (auto& t : threads) {
         t.join();
+    }
+    for (auto& w : impl_->workers) {
+        w->flush_audit();  // records of the last turn before stop()
     }
     spdlog::info("egressd stopped");
     return 0;

@@ -125,6 +125,30 @@ TEST(AuditLog, PlainModeReportsDurableWritesAtOnce) {
     EXPECT_EQ(read_records(path).size(), 1u);
 }
 
+// The workers batch one event-loop turn's records into one buffer and append it at once.
+TEST(AuditLog, AppendedBatchOfLinesIsEveryRecordInOrder) {
+    for (bool durable : {false, true}) {
+        auto path = temp_file(durable ? "batch-durable.jsonl" : "batch.jsonl");
+        {
+            auto log = AuditLog::open(path.string(), durable);
+            ASSERT_TRUE(log.ok());
+            std::string batch;
+            for (uint64_t id = 1; id <= 3; ++id) {
+                append_audit_json(batch, record(id));
+                batch.push_back('\n');
+            }
+            (*log)->append(batch);
+            (*log)->append("");
+        }  // durable: the destructor writes what is queued
+        auto recs = read_records(path);
+        ASSERT_EQ(recs.size(), 3u) << durable;
+        for (uint64_t i = 0; i < 3; ++i) {
+            EXPECT_EQ(recs[i].at("req_id").as_int64(), static_cast<int64_t>(i + 1));
+            EXPECT_EQ(recs[i].at("path").as_string(), "/x");  // query removed
+        }
+    }
+}
+
 TEST(AuditJson, IsOneValidObjectWithEveryFieldAndEscapes) {
     AuditRecord r = record(42);
     r.method = "GE\"T";
