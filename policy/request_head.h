@@ -12,6 +12,10 @@ struct Header {
     std::string value;
 };
 
+/// Room the codecs reserve for a head's fields up front: most requests and responses carry
+/// fewer, so the vector is allocated once instead of growing 1, 2, 4, 8, 16.
+inline constexpr size_t kTypicalHeaderFields = 16;
+
 struct RequestHead {
     std::string method;     // as sent, e.g. "GET"
     std::string scheme;     // "https" or "http"

@@ -83,6 +83,9 @@ int on_begin_headers(nghttp2_session*, const nghttp2_frame* frame, void* user_da
         st->header_bytes = 0;
         st->header_fields = 0;
         st->in_trailers = st->head_done;
+        if (!st->head_done) {
+            st->head.headers.reserve(policy::kTypicalHeaderFields);
+        }
     }
     return 0;
 }

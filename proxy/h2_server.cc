@@ -118,6 +118,7 @@ int on_begin_headers(nghttp2_session*, const nghttp2_frame* frame, void* user_da
         ++c->total_streams;
     } else if (auto* st = c->find(frame->hd.stream_id)) {
         st->in_trailers = true;
+        st->head.headers.reserve(policy::kTypicalHeaderFields);
         st->header_bytes = 0;
         st->header_fields = 0;
     }

@@ -182,6 +182,7 @@ Outcome<policy::RequestHead> to_request_head(const http::request<http::buffer_bo
     size_t hosts = 0;
     bool has_cl = false;
     bool has_te = false;
+    head.headers.reserve(policy::kTypicalHeaderFields);
     for (const auto& f : req) {
         std::string name = policy::ascii_lower(f.name_string());
         if (name == "host") {
@@ -377,6 +378,7 @@ public:
         ResponseHead rh;
         rh.status = ures.result_int();
         rh.reason = std::string(ures.reason());
+        rh.headers.reserve(policy::kTypicalHeaderFields);
         std::string connection_tokens;
         if (auto it = ures.find(http::field::connection); it != ures.end()) {
             connection_tokens = policy::ascii_lower(it->value());
