@@ -9,7 +9,7 @@
 # Needs openssl and nginx (h1: apt-get install -y nginx-light) or nghttpd (h2: nghttp2-server).
 # PATH_SUFFIX picks the upstream path (h1: json or 64k; h2: 1k); PERF_OUT=FILE records a perf
 # profile of egressd during the run. Prints the comparison, egressd's CPU µs per request and
-# its peak RSS. COMPARE_DURABLE=1 compares egressd with audit.durable off (A) and on (B)
+# its peak RSS. BENCH_ARGS adds egress-bench options (e.g. --new-connection). COMPARE_DURABLE=1 compares egressd with audit.durable off (A) and on (B)
 # instead of direct vs egressd: two egressd processes, same upstream, same run.
 set -euo pipefail
 PROTO=${1:?usage: compare.sh h1|h2 [BUILD_DIR] ...}
@@ -22,6 +22,7 @@ else
 fi
 BUILD=$(cd "$BUILD" && pwd)
 W=$(mktemp -d "/tmp/egress-${PROTO}bench.XXXXXX")
+chmod 755 "$W"  # nginx workers (user www-data) read the 64k file from here
 cleanup() { kill "${UP_PID:-}" "${EG_PID:-}" "${EG2_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
@@ -122,7 +123,7 @@ fi
 cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
 T0=$(cpu_ticks)
 # shellcheck disable=SC2086  # PROTO_ARGS is a list of options
-"$BUILD/bench/egress-bench" $PROTO_ARGS --cacert "$W/both.pem" --connections "$CONNS" \
+"$BUILD/bench/egress-bench" $PROTO_ARGS ${BENCH_ARGS:-} --cacert "$W/both.pem" --connections "$CONNS" \
   --duration "$DUR" --warmup 1s "https://127.0.0.1:$UP/${PATH_SUFFIX:-$DEFAULT_PATH}" \
   --pairs "$PAIRS" --compare "$A_ARGS" "$B_ARGS" \
   | tee "$W/compare.txt"

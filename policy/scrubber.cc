@@ -24,8 +24,8 @@ struct ScanState {
 /// first position where a needle could still begin but the buffer ends first; the caller
 /// holds those bytes back. Replacement text is "[REDACTED]" cut or padded with '*', so the
 /// length never changes and a byte's replacement depends only on its offset in the run.
-size_t scan(const std::vector<std::string>& needles, size_t max_len, std::string& buf, bool final,
-            ScanState& st) {
+size_t scan(const std::vector<std::string>& needles, size_t max_len, char* buf, size_t size,
+            bool final, ScanState& st) {
     std::array<bool, 256> first{};
     std::array<unsigned char, 256> firsts{};  // the distinct first bytes, for memchr
     size_t n_firsts = 0;
@@ -36,15 +36,14 @@ size_t scan(const std::vector<std::string>& needles, size_t max_len, std::string
             firsts[n_firsts++] = c;
         }
     }
-    const size_t size = buf.size();
     for (size_t i = 0; i < size; ++i) {
         if (st.covered_left == 0) {
             // Outside a match, jump to the next byte that can start a needle (memchr is
             // vectorised; a body rarely holds one).
             size_t next = size;
             for (size_t k = 0; k < n_firsts; ++k) {
-                if (const void* p = std::memchr(buf.data() + i, firsts[k], next - i)) {
-                    next = static_cast<size_t>(static_cast<const char*>(p) - buf.data());
+                if (const void* p = std::memchr(buf + i, firsts[k], next - i)) {
+                    next = static_cast<size_t>(static_cast<const char*>(p) - buf);
                 }
             }
             i = next;
@@ -56,14 +55,14 @@ size_t scan(const std::vector<std::string>& needles, size_t max_len, std::string
         const bool candidate = first[static_cast<unsigned char>(buf[i])];
         if (candidate && !final && left < max_len) {
             for (const std::string& n : needles) {
-                if (n.size() > left && std::memcmp(n.data(), buf.data() + i, left) == 0) {
+                if (n.size() > left && std::memcmp(n.data(), buf + i, left) == 0) {
                     return i;  // a longer needle may still complete here
                 }
             }
         }
         if (candidate) {
             for (const std::string& n : needles) {  // longest first
-                if (n.size() <= left && std::memcmp(n.data(), buf.data() + i, n.size()) == 0) {
+                if (n.size() <= left && std::memcmp(n.data(), buf + i, n.size()) == 0) {
                     if (st.covered_left == 0) {
                         st.run_pos = 0;
                     }
@@ -101,33 +100,34 @@ Scrubber::~Scrubber() {
     OPENSSL_cleanse(tail_.data(), tail_.size());
 }
 
-void Scrubber::scrub_in_place(std::string& buf, size_t& safe_len) {
-    ScanState st{covered_left_, run_pos_, 0};
-    safe_len = scan(needles_, max_len_, buf, false, st);
-    covered_left_ = st.covered_left;
-    run_pos_ = st.run_pos;
-    replacements_ += st.replacements;
-}
-
+// One copy per piece: the held-back bytes and `in` are appended to `out` and scrubbed there
+// (a 64 KiB body piece used to be copied into the tail, copied out, and the tail wiped).
 void Scrubber::feed(std::string_view in, std::string& out) {
     if (!active()) {
         out.append(in);
         return;
     }
-    tail_.append(in);
-    size_t safe = 0;
-    scrub_in_place(tail_, safe);
-    out.append(tail_, 0, safe);
-    // Keep the unfinished bytes at the front and wipe where they were.
-    const size_t held = tail_.size() - safe;
-    std::memmove(tail_.data(), tail_.data() + safe, held);
-    OPENSSL_cleanse(tail_.data() + held, tail_.size() - held);
-    tail_.resize(held);
+    const size_t start = out.size();
+    out.reserve(start + tail_.size() + in.size());  // no reallocation between the appends
+    out.append(tail_);
+    out.append(in);
+    OPENSSL_cleanse(tail_.data(), tail_.size());
+    ScanState st{covered_left_, run_pos_, 0};
+    const size_t safe = scan(needles_, max_len_, out.data() + start, out.size() - start, false, st);
+    covered_left_ = st.covered_left;
+    run_pos_ = st.run_pos;
+    replacements_ += st.replacements;
+    // Hold back the unfinished bytes (shorter than the longest needle) and wipe them in out.
+    char* held = out.data() + start + safe;
+    const size_t held_len = out.size() - start - safe;
+    tail_.assign(held, held_len);
+    OPENSSL_cleanse(held, held_len);
+    out.resize(start + safe);
 }
 
 void Scrubber::finish(std::string& out) {
     ScanState st{covered_left_, run_pos_, 0};
-    scan(needles_, max_len_, tail_, true, st);
+    scan(needles_, max_len_, tail_.data(), tail_.size(), true, st);
     replacements_ += st.replacements;
     out.append(tail_);
     OPENSSL_cleanse(tail_.data(), tail_.size());
@@ -142,7 +142,7 @@ std::string Scrubber::scrub_value(std::string_view value) {
         return buf;
     }
     ScanState st;
-    scan(needles_, max_len_, buf, true, st);
+    scan(needles_, max_len_, buf.data(), buf.size(), true, st);
     replacements_ += st.replacements;
     return buf;
 }

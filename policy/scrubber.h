@@ -30,8 +30,6 @@ public:
     size_t replacements() const { return replacements_; }
 
 private:
-    /// Scrubs `buf` in place as far as the bytes are final; `safe_len` receives how many.
-    void scrub_in_place(std::string& buf, size_t& safe_len);
     std::vector<std::string> needles_;  // longest first
     std::string tail_;
     size_t max_len_ = 0;
