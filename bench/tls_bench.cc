@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tls/contexts.h"
 #include "tls/leaf_cache.h"
 #include "tls/run_ca.h"
 
@@ -103,6 +104,22 @@ void BM_LeafCacheMiss(benchmark::State& state) {
     state.counters["misses"] = static_cast<double>(cache.misses());
 }
 BENCHMARK(BM_LeafCacheMiss)->Unit(benchmark::kMicrosecond);
+
+// Per intercepted connection before the handshake: SSL_new from the server context and the
+// cached leaf installed on it (use_leaf). Arg 1 installs the leaf, 0 is SSL_new/SSL_free only.
+void BM_ServerSslWithLeaf(benchmark::State& state) {
+    const auto ca = must_ca();
+    auto leaf = ca->mint("api.github.com");
+    auto ctx = make_server_context({"h2", "http/1.1"});
+    if (!leaf.ok() || !ctx.ok()) std::abort();
+    const bool install = state.range(0) != 0;
+    for (auto _ : state) {
+        SSL* ssl = SSL_new(ctx->get());
+        if (install && !use_leaf(ssl, **leaf).ok()) state.SkipWithError("use_leaf failed");
+        SSL_free(ssl);
+    }
+}
+BENCHMARK(BM_ServerSslWithLeaf)->ArgName("leaf")->Arg(0)->Arg(1);
 
 }  // namespace
 }  // namespace egress::tls
