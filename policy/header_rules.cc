@@ -24,16 +24,6 @@ bool is_tchar(char c) {
     return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
 }
 
-std::string_view trim_ows(std::string_view s) {
-    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) {
-        s.remove_prefix(1);
-    }
-    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) {
-        s.remove_suffix(1);
-    }
-    return s;
-}
-
 // Lowercased tokens of every Connection header.
 std::vector<std::string> connection_tokens(const RequestHead& head) {
     std::vector<std::string> tokens;
@@ -58,6 +48,17 @@ std::vector<std::string> connection_tokens(const RequestHead& head) {
 }
 
 }  // namespace
+
+std::string_view trim_ows(std::string_view s) {
+    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) {
+        s.remove_prefix(1);
+    }
+    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) {
+        s.remove_suffix(1);
+    }
+    return s;
+}
+
 
 bool is_hop_by_hop(std::string_view name) {
     return is_one_of(name, {"connection", "keep-alive", "proxy-connection", "te", "trailer",

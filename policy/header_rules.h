@@ -23,6 +23,8 @@ bool is_egress_namespace(std::string_view name);
 bool valid_header_name(std::string_view name);
 /// No CR, LF or NUL (other CTLs except HTAB refused too); obs-text allowed.
 bool valid_header_value(std::string_view value);
+/// `s` without leading and trailing optional whitespace (SP, HTAB; RFC 9110 5.6.3).
+std::string_view trim_ows(std::string_view s);
 
 /// Removes hop-by-hop headers, every header named in a Connection header's tokens, and
 /// Proxy-*. `te: trailers` is kept when `keep_te_trailers` (HTTP/2 upstreams); any other te

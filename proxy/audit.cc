@@ -161,14 +161,7 @@ AuditLog::~AuditLog() {
 void AuditLog::write(const AuditRecord& rec) {
     std::string line = audit_json(rec);
     line.push_back('\n');
-    std::lock_guard lock(mu_);
-    if (durable_) {
-        queue_.push_back({std::move(line), nullptr});
-        wake_.notify_one();
-        return;
-    }
-    std::fwrite(line.data(), 1, line.size(), file_);
-    std::fflush(file_);
+    append(line);
 }
 
 void AuditLog::append(std::string_view lines) {

@@ -607,13 +607,12 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
     }
 }
 
-}  // namespace
-
-awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
-    auto c = std::make_shared<Conn>(client, scope);
-    c->limits = scope.runtime->config->limits;
-    const auto& l = c->limits;
-    c->control_tokens = static_cast<double>(l.h2_control_frame_burst);
+/// The server session of one connection with our callbacks, options, SETTINGS and
+/// connection window (c.limits set). False if nghttp2 cannot create it. The fuzz target
+/// tests/fuzz/fuzz_h2_server.cc drives the session this makes.
+bool start_session(Conn& c) {
+    const auto& l = c.limits;
+    c.control_tokens = static_cast<double>(l.h2_control_frame_burst);
 
     nghttp2_session_callbacks* cbs_raw = nullptr;
     nghttp2_session_callbacks_new(&cbs_raw);
@@ -637,11 +636,11 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     nghttp2_option_set_max_settings(opt.get(), l.h2_max_settings);
     nghttp2_option_set_no_closed_streams(opt.get(), 1);
     nghttp2_session* s = nullptr;
-    if (nghttp2_session_server_new2(&s, cbs.get(), c.get(), opt.get()) != 0) {
-        co_return;
+    if (nghttp2_session_server_new2(&s, cbs.get(), &c, opt.get()) != 0) {
+        return false;
     }
-    c->session.reset(s);
-    c->io.session = s;
+    c.session.reset(s);
+    c.io.session = s;
     nghttp2_settings_entry settings[] = {
         {NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS, static_cast<uint32_t>(l.h2_max_concurrent_streams)},
         {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, static_cast<uint32_t>(l.h2_stream_window)},
@@ -653,6 +652,17 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     nghttp2_session_set_local_window_size(
         s, NGHTTP2_FLAG_NONE, 0,
         static_cast<int32_t>(std::min<size_t>(l.h2_stream_window * 4, (1u << 31) - 1)));
+    return true;
+}
+
+}  // namespace
+
+awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
+    auto c = std::make_shared<Conn>(client, scope);
+    c->limits = scope.runtime->config->limits;
+    if (!start_session(*c)) {
+        co_return;
+    }
 
     using namespace net::experimental::awaitable_operators;
     co_await (read_loop(c) && c->io.write_loop() && watch_loop(c));

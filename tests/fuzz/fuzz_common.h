@@ -25,29 +25,6 @@ namespace egress::fuzz {
         }                                                                                  \
     } while (0)
 
-/// Findings already reported whose fix is pending can be skipped by id for a run, so the
-/// fuzzer keeps looking for others: EGRESS_FUZZ_KNOWN=id[,id...]. Unset (the default, and
-/// what .ci/fuzz.sh uses), every check is enforced.
-inline bool known_skipped(std::string_view id) {
-    const char* env = std::getenv("EGRESS_FUZZ_KNOWN");
-    std::string_view list = env != nullptr ? env : "";
-    while (!list.empty()) {
-        const size_t comma = list.find(',');
-        if (list.substr(0, comma) == id) {
-            return true;
-        }
-        list.remove_prefix(comma == std::string_view::npos ? list.size() : comma + 1);
-    }
-    return false;
-}
-
-#define FUZZ_CHECK_KNOWN(id, cond, what)                  \
-    do {                                                  \
-        if (!::egress::fuzz::known_skipped(id)) {         \
-            FUZZ_CHECK(cond, what);                       \
-        }                                                 \
-    } while (0)
-
 inline constexpr std::string_view kSecret = "ghp_FUZZs3cr3t";
 
 inline policy::HostPattern pattern(std::string_view text) {

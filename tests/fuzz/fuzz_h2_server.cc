@@ -146,49 +146,6 @@ void pump(Conn& c) {
     FUZZ_CHECK(false, "the connection never settles (busy loop)");
 }
 
-/// serve_intercepted_h2()'s session setup, on an existing Conn.
-bool make_session(Conn& c) {
-    const auto& l = c.limits;
-    c.control_tokens = static_cast<double>(l.h2_control_frame_burst);
-    nghttp2_session_callbacks* cbs_raw = nullptr;
-    nghttp2_session_callbacks_new(&cbs_raw);
-    CallbacksPtr cbs(cbs_raw);
-    nghttp2_session_callbacks_set_on_begin_headers_callback(cbs.get(), on_begin_headers);
-    nghttp2_session_callbacks_set_on_header_callback(cbs.get(), on_header);
-    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs.get(), on_frame_recv);
-    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
-    nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
-    nghttp2_option* opt_raw = nullptr;
-    nghttp2_option_new(&opt_raw);
-    OptionPtr opt(opt_raw);
-    nghttp2_option_set_no_auto_window_update(opt.get(), 1);
-    nghttp2_option_set_max_continuations(opt.get(), l.h2_max_continuations);
-    nghttp2_option_set_stream_reset_rate_limit(opt.get(), l.h2_stream_reset_burst,
-                                               l.h2_stream_reset_rate);
-    nghttp2_option_set_max_outbound_ack(opt.get(), l.h2_max_outbound_ack);
-    nghttp2_option_set_max_settings(opt.get(), l.h2_max_settings);
-    nghttp2_option_set_no_closed_streams(opt.get(), 1);
-    nghttp2_session* s = nullptr;
-    if (nghttp2_session_server_new2(&s, cbs.get(), &c, opt.get()) != 0) {
-        return false;
-    }
-    c.session.reset(s);
-    c.io.session = s;
-    nghttp2_settings_entry settings[] = {
-        {NGHTTP2_SETTINGS_MAX_CONCURRENT_STREAMS,
-         static_cast<uint32_t>(l.h2_max_concurrent_streams)},
-        {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, static_cast<uint32_t>(l.h2_stream_window)},
-        {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE,
-         static_cast<uint32_t>(l.h2_max_header_list_bytes)},
-        {NGHTTP2_SETTINGS_ENABLE_PUSH, 0},
-    };
-    nghttp2_submit_settings(s, NGHTTP2_FLAG_NONE, settings, std::size(settings));
-    nghttp2_session_set_local_window_size(
-        s, NGHTTP2_FLAG_NONE, 0,
-        static_cast<int32_t>(std::min<size_t>(l.h2_stream_window * 4, (1u << 31) - 1)));
-    return true;
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -218,7 +175,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     scope.proto_in = "h2";
     auto c = std::make_shared<Conn>(e.tls, scope);
     c->limits = Limits{};
-    if (!make_session(*c)) {
+    if (!start_session(*c)) {
         return 0;
     }
     pump(*c);  // our SETTINGS first, as the writer would

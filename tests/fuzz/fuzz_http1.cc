@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "fuzz_common.h"
+#include "policy/header_rules.h"
 #include "policy/scrubber.h"
 
 namespace egress::proxy {
@@ -77,16 +78,6 @@ bool read_body(Parser& p, std::string_view& in, std::string& body) {
     return true;
 }
 
-std::string_view trim_ows(std::string_view s) {
-    while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) {
-        s.remove_prefix(1);
-    }
-    while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) {
-        s.remove_suffix(1);
-    }
-    return s;
-}
-
 /// H1Upstream::send_head's serialization, parsed back by a fresh Beast parser: one request,
 /// same method, target, and exactly the fields we meant to send (no splitting, no smuggling).
 void check_serialization(const policy::RequestHead& head, const std::string& host_header,
@@ -131,7 +122,7 @@ void check_serialization(const policy::RequestHead& head, const std::string& hos
                                           std::string(f.name_string()));
         FUZZ_CHECK(policy::iequals(f.name_string(), expect[i].first),
                    "field name changed on the wire: " + expect[i].first);
-        FUZZ_CHECK(trim_ows(f.value()) == trim_ows(expect[i].second),
+        FUZZ_CHECK(policy::trim_ows(f.value()) == policy::trim_ows(expect[i].second),
                    "field value changed on the wire: " + expect[i].first);
         ++i;
     }
