@@ -8,7 +8,8 @@
 #
 # Needs openssl and nginx (h1: apt-get install -y nginx-light) or nghttpd (h2: nghttp2-server).
 # PATH_SUFFIX picks the upstream path (h1: json or 64k; h2: 1k); PERF_OUT=FILE records a perf
-# profile of egressd during the run. Prints the comparison, egressd's CPU µs per request and
+# profile of egressd during the run; H2_UPSTREAM=nginx serves h2 from nginx (as bench/peers.sh does)
+# instead of nghttpd. Prints the comparison, egressd's CPU µs per request and
 # its peak RSS. BENCH_ARGS adds egress-bench options (e.g. --new-connection). COMPARE_DURABLE=1 compares egressd with audit.durable off (A) and on (B)
 # instead of direct vs egressd: two egressd processes, same upstream, same run.
 set -euo pipefail
@@ -37,7 +38,30 @@ openssl x509 -req -in "$W/up.csr" -CA "$W/ca.pem" -CAkey "$W/ca.key" -CAcreatese
   -extfile "$W/ext" -out "$W/up.pem" 2>/dev/null
 
 UP=$(free_port); PX=$(free_port); AD=$(free_port)
-if [ "$PROTO" = h2 ]; then
+if [ "$PROTO" = h2 ] && [ "${H2_UPSTREAM:-nghttpd}" = nginx ]; then
+  # nginx speaking h2 only (the upstream bench/peers.sh uses), small JSON answer
+  mkdir -p "$W/nginx/logs"
+  cat > "$W/nginx.conf" <<NGINX
+worker_processes 1;
+pid $W/nginx/nginx.pid;
+error_log $W/nginx/logs/error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:$UP ssl http2;
+    ssl_certificate $W/up.pem;
+    ssl_certificate_key $W/up.key;
+    location /json { default_type application/json; return 200 '{"ok":true,"name":"egress"}'; }
+  }
+}
+NGINX
+  nginx -p "$W/nginx" -c "$W/nginx.conf" -g 'daemon off;' &
+  UP_PID=$!
+  DEFAULT_PATH=json
+  PROTO_ARGS="--h2 --streams $STREAMS"
+elif [ "$PROTO" = h2 ]; then
   mkdir -p "$W/docroot"
   head -c 1024 /dev/urandom > "$W/docroot/1k"
   nghttpd --address=127.0.0.1 -d "$W/docroot" "$UP" "$W/up.key" "$W/up.pem" > "$W/nghttpd.log" 2>&1 &

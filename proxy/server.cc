@@ -26,13 +26,30 @@ Worker::~Worker() {
 }
 
 void Worker::audit(const AuditRecord& rec) {
-    const bool schedule = audit_pending.empty();
     append_audit_json(audit_pending, rec);
     audit_pending.push_back('\n');
     if (audit_pending.size() >= kAuditFlushBytes) {
-        flush_audit();  // a long turn: do not let the buffer grow
-    } else if (schedule) {
-        net::post(ioc, [this] { flush_audit(); });
+        flush_audit();  // a long busy stretch: do not let the buffer grow
+    }
+}
+
+void Worker::run() {
+    // ioc.run(), with a hook where the loop runs out of ready work (nginx and HAProxy flush
+    // their logs at the end of a loop iteration the same way). A loop that never runs dry
+    // still flushes every kIdleEvery handlers.
+    while (!ioc.stopped()) {
+        size_t n = 0;
+        while (ioc.poll_one() > 0) {
+            if (++n == kIdleEvery) {
+                flush_audit();
+                n = 0;
+            }
+        }
+        flush_audit();
+        if (ioc.stopped()) {
+            break;
+        }
+        ioc.run_one();  // blocks until something is ready
     }
 }
 
@@ -367,11 +384,11 @@ int Server::run() {
         guards.emplace_back(w->ioc.get_executor());
     }
     for (size_t i = 1; i < impl_->workers.size(); ++i) {
-        threads.emplace_back([w = impl_->workers[i].get()] { w->ioc.run(); });
+        threads.emplace_back([w = impl_->workers[i].get()] { w->run(); });
     }
     guards.emplace_back(impl_->admin_ioc.get_executor());
     threads.emplace_back([this] { impl_->admin_ioc.run(); });
-    ioc0.run();
+    impl_->workers[0]->run();
     for (auto& t : threads) {
         t.join();
     }
