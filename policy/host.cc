@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace egress::policy {
@@ -34,6 +35,7 @@ bool name_char(char c) {
 // "a.b.c" → {"a", "b", "c"}; keeps empty labels so they can be refused.
 std::vector<std::string_view> split_labels(std::string_view name) {
     std::vector<std::string_view> labels;
+    labels.reserve(static_cast<size_t>(std::count(name.begin(), name.end(), '.')) + 1);
     size_t start = 0;
     while (true) {
         const size_t dot = name.find('.', start);

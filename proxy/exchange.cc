@@ -70,6 +70,7 @@ public:
         ResponseHead rh;
         rh.status = r.status;
         rh.body.none = r.end_stream || head_request || r.status == 204 || r.status == 304;
+        rh.headers.reserve(r.headers.size());
         for (auto& h : r.headers) {
             if (h.name == "content-length") {
                 uint64_t n = 0;

@@ -4,7 +4,6 @@
 
 #include <charconv>
 #include <cstring>
-#include <deque>
 #include <unordered_map>
 
 #include "proxy/h2_common.h"
@@ -18,7 +17,7 @@ struct H2ClientStreamState {
     int32_t id = -1;
     Signal signal;  // wakes the stream's owner on any change
     // request body, owner → nghttp2
-    std::deque<std::string> out;
+    PieceQueue out;
     size_t out_off = 0;
     size_t out_bytes = 0;
     bool out_last = false;
@@ -31,7 +30,7 @@ struct H2ClientStreamState {
     size_t header_bytes = 0;
     size_t header_fields = 0;
     std::vector<policy::Header> trailers;
-    std::deque<std::string> in;
+    PieceQueue in;
     bool front_out = false;  // in.front() was handed to the owner
     bool eof = false;
     bool closed = false;
@@ -411,7 +410,7 @@ awaitable<bool> H2ClientStream::response(H2ClientResponse& out) {
     auto& im = *session_->impl_;
     for (;;) {
         if (st.head_done) {
-            out = st.head;
+            out = std::move(st.head);  // handed out once (H2Upstream::read_head)
             co_return true;
         }
         if (st.closed || im.io.dead) {

@@ -55,7 +55,8 @@ public:
     /// `last` ends the request, with `trailers` when non-null. False: stream/session failed.
     awaitable<bool> write(std::string_view data, bool last,
                           const std::vector<policy::Header>* trailers = nullptr);
-    /// Waits for the final response head (1xx skipped). False: reset, closed or timed out.
+    /// Waits for the final response head (1xx skipped) and moves it into `out`: call once.
+    /// False: reset, closed or timed out.
     awaitable<bool> response(H2ClientResponse& out);
     /// Next response body piece (valid until the next call; empty with eof=true at the end).
     /// Bytes returned by the previous call are consumed (window update) first.

@@ -6,7 +6,6 @@
 
 #include <charconv>
 #include <cstring>
-#include <deque>
 #include <unordered_map>
 
 #include "policy/header_rules.h"
@@ -35,11 +34,11 @@ struct ServerStream {
     Headers trailers;
     bool end_on_headers = false;
     bool req_end = false;
-    std::deque<std::string> in;
+    PieceQueue in;
     bool front_out = false;
     // response
     bool response_started = false;
-    std::deque<std::string> out;
+    PieceQueue out;
     size_t out_off = 0;
     size_t out_bytes = 0;
     bool out_last = false;

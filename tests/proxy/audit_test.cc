@@ -5,6 +5,9 @@
 #include <boost/json.hpp>
 
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <latch>
@@ -181,6 +184,46 @@ TEST(AuditJson, IsOneValidObjectWithEveryFieldAndEscapes) {
     EXPECT_EQ(w.at("pin").as_string(), "r1-pin-0");
     EXPECT_EQ(w.at("secret").as_string(), "gh");
     EXPECT_TRUE(w.at("run").is_null());
+}
+
+// The formatter caches the date and time of the current second per thread: check it against
+// strftime on instants in different seconds, back and forth, and before 1970.
+TEST(AuditJson, TimestampMatchesStrftimeAcrossSeconds) {
+    using namespace std::chrono;
+    auto expect = [](system_clock::time_point t) {
+        auto ms = duration_cast<milliseconds>(t.time_since_epoch());
+        auto secs = duration_cast<seconds>(ms);
+        if (ms < secs) {
+            secs -= seconds(1);
+        }
+        std::time_t tt = secs.count();
+        std::tm tm{};
+        gmtime_r(&tt, &tm);
+        char buf[64];
+        std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%S", &tm);
+        char frac[8];
+        std::snprintf(frac, sizeof frac, ".%03dZ", static_cast<int>((ms - secs).count()));
+        return std::string(buf) + frac;
+    };
+    const system_clock::time_point base{milliseconds(1796300011687)};  // 2026-12-03T...
+    for (auto t : {base, base + milliseconds(5), base + milliseconds(313), base - hours(30),
+                   base + milliseconds(999), base, system_clock::time_point{milliseconds(-1500)},
+                   system_clock::time_point{}}) {
+        EXPECT_EQ(iso8601_utc(t), expect(t));
+    }
+    EXPECT_EQ(iso8601_utc(system_clock::time_point{milliseconds(1796300011687)}),
+              "2026-12-03T12:13:31.687Z");
+}
+
+TEST(AuditJson, DurationHasThreeDecimals) {
+    AuditRecord r = record(1);
+    for (auto [ms, text] : {std::pair{0.0, "0.000"}, {12.3456, "12.346"}, {0.0004, "0.000"},
+                            {123456.5, "123456.500"}}) {
+        r.duration_ms = ms;
+        auto line = audit_json(r);
+        EXPECT_NE(line.find(std::string("\"duration_ms\":") + text + ","), std::string::npos)
+            << line;
+    }
 }
 
 TEST(AuditLog, UnwritablePathNamesTheKey) {
