@@ -9,10 +9,10 @@
 #include <memory>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include "policy/request_head.h"
+#include "proxy/piece_queue.h"
 #include "proxy/net.h"
 
 namespace egress::proxy {
@@ -52,41 +52,6 @@ private:
     net::steady_timer timer_;
     bool pending_ = false;
     uint64_t count_ = 0;
-};
-
-/// FIFO of body pieces (a stream's inbound DATA or outbound body). std::deque allocates its
-/// map and a 512-byte node when constructed, four times per proxied h2 stream (~8 of the
-/// ~70 mallocs per stream in a malloc probe); a stream mostly holds zero or one piece, so
-/// this allocates nothing until the first push. Popped slots are reclaimed when the queue
-/// empties, or compacted when most of it is consumed (a queue that never empties).
-class PieceQueue {
-public:
-    bool empty() const { return head_ == items_.size(); }
-    size_t size() const { return items_.size() - head_; }
-    std::string& front() { return items_[head_]; }
-    template <class... Args>
-    void emplace_back(Args&&... args) {
-        items_.emplace_back(std::forward<Args>(args)...);
-    }
-    void pop_front() {
-        items_[head_] = std::string();  // give the piece's memory back now
-        if (++head_ == items_.size()) {
-            clear();
-        } else if (head_ >= 16 && head_ * 2 >= items_.size()) {
-            items_.erase(items_.begin(), items_.begin() + static_cast<std::ptrdiff_t>(head_));
-            head_ = 0;
-        }
-    }
-    void clear() {
-        items_.clear();
-        head_ = 0;
-    }
-    auto begin() const { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
-    auto end() const { return items_.end(); }
-
-private:
-    std::vector<std::string> items_;
-    size_t head_ = 0;
 };
 
 struct SessionDeleter {

@@ -1,0 +1,61 @@
+#include "proxy/piece_queue.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace egress::proxy {
+namespace {
+
+std::vector<std::string> contents(const PieceQueue& q) { return {q.begin(), q.end()}; }
+
+TEST(PieceQueue, IsFirstInFirstOut) {
+    PieceQueue q;
+    EXPECT_TRUE(q.empty());
+    EXPECT_EQ(q.slots(), 0u);
+    q.emplace_back("a");
+    q.emplace_back(std::string(100, 'b'));
+    q.emplace_back("xyz", 2);
+    EXPECT_EQ(q.size(), 3u);
+    EXPECT_EQ(q.front(), "a");
+    q.pop_front();
+    EXPECT_EQ(q.front(), std::string(100, 'b'));
+    EXPECT_EQ(contents(q), (std::vector<std::string>{std::string(100, 'b'), "xy"}));
+    q.pop_front();
+    q.pop_front();
+    EXPECT_TRUE(q.empty());
+    EXPECT_EQ(q.slots(), 0u);  // emptied: every slot reclaimed
+    q.emplace_back("c");
+    EXPECT_EQ(q.front(), "c");
+    q.clear();
+    EXPECT_TRUE(q.empty());
+}
+
+// A producer that stays ahead of its consumer: the queue never empties, yet the consumed
+// slots do not pile up, and the order holds through every compaction.
+TEST(PieceQueue, NeverEmptyQueueStaysBounded) {
+    PieceQueue q;
+    int next_in = 0;
+    int next_out = 0;
+    for (int i = 0; i < 3; ++i) {
+        q.emplace_back(std::to_string(next_in++));
+    }
+    size_t max_slots = 0;
+    for (int round = 0; round < 10000; ++round) {
+        q.emplace_back(std::to_string(next_in++));
+        ASSERT_EQ(q.front(), std::to_string(next_out++));
+        q.pop_front();
+        ASSERT_EQ(q.size(), 3u);
+        max_slots = std::max(max_slots, q.slots());
+    }
+    EXPECT_LE(max_slots, 40u);
+    auto rest = contents(q);
+    ASSERT_EQ(rest.size(), 3u);
+    EXPECT_EQ(rest.front(), std::to_string(next_out));
+    EXPECT_EQ(rest.back(), std::to_string(next_in - 1));
+}
+
+}  // namespace
+}  // namespace egress::proxy
