@@ -9,7 +9,8 @@
 # Needs openssl and nginx (h1: apt-get install -y nginx-light) or nghttpd (h2: nghttp2-server).
 # PATH_SUFFIX picks the upstream path (h1: json or 64k; h2: 1k); PERF_OUT=FILE records a perf
 # profile of egressd during the run; H2_UPSTREAM=nginx serves h2 from nginx (as bench/peers.sh does)
-# instead of nghttpd. Prints the comparison, egressd's CPU µs per request and
+# instead of nghttpd. EGRESSD_LIMITS='key: value, ...' adds a limits: section to egressd's config
+# (e.g. 'max_upstream_idle_per_host: 0' to make every request dial the upstream). Prints the comparison, egressd's CPU µs per request and
 # its peak RSS. BENCH_ARGS adds egress-bench options (e.g. --new-connection). COMPARE_DURABLE=1 compares egressd with audit.durable off (A) and on (B)
 # instead of direct vs egressd: two egressd processes, same upstream, same run.
 set -euo pipefail
@@ -114,6 +115,7 @@ runs:
     ca_cert_out: $W/run-ca.pem
     pins:
       - {host: "127.0.0.1:$UP", secret_file: $W/secret, inject: {type: bearer}}
+${EGRESSD_LIMITS:+limits: {$EGRESSD_LIMITS\}}
 YAML
 "$BUILD/egressd" --config "$W/egressd.yaml" 2> "$W/egressd.log" &
 EG_PID=$!

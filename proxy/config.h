@@ -51,6 +51,7 @@ struct Limits {
     size_t leaf_cache_size = 1024;     // per run
     size_t leaf_mints_per_minute = 600;  // per run (token bucket); 0 = unlimited
     size_t max_upstream_idle_per_host = 32;
+    size_t upstream_tls_sessions = 1024;  // resumable upstream sessions kept per worker; 0 = none
 };
 
 struct PinConfig {

@@ -146,7 +146,8 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
         w.pool->end_dial(key, std::nullopt);
         co_return *r;
     }
-    auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)), scope.target.host);
+    auto conn =
+        co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)), scope.target.host, key);
     if (auto* r = std::get_if<Refusal>(&conn)) {
         w.pool->end_dial(key, std::nullopt);
         co_return *r;

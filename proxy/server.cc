@@ -17,6 +17,9 @@ Worker::Worker(Shared& s) : shared(s) {
     resolver = std::make_unique<Resolver>(ioc, cfg.resolver_servers, cfg.resolver_overrides,
                                           cfg.limits.dns_timeout);
     pool = std::make_unique<UpstreamPool>(cfg.limits.max_upstream_idle_per_host);
+    if (cfg.limits.upstream_tls_sessions > 0) {
+        tls_sessions = std::make_unique<tls::ClientSessionCache>(cfg.limits.upstream_tls_sessions);
+    }
 }
 
 Worker::~Worker() {
@@ -126,9 +129,12 @@ struct Server::Impl {
             cfg->admin.to_string() != old.admin.to_string() ||
             cfg->upstream_ca_file != old.upstream_ca_file ||
             cfg->state_path != old.state_path || cfg->master_key_file != old.master_key_file ||
-            cfg->resolver_overrides != old.resolver_overrides) {
-            spdlog::warn("reload: listen.*, upstream.ca_file, state.*, keys.* and "
-                         "resolver.overrides changes take effect after a restart");
+            cfg->resolver_overrides != old.resolver_overrides ||
+            cfg->limits.max_upstream_idle_per_host != old.limits.max_upstream_idle_per_host ||
+            cfg->limits.upstream_tls_sessions != old.limits.upstream_tls_sessions) {
+            spdlog::warn("reload: listen.*, upstream.ca_file, state.*, keys.*, "
+                         "resolver.overrides, limits.max_upstream_idle_per_host and "
+                         "limits.upstream_tls_sessions changes take effect after a restart");
         }
         auto config = std::make_shared<const Config>(std::move(*cfg));
         BuildWarnings warnings;

@@ -84,7 +84,8 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
 }
 
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
-                                                         const std::string& host) {
+                                                         const std::string& host,
+                                                         const std::string& session_key) {
     auto conn = std::make_unique<TlsConn>();
     conn->peer = d.peer;
     conn->stream = std::make_unique<TlsStream>(std::move(*d.stream), *w.shared.client_ctx);
@@ -92,6 +93,9 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     if (auto ok = tls::prepare_client(ssl, host); !ok) {
         spdlog::warn("tls setup for {}: {}", host, ok.error());
         co_return Refusal{502, "upstream_tls_failed", "tls"};
+    }
+    if (w.tls_sessions) {
+        w.tls_sessions->attach(ssl, session_key);  // offers the last ticket for this key
     }
     auto& lowest = beast::get_lowest_layer(*conn->stream);
     lowest.expires_after(rt.config->limits.tls_timeout);
@@ -110,6 +114,8 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     }
     lowest.expires_never();
     conn->alpn = tls::negotiated_alpn(ssl);
+    spdlog::debug("upstream tls {} ({}): {}, {}", host, d.peer.address().to_string(),
+                  SSL_get_version(ssl), SSL_session_reused(ssl) == 1 ? "resumed" : "full handshake");
     co_return conn;
 }
 
@@ -143,6 +149,9 @@ std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key) {
 }
 
 void UpstreamPool::release(std::unique_ptr<TlsConn> conn) {
+    if (max_idle_ == 0) {
+        return;  // pooling off: the connection closes here
+    }
     auto& q = idle_[conn->key];
     if (q.size() >= max_idle_) {
         q.pop_front();

@@ -45,9 +45,12 @@ struct TlsConn {
     std::chrono::steady_clock::time_point idle_since;
 };
 
-/// Verified TLS over a dialed connection: SNI, hostname verification, tls_timeout.
+/// Verified TLS over a dialed connection: SNI, hostname verification, tls_timeout. Offers
+/// the session last received under `session_key` (the pool key) and keeps what the server
+/// sends for the next connection (worker's tls_sessions).
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
-                                                         const std::string& host);
+                                                         const std::string& host,
+                                                         const std::string& session_key);
 
 /// A pooled HTTP/2 session and the vetted address it is connected to.
 struct H2Pooled {

@@ -17,6 +17,7 @@
 #include "proxy/resolver.h"
 #include "proxy/runtime.h"
 #include "tls/openssl_ptr.h"
+#include "tls/session_cache.h"
 
 namespace egress::proxy {
 
@@ -78,6 +79,10 @@ private:
 struct Worker {
     explicit Worker(Shared& s);
     ~Worker();
+    /// Upstream TLS sessions (tickets) by pool key, for resumption. Declared before ioc so
+    /// it outlives every connection (and SSL) the loop's coroutines hold. Null when
+    /// limits.upstream_tls_sessions is 0.
+    std::unique_ptr<tls::ClientSessionCache> tls_sessions;
     net::io_context ioc{1};
     Shared& shared;
     std::unique_ptr<Resolver> resolver;

@@ -3,6 +3,8 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 
+#include "tls/session_cache.h"
+
 namespace egress::tls {
 namespace {
 
@@ -165,7 +167,9 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
     }
     X509_VERIFY_PARAM_set_hostflags(SSL_CTX_get0_param(ctx.get()),
                                     X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
-    SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_CLIENT);
+    if (auto ok = enable_client_sessions(ctx.get()); !ok) {
+        return make_error(ok.error());
+    }
     if (!wire->empty() &&
         SSL_CTX_set_alpn_protos(ctx.get(), reinterpret_cast<const unsigned char*>(wire->data()),
                                 static_cast<unsigned int>(wire->size())) != 0) {

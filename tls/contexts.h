@@ -21,8 +21,8 @@ Result<SslCtxPtr> make_server_context(std::vector<std::string> alpn);
 Result<bool> use_leaf(SSL* ssl, const Leaf& leaf);
 
 /// Client context for upstream connections: verifies peers against `ca_file` ("system" =
-/// the default verify paths), TLS 1.2 minimum, client session cache on (resumption),
-/// ALPN list `alpn`.
+/// the default verify paths), TLS 1.2 minimum, sessions kept for resumption through a
+/// ClientSessionCache attached per connection (tls/session_cache.h), ALPN list `alpn`.
 Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<std::string> alpn);
 
 /// Per-connection upstream setup: SNI (names only, not IP literals) and hostname (or IP)

@@ -89,6 +89,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.h2_settings_timeout, milliseconds(10'000));
     EXPECT_EQ(c.limits.leaf_cache_size, d.limits.leaf_cache_size);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
+    EXPECT_EQ(c.limits.upstream_tls_sessions, 1024u);
     EXPECT_EQ(c.audit.path, "var/audit.jsonl");
     EXPECT_FALSE(c.audit.durable);
     EXPECT_EQ(c.log_level, "info");
@@ -157,6 +158,7 @@ limits:
   leaf_cache_size: 16
   leaf_mints_per_minute: 120
   max_upstream_idle_per_host: 0
+  upstream_tls_sessions: 0
 audit:
   path: "-"
   durable: true
@@ -250,6 +252,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.leaf_cache_size, 16u);
     EXPECT_EQ(c.limits.leaf_mints_per_minute, 120u);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
+    EXPECT_EQ(c.limits.upstream_tls_sessions, 0u);
     EXPECT_EQ(c.audit.path, "-");
     EXPECT_TRUE(c.audit.durable);
     EXPECT_EQ(c.log_level, "debug");

@@ -61,3 +61,33 @@ def test_idle_timeout_closes_an_idle_keep_alive_connection(world, factory, marke
     waited = time.monotonic() - started
     c.close()
     assert 0.5 < waited < 8, waited
+
+
+def _three_requests_on_one_tunnel(world, e, marker):
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        for i in range(3):
+            r = helpers.request(c, "GET", f"/echo/{marker}-{i}", f"api.test:{world.U}")
+            assert r.status == 200
+    finally:
+        c.close()
+    return [world.upstream.find(f"{marker}-{i}") for i in range(3)]
+
+
+def test_no_idle_upstream_connections_redials_and_resumes_tls(world, factory, marker):
+    """max_upstream_idle_per_host: 0 keeps no pooled connection (every request dials), and
+    each redial resumes the TLS session the upstream sent on the previous connection
+    (upstream_tls_sessions, default on)."""
+    e = factory.start(mutate=_limits(max_upstream_idle_per_host=0))
+    before = world.upstream.server.connections
+    seen = _three_requests_on_one_tunnel(world, e, marker)
+    assert [len(s) for s in seen] == [1, 1, 1]
+    assert world.upstream.server.connections - before >= 3  # no reuse: one dial per request
+    assert [s[0].resumed for s in seen] == [False, True, True]
+    assert all(s[0].sni == "api.test" for s in seen)  # resumption keeps SNI and verification
+
+
+def test_upstream_tls_sessions_zero_never_resumes(world, factory, marker):
+    e = factory.start(mutate=_limits(max_upstream_idle_per_host=0, upstream_tls_sessions=0))
+    seen = _three_requests_on_one_tunnel(world, e, marker)
+    assert [s[0].resumed for s in seen] == [False, False, False]

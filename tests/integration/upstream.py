@@ -130,6 +130,7 @@ class Seen:
     headers: list[tuple[str, str]]
     body_len: int = 0
     sni: str | None = None
+    resumed: bool | None = None  # TLS: the connection resumed a session (None: cleartext)
 
     def header(self, name: str) -> list[str]:
         return [v for k, v in self.headers if k.lower() == name.lower()]
@@ -207,7 +208,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         parts = url.path.split("/")
         base = "/" + parts[1] if len(parts) > 1 else "/"  # "/echo/<marker>" routes like "/echo"
         seen = Seen(self.command, self.path, [(k, v) for k, v in self.headers.items()],
-                    sni=getattr(self.connection, "egress_sni", None))
+                    sni=getattr(self.connection, "egress_sni", None),
+                    resumed=getattr(self.connection, "session_reused", None))
         if base == "/upload":
             self.server.record(seen)
             n, digest = self._consume_body()
