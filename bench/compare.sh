@@ -7,12 +7,16 @@
 #   bench/compare.sh h2 [BUILD_DIR] [CONNECTIONS] [STREAMS] [DURATION] [PAIRS]
 #
 # Needs openssl and nginx (h1: apt-get install -y nginx-light) or nghttpd (h2: nghttp2-server).
-# PATH_SUFFIX picks the upstream path (h1: json or 64k; h2: 1k); PERF_OUT=FILE records a perf
-# profile of egressd during the run; H2_UPSTREAM=nginx serves h2 from nginx (as bench/peers.sh does)
-# instead of nghttpd. EGRESSD_LIMITS='key: value, ...' adds a limits: section to egressd's config
-# (e.g. 'max_upstream_idle_per_host: 0' to make every request dial the upstream). Prints the comparison, egressd's CPU µs per request and
-# its peak RSS. BENCH_ARGS adds egress-bench options (e.g. --new-connection). COMPARE_DURABLE=1 compares egressd with audit.durable off (A) and on (B)
-# instead of direct vs egressd: two egressd processes, same upstream, same run.
+# Environment:
+#   PATH_SUFFIX      upstream path (h1 or H2_UPSTREAM=nginx: json or 64k; nghttpd: 1k)
+#   H2_UPSTREAM      nginx: serve h2 from nginx (as bench/peers.sh does) instead of nghttpd
+#   BENCH_ARGS       more egress-bench options (e.g. --new-connection)
+#   EGRESSD_LIMITS   'key: value, ...' for a limits: section in egressd's config (e.g.
+#                    'max_upstream_idle_per_host: 0' makes every request dial the upstream)
+#   PERF_OUT=FILE    records a perf profile of egressd during the run (PERF_ARGS: perf options)
+#   COMPARE_DURABLE=1  compares egressd with audit.durable off (A) and on (B) instead of direct
+#                    vs egressd: two egressd processes, same upstream, same run.
+# Prints the comparison, egressd's CPU µs per request and its peak RSS.
 set -euo pipefail
 PROTO=${1:?usage: compare.sh h1|h2 [BUILD_DIR] ...}
 shift
@@ -39,37 +43,9 @@ openssl x509 -req -in "$W/up.csr" -CA "$W/ca.pem" -CAkey "$W/ca.key" -CAcreatese
   -extfile "$W/ext" -out "$W/up.pem" 2>/dev/null
 
 UP=$(free_port); PX=$(free_port); AD=$(free_port)
-if [ "$PROTO" = h2 ] && [ "${H2_UPSTREAM:-nghttpd}" = nginx ]; then
-  # nginx speaking h2 only (the upstream bench/peers.sh uses), small JSON answer
-  mkdir -p "$W/nginx/logs"
-  cat > "$W/nginx.conf" <<NGINX
-worker_processes 1;
-pid $W/nginx/nginx.pid;
-error_log $W/nginx/logs/error.log warn;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  keepalive_requests 1000000;
-  server {
-    listen 127.0.0.1:$UP ssl http2;
-    ssl_certificate $W/up.pem;
-    ssl_certificate_key $W/up.key;
-    location /json { default_type application/json; return 200 '{"ok":true,"name":"egress"}'; }
-  }
-}
-NGINX
-  nginx -p "$W/nginx" -c "$W/nginx.conf" -g 'daemon off;' &
-  UP_PID=$!
-  DEFAULT_PATH=json
-  PROTO_ARGS="--h2 --streams $STREAMS"
-elif [ "$PROTO" = h2 ]; then
-  mkdir -p "$W/docroot"
-  head -c 1024 /dev/urandom > "$W/docroot/1k"
-  nghttpd --address=127.0.0.1 -d "$W/docroot" "$UP" "$W/up.key" "$W/up.pem" > "$W/nghttpd.log" 2>&1 &
-  UP_PID=$!
-  DEFAULT_PATH=1k
-  PROTO_ARGS="--h2 --streams $STREAMS"
-else
+# nginx upstream (one worker) on $UP: a small JSON answer and a 64 KiB body. $1 is the
+# listen options: "ssl" (HTTP/1.1) or "ssl http2".
+start_nginx() {
   mkdir -p "$W/nginx/logs"
   head -c 65536 /dev/urandom > "$W/64k.bin"
   cat > "$W/nginx.conf" <<NGINX
@@ -81,7 +57,7 @@ http {
   access_log off;
   keepalive_requests 1000000;
   server {
-    listen 127.0.0.1:$UP ssl;
+    listen 127.0.0.1:$UP $1;
     ssl_certificate $W/up.pem;
     ssl_certificate_key $W/up.key;
     location /json { default_type application/json; return 200 '{"ok":true,"name":"egress"}'; }
@@ -92,6 +68,19 @@ NGINX
   nginx -p "$W/nginx" -c "$W/nginx.conf" -g 'daemon off;' &
   UP_PID=$!
   DEFAULT_PATH=json
+}
+if [ "$PROTO" = h2 ] && [ "${H2_UPSTREAM:-nghttpd}" = nginx ]; then
+  start_nginx "ssl http2"  # as bench/peers.sh serves h2
+  PROTO_ARGS="--h2 --streams $STREAMS"
+elif [ "$PROTO" = h2 ]; then
+  mkdir -p "$W/docroot"
+  head -c 1024 /dev/urandom > "$W/docroot/1k"
+  nghttpd --address=127.0.0.1 -d "$W/docroot" "$UP" "$W/up.key" "$W/up.pem" > "$W/nghttpd.log" 2>&1 &
+  UP_PID=$!
+  DEFAULT_PATH=1k
+  PROTO_ARGS="--h2 --streams $STREAMS"
+else
+  start_nginx ssl
   PROTO_ARGS=""
 fi
 for _ in $(seq 100); do

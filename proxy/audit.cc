@@ -165,7 +165,8 @@ void append_audit_json(std::string& out, const AuditRecord& r) {
     num_field(out, "bytes_out", r.bytes_out);
     field(out, "duration_ms");
     char ms[64];
-    auto [ms_end, ms_ec] = std::to_chars(ms, ms + sizeof ms, r.duration_ms, std::chars_format::fixed, 3);
+    auto [ms_end, ms_ec] =
+        std::to_chars(ms, ms + sizeof ms, r.duration_ms, std::chars_format::fixed, 3);
     if (ms_ec == std::errc()) {
         out.append(ms, ms_end);
     } else {

@@ -115,7 +115,8 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     lowest.expires_never();
     conn->alpn = tls::negotiated_alpn(ssl);
     spdlog::debug("upstream tls {} ({}): {}, {}", host, d.peer.address().to_string(),
-                  SSL_get_version(ssl), SSL_session_reused(ssl) == 1 ? "resumed" : "full handshake");
+                  SSL_get_version(ssl),
+                  SSL_session_reused(ssl) == 1 ? "resumed" : "full handshake");
     co_return conn;
 }
 

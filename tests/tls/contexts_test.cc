@@ -14,15 +14,8 @@ namespace {
 using testing::HandshakeResult;
 using testing::TempFile;
 
-class ContextsTest : public ::testing::Test {
+class ContextsTest : public testing::RunCaTest {
 protected:
-    void SetUp() override {
-        auto ca = RunCa::create("ctx-run", std::chrono::hours(1));
-        ASSERT_TRUE(ca.ok());
-        ca_ = std::move(ca).value();
-        ca_file_ = std::make_unique<TempFile>(ca_->cert_pem());
-    }
-
     SslCtxPtr server_ctx(std::vector<std::string> alpn = {"h2", "http/1.1"}) {
         auto ctx = make_server_context(std::move(alpn));
         EXPECT_TRUE(ctx.ok()) << (ctx.ok() ? "" : ctx.error());
@@ -33,16 +26,6 @@ protected:
         auto ctx = make_client_context(ca_file_->path(), std::move(alpn));
         EXPECT_TRUE(ctx.ok()) << (ctx.ok() ? "" : ctx.error());
         return ctx.ok() ? std::move(ctx).value() : nullptr;
-    }
-
-    /// A server SSL presenting a leaf minted for `leaf_host`.
-    SslPtr server_ssl(SSL_CTX* ctx, const std::string& leaf_host) {
-        auto leaf = ca_->mint(leaf_host);
-        EXPECT_TRUE(leaf.ok());
-        SslPtr ssl(SSL_new(ctx));
-        auto used = use_leaf(ssl.get(), *leaf.value());
-        EXPECT_TRUE(used.ok()) << (used.ok() ? "" : used.error());
-        return ssl;
     }
 
     /// Client prepared for `host` against a server holding a leaf for `leaf_host`.
@@ -62,9 +45,6 @@ protected:
         }
         return r;
     }
-
-    std::unique_ptr<RunCa> ca_;
-    std::unique_ptr<TempFile> ca_file_;
 };
 
 TEST_F(ContextsTest, ServerContextSettings) {

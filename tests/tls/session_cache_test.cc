@@ -10,15 +10,10 @@
 namespace egress::tls {
 namespace {
 
-using testing::TempFile;
-
-class SessionCacheTest : public ::testing::Test {
+class SessionCacheTest : public testing::RunCaTest {
 protected:
     void SetUp() override {
-        auto ca = RunCa::create("sessions-run", std::chrono::hours(1));
-        ASSERT_TRUE(ca.ok());
-        ca_ = std::move(ca).value();
-        ca_file_ = std::make_unique<TempFile>(ca_->cert_pem());
+        RunCaTest::SetUp();
         auto s = make_server_context({"http/1.1"});
         auto c = make_client_context(ca_file_->path(), {"http/1.1"});
         ASSERT_TRUE(s.ok() && c.ok());
@@ -38,10 +33,7 @@ protected:
         if (offered != nullptr) {
             *offered = o;
         }
-        auto leaf = ca_->mint(host);
-        EXPECT_TRUE(leaf.ok());
-        SslPtr server(SSL_new(sctx_.get()));
-        EXPECT_TRUE(use_leaf(server.get(), *leaf.value()).ok());
+        SslPtr server = server_ssl(sctx_.get(), host);
         auto r = testing::handshake(client.get(), server.get());
         EXPECT_TRUE(r.ok) << r.error;
         EXPECT_EQ(SSL_get_verify_result(client.get()), X509_V_OK);
@@ -51,8 +43,6 @@ protected:
         return SSL_session_reused(client.get()) == 1;
     }
 
-    std::unique_ptr<RunCa> ca_;
-    std::unique_ptr<TempFile> ca_file_;
     SslCtxPtr sctx_;
     SslCtxPtr cctx_;
 };
@@ -95,10 +85,7 @@ TEST_F(SessionCacheTest, UnattachedConnectionsKeepNothing) {
     ClientSessionCache cache;
     SslPtr client(SSL_new(cctx_.get()));
     ASSERT_TRUE(prepare_client(client.get(), "a.test").ok());
-    auto leaf = ca_->mint("a.test");
-    ASSERT_TRUE(leaf.ok());
-    SslPtr server(SSL_new(sctx_.get()));
-    ASSERT_TRUE(use_leaf(server.get(), *leaf.value()).ok());
+    SslPtr server = server_ssl(sctx_.get(), "a.test");
     ASSERT_TRUE(testing::handshake(client.get(), server.get()).ok);
     char byte;
     EXPECT_LE(SSL_read(client.get(), &byte, 1), 0);

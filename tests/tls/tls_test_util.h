@@ -1,17 +1,22 @@
 #pragma once
-// Helpers for the tls unit tests: in-memory handshakes over BIO pairs and temp CA files.
+// Helpers for the tls unit tests: in-memory handshakes over BIO pairs, temp CA files and a
+// run-CA fixture.
 #include <gtest/gtest.h>
 #include <openssl/bio.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
 
+#include "tls/contexts.h"
 #include "tls/openssl_ptr.h"
+#include "tls/run_ca.h"
 
 namespace egress::tls::testing {
 
@@ -78,6 +83,31 @@ public:
 
 private:
     std::string path_;
+};
+
+/// A fixture with a run CA, its certificate in a file (the upstream CA file of a client
+/// context), and server connections presenting leaves it mints.
+class RunCaTest : public ::testing::Test {
+protected:
+    void SetUp() override {
+        auto ca = RunCa::create("test-run", std::chrono::hours(1));
+        ASSERT_TRUE(ca.ok());
+        ca_ = std::move(ca).value();
+        ca_file_ = std::make_unique<TempFile>(ca_->cert_pem());
+    }
+
+    /// A server SSL from `ctx` presenting a leaf minted for `leaf_host`.
+    SslPtr server_ssl(SSL_CTX* ctx, const std::string& leaf_host) {
+        auto leaf = ca_->mint(leaf_host);
+        EXPECT_TRUE(leaf.ok());
+        SslPtr ssl(SSL_new(ctx));
+        auto used = use_leaf(ssl.get(), *leaf.value());
+        EXPECT_TRUE(used.ok()) << (used.ok() ? "" : used.error());
+        return ssl;
+    }
+
+    std::unique_ptr<RunCa> ca_;
+    std::unique_ptr<TempFile> ca_file_;
 };
 
 }  // namespace egress::tls::testing
