@@ -2,6 +2,7 @@
 // Streaming replacement of secret bytes in a response, across chunk boundaries.
 // Replacements keep the length of what they replace ("[REDACTED]" cut or padded with '*'),
 // so Content-Length framing stays valid and nothing needs buffering beyond a short tail.
+#include <array>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -29,8 +30,20 @@ public:
 
     size_t replacements() const { return replacements_; }
 
+    /// How a body is searched (derived from the needles; no secret bytes of its own).
+    struct Search {
+        struct Kernel {
+            size_t needle;  // index of a needle that contains no other needle
+            size_t back;    // a needle holding it may start up to this many bytes earlier
+        };
+        std::vector<Kernel> kernels;  // every needle contains at least one kernel
+        std::array<bool, 256> first{};  // bytes that start some needle
+        std::string firsts;             // the same bytes, for memchr
+    };
+
 private:
     std::vector<std::string> needles_;  // longest first
+    Search search_;
     std::string tail_;
     size_t max_len_ = 0;
     size_t replacements_ = 0;
