@@ -1,6 +1,7 @@
 """Large bodies stream through the injecting path with bounded memory: a 50 MiB download and a
 20 MiB upload (curl and requests, Content-Length and chunked), parallel transfers, backpressure
-from a stalled reader; egressd's peak RSS (VmHWM) stays under 64 MiB."""
+from a stalled reader; egressd's peak RSS (VmHWM) stays under 64 MiB. Bodies are framed exactly
+(pipelined requests with bodies) and a truncated response is never completed."""
 from __future__ import annotations
 
 import hashlib
@@ -181,3 +182,47 @@ def test_backpressure_stalled_reader(world, egressd, marker):
 def test_peak_rss_after_all_transfers(egressd):
     hwm = check_rss(egressd)
     print(f"egressd VmHWM {hwm} KiB")
+
+
+def test_pipelined_bodies_are_framed_exactly(world, egressd, marker):
+    """Bodies are relayed in pieces and never read past their end: requests with bodies sent
+    back to back in one write each get exactly their own body, and a 1 MiB response followed on
+    the same connections by a small one arrives intact."""
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth("r1"),
+                       run_ca(egressd, "r1"))
+    bodies = [b"first-body", b"x" * 70000, b"", b"last"]
+    wire = b""
+    for i, body in enumerate(bodies):
+        wire += (f"POST /echo/{marker}-{i} HTTP/1.1\r\nHost: api.test:{world.U}\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    c.send(wire)
+    for i, body in enumerate(bodies):
+        r = helpers.read_response(c)
+        assert r.status == 200, (i, r.status, r.body[:200])
+        got = json.loads(r.body)
+        assert got["path"] == f"/echo/{marker}-{i}"
+        assert got["body_length"] == len(body)
+        assert got["body_sha256"] == hashlib.sha256(body).hexdigest()
+    n = MiB + 17
+    r = helpers.request(c, "GET", f"/bytes/{n}?{marker}", f"api.test:{world.U}")
+    assert r.status == 200 and len(r.body) == n
+    assert hashlib.sha256(r.body).hexdigest() == payload_sha256(n)
+    r = helpers.request(c, "GET", f"/echo/{marker}-after", f"api.test:{world.U}")
+    assert r.status == 200 and json.loads(r.body)["path"] == f"/echo/{marker}-after"
+
+
+def test_truncated_response_body_is_not_completed(world, egressd, marker):
+    """An upstream that closes before its Content-Length is reached: the client gets the bytes
+    that came and then a close (never a completed response), and the audit says
+    upstream_aborted."""
+    n = 200000
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth("r1"),
+                       run_ca(egressd, "r1"))
+    c.send(f"GET /short/{n}?{marker} HTTP/1.1\r\nHost: api.test:{world.U}\r\n\r\n".encode())
+    head = c.read_until(b"\r\n\r\n").decode("latin-1")
+    assert head.startswith("HTTP/1.1 200") and f"Content-Length: {n}" in head, head
+    got = c.read_to_eof()
+    assert len(got) == n // 2 and hashlib.sha256(got).hexdigest() == \
+        hashlib.sha256(b"".join(iter_payload(n))[:n // 2]).hexdigest()
+    [rec] = egressd.wait_audit(lambda a: a.get("path") == f"/short/{n}")  # no query logged
+    assert rec["reason"] == "upstream_aborted", rec

@@ -276,6 +276,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.flush()
                 self._chunk(body[cut:])
             self.wfile.write(b"0\r\n\r\n")
+        elif len(parts) == 3 and parts[1] == "short" and parts[2].isdigit():
+            # Announces Content-Length N, sends N/2 bytes, then closes: a truncated response.
+            total = int(parts[2])
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(total))
+            self.end_headers()
+            self.wfile.write(payload(0, total // 2))
+            self.wfile.flush()
+            self.close_connection = True
         elif base == "/redirect":
             self._send(302, b"", "text/plain", [("Location", q.get("to", "/echo"))])
         elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():
