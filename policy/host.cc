@@ -63,12 +63,16 @@ Result<std::string> normalize_ipv6(std::string_view text) {
 
 // A name whose last label looks numeric must be a canonical dotted quad: exactly four
 // decimal labels, no leading zeros, each at most 255.
-bool canonical_dotted_quad(const std::vector<std::string_view>& labels) {
-    if (labels.size() != 4) {
-        return false;
-    }
-    for (std::string_view label : labels) {
-        if (!all_digits(label) || label.size() > 3 || (label.size() > 1 && label[0] == '0')) {
+bool canonical_dotted_quad(std::string_view name) {
+    size_t labels = 0;
+    for (size_t start = 0; start <= name.size(); ++labels) {
+        size_t dot = name.find('.', start);
+        if (dot == std::string_view::npos) {
+            dot = name.size();
+        }
+        const std::string_view label = name.substr(start, dot - start);
+        if (labels == 4 || !all_digits(label) || label.size() > 3 ||
+            (label.size() > 1 && label[0] == '0')) {
             return false;
         }
         int v = 0;
@@ -78,8 +82,9 @@ bool canonical_dotted_quad(const std::vector<std::string_view>& labels) {
         if (v > 255) {
             return false;
         }
+        start = dot + 1;
     }
-    return true;
+    return labels == 4;
 }
 
 struct SplitAuthority {
@@ -191,8 +196,12 @@ Result<std::string> normalize_host(std::string_view host) {
     if (name.size() > kMaxNameBytes) {
         return make_error("host name longer than 253 bytes");
     }
-    const std::vector<std::string_view> labels = split_labels(name);
-    for (std::string_view label : labels) {
+    // Label by label in place (this runs for every request's authority: no label vector).
+    std::string_view last;
+    for (size_t start = 0;;) {
+        const size_t dot = name.find('.', start);
+        const std::string_view label = std::string_view(name).substr(
+            start, dot == std::string::npos ? std::string::npos : dot - start);
         if (label.empty()) {
             return make_error("empty label in host name");
         }
@@ -207,9 +216,13 @@ Result<std::string> normalize_host(std::string_view host) {
         if (label.front() == '-' || label.back() == '-') {
             return make_error("label starts or ends with '-'");
         }
+        if (dot == std::string::npos) {
+            last = label;
+            break;
+        }
+        start = dot + 1;
     }
-    const std::string_view last = labels.back();
-    if ((all_digits(last) || last.starts_with("0x")) && !canonical_dotted_quad(labels)) {
+    if ((all_digits(last) || last.starts_with("0x")) && !canonical_dotted_quad(name)) {
         return make_error("ambiguous numeric host (only a canonical dotted quad is allowed)");
     }
     return name;

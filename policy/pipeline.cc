@@ -74,6 +74,7 @@ void inject(RequestHead& head, const Pin& pin, Decision& d) {
     const std::string_view secret = pin.secret->reveal();
     const std::string name = injected_header_name(pin.inject);
     std::string value = injected_header_value(pin.inject, secret);
+    d.scrub.reserve(3);
     d.scrub.emplace_back(secret);
     d.scrub.push_back(value);
     if (pin.inject.type == InjectType::Basic) {

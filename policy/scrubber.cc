@@ -193,13 +193,17 @@ void Scrubber::finish(std::string& out) {
 
 std::string Scrubber::scrub_value(std::string_view value) {
     std::string buf(value);
+    scrub_in_place(buf);
+    return buf;
+}
+
+void Scrubber::scrub_in_place(std::string& value) {
     if (!active()) {
-        return buf;
+        return;
     }
     ScanState st;
-    scan(needles_, search_, max_len_, buf.data(), buf.size(), true, st);
+    scan(needles_, search_, max_len_, value.data(), value.size(), true, st);
     replacements_ += st.replacements;
-    return buf;
 }
 
 }  // namespace egress::policy

@@ -27,6 +27,8 @@ public:
 
     /// Scrubs one complete value (a header value).
     std::string scrub_value(std::string_view value);
+    /// The same, in place: `value` changes only where a needle occurs (no allocation).
+    void scrub_in_place(std::string& value);
 
     size_t replacements() const { return replacements_; }
 

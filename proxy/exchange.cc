@@ -402,7 +402,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // Response: headers scrubbed, body streamed (scrubbed), trailers passed through.
     if (scrubber.active()) {
         for (auto& h : resp->headers) {
-            h.value = scrubber.scrub_value(h.value);
+            scrubber.scrub_in_place(h.value);
         }
     }
     if (!co_await down.send_head(*resp)) {
@@ -436,7 +436,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 trailers = up->response_trailers();
                 if (scrubber.active()) {
                     for (auto& h : trailers) {
-                        h.value = scrubber.scrub_value(h.value);
+                        scrubber.scrub_in_place(h.value);
                     }
                 }
             }

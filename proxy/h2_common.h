@@ -113,6 +113,7 @@ ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
         *data_flags |= NGHTTP2_DATA_FLAG_EOF;
         if (!st->out_trailers.empty()) {
             std::vector<nghttp2_nv> nva;
+            nva.reserve(st->out_trailers.size());
             for (const auto& h : st->out_trailers) {
                 nva.push_back(make_nv(h.name, h.value));
             }
@@ -135,14 +136,14 @@ inline std::string_view sv(const uint8_t* p, size_t n) {
 
 /// Headers that may not appear in an HTTP/2 message (RFC 9113 8.2.2); "te" other than
 /// "trailers" is also dropped.
-inline bool h2_forbidden(const policy::Header& h) {
-    const auto& n = h.name;
+inline bool h2_forbidden(std::string_view n, std::string_view value) {
     if (n == "te") {
-        return !policy::iequals(h.value, "trailers");
+        return !policy::iequals(value, "trailers");
     }
     return n == "connection" || n == "keep-alive" || n == "proxy-connection" ||
            n == "transfer-encoding" || n == "upgrade" || n == "host";
 }
+inline bool h2_forbidden(const policy::Header& h) { return h2_forbidden(h.name, h.value); }
 
 /// Shared state of one HTTP/2 connection's I/O: the writer is the only coroutine that writes
 /// to the TLS stream, and the only caller of nghttp2_session_mem_send.

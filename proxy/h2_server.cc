@@ -393,18 +393,29 @@ public:
         }
         st.response_started = true;
         std::string status = std::to_string(rh.status);
-        std::vector<policy::Header> lowered;
-        lowered.reserve(rh.headers.size());
-        for (const auto& h : rh.headers) {
-            policy::Header l{policy::ascii_lower(h.name), h.value};
-            if (!h2_forbidden(l) && l.name != "te") {
-                lowered.push_back(std::move(l));
-            }
+        // nghttp2 copies names and values during the submit: values are not copied here, and
+        // a name is lowered into `lowered` only if it has upper-case bytes (an HTTP/1.1
+        // upstream's may; an h2 upstream's never do). Reserved up front: the views into it
+        // must not move.
+        std::vector<std::string> lowered;
+        const auto has_upper = [](std::string_view n) {
+            return std::any_of(n.begin(), n.end(), [](char c) { return c >= 'A' && c <= 'Z'; });
+        };
+        if (std::any_of(rh.headers.begin(), rh.headers.end(),
+                        [&](const auto& h) { return has_upper(h.name); })) {
+            lowered.reserve(rh.headers.size());
         }
         std::vector<nghttp2_nv> nva;
+        nva.reserve(rh.headers.size() + 1);
         nva.push_back(make_nv(":status", status));
-        for (const auto& h : lowered) {
-            nva.push_back(make_nv(h.name, h.value));
+        for (const auto& h : rh.headers) {
+            std::string_view name = h.name;
+            if (has_upper(name)) {
+                name = lowered.emplace_back(policy::ascii_lower(name));
+            }
+            if (!h2_forbidden(name, h.value) && name != "te") {
+                nva.push_back(make_nv(name, h.value));
+            }
         }
         nghttp2_data_provider prd{};
         prd.source.ptr = st_.get();

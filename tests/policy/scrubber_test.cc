@@ -75,6 +75,19 @@ INSTANTIATE_TEST_SUITE_P(
         ValueCase{{"abc", "bcdef"}, "abcdef", "[REDAC"}, ValueCase{{"aa"}, "aaaaa", "[REDA"},
         ValueCase{{"Bearer tok", "tok"}, "Bearer tok tok", "[REDACTED] [RE"}));
 
+TEST(Scrubber, ScrubInPlaceChangesOnlyWhereANeedleOccurs) {
+    Scrubber s({"tok", "Bearer tok"});
+    std::string clean = "application/json";
+    const char* before = clean.data();
+    s.scrub_in_place(clean);
+    EXPECT_EQ(clean, "application/json");
+    EXPECT_EQ(clean.data(), before);  // same buffer: nothing copied
+    std::string echoed = "seen=Bearer tok;end";
+    s.scrub_in_place(echoed);
+    EXPECT_EQ(echoed, "seen=[REDACTED];end");
+    EXPECT_EQ(s.replacements(), 2U);  // occurrences: "Bearer tok" and the "tok" inside it
+}
+
 TEST(Scrubber, HoldsBackAtMostLongestMinusOne) {
     Scrubber s({"abcdef"});
     std::string out;
