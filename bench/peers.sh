@@ -237,10 +237,11 @@ done
 
 # ---------------------------------------------------------------- measuring
 HZ=$(getconf CLK_TCK)
-cpu_ticks() {  # utime+stime of PID and its live children (squid's certgen helpers)
-  local p t=0 v
+cpu_ticks() {  # utime+stime ("user": utime) of PID and its live children (squid helpers)
+  local p t=0 v expr='$12 + $13'
+  [ "${2:-}" = user ] && expr='$12'
   for p in "$1" $(pgrep -P "$1" 2>/dev/null || true); do
-    v=$(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | awk '{print $12 + $13}') || v=0
+    v=$(sed 's/.*) //' "/proc/$p/stat" 2>/dev/null | awk "{print $expr}") || v=0
     t=$((t + ${v:-0}))
   done
   echo "$t"
@@ -323,14 +324,14 @@ except Exception as x: print("egress-bench failed: " + open(sys.argv[2]).read()[
     fi
     n0=$(proxied_count)
     reset_hwm "$pid"
-    t0=$(cpu_ticks "$pid"); s0=$(date +%s.%N)
+    t0=$(cpu_ticks "$pid"); u0=$(cpu_ticks "$pid" user); s0=$(date +%s.%N)
     # shellcheck disable=SC2086
     "$BENCH" --cacert "$W/all-ca.pem" --json --duration "$DUR" --warmup "$WARM" --pairs "$PAIRS" \
       $LARGS --compare "$A" "$B" > "$W/res/$load.$peer.json" 2> "$W/res/$load.$peer.err" || true
-    t1=$(cpu_ticks "$pid"); s1=$(date +%s.%N)
+    t1=$(cpu_ticks "$pid"); u1=$(cpu_ticks "$pid" user); s1=$(date +%s.%N)
     rss=$(hwm_kb "$pid")
     n1=$(proxied_count)
-    meta "$load" "$peer" "cpu_ticks=$((t1 - t0))" "hz=$HZ" "rss_kb=$rss" "proxied=$((n1 - n0))" \
+    meta "$load" "$peer" "cpu_ticks=$((t1 - t0))" "cpu_user_ticks=$((u1 - u0))" "hz=$HZ" "rss_kb=$rss" "proxied=$((n1 - n0))" \
       "wall_s=$(awk "BEGIN{print $s1 - $s0}")" "largs=$LARGS" "a=$A" "b=$B"
   done
 done

@@ -84,11 +84,23 @@ def measure(load, peer):
     # Requests the proxy carried during the comparison, warmups included (nginx's log).
     m["proxied"] = int(meta.get("proxied", 0))
     m["cpu_us"] = ticks / hz * 1e6 / m["proxied"] if m["proxied"] else None
+    uticks = meta.get("cpu_user_ticks")  # absent in runs before the split was recorded
+    m["cpu_user_us"] = (int(uticks) / hz * 1e6 / m["proxied"]
+                        if m["proxied"] and uticks is not None else None)
     m["rss_mib"] = int(meta.get("rss_kb", 0)) / 1024.0
     return m
 
 
 R = {(l, p): measure(l, p) for l in LOADS for p in PEERS}
+
+
+def cpu_cell(m: dict) -> str:
+    """CPU µs per request, with its user-space part in parentheses when recorded."""
+    if m["cpu_us"] is None:
+        return "–"
+    if m.get("cpu_user_us") is None:
+        return f"{m['cpu_us']:.0f}"
+    return f"{m['cpu_us']:.0f} ({m['cpu_user_us']:.0f})"
 
 # ------------------------------------------------------------------ plot data
 # One row per load: label, then direct and each peer: req/s, p50 ms, p99 ms, CPU µs/request
@@ -131,8 +143,9 @@ w("Every proxy terminates the client's TLS, adds `Authorization: Bearer <secret>
   "the ratio is the median of the per-pair ratios. Client, proxy and upstream share the machine's "
   "cores, so req/s mixes each proxy's cost with CPU contention; **CPU µs/req** (utime+stime of the "
   "proxy's processes over the comparison ÷ the requests that reached nginx through it, warmups "
-  "included) is the figure that does not depend on the client. Peak RSS is VmHWM of the proxy's "
-  "processes, reset before each load.")
+  "included) is the figure that does not depend on the client; in parentheses its user-space "
+  "part (utime; the rest is the kernel: TCP, and on loopback the receiver's side of each send). "
+  "Peak RSS is VmHWM of the proxy's processes, reset before each load.")
 w("")
 w("* **egressd**: forward proxy (CONNECT), run CA leaf, pinned bearer credential, audit line per "
   "request to a file, pooled upstream connections (h1 and h2), worker threads = cores.")
@@ -162,7 +175,7 @@ w("![throughput, p50 and p99 latency and CPU per request, per load and proxy](%s
   % E["PEERS_SVG_NAME"])
 w("")
 w("| load | proxy | direct req/s | via req/s | ratio | p50 direct / via (ms) | "
-  "p99 direct / via (ms) | CPU µs/req | peak RSS | errors |")
+  "p99 direct / via (ms) | CPU µs/req (user) | peak RSS | errors |")
 w("|---|---|---|---|---|---|---|---|---|---|")
 for l in LOADS:
     if l == "rate2000":
@@ -175,7 +188,7 @@ for l in LOADS:
         errs = f"{m['b_err']} / {m['b_req']}" if m["b_err"] else "0"
         if m["a_err"]:
             errs += f" (direct {m['a_err']})"
-        cpu = f"{m['cpu_us']:.0f}" if m["cpu_us"] is not None else "–"
+        cpu = cpu_cell(m)
         w(f"| {LOAD_TITLE.get(l, l)} | {p} | {grp(m['a_rps'])} | {grp(m['b_rps'])} | "
           f"{m['ratio']:.3f} | {ms(m['a_p50'])} / {ms(m['b_p50'])} | {ms(m['a_p99'])} / "
           f"{ms(m['b_p99'])} | {cpu} | {m['rss_mib']:.0f} MiB | {errs} |")
@@ -185,7 +198,7 @@ if "rate2000" in LOADS:
       "send time, so a proxy that falls behind shows it as latency, not as fewer requests):")
     w("")
     w("| proxy | direct req/s | via req/s | p50 direct / via (ms) | p99 direct (ms) | "
-      "p99 via (ms) | **p99 added** (ms) | CPU µs/req | peak RSS | errors |")
+      "p99 via (ms) | **p99 added** (ms) | CPU µs/req (user) | peak RSS | errors |")
     w("|---|---|---|---|---|---|---|---|---|---|")
     for p in PEERS:
         m = R[("rate2000", p)]
@@ -193,7 +206,7 @@ if "rate2000" in LOADS:
             w(f"| {p} | {m['note']} |||||||||")
             continue
         errs = f"{m['b_err']} / {m['b_req']}" if m["b_err"] else "0"
-        cpu = f"{m['cpu_us']:.0f}" if m["cpu_us"] is not None else "–"
+        cpu = cpu_cell(m)
         w(f"| {p} | {grp(m['a_rps'])} | {grp(m['b_rps'])} | {ms(m['a_p50'])} / {ms(m['b_p50'])} | "
           f"{ms(m['a_p99'])} | {ms(m['b_p99'])} | **{ms(m['b_p99'] - m['a_p99'])}** | {cpu} | "
           f"{m['rss_mib']:.0f} MiB | {errs} |")
