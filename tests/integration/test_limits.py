@@ -63,6 +63,26 @@ def test_idle_timeout_closes_an_idle_keep_alive_connection(world, factory, marke
     assert 0.5 < waited < 8, waited
 
 
+def test_idle_timeout_bounds_the_wait_for_an_upstream_response(world, factory, marker):
+    """idle_timeout also bounds how long egressd waits for the upstream's response head: a
+    slower upstream gets the client a 504 upstream_timeout (audited) near the limit, and the
+    same connection settings serve a prompt upstream."""
+    e = factory.start(mutate=_limits(idle_timeout="1s"))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    started = time.monotonic()
+    r = helpers.request(c, "GET", f"/delay/4000?{marker}", f"api.test:{world.U}")
+    waited = time.monotonic() - started
+    c.close()
+    assert (r.status, r.egress_reason) == (504, "upstream_timeout")
+    assert 0.5 < waited < 3.5, waited
+    [rec] = e.wait_audit(lambda a: a.get("path") == "/delay/4000")
+    assert (rec["status"], rec["reason"]) == (504, "upstream_timeout"), rec
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    r = helpers.request(c, "GET", "/delay/100", f"api.test:{world.U}")
+    c.close()
+    assert r.status == 200
+
+
 def _three_requests_on_one_tunnel(world, e, marker):
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
     try:

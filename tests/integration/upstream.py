@@ -27,6 +27,7 @@ import socketserver
 import ssl
 import subprocess
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -276,6 +277,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.flush()
                 self._chunk(body[cut:])
             self.wfile.write(b"0\r\n\r\n")
+        elif len(parts) == 3 and parts[1] == "delay" and parts[2].isdigit():
+            time.sleep(min(int(parts[2]), 10000) / 1000)  # answers after N ms (at most 10 s)
+            self._send(200, b'{"delayed":true}')
         elif len(parts) == 3 and parts[1] == "short" and parts[2].isdigit():
             # Announces Content-Length N, sends N/2 bytes, then closes: a truncated response.
             total = int(parts[2])
