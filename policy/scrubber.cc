@@ -152,6 +152,8 @@ Scrubber::~Scrubber() {
         OPENSSL_cleanse(n.data(), n.size());
     }
     OPENSSL_cleanse(tail_.data(), tail_.size());
+    OPENSSL_cleanse(search_.firsts.data(), search_.firsts.size());
+    OPENSSL_cleanse(search_.first.data(), search_.first.size());
 }
 
 // One copy per piece: the held-back bytes and `in` are appended to `out` and scrubbed there

@@ -32,7 +32,8 @@ public:
 
     size_t replacements() const { return replacements_; }
 
-    /// How a body is searched (derived from the needles; no secret bytes of its own).
+    /// How a body is searched, derived from the needles: it holds each needle's first byte,
+    /// so it is wiped with them.
     struct Search {
         struct Kernel {
             size_t needle;  // index of a needle that contains no other needle
