@@ -32,20 +32,25 @@ bool name_char(char c) {
     return (c >= 'a' && c <= 'z') || is_digit(c) || c == '-' || c == '_';
 }
 
-// "a.b.c" → {"a", "b", "c"}; keeps empty labels so they can be refused.
+// The label of a dotted name that begins at `start` (empty labels included, so they can be
+// refused); `start` moves to the next label, npos after the last. Walks a name without a
+// label vector: normalize_host runs on every request's authority.
+std::string_view next_label(std::string_view name, size_t& start) {
+    const size_t dot = name.find('.', start);
+    const std::string_view label =
+        name.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
+    start = dot == std::string_view::npos ? std::string_view::npos : dot + 1;
+    return label;
+}
+
+// "a.b.c" → {"a", "b", "c"}.
 std::vector<std::string_view> split_labels(std::string_view name) {
     std::vector<std::string_view> labels;
     labels.reserve(static_cast<size_t>(std::count(name.begin(), name.end(), '.')) + 1);
-    size_t start = 0;
-    while (true) {
-        const size_t dot = name.find('.', start);
-        if (dot == std::string_view::npos) {
-            labels.push_back(name.substr(start));
-            return labels;
-        }
-        labels.push_back(name.substr(start, dot - start));
-        start = dot + 1;
+    for (size_t start = 0; start != std::string_view::npos;) {
+        labels.push_back(next_label(name, start));
     }
+    return labels;
 }
 
 Result<std::string> normalize_ipv6(std::string_view text) {
@@ -65,12 +70,8 @@ Result<std::string> normalize_ipv6(std::string_view text) {
 // decimal labels, no leading zeros, each at most 255.
 bool canonical_dotted_quad(std::string_view name) {
     size_t labels = 0;
-    for (size_t start = 0; start <= name.size(); ++labels) {
-        size_t dot = name.find('.', start);
-        if (dot == std::string_view::npos) {
-            dot = name.size();
-        }
-        const std::string_view label = name.substr(start, dot - start);
+    for (size_t start = 0; start != std::string_view::npos; ++labels) {
+        const std::string_view label = next_label(name, start);
         if (labels == 4 || !all_digits(label) || label.size() > 3 ||
             (label.size() > 1 && label[0] == '0')) {
             return false;
@@ -82,7 +83,6 @@ bool canonical_dotted_quad(std::string_view name) {
         if (v > 255) {
             return false;
         }
-        start = dot + 1;
     }
     return labels == 4;
 }
@@ -196,12 +196,10 @@ Result<std::string> normalize_host(std::string_view host) {
     if (name.size() > kMaxNameBytes) {
         return make_error("host name longer than 253 bytes");
     }
-    // Label by label in place (this runs for every request's authority: no label vector).
     std::string_view last;
-    for (size_t start = 0;;) {
-        const size_t dot = name.find('.', start);
-        const std::string_view label = std::string_view(name).substr(
-            start, dot == std::string::npos ? std::string::npos : dot - start);
+    for (size_t start = 0; start != std::string_view::npos;) {
+        const std::string_view label = next_label(name, start);
+        last = label;
         if (label.empty()) {
             return make_error("empty label in host name");
         }
@@ -216,11 +214,6 @@ Result<std::string> normalize_host(std::string_view host) {
         if (label.front() == '-' || label.back() == '-') {
             return make_error("label starts or ends with '-'");
         }
-        if (dot == std::string::npos) {
-            last = label;
-            break;
-        }
-        start = dot + 1;
     }
     if ((all_digits(last) || last.starts_with("0x")) && !canonical_dotted_quad(name)) {
         return make_error("ambiguous numeric host (only a canonical dotted quad is allowed)");

@@ -76,7 +76,7 @@ bool ClientSessionCache::attach(SSL* ssl, const std::string& key) {
 }
 
 void ClientSessionCache::store(const std::string& key, SSL_SESSION* session) {
-    std::unique_ptr<SSL_SESSION, SessionFree> owned(session);
+    SslSessionPtr owned(session);
     auto it = entries_.find(key);
     if (it != entries_.end()) {
         it->second.session = std::move(owned);  // the newest ticket replaces the older one

@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "common/result.h"
+#include "tls/openssl_ptr.h"
 
 namespace egress::tls {
 
@@ -43,11 +44,8 @@ public:
     void store(const std::string& key, SSL_SESSION* session);
 
 private:
-    struct SessionFree {
-        void operator()(SSL_SESSION* s) const { SSL_SESSION_free(s); }
-    };
     struct Entry {
-        std::unique_ptr<SSL_SESSION, SessionFree> session;
+        SslSessionPtr session;
         std::list<std::string>::iterator order;
     };
     size_t max_entries_;

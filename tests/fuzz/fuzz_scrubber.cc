@@ -18,39 +18,10 @@
 
 #include "fuzz_common.h"
 #include "policy/scrubber.h"
-
-namespace {
+#include "tests/policy/scrubber_definition.h"
 
 using egress::policy::Scrubber;
-
-std::string definition(std::vector<std::string> needles, std::string_view body) {
-    std::erase_if(needles, [](const std::string& n) { return n.empty(); });
-    std::stable_sort(needles.begin(), needles.end(),
-                     [](const auto& a, const auto& b) { return a.size() > b.size(); });
-    constexpr std::string_view kRedacted = "[REDACTED]";
-    std::string out(body);
-    size_t covered_left = 0;
-    size_t run_pos = 0;
-    for (size_t i = 0; i < body.size(); ++i) {
-        for (const std::string& n : needles) {
-            if (body.substr(i, n.size()) == n) {
-                if (covered_left == 0) {
-                    run_pos = 0;
-                }
-                covered_left = std::max(covered_left, n.size());
-                break;
-            }
-        }
-        if (covered_left > 0) {
-            out[i] = run_pos < kRedacted.size() ? kRedacted[run_pos] : '*';
-            ++run_pos;
-            --covered_left;
-        }
-    }
-    return out;
-}
-
-}  // namespace
+using egress::policy::testing::scrub_definition;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (size > 8192) {
@@ -69,7 +40,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         needles.emplace_back(head.substr(0, std::min(nl, size_t{64})));
         head = nl == std::string_view::npos ? std::string_view() : head.substr(nl + 1);
     }
-    const std::string want = definition(needles, body);
+    const std::string want = scrub_definition(needles, body);
 
     Scrubber one(needles);
     const std::string got = one.scrub_value(body);

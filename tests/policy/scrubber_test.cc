@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <random>
 
+#include "tests/policy/scrubber_definition.h"
+
 namespace egress::policy {
 namespace {
 
@@ -175,35 +177,6 @@ TEST(Scrubber, RandomBodiesAndSplits) {
     }
 }
 
-// The definition, byte by byte with no skipping: at each position the longest needle that
-// starts there extends the covered run; a run starts its replacement text over when it begins
-// after uncovered bytes (or right where the previous run ended).
-std::string reference_scrub(std::vector<std::string> needles, const std::string& body) {
-    std::sort(needles.begin(), needles.end(),
-              [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
-    const std::string redacted = "[REDACTED]";
-    std::string out = body;
-    size_t covered_left = 0;
-    size_t run_pos = 0;
-    for (size_t i = 0; i < body.size(); ++i) {
-        for (const std::string& n : needles) {
-            if (!n.empty() && body.compare(i, n.size(), n) == 0) {
-                if (covered_left == 0) {
-                    run_pos = 0;
-                }
-                covered_left = std::max(covered_left, n.size());
-                break;
-            }
-        }
-        if (covered_left > 0) {
-            out[i] = run_pos < redacted.size() ? redacted[run_pos] : '*';
-            ++run_pos;
-            --covered_left;
-        }
-    }
-    return out;
-}
-
 // The search skips ahead with memmem on the needles that hold no other needle ("Bearer tok"
 // holds "tok") and walks byte by byte near the end of each piece: both must find exactly what
 // the definition does, one-shot and streamed, for needle sets that contain one another.
@@ -228,7 +201,7 @@ TEST(Scrubber, MatchesTheDefinitionOnRandomBodies) {
                     body += alphabet[rng() % alphabet.size()];
                 }
             }
-            const std::string want = reference_scrub(needles, body);
+            const std::string want = testing::scrub_definition(needles, body);
             Scrubber one(needles);
             ASSERT_EQ(one.scrub_value(body), want) << body;
             std::vector<size_t> cuts;
