@@ -139,6 +139,7 @@ net::awaitable<void> Http1Driver::run() {
     }
     auto ticket = co_await take_ticket();
     if (!ticket) {
+      conn_.close();  // the run is over: nothing of it (a socket, a deadline's timer) outlives it
       co_return;
     }
     if (new_connection) {

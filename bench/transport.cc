@@ -42,7 +42,7 @@ void Connection::close() {
     // request that the load being measured does not need. Marking the shutdown as done keeps
     // OpenSSL from flagging the session not resumable when the SSL object is freed.
     SSL_set_shutdown(tls_->native_handle(), SSL_SENT_SHUTDOWN | SSL_RECEIVED_SHUTDOWN);
-    tls_->next_layer().socket().close(ignored);
+    tls_->socket().close(ignored);
     tls_.reset();
   }
   if (tcp_) {
@@ -148,6 +148,7 @@ void TransportSetup::apply_session(SSL* ssl) const {
 net::awaitable<std::optional<Failure>> TransportSetup::open(Connection& conn,
                                                             Opened& opened) const {
   TcpStream stream(co_await net::this_coro::executor);
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   stream.expires_after(options_.timeout);
   {
     auto [ec, endpoint] = co_await stream.async_connect(endpoints_, use_nothrow);
@@ -189,6 +190,7 @@ net::awaitable<std::optional<Failure>> TransportSetup::open(Connection& conn,
   }
 
   TlsStream tls(std::move(stream), ctx_);
+  tls.expires_after(deadline - std::chrono::steady_clock::now());  // --timeout bounds all of open()
   SSL* ssl = tls.native_handle();
   const std::string& host = options_.target.host;
   const bool ip = is_ip_literal(host);
@@ -224,7 +226,7 @@ net::awaitable<std::optional<Failure>> TransportSetup::open(Connection& conn,
   SSL_get0_alpn_selected(ssl, &alpn, &alpn_len);
   opened.protocol = alpn_len ? std::string(reinterpret_cast<const char*>(alpn), alpn_len) : "none";
   opened.resumed = SSL_session_reused(ssl) == 1;
-  tls.next_layer().expires_never();
+  tls.expires_never();
   conn.tls_.emplace(std::move(tls));
   co_return std::nullopt;
 }

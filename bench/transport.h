@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench/options.h"
+#include "proxy/tls_socket.h"
 #include "bench/stats.h"
 
 namespace egress::bench {
@@ -31,7 +32,8 @@ using boost::system::error_code;
 inline constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
 
 using TcpStream = beast::tcp_stream;
-using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+/// The proxy's TLS stream (proxy/tls_socket.h): the HTTP/2 driver hands it to the proxy's client.
+using TlsStream = proxy::TlsSocket;
 
 /// A failed request or connection attempt, as recorded in RunStats.
 struct Failure {
@@ -46,7 +48,6 @@ class Connection {
  public:
   bool is_open() const { return tcp_.has_value() || tls_.has_value(); }
   void close();
-  TcpStream& lowest_layer() { return tls_ ? tls_->next_layer() : *tcp_; }
   /// Calls f(TcpStream&) or f(TlsStream&); both calls must return the same type.
   template <class F>
   auto visit(F&& f) {

@@ -242,7 +242,7 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
         co_return;
     }
     const auto& limits = scope.runtime->config->limits;
-    beast::get_lowest_layer(tls).expires_after(limits.tls_timeout);
+    tls.expires_after(limits.tls_timeout);
     auto [hec] = co_await tls.async_handshake(ssl::stream_base::server, use_nothrow);
     if (hec) {
         spdlog::info("conn={} client tls handshake for {} failed: {}", scope.conn_id,
@@ -250,7 +250,7 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
         audit_refusal(scope, scope.method, "", 0, "client_tls_failed", started);
         co_return;
     }
-    beast::get_lowest_layer(tls).expires_never();
+    tls.expires_never();
     if (const char* sni = SSL_get_servername(tls.native_handle(), TLSEXT_NAMETYPE_host_name)) {
         auto norm = policy::normalize_host(sni);
         scope.sni = norm ? *norm : std::string("<invalid>");

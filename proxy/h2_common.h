@@ -159,7 +159,7 @@ struct H2Io {
 
     void close_socket() {
         error_code ignored;
-        auto& sock = beast::get_lowest_layer(*stream).socket();
+        auto& sock = stream->socket();
         sock.shutdown(tcp::socket::shutdown_both, ignored);
         sock.close(ignored);
     }

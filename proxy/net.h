@@ -8,6 +8,8 @@
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
 
+#include "proxy/tls_socket.h"
+
 namespace egress::proxy {
 
 namespace net = boost::asio;
@@ -24,6 +26,7 @@ using awaitable = net::awaitable<T>;
 inline constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
 
 using TcpStream = beast::tcp_stream;
-using TlsStream = beast::ssl_stream<beast::tcp_stream>;
+/// TLS on the socket itself (proxy/tls_socket.h), not asio::ssl::stream's BIO pair.
+using TlsStream = TlsSocket;
 
 }  // namespace egress::proxy

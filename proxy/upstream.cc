@@ -97,8 +97,7 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     if (w.tls_sessions) {
         w.tls_sessions->attach(ssl, session_key);  // offers the last ticket for this key
     }
-    auto& lowest = beast::get_lowest_layer(*conn->stream);
-    lowest.expires_after(rt.config->limits.tls_timeout);
+    conn->stream->expires_after(rt.config->limits.tls_timeout);
     auto [ec] = co_await conn->stream->async_handshake(ssl::stream_base::client, use_nothrow);
     if (ec) {
         if (ec == beast::error::timeout) {
@@ -112,7 +111,7 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
                          : std::string());
         co_return Refusal{502, "upstream_tls_failed", "tls"};
     }
-    lowest.expires_never();
+    conn->stream->expires_never();
     conn->alpn = tls::negotiated_alpn(ssl);
     spdlog::debug("upstream tls {} ({}): {}, {}", host, d.peer.address().to_string(),
                   SSL_get_version(ssl),
@@ -134,12 +133,15 @@ std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key) {
     while (!q.empty()) {
         auto conn = std::move(q.back());
         q.pop_back();
-        if (now - conn->idle_since > kMaxIdleAge || conn->buffer.size() != 0) {
+        // Bytes already read (by our parser, or by OpenSSL's read-ahead: a close_notify that
+        // came in behind the last response) mean the connection is not idle and clean.
+        if (now - conn->idle_since > kMaxIdleAge || conn->buffer.size() != 0 ||
+            SSL_has_pending(conn->stream->native_handle()) == 1) {
             continue;
         }
         // A peer that closed (0) or sent unsolicited bytes (>0) is not reusable.
         char byte;
-        int fd = beast::get_lowest_layer(*conn->stream).socket().native_handle();
+        int fd = conn->stream->socket().native_handle();
         ssize_t n = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
             return conn;

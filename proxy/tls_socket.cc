@@ -1,0 +1,278 @@
+#include "proxy/tls_socket.h"
+
+#include <sys/socket.h>
+
+#include <boost/asio/error.hpp>
+#include <boost/system/system_error.hpp>
+#include <cerrno>
+
+namespace egress::proxy {
+
+namespace {
+
+namespace net = boost::asio;
+using error_code = boost::system::error_code;
+using socket_type = TlsSocket::socket_type;
+
+// The BIO between OpenSSL and the socket. Unlike OpenSSL's socket BIO it sends with
+// MSG_NOSIGNAL (a peer that went away is EPIPE, not SIGPIPE) and asks the Asio socket for its
+// descriptor on every call: once the socket is closed, a late SSL call fails with EBADF
+// instead of reading a descriptor number the kernel has handed to another connection.
+int socket_of(BIO* bio) {
+    auto* s = static_cast<socket_type*>(BIO_get_data(bio));
+    return (s != nullptr && s->is_open()) ? s->native_handle() : -1;
+}
+
+bool retriable(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
+
+int bio_write(BIO* bio, const char* data, int len) {
+    BIO_clear_retry_flags(bio);
+    const int fd = socket_of(bio);
+    if (fd < 0) {
+        errno = EBADF;
+        return -1;
+    }
+    const ssize_t n = ::send(fd, data, static_cast<size_t>(len), MSG_NOSIGNAL);
+    if (n < 0 && retriable(errno)) {
+        BIO_set_retry_write(bio);
+    }
+    return static_cast<int>(n);
+}
+
+int bio_read(BIO* bio, char* data, int len) {
+    BIO_clear_retry_flags(bio);
+    const int fd = socket_of(bio);
+    if (fd < 0) {
+        errno = EBADF;
+        return -1;
+    }
+    const ssize_t n = ::recv(fd, data, static_cast<size_t>(len), 0);
+    if (n < 0 && retriable(errno)) {
+        BIO_set_retry_read(bio);
+    }
+    return static_cast<int>(n);  // 0: the peer closed
+}
+
+long bio_ctrl(BIO*, int cmd, long, void*) {
+    // Writes are unbuffered: a flush (after each handshake flight) has nothing to do. Every
+    // other query (kTLS, pending bytes, EOF) answers "no".
+    return cmd == BIO_CTRL_FLUSH ? 1 : 0;
+}
+
+int bio_create(BIO* bio) {
+    BIO_set_init(bio, 1);
+    return 1;
+}
+
+const BIO_METHOD* socket_bio_method() {
+    static const BIO_METHOD* method = [] {
+        BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "egressd socket");
+        if (m == nullptr || BIO_meth_set_write(m, bio_write) != 1 ||
+            BIO_meth_set_read(m, bio_read) != 1 || BIO_meth_set_ctrl(m, bio_ctrl) != 1 ||
+            BIO_meth_set_create(m, bio_create) != 1) {
+            throw std::bad_alloc();
+        }
+        return m;
+    }();
+    return method;
+}
+
+/// Before each SSL call: classify() reads OpenSSL's error queue and errno, so neither may hold
+/// something from an earlier call.
+void clear_errors() {
+    ERR_clear_error();
+    errno = 0;
+}
+
+error_code ssl_error(unsigned long e) {
+    return error_code(static_cast<int>(e), net::error::get_ssl_category());
+}
+
+}  // namespace
+
+TlsSocket::TlsSocket(socket_type socket, boost::asio::ssl::context& ctx) {
+    auto core = std::make_shared<Core>(std::move(socket));
+    core->ssl = SSL_new(ctx.native_handle());
+    if (core->ssl == nullptr) {
+        throw boost::system::system_error(ssl_error(ERR_get_error()), "SSL_new");
+    }
+    // As asio::ssl::stream sets them: SSL_write may return after some records (a write_some),
+    // may be retried from another address with the same bytes, and frees its record buffers
+    // while a connection is idle (RSS with thousands of idle keep-alive connections).
+    SSL_set_mode(core->ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER |
+                                SSL_MODE_RELEASE_BUFFERS);
+    // Read what the socket has (several records) in one recv, not a header then a body.
+    SSL_set_read_ahead(core->ssl, 1);
+    BIO* bio = BIO_new(socket_bio_method());
+    if (bio == nullptr) {
+        throw boost::system::system_error(ssl_error(ERR_get_error()), "BIO_new");
+    }
+    BIO_set_data(bio, &core->socket);
+    SSL_set_bio(core->ssl, bio, bio);  // one reference, owned by the SSL object
+    if (core->socket.is_open()) {
+        error_code ec;
+        core->socket.native_non_blocking(true, ec);
+        if (ec) {
+            throw boost::system::system_error(ec, "non-blocking socket");
+        }
+    }
+    core_ = std::move(core);
+}
+
+void TlsSocket::close_core() noexcept {
+    if (!core_) {
+        return;  // moved from
+    }
+    core_->closed = true;
+    error_code ignored;
+    core_->timer.cancel();
+    core_->socket.close(ignored);
+    core_.reset();
+}
+
+TlsSocket::Core::~Core() {
+    if (ssl != nullptr) {
+        SSL_free(ssl);  // cleanses its keys and record buffers
+    }
+}
+
+TlsSocket::Status TlsSocket::classify(SSL* ssl, int ret) {
+    const int saved_errno = errno;
+    const int err = SSL_get_error(ssl, ret);
+    switch (err) {
+        case SSL_ERROR_WANT_READ:
+            return {Status::WantRead, {}, 0};
+        case SSL_ERROR_WANT_WRITE:
+            return {Status::WantWrite, {}, 0};
+        case SSL_ERROR_ZERO_RETURN:
+            return {Status::Failed, net::error::eof, 0};  // the peer's close_notify
+        case SSL_ERROR_SYSCALL: {
+            const unsigned long e = ERR_get_error();
+            ERR_clear_error();
+            if (e != 0) {
+                return {Status::Failed, ssl_error(e), 0};
+            }
+            if (saved_errno != 0) {
+                return {Status::Failed, error_code(saved_errno, boost::system::system_category()), 0};
+            }
+            return {Status::Failed, net::ssl::error::stream_truncated, 0};
+        }
+        case SSL_ERROR_SSL: {
+            const unsigned long e = ERR_get_error();
+            ERR_clear_error();
+            if (ERR_GET_REASON(e) == SSL_R_UNEXPECTED_EOF_WHILE_READING) {
+                return {Status::Failed, net::ssl::error::stream_truncated, 0};
+            }
+            return {Status::Failed, ssl_error(e), 0};
+        }
+        default:
+            ERR_clear_error();
+            return {Status::Failed, error_code(err, net::error::get_ssl_category()), 0};
+    }
+}
+
+TlsSocket::Status TlsSocket::HandshakeStep::operator()(SSL* ssl) const {
+    clear_errors();
+    const int r = SSL_do_handshake(ssl);
+    return r == 1 ? Status{Status::Done, {}, 0} : classify(ssl, r);
+}
+
+TlsSocket::Status TlsSocket::ShutdownStep::operator()(SSL* ssl) const {
+    clear_errors();
+    const int r = SSL_shutdown(ssl);
+    if (r == 1) {
+        return {Status::Done, {}, 0};
+    }
+    if (r == 0) {
+        // Ours is sent. Try for the peer's now: waiting for readability without having seen
+        // EAGAIN could miss a close_notify that is already in (the reactor is edge-triggered).
+        clear_errors();
+        const int again = SSL_shutdown(ssl);
+        if (again == 1) {
+            return {Status::Done, {}, 0};
+        }
+        return again == 0 ? Status{Status::WantRead, {}, 0} : classify(ssl, again);
+    }
+    return classify(ssl, r);
+}
+
+TlsSocket::Status TlsSocket::ReadStep::operator()(SSL* ssl) const {
+    if (size == 0) {
+        return {Status::Done, {}, 0};
+    }
+    clear_errors();
+    size_t n = 0;
+    if (SSL_read_ex(ssl, data, size, &n) != 1) {
+        return classify(ssl, 0);
+    }
+    // Read ahead may have buffered more records: hand them out in this completion rather than
+    // one record per turn of the event loop. A failure here (no whole record yet, a
+    // close_notify) is left for the next read to report.
+    while (n < size && SSL_has_pending(ssl) == 1) {
+        size_t more = 0;
+        ERR_clear_error();
+        if (SSL_read_ex(ssl, data + n, size - n, &more) != 1) {
+            ERR_clear_error();
+            break;
+        }
+        n += more;
+    }
+    return {Status::Done, {}, n};
+}
+
+TlsSocket::Status TlsSocket::WriteStep::operator()(SSL* ssl) const {
+    if (size == 0) {
+        return {Status::Done, {}, 0};
+    }
+    clear_errors();
+    size_t n = 0;
+    if (SSL_write_ex(ssl, data, size, &n) != 1) {
+        return classify(ssl, 0);
+    }
+    return {Status::Done, {}, n};
+}
+
+bool TlsSocket::arm(const std::shared_ptr<Core>& core) {
+    if (core->deadline == Clock::time_point::max()) {
+        return true;
+    }
+    if (core->expired) {
+        return false;
+    }
+    if (Clock::now() >= core->deadline) {
+        core->expired = true;
+        return false;
+    }
+    if (core->armed && core->armed_at <= core->deadline) {
+        return true;  // fires by then; if the deadline moved later it re-arms when it fires
+    }
+    core->armed = true;
+    core->armed_at = core->deadline;
+    const uint64_t generation = ++core->generation;
+    core->timer.expires_at(core->deadline);  // cancels an earlier wait (a stale generation)
+    core->timer.async_wait([core, generation](error_code) { on_timer(core, generation); });
+    return true;
+}
+
+void TlsSocket::on_timer(const std::shared_ptr<Core>& core, uint64_t generation) {
+    if (generation != core->generation) {
+        return;
+    }
+    core->armed = false;
+    if (core->closed || core->deadline == Clock::time_point::max()) {
+        return;
+    }
+    if (Clock::now() >= core->deadline) {
+        core->expired = true;
+        if (core->waiting > 0) {
+            error_code ignored;
+            core->socket.cancel(ignored);  // the waiting operations complete with timeout
+        }
+        return;
+    }
+    if (core->waiting > 0) {
+        arm(core);  // the deadline moved later while they waited
+    }
+}
+
+}  // namespace egress::proxy

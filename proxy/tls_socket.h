@@ -1,0 +1,267 @@
+#pragma once
+// A TLS stream on the socket itself. OpenSSL reads and writes the connected socket through a
+// small BIO (recv/send, MSG_NOSIGNAL) while Asio only tells us when the socket is ready: no
+// BIO pair to copy every byte through, no intermediate 17 KiB buffers, one composed operation
+// per read or write instead of Asio's SSL engine loop. The model is nginx's and HAProxy's
+// (non-blocking SSL_read/SSL_write retried on readiness), with edge-triggered discipline: we
+// only wait after OpenSSL saw EAGAIN.
+//
+// The stream carries one deadline for its operations (expires_after / expires_never, like
+// beast::tcp_stream) that costs no system call to move: a single timer is armed when an
+// operation has to wait and re-armed lazily when it fires early. An operation still pending
+// at the deadline completes with beast::error::timeout; the socket stays open (so an HTTP
+// layer can still answer 408). The price of laziness: an armed timer is outstanding work
+// for the io_context until it fires or the stream is destroyed (egressd stops its loops
+// explicitly; egress-bench closes its connections when a run ends).
+//
+// Heavy (Asio): include only from proxy/*.cc and bench/ drivers, like proxy/net.h.
+
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+
+#include <boost/asio/compose.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/ssl/context.hpp>
+#include <boost/asio/ssl/error.hpp>
+#include <boost/asio/ssl/stream_base.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/beast/core/error.hpp>
+#include <boost/beast/core/tcp_stream.hpp>
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace egress::proxy {
+
+class TlsSocket {
+public:
+    using executor_type = boost::asio::any_io_executor;
+    using socket_type = boost::asio::ip::tcp::socket;
+    using handshake_type = boost::asio::ssl::stream_base::handshake_type;
+    using error_code = boost::system::error_code;
+    using Clock = std::chrono::steady_clock;
+
+    /// Takes a connected socket; throws std::bad_alloc / boost::system::system_error when
+    /// OpenSSL cannot make an SSL object (like asio::ssl::stream).
+    TlsSocket(socket_type socket, boost::asio::ssl::context& ctx);
+    TlsSocket(boost::beast::tcp_stream&& stream, boost::asio::ssl::context& ctx)
+        : TlsSocket(stream.release_socket(), ctx) {}
+    /// An unconnected stream (tests that only need an executor).
+    template <class ExecutionContext>
+    TlsSocket(ExecutionContext& ex, boost::asio::ssl::context& ctx)
+        : TlsSocket(socket_type(ex), ctx) {}
+    TlsSocket(TlsSocket&&) noexcept = default;
+    TlsSocket& operator=(TlsSocket&& other) noexcept {
+        if (this != &other) {
+            close_core();
+            core_ = std::move(other.core_);
+        }
+        return *this;
+    }
+    ~TlsSocket() { close_core(); }
+
+    executor_type get_executor() { return core_->socket.get_executor(); }
+    SSL* native_handle() { return core_->ssl; }
+    socket_type& socket() { return core_->socket; }
+
+    /// The deadline for operations pending or started from now on (all of them, reads and
+    /// writes alike); a stream that timed out stays timed out until the deadline is reset.
+    void expires_after(std::chrono::steady_clock::duration d) {
+        core_->deadline = Clock::now() + d;
+        core_->expired = false;
+    }
+    void expires_never() {
+        core_->deadline = Clock::time_point::max();
+        core_->expired = false;
+    }
+    /// Whether an operation failed because the deadline passed (until it is reset).
+    bool timed_out() const { return core_->expired; }
+
+    template <class Token>
+    auto async_handshake(handshake_type type, Token&& token) {
+        if (type == boost::asio::ssl::stream_base::client) {
+            SSL_set_connect_state(core_->ssl);
+        } else {
+            SSL_set_accept_state(core_->ssl);
+        }
+        return start<void(error_code)>(HandshakeStep{}, std::forward<Token>(token));
+    }
+    /// Sends close_notify; waits for the peer's unless SSL_RECEIVED_SHUTDOWN is already set.
+    template <class Token>
+    auto async_shutdown(Token&& token) {
+        return start<void(error_code)>(ShutdownStep{}, std::forward<Token>(token));
+    }
+    template <class MutableBuffers, class Token>
+    auto async_read_some(const MutableBuffers& buffers, Token&& token) {
+        ReadStep step;
+        for (auto it = boost::asio::buffer_sequence_begin(buffers);
+             it != boost::asio::buffer_sequence_end(buffers); ++it) {
+            const boost::asio::mutable_buffer b = *it;
+            if (b.size() != 0) {
+                step.data = static_cast<char*>(b.data());
+                step.size = b.size();
+                break;
+            }
+        }
+        return start<void(error_code, size_t)>(step, std::forward<Token>(token));
+    }
+    /// Writes up to one buffer or, for a sequence of small buffers (a serialized head and a
+    /// body), up to kGatherBytes of them gathered into one TLS record.
+    template <class ConstBuffers, class Token>
+    auto async_write_some(const ConstBuffers& buffers, Token&& token) {
+        WriteStep step;
+        size_t nonempty = 0;
+        for (auto it = boost::asio::buffer_sequence_begin(buffers);
+             it != boost::asio::buffer_sequence_end(buffers) && nonempty < 2; ++it) {
+            const boost::asio::const_buffer b = *it;
+            if (b.size() != 0 && nonempty++ == 0) {
+                step.data = static_cast<const char*>(b.data());
+                step.size = b.size();
+            }
+        }
+        if (nonempty > 1 && step.size < kGatherBytes) {
+            std::string& g = core_->gather;
+            g.clear();
+            for (auto it = boost::asio::buffer_sequence_begin(buffers);
+                 it != boost::asio::buffer_sequence_end(buffers) && g.size() < kGatherBytes; ++it) {
+                const boost::asio::const_buffer b = *it;
+                g.append(static_cast<const char*>(b.data()), std::min(b.size(), kGatherBytes - g.size()));
+            }
+            step.data = g.data();
+            step.size = g.size();
+        }
+        return start<void(error_code, size_t)>(step, std::forward<Token>(token));
+    }
+
+    static constexpr size_t kGatherBytes = 16 * 1024;  // one TLS record's plaintext
+
+private:
+    struct Core {
+        explicit Core(socket_type s) : socket(std::move(s)), timer(socket.get_executor()) {}
+        ~Core();
+        Core(const Core&) = delete;
+        Core& operator=(const Core&) = delete;
+        socket_type socket;  // OpenSSL's BIO reads the descriptor from here on every call
+        SSL* ssl = nullptr;
+        boost::asio::steady_timer timer;
+        Clock::time_point deadline = Clock::time_point::max();
+        Clock::time_point armed_at = Clock::time_point::max();  // the timer's expiry while armed
+        uint64_t generation = 0;  // of the timer's wait: an older wait that completes is ignored
+        int waiting = 0;          // operations waiting for the socket
+        bool armed = false;
+        bool expired = false;
+        bool closed = false;
+        std::string gather;
+    };
+
+    /// What one attempt of an OpenSSL call came to.
+    struct Status {
+        enum Kind { Done, WantRead, WantWrite, Failed } kind;
+        error_code ec;
+        size_t bytes = 0;
+    };
+    /// Classifies a failed SSL call (ret <= 0) and drains OpenSSL's error queue.
+    static Status classify(SSL* ssl, int ret);
+
+    struct HandshakeStep {
+        Status operator()(SSL* ssl) const;
+    };
+    struct ShutdownStep {
+        Status operator()(SSL* ssl) const;
+    };
+    struct ReadStep {
+        char* data = nullptr;
+        size_t size = 0;
+        Status operator()(SSL* ssl) const;
+    };
+    struct WriteStep {
+        const char* data = nullptr;
+        size_t size = 0;
+        Status operator()(SSL* ssl) const;
+    };
+
+    /// Closes the socket now and cancels the timer: a timer handler still holding the core
+    /// must not keep the descriptor open until it fires.
+    void close_core() noexcept;
+
+    /// False when the deadline has passed (the operation completes with timeout); otherwise
+    /// makes sure a timer will fire by the deadline.
+    static bool arm(const std::shared_ptr<Core>& core);
+    static void on_timer(const std::shared_ptr<Core>& core, uint64_t generation);
+
+    /// One composed operation: try the OpenSSL call; on WANT_READ/WRITE wait for the socket
+    /// and try again. A result known at initiation is posted (Asio's rule: a completion
+    /// handler never runs inside the initiating function).
+    template <class Step>
+    struct Op {
+        std::shared_ptr<Core> core;
+        Step step;
+        bool started = false;
+        bool waiting = false;
+        bool deferred = false;
+        Status result{Status::Done, {}, 0};
+
+        template <class Self>
+        void operator()(Self& self, error_code ec = {}) {
+            if (deferred) {
+                return deliver(self);
+            }
+            if (waiting) {
+                waiting = false;
+                --core->waiting;
+                if (ec) {
+                    // Cancelled (the deadline, a close, an owner's cancel) or a socket error.
+                    return finish(self, {Status::Failed,
+                                         core->expired ? error_code(boost::beast::error::timeout) : ec,
+                                         0});
+                }
+            }
+            Status s = core->closed ? Status{Status::Failed, boost::asio::error::bad_descriptor, 0}
+                                    : step(core->ssl);
+            if (s.kind == Status::Done || s.kind == Status::Failed) {
+                return finish(self, std::move(s));
+            }
+            if (!arm(core)) {
+                return finish(self, {Status::Failed, boost::beast::error::timeout, 0});
+            }
+            waiting = true;
+            started = true;
+            ++core->waiting;
+            core->socket.async_wait(s.kind == Status::WantRead ? socket_type::wait_read
+                                                               : socket_type::wait_write,
+                                    std::move(self));
+        }
+
+        template <class Self>
+        void finish(Self& self, Status s) {
+            result = std::move(s);
+            if (started) {
+                return deliver(self);
+            }
+            deferred = true;
+            auto ex = core->socket.get_executor();
+            boost::asio::post(ex, std::move(self));
+        }
+
+        template <class Self>
+        void deliver(Self& self) {
+            const error_code ec = result.kind == Status::Failed ? result.ec : error_code();
+            if constexpr (std::is_same_v<Step, ReadStep> || std::is_same_v<Step, WriteStep>) {
+                self.complete(ec, result.bytes);
+            } else {
+                self.complete(ec);
+            }
+        }
+    };
+
+    template <class Signature, class Step, class Token>
+    auto start(Step step, Token&& token) {
+        return boost::asio::async_compose<Token, Signature>(Op<Step>{core_, step}, token,
+                                                            core_->socket);
+    }
+
+    std::shared_ptr<Core> core_;
+};
+
+}  // namespace egress::proxy

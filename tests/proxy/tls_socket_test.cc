@@ -1,0 +1,325 @@
+// TlsSocket (proxy/tls_socket.h) over real loopback TCP: handshakes, gathered writes, large
+// transfers through small socket buffers (the WANT_WRITE path), concurrent reads and writes
+// on one stream (HTTP/2's reader and writer), the lazy deadline, close_notify, truncation,
+// and the failure modes a socket BIO of our own must get right (EPIPE without SIGPIPE, no
+// read from a descriptor number reused after close).
+#include "proxy/tls_socket.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <boost/asio.hpp>
+#include <boost/asio/experimental/awaitable_operators.hpp>
+#include <chrono>
+#include <string>
+
+#include "tests/tls/tls_test_util.h"
+#include "tls/contexts.h"
+
+namespace egress::proxy {
+namespace {
+
+namespace net = boost::asio;
+namespace ssl = boost::asio::ssl;
+using tcp = net::ip::tcp;
+using boost::system::error_code;
+using namespace std::chrono_literals;
+using namespace net::experimental::awaitable_operators;
+constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
+
+std::string pattern(size_t n, char seed) {
+    std::string s(n, '\0');
+    for (size_t i = 0; i < n; ++i) {
+        s[i] = static_cast<char>(seed + static_cast<char>(i * 7 % 251));
+    }
+    return s;
+}
+
+class TlsSocketTest : public tls::testing::RunCaTest {
+protected:
+    void SetUp() override {
+        RunCaTest::SetUp();
+        auto s = tls::make_server_context({"http/1.1"});
+        auto c = tls::make_client_context(ca_file_->path(), {"http/1.1"});
+        ASSERT_TRUE(s.ok() && c.ok());
+        sctx_ = std::make_unique<ssl::context>(std::move(s).value().release());
+        cctx_ = std::make_unique<ssl::context>(std::move(c).value().release());
+        leaf_ = ca_->mint("a.test").value();
+    }
+
+    /// A connected pair of TLS streams (not yet handshaken). Fixed 256 KiB socket buffers
+    /// (no autotuning to tens of MiB) so that a writer ahead of its reader meets EAGAIN; still
+    /// several loopback MSS wide, or TCP would stall on window updates.
+    std::pair<TlsSocket, TlsSocket> pair() {
+        tcp::acceptor acceptor(ioc_, tcp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+        tcp::socket client(ioc_);
+        client.open(tcp::v4());
+        for (tcp::socket* sock : {&client}) {
+            sock->set_option(net::socket_base::send_buffer_size(256 * 1024));
+            sock->set_option(net::socket_base::receive_buffer_size(256 * 1024));
+        }
+        acceptor.set_option(net::socket_base::receive_buffer_size(256 * 1024));
+        client.connect(acceptor.local_endpoint());
+        tcp::socket server = acceptor.accept();
+        server.set_option(net::socket_base::send_buffer_size(256 * 1024));
+        client.set_option(tcp::no_delay(true));
+        server.set_option(tcp::no_delay(true));
+        TlsSocket s(std::move(server), *sctx_);
+        TlsSocket c(std::move(client), *cctx_);
+        EXPECT_TRUE(tls::use_leaf(s.native_handle(), *leaf_).ok());
+        EXPECT_TRUE(tls::prepare_client(c.native_handle(), "a.test").ok());
+        return {std::move(s), std::move(c)};
+    }
+
+    /// Runs `task` to completion (bounded: a hang fails the test instead of blocking it).
+    void run(net::awaitable<void> task) {
+        bool done = false;
+        net::co_spawn(ioc_, std::move(task), [&](std::exception_ptr e) {
+            done = true;
+            ioc_.stop();  // a deadline's timer may still be armed: it is not ours to wait for
+            if (e) {
+                std::rethrow_exception(e);
+            }
+        });
+        ioc_.run_for(20s);
+        ioc_.restart();
+        ASSERT_TRUE(done) << "the exchange did not finish within 20 s";
+    }
+
+    static net::awaitable<void> handshake(TlsSocket& s, TlsSocket& c) {
+        auto one = [](TlsSocket& t, ssl::stream_base::handshake_type type) -> net::awaitable<error_code> {
+            auto [ec] = co_await t.async_handshake(type, use_nothrow);
+            co_return ec;
+        };
+        auto [se, ce] = co_await (one(s, ssl::stream_base::server) && one(c, ssl::stream_base::client));
+        EXPECT_FALSE(se) << se.message();
+        EXPECT_FALSE(ce) << ce.message();
+    }
+
+    static net::awaitable<std::string> read_exactly(TlsSocket& s, size_t n) {
+        std::string out(n, '\0');
+        auto [ec, got] = co_await net::async_read(s, net::buffer(out), use_nothrow);
+        EXPECT_FALSE(ec) << ec.message();
+        out.resize(got);
+        co_return out;
+    }
+
+    net::io_context ioc_{1};
+    std::unique_ptr<ssl::context> sctx_;
+    std::unique_ptr<ssl::context> cctx_;
+    std::shared_ptr<const tls::Leaf> leaf_;
+};
+
+TEST_F(TlsSocketTest, HandshakeVerifiesAndGatheredBuffersArriveInOrder) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        EXPECT_EQ(SSL_get_verify_result(c.native_handle()), X509_V_OK);
+        const std::string a = "GET /x HTTP/1.1\r\n";
+        const std::string b = "Host: a.test\r\n";
+        const std::string body = pattern(20000, 'a');  // a first buffer below 16 KiB, then more
+        std::array<net::const_buffer, 4> bufs{net::buffer(a), net::const_buffer(), net::buffer(b),
+                                              net::buffer(body)};
+        auto [ec, n] = co_await net::async_write(c, bufs, use_nothrow);
+        EXPECT_FALSE(ec);
+        EXPECT_EQ(n, a.size() + b.size() + body.size());
+        EXPECT_EQ(co_await read_exactly(s, n), a + b + body);
+    }());
+}
+
+TEST_F(TlsSocketTest, LargeTransfersBothWaysAtOnceWhileTheReadersLag) {
+    // Each side writes 8 MiB while reading the other's on the same stream, and the readers
+    // start late: the writers fill the socket buffers and SSL_write meets EAGAIN (WANT_WRITE)
+    // while a read of the same SSL object waits, as with HTTP/2's reader and writer.
+    auto [s, c] = pair();
+    const std::string to_server = pattern(8 << 20, 'c');
+    const std::string to_client = pattern(8 << 20, 's');
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        auto pump = [](TlsSocket& out, const std::string& data) -> net::awaitable<void> {
+            auto [ec, n] = co_await net::async_write(out, net::buffer(data), use_nothrow);
+            EXPECT_FALSE(ec) << ec.message();
+            EXPECT_EQ(n, data.size());
+        };
+        // The writers run beside the readers as tasks of their own on the same loop.
+        net::co_spawn(ioc_, pump(c, to_server), net::detached);
+        net::co_spawn(ioc_, pump(s, to_client), net::detached);
+        // Start reading only once both writers wait for a writable socket (bounded: 10 s).
+        net::steady_timer lag(ioc_);
+        for (int i = 0; i < 10000 && !(SSL_want_write(s.native_handle()) &&
+                                       SSL_want_write(c.native_handle()));
+             ++i) {
+            lag.expires_after(1ms);
+            co_await lag.async_wait(use_nothrow);
+        }
+        EXPECT_TRUE(SSL_want_write(s.native_handle()) && SSL_want_write(c.native_handle()));
+        auto [at_server, at_client] =
+            co_await (read_exactly(s, to_server.size()) && read_exactly(c, to_client.size()));
+        EXPECT_TRUE(at_server == to_server);
+        EXPECT_TRUE(at_client == to_client);
+    }());
+}
+
+TEST_F(TlsSocketTest, DeadlineTimesOutAPendingReadAndTheStreamStaysUsable) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        char byte;
+        c.expires_after(50ms);
+        auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+        EXPECT_EQ(ec, boost::beast::error::timeout);
+        EXPECT_TRUE(c.timed_out());
+        c.expires_never();  // the socket was not closed: a late answer still arrives
+        EXPECT_FALSE(c.timed_out());
+        co_await net::async_write(s, net::buffer(std::string("late")), use_nothrow);
+        EXPECT_EQ(co_await read_exactly(c, 4), "late");
+    }());
+}
+
+TEST_F(TlsSocketTest, ADeadlinePassedBeforeTheOperationFailsIt) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        c.expires_after(1ms);
+        net::steady_timer t(ioc_, 20ms);
+        co_await t.async_wait(use_nothrow);
+        char byte;
+        auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+        EXPECT_EQ(ec, boost::beast::error::timeout);
+    }());
+}
+
+TEST_F(TlsSocketTest, DeadlineMovedLaterWhileWaitingIsHonoured) {
+    // The timer armed for 50 ms fires early relative to the new deadline and re-arms: the
+    // data sent at 200 ms is read, not a timeout.
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        c.expires_after(50ms);
+        auto extend = [&]() -> net::awaitable<void> {
+            net::steady_timer t(ioc_, 10ms);
+            co_await t.async_wait(use_nothrow);
+            c.expires_after(10s);
+            t.expires_after(190ms);
+            co_await t.async_wait(use_nothrow);
+            co_await net::async_write(s, net::buffer(std::string("x")), use_nothrow);
+        };
+        char byte = 0;
+        auto read = [&]() -> net::awaitable<error_code> {
+            auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+            co_return ec;
+        };
+        const error_code ec = co_await (read() && extend());
+        EXPECT_FALSE(ec) << ec.message();
+        EXPECT_EQ(byte, 'x');
+    }());
+}
+
+TEST_F(TlsSocketTest, CloseNotifyIsEofAndShutdownCompletesBothWays) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        s.expires_after(5s);
+        auto server_close = [&]() -> net::awaitable<error_code> {
+            auto [ec] = co_await s.async_shutdown(use_nothrow);  // waits for the client's
+            co_return ec;
+        };
+        auto client_side = [&]() -> net::awaitable<error_code> {
+            char byte;
+            auto [rec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+            EXPECT_EQ(rec, net::error::eof);
+            auto [ec] = co_await c.async_shutdown(use_nothrow);
+            co_return ec;
+        };
+        auto [sec, cec] = co_await (server_close() && client_side());
+        EXPECT_FALSE(sec) << sec.message();
+        EXPECT_FALSE(cec) << cec.message();
+    }());
+}
+
+TEST_F(TlsSocketTest, ShutdownFindsAPeerCloseNotifyThatArrivedWhileNobodyWasReading) {
+    // The peer's close_notify is in the socket and the loop has already seen it readable
+    // (edge-triggered: no new event will come). Our shutdown must read it, not wait for a
+    // readiness that never comes and then time out.
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        SSL_set_shutdown(s.native_handle(), SSL_RECEIVED_SHUTDOWN);
+        auto [sec] = co_await s.async_shutdown(use_nothrow);  // sends close_notify, no wait
+        EXPECT_FALSE(sec) << sec.message();
+        net::steady_timer t(ioc_, 50ms);  // the loop polls and sees the socket readable
+        co_await t.async_wait(use_nothrow);
+        c.expires_after(2s);
+        auto [ec] = co_await c.async_shutdown(use_nothrow);
+        EXPECT_FALSE(ec) << ec.message();
+    }());
+}
+
+TEST_F(TlsSocketTest, APeerThatClosesWithoutCloseNotifyIsATruncation) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        s.socket().close();
+        char byte;
+        auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+        EXPECT_EQ(ec, ssl::error::stream_truncated) << ec.message();
+    }());
+}
+
+TEST_F(TlsSocketTest, WritingToAVanishedPeerIsAnErrorNotSigpipe) {
+    // OpenSSL's own socket BIO write()s: a peer gone would raise SIGPIPE and end this process.
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        s.socket().close();
+        const std::string chunk = pattern(64 * 1024, 'w');
+        error_code ec;
+        for (int i = 0; i < 64 && !ec; ++i) {  // the first writes may still be accepted
+            auto [wec, n] = co_await net::async_write(c, net::buffer(chunk), use_nothrow);
+            ec = wec;
+        }
+        EXPECT_TRUE(ec == net::error::broken_pipe || ec == net::error::connection_reset)
+            << ec.message();
+    }());
+}
+
+TEST_F(TlsSocketTest, AfterCloseAReadNeverTouchesADescriptorNumberReused) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        co_await net::async_write(s, net::buffer(std::string("pending")), use_nothrow);
+        const int old_fd = c.socket().native_handle();
+        c.socket().close();
+        int fds[2];
+        EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+        // The kernel hands out the lowest free number: usually the one just closed.
+        const bool reused = fds[0] == old_fd || fds[1] == old_fd;
+        EXPECT_EQ(::write(fds[1], "other", 5), 5);
+        EXPECT_EQ(::write(fds[0], "other", 5), 5);
+        char buf[16];
+        auto [ec, n] = co_await c.async_read_some(net::buffer(buf), use_nothrow);
+        EXPECT_EQ(ec, net::error::bad_descriptor) << ec.message();
+        char check[8];
+        EXPECT_EQ(::recv(fds[0], check, sizeof check, MSG_DONTWAIT), 5);  // still unread
+        EXPECT_EQ(::recv(fds[1], check, sizeof check, MSG_DONTWAIT), 5);
+        ::close(fds[0]);
+        ::close(fds[1]);
+        if (!reused) {
+            GTEST_LOG_(INFO) << "descriptor " << old_fd << " was not reused by this run";
+        }
+    }());
+}
+
+TEST_F(TlsSocketTest, MovedStreamKeepsWorking) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        auto moved = std::make_unique<TlsSocket>(std::move(c));
+        co_await net::async_write(*moved, net::buffer(std::string("hello")), use_nothrow);
+        EXPECT_EQ(co_await read_exactly(s, 5), "hello");
+    }());
+}
+
+}  // namespace
+}  // namespace egress::proxy
