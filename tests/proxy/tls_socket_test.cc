@@ -216,6 +216,30 @@ TEST_F(TlsSocketTest, DeadlineMovedLaterWhileWaitingIsHonoured) {
     }());
 }
 
+TEST_F(TlsSocketTest, CancellingAPendingReadLeavesTheStreamUsable) {
+    // Asio's cancellation slot reaches the wait inside the operation (awaitable operators
+    // cancel the loser: HTTP/2's read, write and watchdog loops are joined that way).
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        char byte = 0;
+        auto read = [&]() -> net::awaitable<error_code> {
+            auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+            co_return ec;
+        };
+        auto later = [&]() -> net::awaitable<void> {
+            net::steady_timer t(ioc_, 20ms);
+            co_await t.async_wait(use_nothrow);
+        };
+        auto first = co_await (read() || later());
+        EXPECT_EQ(first.index(), 1u);  // the timer won; the read was cancelled
+        EXPECT_FALSE(c.timed_out());
+        co_await net::async_write(s, net::buffer(std::string("y")), use_nothrow);
+        EXPECT_FALSE(co_await read());
+        EXPECT_EQ(byte, 'y');
+    }());
+}
+
 TEST_F(TlsSocketTest, CloseNotifyIsEofAndShutdownCompletesBothWays) {
     auto [s, c] = pair();
     run([&]() -> net::awaitable<void> {
