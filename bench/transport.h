@@ -1,7 +1,8 @@
 #pragma once
 // Opening one benchmark connection: TCP to the first hop (TCP_NODELAY), CONNECT through the
 // proxy for https targets, then TLS with SNI, hostname verification, ALPN and client-side session
-// resumption. Heavy (Beast + Asio SSL): include only from driver implementations.
+// resumption, on egressd's TLS stream (proxy/tls_socket.h). Heavy (Beast, Asio, OpenSSL):
+// include only from driver implementations.
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
