@@ -1,6 +1,7 @@
 #include "proxy/http1.h"
 
 #include <boost/url/parse.hpp>
+#include <charconv>
 
 #include "policy/header_rules.h"
 #include "proxy/buffer_pool.h"
@@ -22,6 +23,35 @@ constexpr size_t kBodyReadBytes = 16 * 1024;
 
 /// Responses with a Content-Length up to this go out head and body in one write.
 constexpr uint64_t kCoalesceBodyBytes = 16 * 1024;
+
+/// The heads egressd sends are written straight into one string: one allocation, where
+/// Beast's message allocates a node per field and its serializer walks them again. Every name
+/// and value here was parsed (Beast, nghttp2) or built and validated by the pipeline, so no CR
+/// or LF can reach the wire through them.
+void append_field(std::string& out, std::string_view name, std::string_view value) {
+    out.append(name);
+    out.append(": ");
+    out.append(value);
+    out.append("\r\n");
+}
+
+size_t fields_size(const Headers& headers) {
+    size_t n = 0;
+    for (const auto& h : headers) {
+        n += h.name.size() + h.value.size() + 4;
+    }
+    return n;
+}
+
+void append_framing(std::string& out, std::optional<uint64_t> length, bool chunked) {
+    if (length) {
+        char digits[24];
+        auto [end, ec] = std::to_chars(digits, digits + sizeof digits, *length);
+        append_field(out, "Content-Length", std::string_view(digits, static_cast<size_t>(end - digits)));
+    } else if (chunked) {
+        append_field(out, "Transfer-Encoding", "chunked");
+    }
+}
 
 /// A deadline for one read that cancels it instead of closing the socket (beast's stream
 /// expiry closes it), so the connection can still carry a 408 to a slow client.
@@ -259,47 +289,45 @@ public:
         co_await write_refusal(s_, status, reason, keep_alive);
     }
     awaitable<bool> send_head(const ResponseHead& rh) override {
-        http::response<http::empty_body> res;
-        res.result(static_cast<unsigned>(rh.status));
-        if (!rh.reason.empty()) {
-            res.reason(rh.reason);
+        none_ = rh.body.none;
+        chunked_ = !none_ && !rh.body.length;  // close-delimited or h2 bodies are re-framed
+        std::string head;
+        const std::string_view reason =
+            rh.reason.empty() ? std::string_view(http::obsolete_reason(static_cast<http::status>(rh.status)))
+                              : std::string_view(rh.reason);
+        head.reserve(64 + reason.size() + fields_size(rh.headers));
+        if (rh.status < 100 || rh.status > 999) {
+            co_return false;  // Beast's and nghttp2's parsers admit three digits only
         }
-        res.version(11);
+        char status[3];
+        std::to_chars(status, status + 3, rh.status);
+        head.append("HTTP/1.1 ");
+        head.append(status, 3);
+        head.push_back(' ');
+        head.append(reason);
+        head.append("\r\n");
         for (const auto& h : rh.headers) {
             if (policy::iequals(h.name, "transfer-encoding") ||
-                (!rh.body.none && policy::iequals(h.name, "content-length"))) {
+                (!none_ && policy::iequals(h.name, "content-length"))) {
                 continue;
             }
-            res.insert(h.name, h.value);
+            append_field(head, h.name, h.value);
         }
-        none_ = rh.body.none;
         if (!none_) {
-            if (rh.body.length) {
-                res.content_length(*rh.body.length);
-            } else {
-                chunked_ = true;  // close-delimited or h2 bodies are re-framed as chunked
-                res.chunked(true);
-            }
+            append_framing(head, rh.body.length, chunked_);
         }
-        res.keep_alive(keep_alive_);
-        http::response_serializer<http::empty_body> sr{res};
+        if (!keep_alive_) {
+            append_field(head, "Connection", "close");
+        }
+        head.append("\r\n");
         if (!none_ && !chunked_ && *rh.body.length <= kCoalesceBodyBytes) {
             // A small fixed-length body: hold the head back and send it with the body in one
             // write (one TLS record, one syscall instead of two per response).
-            sr.split(true);
-            error_code ec;
-            while (!ec && !sr.is_header_done()) {
-                sr.next(ec, [&](error_code&, const auto& buffers) {
-                    for (auto b : beast::buffers_range_ref(buffers)) {
-                        held_head_.append(static_cast<const char*>(b.data()), b.size());
-                    }
-                    sr.consume(beast::buffer_bytes(buffers));
-                });
-            }
-            co_return !ec;
+            held_head_ = std::move(head);
+            co_return true;
         }
         lowest(s_).expires_after(timeout_);
-        auto [ec, n] = co_await http::async_write_header(s_, sr, use_nothrow);
+        auto [ec, n] = co_await net::async_write(s_, net::buffer(head), use_nothrow);
         lowest(s_).expires_never();
         co_return !ec;
     }
@@ -339,27 +367,26 @@ public:
     bool reused() const override { return reused_; }
 
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
-        http::request<http::empty_body> req;
-        req.method_string(head.method);
-        req.target(head.path);
-        req.version(11);
-        req.set(http::field::host, host_);
+        chunked_ = !body.length && !body.none;
+        std::string out;
+        out.reserve(64 + head.method.size() + head.path.size() + host_.size() +
+                    fields_size(head.headers));
+        out.append(head.method);
+        out.push_back(' ');
+        out.append(head.path);
+        out.append(" HTTP/1.1\r\n");
+        append_field(out, "Host", host_);
         for (const auto& h : head.headers) {
             // Transport framing is this serializer's job; te is hop-by-hop in HTTP/1.1.
             if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
                 continue;
             }
-            req.insert(h.name, h.value);
+            append_field(out, h.name, h.value);
         }
-        if (body.length) {
-            req.content_length(*body.length);
-        } else if (!body.none) {
-            chunked_ = true;
-            req.chunked(true);
-        }
-        http::request_serializer<http::empty_body> sr{req};
+        append_framing(out, body.length, chunked_);
+        out.append("\r\n");
         lowest(stream()).expires_after(timeout_);
-        auto [ec, n] = co_await http::async_write_header(stream(), sr, use_nothrow);
+        auto [ec, n] = co_await net::async_write(stream(), net::buffer(out), use_nothrow);
         lowest(stream()).expires_never();
         co_return !ec;
     }
