@@ -24,10 +24,10 @@ constexpr size_t kBodyReadBytes = 16 * 1024;
 /// Responses with a Content-Length up to this go out head and body in one write.
 constexpr uint64_t kCoalesceBodyBytes = 16 * 1024;
 
-/// The heads egressd sends are written straight into one string: one allocation, where
-/// Beast's message allocates a node per field and its serializer walks them again. Every name
-/// and value here was parsed (Beast, nghttp2) or built and validated by the pipeline, so no CR
-/// or LF can reach the wire through them.
+/// The heads (and chunked trailers) egressd sends are written straight into one string: one
+/// allocation, where Beast's message allocates a node per field and its serializer walks them
+/// again. Every name and value here was parsed (Beast, nghttp2) or built and validated by the
+/// pipeline (trailers are checked where they are written), so no CR or LF reaches the wire.
 void append_field(std::string& out, std::string_view name, std::string_view value) {
     out.append(name);
     out.append(": ");
@@ -177,7 +177,7 @@ awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bo
                 for (const auto& h : *trailers) {
                     if (policy::valid_header_name(h.name) && policy::valid_header_value(h.value) &&
                         !policy::is_hop_by_hop(h.name) && h.name != "content-length") {
-                        tail += h.name + ": " + h.value + "\r\n";
+                        append_field(tail, h.name, h.value);
                     }
                 }
             }
@@ -289,6 +289,9 @@ public:
         co_await write_refusal(s_, status, reason, keep_alive);
     }
     awaitable<bool> send_head(const ResponseHead& rh) override {
+        if (rh.status < 100 || rh.status > 999) {
+            co_return false;  // Beast's and nghttp2's parsers admit three digits only
+        }
         none_ = rh.body.none;
         chunked_ = !none_ && !rh.body.length;  // close-delimited or h2 bodies are re-framed
         std::string head;
@@ -296,9 +299,6 @@ public:
             rh.reason.empty() ? std::string_view(http::obsolete_reason(static_cast<http::status>(rh.status)))
                               : std::string_view(rh.reason);
         head.reserve(64 + reason.size() + fields_size(rh.headers));
-        if (rh.status < 100 || rh.status > 999) {
-            co_return false;  // Beast's and nghttp2's parsers admit three digits only
-        }
         char status[3];
         std::to_chars(status, status + 3, rh.status);
         head.append("HTTP/1.1 ");

@@ -243,10 +243,9 @@ bool TlsSocket::arm(const std::shared_ptr<Core>& core) {
         core->expired = true;
         return false;
     }
-    if (core->armed && core->armed_at <= core->deadline) {
+    if (core->armed_at <= core->deadline) {
         return true;  // fires by then; if the deadline moved later it re-arms when it fires
     }
-    core->armed = true;
     core->armed_at = core->deadline;
     const uint64_t generation = ++core->generation;
     core->timer.expires_at(core->deadline);  // cancels an earlier wait (a stale generation)
@@ -258,7 +257,7 @@ void TlsSocket::on_timer(const std::shared_ptr<Core>& core, uint64_t generation)
     if (generation != core->generation) {
         return;
     }
-    core->armed = false;
+    core->armed_at = Clock::time_point::max();
     if (core->closed || core->deadline == Clock::time_point::max()) {
         return;
     }

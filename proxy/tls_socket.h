@@ -146,10 +146,9 @@ private:
         SSL* ssl = nullptr;
         boost::asio::steady_timer timer;
         Clock::time_point deadline = Clock::time_point::max();
-        Clock::time_point armed_at = Clock::time_point::max();  // the timer's expiry while armed
+        Clock::time_point armed_at = Clock::time_point::max();  // the timer's expiry; max: idle
         uint64_t generation = 0;  // of the timer's wait: an older wait that completes is ignored
         int waiting = 0;          // operations waiting for the socket
-        bool armed = false;
         bool expired = false;
         bool closed = false;
         std::string gather;

@@ -97,6 +97,12 @@ protected:
         EXPECT_FALSE(ce) << ce.message();
     }
 
+    /// One read of at most one byte into `byte`; its error.
+    static net::awaitable<error_code> read_byte(TlsSocket& s, char& byte) {
+        auto [ec, n] = co_await s.async_read_some(net::buffer(&byte, 1), use_nothrow);
+        co_return ec;
+    }
+
     static net::awaitable<std::string> read_exactly(TlsSocket& s, size_t n) {
         std::string out(n, '\0');
         auto [ec, got] = co_await net::async_read(s, net::buffer(out), use_nothrow);
@@ -167,8 +173,7 @@ TEST_F(TlsSocketTest, DeadlineTimesOutAPendingReadAndTheStreamStaysUsable) {
         co_await handshake(s, c);
         char byte;
         c.expires_after(50ms);
-        auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
-        EXPECT_EQ(ec, boost::beast::error::timeout);
+        EXPECT_EQ(co_await read_byte(c, byte), boost::beast::error::timeout);
         EXPECT_TRUE(c.timed_out());
         c.expires_never();  // the socket was not closed: a late answer still arrives
         EXPECT_FALSE(c.timed_out());
@@ -185,8 +190,7 @@ TEST_F(TlsSocketTest, ADeadlinePassedBeforeTheOperationFailsIt) {
         net::steady_timer t(ioc_, 20ms);
         co_await t.async_wait(use_nothrow);
         char byte;
-        auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
-        EXPECT_EQ(ec, boost::beast::error::timeout);
+        EXPECT_EQ(co_await read_byte(c, byte), boost::beast::error::timeout);
     }());
 }
 
@@ -206,11 +210,7 @@ TEST_F(TlsSocketTest, DeadlineMovedLaterWhileWaitingIsHonoured) {
             co_await net::async_write(s, net::buffer(std::string("x")), use_nothrow);
         };
         char byte = 0;
-        auto read = [&]() -> net::awaitable<error_code> {
-            auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
-            co_return ec;
-        };
-        const error_code ec = co_await (read() && extend());
+        const error_code ec = co_await (read_byte(c, byte) && extend());
         EXPECT_FALSE(ec) << ec.message();
         EXPECT_EQ(byte, 'x');
     }());
@@ -223,19 +223,15 @@ TEST_F(TlsSocketTest, CancellingAPendingReadLeavesTheStreamUsable) {
     run([&]() -> net::awaitable<void> {
         co_await handshake(s, c);
         char byte = 0;
-        auto read = [&]() -> net::awaitable<error_code> {
-            auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
-            co_return ec;
-        };
         auto later = [&]() -> net::awaitable<void> {
             net::steady_timer t(ioc_, 20ms);
             co_await t.async_wait(use_nothrow);
         };
-        auto first = co_await (read() || later());
+        auto first = co_await (read_byte(c, byte) || later());
         EXPECT_EQ(first.index(), 1u);  // the timer won; the read was cancelled
         EXPECT_FALSE(c.timed_out());
         co_await net::async_write(s, net::buffer(std::string("y")), use_nothrow);
-        EXPECT_FALSE(co_await read());
+        EXPECT_FALSE(co_await read_byte(c, byte));
         EXPECT_EQ(byte, 'y');
     }());
 }
@@ -251,8 +247,7 @@ TEST_F(TlsSocketTest, CloseNotifyIsEofAndShutdownCompletesBothWays) {
         };
         auto client_side = [&]() -> net::awaitable<error_code> {
             char byte;
-            auto [rec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
-            EXPECT_EQ(rec, net::error::eof);
+            EXPECT_EQ(co_await read_byte(c, byte), net::error::eof);
             auto [ec] = co_await c.async_shutdown(use_nothrow);
             co_return ec;
         };
@@ -286,7 +281,7 @@ TEST_F(TlsSocketTest, APeerThatClosesWithoutCloseNotifyIsATruncation) {
         co_await handshake(s, c);
         s.socket().close();
         char byte;
-        auto [ec, n] = co_await c.async_read_some(net::buffer(&byte, 1), use_nothrow);
+        const error_code ec = co_await read_byte(c, byte);
         EXPECT_EQ(ec, ssl::error::stream_truncated) << ec.message();
     }());
 }
