@@ -13,6 +13,8 @@
 #   BENCH_ARGS       more egress-bench options (e.g. --new-connection)
 #   EGRESSD_LIMITS   'key: value, ...' for a limits: section in egressd's config (e.g.
 #                    'max_upstream_idle_per_host: 0' makes every request dial the upstream)
+#   BENCH_BIN        the load client (default BUILD/bench/egress-bench; bench/goload takes the
+#                    same options: see bench/peers.sh's PEERS_CLIENT=go)
 #   PERF_OUT=FILE    records a perf profile of egressd during the run (PERF_ARGS: perf options)
 #   COMPARE_DURABLE=1  compares egressd with audit.durable off (A) and on (B) instead of direct
 #                    vs egressd: two egressd processes, same upstream, same run.
@@ -138,7 +140,7 @@ fi
 cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
 T0=$(cpu_ticks)
 # shellcheck disable=SC2086  # PROTO_ARGS is a list of options
-"$BUILD/bench/egress-bench" $PROTO_ARGS ${BENCH_ARGS:-} --cacert "$W/both.pem" --connections "$CONNS" \
+"${BENCH_BIN:-$BUILD/bench/egress-bench}" $PROTO_ARGS ${BENCH_ARGS:-} --cacert "$W/both.pem" --connections "$CONNS" \
   --duration "$DUR" --warmup 1s "https://127.0.0.1:$UP/${PATH_SUFFIX:-$DEFAULT_PATH}" \
   --pairs "$PAIRS" --compare "$A_ARGS" "$B_ARGS" \
   | tee "$W/compare.txt"

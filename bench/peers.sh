@@ -25,6 +25,10 @@
 # counted) before each run of a comparison; PEERS_ONLY (peer names) and
 # PEERS_LOADS (load names) to run a subset; PEERS_RESULTS / PEERS_SVG to write elsewhere;
 # PEERS_KEEP=1 keeps the temp dir. Missing Debian packages are installed with apt-get (root).
+# PEERS_CLIENT=go drives the loads with bench/goload (Go's net/http, the client issue 5's
+# reference figures were measured with; built here with golang-go) instead of egress-bench, on
+# the loads h1_c16 h2_2x50 newconn_c16 by default, and writes its own section
+# (<!-- peers-go:begin --> ... <!-- peers-go:end -->) and chart (bench/peers-go.svg).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -41,9 +45,19 @@ DUR=${PEERS_DURATION:-5s}
 PAIRS=${PEERS_PAIRS:-3}
 WARM=${PEERS_WARMUP:-1s}
 PEERS=${PEERS_ONLY:-egressd haproxy mitmproxy squid}
-LOADS=${PEERS_LOADS:-h1_c1 h1_c16 h1_c64 h2_2x50 newconn_c16 body64k_c16 rate2000}
+CLIENT=${PEERS_CLIENT:-egress-bench}
+case $CLIENT in
+  egress-bench)
+    LOADS=${PEERS_LOADS:-h1_c1 h1_c16 h1_c64 h2_2x50 newconn_c16 body64k_c16 rate2000}
+    OUT_SVG=${PEERS_SVG:-$HERE/peers.svg}
+    MARK=peers ;;
+  go)
+    LOADS=${PEERS_LOADS:-h1_c16 h2_2x50 newconn_c16}  # goload has no open-loop mode
+    OUT_SVG=${PEERS_SVG:-$HERE/peers-go.svg}
+    MARK=peers-go ;;
+  *) echo "peers.sh: PEERS_CLIENT must be egress-bench or go" >&2; exit 2 ;;
+esac
 OUT_MD=${PEERS_RESULTS:-$HERE/RESULTS.md}
-OUT_SVG=${PEERS_SVG:-$HERE/peers.svg}
 HOST=localhost   # the upstream's name: in its certificate, SNI, egressd's pin and Host
 PY=/usr/bin/python3
 log() { printf '[peers] %s\n' "$*" >&2; }
@@ -60,6 +74,7 @@ install_missing() {
   [ "$squid_ok" = 1 ] || need+=(squid-openssl)
   command -v haproxy >/dev/null || need+=(haproxy)
   command -v gnuplot >/dev/null || need+=(gnuplot-nox)
+  if [ "$CLIENT" = go ]; then command -v go >/dev/null || need+=(golang-go); fi
   [ ${#need[@]} -eq 0 ] && return 0
   if [ "$(id -u)" != 0 ]; then
     log "missing packages (${need[*]}); run as root or apt-get install them"; return 0
@@ -111,6 +126,13 @@ trap 'exit 130' INT TERM
 
 mkdir -p "$W/pki" "$W/nginx" "$W/egressd" "$W/mitm" "$W/squid" "$W/haproxy" "$W/res"
 chmod 755 "$W/pki" "$W/nginx"
+
+if [ "$CLIENT" = go ]; then  # standard library only: builds offline
+  log "building bench/goload"
+  (cd "$HERE/goload" && GOCACHE="$W/gocache" GOPATH="$W/gopath" GOPROXY=off GOFLAGS=-mod=mod \
+    go build -o "$W/goload" .) || { log "go build failed"; exit 1; }
+  BENCH=$W/goload
+fi
 
 # Free ports, all picked by one process so that they differ.
 read -r UP_H1 UP_H2 EG EG_ADMIN MITM SQUID HA_H1 HA_H2 < <("$PY" -c '
@@ -355,7 +377,8 @@ PEERS_W=$W PEERS_SECRET=$SECRET PEERS_TOKEN=$PROXY_TOKEN PEERS_DUR=$DUR PEERS_PA
   M_BUILD_TYPE="$(sed -n 's/^CMAKE_BUILD_TYPE:STRING=//p' "$BUILD/CMakeCache.txt" 2>/dev/null || true)" \
   V_NGINX="$NGINX_PKG $(ver "$NGINX_PKG")" V_MITM="$(ver mitmproxy)" V_SQUID="$(ver squid-openssl)" \
   V_HAPROXY="$(ver haproxy)" V_OPENSSL="$(ver openssl)" V_GNUPLOT="$(ver gnuplot-nox)" \
-  PEERS_SVG_NAME="$(basename "$OUT_SVG")" \
+  PEERS_SVG_NAME="$(basename "$OUT_SVG")" PEERS_CLIENT_NAME="$CLIENT" \
+  V_GO="$(go version 2>/dev/null | cut -d' ' -f3 || true)" \
   "$PY" "$HERE/peers/report.py" > "$W/section.md"
 cat "$W/section.md"
 
@@ -368,10 +391,10 @@ else
   log "gnuplot failed: $(last_lines "$W/gnuplot.log")"
 fi
 # Replace the section between the markers (appended with markers when they are missing).
-"$PY" - "$OUT_MD" "$W/section.md" <<'PYEOF'
+"$PY" - "$OUT_MD" "$W/section.md" "$MARK" <<'PYEOF'
 import sys
 path, section = sys.argv[1], open(sys.argv[2]).read().rstrip("\n") + "\n"
-begin, end = "<!-- peers:begin -->", "<!-- peers:end -->"
+begin, end = "<!-- %s:begin -->" % sys.argv[3], "<!-- %s:end -->" % sys.argv[3]
 try:
     text = open(path).read()
 except FileNotFoundError:
@@ -385,4 +408,4 @@ else:
 open(path + ".tmp", "w").write(text)
 import os; os.replace(path + ".tmp", path)
 PYEOF
-log "wrote $OUT_MD (peers section) and $OUT_SVG"
+log "wrote $OUT_MD ($MARK section) and $OUT_SVG"

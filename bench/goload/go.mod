@@ -1,0 +1,3 @@
+module goload
+
+go 1.19
