@@ -148,7 +148,7 @@ if GO:
       "`--connections` connections (h2: one Transport per connection, `--streams` goroutines on "
       "each); with `--new-connection` keep-alive is off, so every request is a CONNECT (or, to "
       "HAProxy, a TCP connection) and a full TLS handshake (net/http keeps no session cache by "
-      "default)." % (E.get("V_GO") or "go"))
+      "default)." % (E.get("V_GO", "").removeprefix("go") or "?"))
     w("")
 else:
     w("## Peers: egressd next to HAProxy, mitmproxy and Squid (issue 5)")
