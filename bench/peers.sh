@@ -27,7 +27,7 @@
 # PEERS_KEEP=1 keeps the temp dir. Missing Debian packages are installed with apt-get (root).
 # PEERS_CLIENT=go drives the loads with bench/goload (Go's net/http, the client issue 5's
 # reference figures were measured with; built here with golang-go) instead of egress-bench, on
-# the loads h1_c16 h2_2x50 newconn_c16 by default, and writes its own section
+# the loads h1_c16 h2_2x50 newconn_c16 body64k_c16 by default, and writes its own section
 # (<!-- peers-go:begin --> ... <!-- peers-go:end -->) and chart (bench/peers-go.svg).
 set -euo pipefail
 
@@ -52,7 +52,7 @@ case $CLIENT in
     OUT_SVG=${PEERS_SVG:-$HERE/peers.svg}
     MARK=peers ;;
   go)
-    LOADS=${PEERS_LOADS:-h1_c16 h2_2x50 newconn_c16}  # goload has no open-loop mode
+    LOADS=${PEERS_LOADS:-h1_c16 h2_2x50 newconn_c16 body64k_c16}  # goload has no open-loop mode
     OUT_SVG=${PEERS_SVG:-$HERE/peers-go.svg}
     MARK=peers-go ;;
   *) echo "peers.sh: PEERS_CLIENT must be egress-bench or go" >&2; exit 2 ;;
