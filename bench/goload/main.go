@@ -34,6 +34,8 @@ import (
 	"time"
 )
 
+const requestTimeout = 30 * time.Second
+
 type headerList []string
 
 func (h *headerList) String() string     { return strings.Join(*h, ", ") }
@@ -164,25 +166,22 @@ func transport(o *options, sd side, tlsConf *tls.Config, conns int) *http.Transp
 
 // run drives one side for warmup + duration (or until `requests` succeeded or failed).
 func run(o *options, sd side, tlsConf *tls.Config) result {
-	type worker struct {
-		client *http.Client
-	}
-	var workers []worker
+	// One client per goroutine; a request that hangs fails after requestTimeout, so a run
+	// always ends.
+	var clients []*http.Client
 	var transports []*http.Transport
+	add := func(t *http.Transport, n int) {
+		transports = append(transports, t)
+		for i := 0; i < n; i++ {
+			clients = append(clients, &http.Client{Transport: t, Timeout: requestTimeout})
+		}
+	}
 	if o.h2 {
 		for c := 0; c < o.connections; c++ {
-			t := transport(o, sd, tlsConf, 1)
-			transports = append(transports, t)
-			for s := 0; s < o.streams; s++ {
-				workers = append(workers, worker{&http.Client{Transport: t}})
-			}
+			add(transport(o, sd, tlsConf, 1), o.streams)
 		}
 	} else {
-		t := transport(o, sd, tlsConf, o.connections)
-		transports = append(transports, t)
-		for c := 0; c < o.connections; c++ {
-			workers = append(workers, worker{&http.Client{Transport: t}})
-		}
+		add(transport(o, sd, tlsConf, o.connections), o.connections)
 	}
 	defer func() {
 		for _, t := range transports {
@@ -235,7 +234,7 @@ func run(o *options, sd side, tlsConf *tls.Config) result {
 	}
 
 	var wg sync.WaitGroup
-	for _, w := range workers {
+	for _, cl := range clients {
 		wg.Add(1)
 		go func(c *http.Client) {
 			defer wg.Done()
@@ -259,7 +258,7 @@ func run(o *options, sd side, tlsConf *tls.Config) result {
 			}
 			res.Errors += errs
 			mu.Unlock()
-		}(w.client)
+		}(cl)
 	}
 	if o.warmup > 0 {
 		time.Sleep(o.warmup)
@@ -277,6 +276,7 @@ func run(o *options, sd side, tlsConf *tls.Config) result {
 	case <-time.After(limit):
 	}
 	elapsed := time.Since(start)
+	measuring.Store(false) // what completes from now on is not counted
 	stop.Store(true)
 	<-done
 
