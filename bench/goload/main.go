@@ -335,6 +335,8 @@ func main() {
 	flag.BoolVar(&o.h2, "h2", false, "offer h2 (ALPN) and multiplex --streams per connection")
 	flag.BoolVar(&o.newConn, "new-connection", false, "one request per connection")
 	flag.IntVar(&o.pairs, "pairs", 3, "--compare: A B pairs")
+	flag.Var(&hs, "H", "request header 'Name: value' (repeatable)")
+	proxy := flag.String("proxy", "", "forward proxy URL")
 	// --compare 'A' 'B' is taken out before flag parsing: side B often starts with "--proxy",
 	// which the flag package would read as a flag of its own.
 	var compareSides []string
@@ -350,8 +352,6 @@ func main() {
 			break
 		}
 	}
-	flag.Var(&hs, "H", "request header 'Name: value' (repeatable)")
-	proxy := flag.String("proxy", "", "forward proxy URL")
 	// Options may follow the URL (as with egress-bench): parse, set the URL aside, go on.
 	var positional []string
 	for rest := args; ; {
@@ -387,14 +387,14 @@ func main() {
 	}
 
 	if compareSides == nil {
-		var args []string
+		var sideArgs []string
 		for _, h := range hs {
-			args = append(args, "-H", h)
+			sideArgs = append(sideArgs, "-H", h)
 		}
 		if *proxy != "" {
-			args = append(args, "--proxy", *proxy)
+			sideArgs = append(sideArgs, "--proxy", *proxy)
 		}
-		sd, err := parseSide(args, strings.Join(os.Args[1:], " "), commonURL)
+		sd, err := parseSide(sideArgs, strings.Join(os.Args[1:], " "), commonURL)
 		if err != nil {
 			fail(*jsonOut, err)
 		}
