@@ -25,9 +25,9 @@ bool is_tchar(char c) {
 }
 
 // Lowercased tokens of every Connection header.
-std::vector<std::string> connection_tokens(const RequestHead& head) {
+std::vector<std::string> connection_tokens(const std::vector<Header>& headers) {
     std::vector<std::string> tokens;
-    for (const Header& h : head.headers) {
+    for (const Header& h : headers) {
         if (!iequals(h.name, "connection")) {
             continue;
         }
@@ -87,10 +87,10 @@ bool valid_header_value(std::string_view value) {
     });
 }
 
-size_t strip_hop_by_hop(RequestHead& head, bool keep_te_trailers) {
-    const std::vector<std::string> tokens = connection_tokens(head);
-    const size_t before = head.headers.size();
-    std::erase_if(head.headers, [&](const Header& h) {
+size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
+    const std::vector<std::string> tokens = connection_tokens(headers);
+    const size_t before = headers.size();
+    std::erase_if(headers, [&](const Header& h) {
         if (keep_te_trailers && iequals(h.name, "te") && iequals(trim_ows(h.value), "trailers")) {
             return false;
         }
@@ -105,7 +105,7 @@ size_t strip_hop_by_hop(RequestHead& head, bool keep_te_trailers) {
         return std::any_of(tokens.begin(), tokens.end(),
                            [&](const std::string& t) { return iequals(h.name, t); });
     });
-    return before - head.headers.size();
+    return before - headers.size();
 }
 
 }  // namespace egress::policy

@@ -79,10 +79,9 @@ public:
                     rh.body.length = n;
                 }
             }
-            if (!policy::is_hop_by_hop(h.name)) {
-                rh.headers.push_back(std::move(h));
-            }
+            rh.headers.push_back(std::move(h));
         }
+        policy::strip_hop_by_hop(rh.headers);
         co_return rh;
     }
     awaitable<BodyChunk> read_body() override {

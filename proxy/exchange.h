@@ -59,7 +59,7 @@ struct BodyChunk {
 struct ResponseHead {
     int status = 0;
     std::string reason;  // HTTP/1.1 reason phrase, if the upstream sent one
-    Headers headers;     // lowercase names, hop-by-hop removed
+    Headers headers;     // names as the upstream sent them (h2: lowercase), hop-by-hop removed
     BodyInfo body;
 };
 

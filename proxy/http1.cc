@@ -421,18 +421,10 @@ public:
         rh.status = ures.result_int();
         rh.reason = std::string(ures.reason());
         rh.headers.reserve(policy::kTypicalHeaderFields);
-        std::string connection_tokens;
-        if (auto it = ures.find(http::field::connection); it != ures.end()) {
-            connection_tokens = policy::ascii_lower(it->value());
-        }
         for (const auto& f : ures) {
-            std::string name = policy::ascii_lower(f.name_string());
-            if (policy::is_hop_by_hop(name) ||
-                (!connection_tokens.empty() && connection_tokens.find(name) != std::string::npos)) {
-                continue;
-            }
             rh.headers.push_back({std::string(f.name_string()), std::string(f.value())});
         }
+        policy::strip_hop_by_hop(rh.headers);  // the request's rule: whole Connection tokens
         header_fields_ = static_cast<size_t>(std::distance(ures.begin(), ures.end()));
         rh.body.none = rp_->is_done();
         if (!rp_->chunked()) {

@@ -196,41 +196,28 @@ func run(o *options, sd side, tlsConf *tls.Config) result {
 	res := result{Protocols: map[string]int64{}, ErrorKind: map[string]int64{}}
 	var lat []float64
 
-	one := func(c *http.Client, local *[]float64, protos map[string]int64, kinds map[string]int64,
-		errs *int64) {
+	// one sends a request: its latency and protocol, or what went wrong ("" for a 200).
+	one := func(c *http.Client) (us float64, proto, kind string) {
 		req, err := http.NewRequest(http.MethodGet, sd.url, nil)
 		if err != nil {
-			kinds["request"]++
-			*errs++
-			return
+			return 0, "", "request"
 		}
 		req.Header = sd.headers.Clone()
 		t0 := time.Now()
 		resp, err := c.Do(req)
 		if err != nil {
-			if measuring.Load() {
-				kinds["transport"]++
-				*errs++
-			}
-			return
+			return 0, "", "transport"
 		}
 		_, cerr := io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()
-		us := float64(time.Since(t0).Nanoseconds()) / 1e3
-		if !measuring.Load() {
-			return
-		}
+		us = float64(time.Since(t0).Nanoseconds()) / 1e3
 		switch {
 		case cerr != nil:
-			kinds["body"]++
-			*errs++
+			return us, "", "body"
 		case resp.StatusCode != http.StatusOK:
-			kinds[fmt.Sprintf("status_%d", resp.StatusCode)]++
-			*errs++
-		default:
-			*local = append(*local, us)
-			protos[resp.Proto]++
+			return us, "", fmt.Sprintf("status_%d", resp.StatusCode)
 		}
+		return us, resp.Proto, ""
 	}
 
 	var wg sync.WaitGroup
@@ -246,7 +233,16 @@ func run(o *options, sd side, tlsConf *tls.Config) result {
 				if o.requests > 0 && measuring.Load() && issued.Add(1) > o.requests {
 					break
 				}
-				one(c, &local, protos, kinds, &errs)
+				us, proto, kind := one(c)
+				switch {
+				case !measuring.Load(): // warmup, or after the measured window
+				case kind != "":
+					kinds[kind]++
+					errs++
+				default:
+					local = append(local, us)
+					protos[proto]++
+				}
 			}
 			mu.Lock()
 			lat = append(lat, local...)

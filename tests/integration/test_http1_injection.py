@@ -155,6 +155,17 @@ def test_hop_by_hop_and_proxy_headers_are_stripped(world, egressd, marker):
     assert up.header("Authorization") == [f"Bearer {world.secrets['api_token']}"]
 
 
+def test_response_hop_by_hop_headers_are_stripped_by_whole_token(world, egressd, marker):
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    r = helpers.request(c, "GET", f"/hop/{marker}", f"api.test:{world.U}")
+    c.close()
+    assert r.status == 200, r
+    assert r.header("X-Update") is None and r.header("Keep-Alive") is None, r.raw_head()
+    assert r.header("Update") == "2" and r.header("X-Kept") == "yes", r.raw_head()
+    assert r.header("Date"), r.raw_head()
+    assert "x-update" not in (r.header("Connection") or "").lower(), r.raw_head()
+
+
 def test_request_body_and_methods_pass_through(world, egressd, marker):
     data = os.urandom(200_000)
     with requests_session(world, egressd) as s:

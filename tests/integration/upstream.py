@@ -290,6 +290,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(payload(0, total // 2))
             self.wfile.flush()
             self.close_connection = True
+        elif base == "/hop":
+            # Connection names X-Update: that header is hop-by-hop, Update and Date (whose
+            # names sit inside "x-update") are not.
+            self._send(200, b"{}", extra=[("Connection", "X-Update, keep-alive"),
+                                          ("Keep-Alive", "timeout=5"), ("X-Update", "1"),
+                                          ("Update", "2"), ("X-Kept", "yes")])
         elif base == "/redirect":
             self._send(302, b"", "text/plain", [("Location", q.get("to", "/echo"))])
         elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():

@@ -106,6 +106,22 @@ TEST(StripHopByHop, ConnectionCannotStripFraming) {
     EXPECT_EQ(h.count("content-length"), 1U);
 }
 
+TEST(StripHopByHop, ConnectionTokensMatchWholeNamesInAnyCase) {
+    // A response as an HTTP/1.1 upstream sends it (names in their own case). "x-update" names
+    // X-Update only: Update and Date (both inside "x-update") stay.
+    std::vector<Header> h = {{"Date", "Tue"},
+                             {"Connection", "X-Update , keep-alive"},
+                             {"X-Update", "1"},
+                             {"Update", "2"},
+                             {"Keep-Alive", "timeout=5"},
+                             {"Content-Type", "text/plain"}};
+    EXPECT_EQ(strip_hop_by_hop(h), 3U);
+    ASSERT_EQ(h.size(), 3U);
+    EXPECT_EQ(h[0].name, "Date");
+    EXPECT_EQ(h[1].name, "Update");
+    EXPECT_EQ(h[2].name, "Content-Type");
+}
+
 TEST(StripHopByHop, NothingToStrip) {
     RequestHead h = head_with({{"accept", "*/*"}});
     EXPECT_EQ(strip_hop_by_hop(h), 0U);
