@@ -63,9 +63,9 @@ struct Identity {
     std::string reason;
 };
 
-Identity identify(const Runtime& rt, const http::request<http::buffer_body>& req) {
-    auto it = req.find(http::field::proxy_authorization);
-    if (it == req.end()) {
+Identity identify(const Runtime& rt, const H1RequestParser& req) {
+    const std::string* auth = req.find("proxy-authorization");
+    if (auth == nullptr) {
         if (rt.anonymous) {
             return {rt.anonymous, 0, ""};
         }
@@ -73,7 +73,7 @@ Identity identify(const Runtime& rt, const http::request<http::buffer_body>& req
     }
     std::string user;
     std::string pass;
-    if (!parse_proxy_basic(it->value(), user, pass)) {
+    if (!parse_proxy_basic(*auth, user, pass)) {
         return {nullptr, 407, "bad_identity"};
     }
     auto run = rt.find(user);
@@ -295,18 +295,17 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
 
     for (;;) {
         const auto started = Clock::now();
-        http::request_parser<http::buffer_body> parser;
+        H1RequestParser parser;
         auto got = co_await read_request_head(stream, buf, parser, first, limits);
         first = false;
         if (got != HeadRead::Ok) {
             co_await refuse_head(stream, got, scope, started);
             co_return;
         }
-        auto& req = parser.get();
-        std::string method(req.method_string());
-        bool is_connect = req.method() == http::verb::connect;
+        std::string method(parser.method_string());
+        bool is_connect = parser.method() == http::verb::connect;
 
-        auto id = identify(*rt, req);
+        auto id = identify(*rt, parser);
         if (!id.run) {
             co_await write_refusal(stream, id.status, id.reason, false);
             audit_refusal(scope, method, "", id.status, id.reason, started);
@@ -328,12 +327,12 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
         // Destination: CONNECT authority, or the absolute-form URI's authority.
         Outcome<policy::HostPort> dest = Refusal{400, "bad_request_target", ""};
         if (is_connect) {
-            auto hp = policy::parse_authority(req.target(), std::nullopt);
+            auto hp = policy::parse_authority(parser.target(), std::nullopt);
             if (hp) {
                 dest = *hp;
             }
         } else {
-            auto url = boost::urls::parse_absolute_uri(req.target());
+            auto url = boost::urls::parse_absolute_uri(parser.target());
             if (!url) {
                 dest = Refusal{400, "not_a_proxy_request", ""};
             } else if (url->scheme_id() != boost::urls::scheme::http) {
@@ -363,9 +362,9 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
             if (reason == "host_not_allowed" && secret_unavailable(*scope.run, scope.target)) {
                 reason = "secret_unavailable";
             }
-            bool ka = !is_connect && req.keep_alive() && parser.is_done();
+            bool ka = !is_connect && parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, 403, reason, ka);
-            audit_refusal(scope, method, is_connect ? "" : std::string(req.target()), 403, reason,
+            audit_refusal(scope, method, is_connect ? "" : std::string(parser.target()), 403, reason,
                           started);
             if (!ka) {
                 co_return;
@@ -489,18 +488,17 @@ awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t
     bool first = true;
     for (;;) {
         const auto started = Clock::now();
-        http::request_parser<http::buffer_body> parser;
+        H1RequestParser parser;
         auto got = co_await read_request_head(stream, buf, parser, first, limits);
         first = false;
         if (got != HeadRead::Ok) {
             co_await refuse_head(stream, got, scope, started);
             co_return;
         }
-        auto& req = parser.get();
-        std::string method(req.method_string());
-        auto host = req.find(http::field::host);
-        auto dest = host == req.end() ? Result<policy::HostPort>(make_error("no Host"))
-                                      : policy::parse_authority(host->value(), 80);
+        std::string method(parser.method_string());
+        const std::string* host = parser.find("host");
+        auto dest = host == nullptr ? Result<policy::HostPort>(make_error("no Host"))
+                                    : policy::parse_authority(*host, 80);
         std::string reason;
         if (!dest) {
             reason = "bad_host";
@@ -509,16 +507,16 @@ awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t
         }
         if (!reason.empty()) {
             co_await write_refusal(stream, 400, reason, false);
-            audit_refusal(scope, method, std::string(req.target()), 400, reason, started);
+            audit_refusal(scope, method, std::string(parser.target()), 400, reason, started);
             co_return;
         }
         scope.target = *dest;
         auto dd = policy::decide_destination(scope.runtime->config->policy, scope.run->policy,
                                              scope.target, policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
-            bool ka = req.keep_alive() && parser.is_done();
+            bool ka = parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, 403, dd.reason, ka);
-            audit_refusal(scope, method, std::string(req.target()), 403, dd.reason, started);
+            audit_refusal(scope, method, std::string(parser.target()), 403, dd.reason, started);
             if (!ka) {
                 co_return;
             }

@@ -53,6 +53,30 @@ void append_framing(std::string& out, std::optional<uint64_t> length, bool chunk
     }
 }
 
+/// The request head as H1Upstream sends it: the pipeline's fields in order, Host first, the
+/// framing ours (Content-Length or chunked) whatever the client sent.
+std::string request_head_bytes(const policy::RequestHead& head, std::string_view host,
+                               std::optional<uint64_t> length, bool chunked) {
+    std::string out;
+    out.reserve(64 + head.method.size() + head.path.size() + host.size() +
+                fields_size(head.headers));
+    out.append(head.method);
+    out.push_back(' ');
+    out.append(head.path);
+    out.append(" HTTP/1.1\r\n");
+    append_field(out, "Host", host);
+    for (const auto& h : head.headers) {
+        // Transport framing is this serializer's job; te is hop-by-hop in HTTP/1.1.
+        if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
+            continue;
+        }
+        append_field(out, h.name, h.value);
+    }
+    append_framing(out, length, chunked);
+    out.append("\r\n");
+    return out;
+}
+
 /// A deadline for one read that cancels it instead of closing the socket (beast's stream
 /// expiry closes it), so the connection can still carry a 408 to a slow client.
 template <class Stream>
@@ -105,14 +129,12 @@ private:
 /// Reads the next body piece of a Beast parser into `buf` (64 KiB): nothing is buffered
 /// whole. Returns an empty non-last chunk when only framing was parsed.
 template <bool isRequest, class Stream>
-awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf,
-                                  http::parser<isRequest, http::buffer_body>& p, char* buf,
-                                  std::chrono::milliseconds timeout) {
+awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser<isRequest>& p,
+                                  char* buf, std::chrono::milliseconds timeout) {
     if (p.is_done()) {
         co_return BodyChunk{{}, true, true};
     }
-    p.get().body().data = buf;
-    p.get().body().size = kRelayBufferBytes;
+    p.body_buffer(buf, kRelayBufferBytes);
     // Beast reads max(512, free capacity) bytes per call: without room for a whole TLS record
     // a body would be relayed (and re-encrypted, and sent) in 512-byte pieces.
     if (inbuf.capacity() - inbuf.size() < kBodyReadBytes) {
@@ -133,21 +155,8 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf,
         }
         co_return BodyChunk{{}, false, false, failure};
     }
-    size_t got = kRelayBufferBytes - p.get().body().size;
+    size_t got = kRelayBufferBytes - p.body_room();
     co_return BodyChunk{std::string_view(buf, got), p.is_done(), true};
-}
-
-/// Fields the parser appended after the header (chunked trailers).
-template <class Fields>
-Headers trailers_after(const Fields& f, size_t header_fields) {
-    Headers out;
-    size_t i = 0;
-    for (const auto& field : f) {
-        if (i++ >= header_fields) {
-            out.push_back({policy::ascii_lower(field.name_string()), std::string(field.value())});
-        }
-    }
-    return out;
 }
 
 /// Writes one body piece with HTTP/1.1 framing: raw (Content-Length) or chunked, the last
@@ -198,13 +207,12 @@ awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bo
     co_return !ec;
 }
 
-/// Converts a parsed HTTP/1.1 header into the protocol-neutral head.
-Outcome<policy::RequestHead> to_request_head(const http::request<http::buffer_body>& req,
-                                             bool tls, bool absolute_form) {
+/// Converts a parsed HTTP/1.1 header into the protocol-neutral head. On success the fields
+/// (and an origin-form target) are moved out of the parser; a refusal leaves it untouched for
+/// the audit record.
+Outcome<policy::RequestHead> to_request_head(H1RequestParser& p, bool tls, bool absolute_form) {
     policy::RequestHead head;
-    head.method = std::string(req.method_string());
-    head.scheme = tls ? "https" : "http";
-    std::string_view target = req.target();
+    std::string_view target = p.target();
     if (absolute_form) {
         auto url = boost::urls::parse_absolute_uri(target);
         if (!url) {
@@ -217,38 +225,42 @@ Outcome<policy::RequestHead> to_request_head(const http::request<http::buffer_bo
         if (url->has_query()) {
             head.path += "?" + std::string(url->encoded_query());
         }
-    } else {
-        if (target.empty() || (target.front() != '/' && !(target == "*" && req.method() ==
-                                                                             http::verb::options))) {
-            return Refusal{400, "bad_request_target", ""};
-        }
-        head.path = std::string(target);
+    } else if (target.empty() ||
+               (target.front() != '/' && !(target == "*" && p.method() == http::verb::options))) {
+        return Refusal{400, "bad_request_target", ""};
     }
     size_t hosts = 0;
     bool has_cl = false;
     bool has_te = false;
-    head.headers.reserve(policy::kTypicalHeaderFields);
-    for (const auto& f : req) {
-        std::string name = policy::ascii_lower(f.name_string());
-        if (name == "host") {
+    for (const auto& f : p.fields()) {  // names are lowercase
+        if (f.name == "host") {
             ++hosts;
-            head.authority = std::string(f.value());
-            continue;
-        }
-        has_cl = has_cl || name == "content-length";
-        if (name == "transfer-encoding") {
+        } else if (f.name == "content-length") {
+            has_cl = true;
+        } else if (f.name == "transfer-encoding") {
             has_te = true;
-            if (!policy::iequals(f.value(), "chunked")) {
+            if (!policy::iequals(f.value, "chunked")) {
                 return Refusal{400, "bad_transfer_encoding", ""};
             }
         }
-        head.headers.push_back({std::move(name), std::string(f.value())});
     }
     if (hosts > 1) {
         return Refusal{400, "duplicate_host", ""};
     }
     if (has_cl && has_te) {
         return Refusal{400, "bad_framing", ""};  // CL+TE: classic smuggling vector
+    }
+    head.method = std::string(p.method_string());
+    head.scheme = tls ? "https" : "http";
+    if (!absolute_form) {
+        head.path = p.take_target();
+    }
+    head.headers = std::move(p.fields());
+    if (hosts == 1) {
+        auto host = std::find_if(head.headers.begin(), head.headers.end(),
+                                 [](const policy::Header& h) { return h.name == "host"; });
+        head.authority = std::move(host->value);
+        head.headers.erase(host);
     }
     return head;
 }
@@ -257,15 +269,14 @@ Outcome<policy::RequestHead> to_request_head(const http::request<http::buffer_bo
 template <class Stream>
 class H1Downstream final : public Downstream {
 public:
-    H1Downstream(Stream& s, beast::flat_buffer& buf, http::request_parser<http::buffer_body>& p,
+    H1Downstream(Stream& s, beast::flat_buffer& buf, H1RequestParser& p,
                  std::chrono::milliseconds timeout)
         : s_(s), buf_(buf), p_(p), timeout_(timeout) {
         body_.none = p.is_done();
         if (auto cl = p.content_length()) {
             body_.length = *cl;
         }
-        header_fields_ = static_cast<size_t>(std::distance(p.get().begin(), p.get().end()));
-        keep_alive_ = p.get().keep_alive();
+        keep_alive_ = p.keep_alive();
     }
     const char* proto() const override { return "http/1.1"; }
     BodyInfo request_body() const override { return body_; }
@@ -277,7 +288,7 @@ public:
         }
         co_return co_await h1_read_body(s_, buf_, p_, rbuf_.get(), timeout_);
     }
-    Headers request_trailers() override { return trailers_after(p_.get(), header_fields_); }
+    Headers request_trailers() override { return std::move(p_.trailers()); }
 
     awaitable<void> send_continue() override {
         static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -343,11 +354,10 @@ public:
 private:
     Stream& s_;
     beast::flat_buffer& buf_;
-    http::request_parser<http::buffer_body>& p_;
+    H1RequestParser& p_;
     std::chrono::milliseconds timeout_;
     RelayBuffer rbuf_;
     BodyInfo body_;
-    size_t header_fields_ = 0;
     bool keep_alive_ = false;
     bool none_ = false;
     bool chunked_ = false;
@@ -368,23 +378,7 @@ public:
 
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
         chunked_ = !body.length && !body.none;
-        std::string out;
-        out.reserve(64 + head.method.size() + head.path.size() + host_.size() +
-                    fields_size(head.headers));
-        out.append(head.method);
-        out.push_back(' ');
-        out.append(head.path);
-        out.append(" HTTP/1.1\r\n");
-        append_field(out, "Host", host_);
-        for (const auto& h : head.headers) {
-            // Transport framing is this serializer's job; te is hop-by-hop in HTTP/1.1.
-            if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
-                continue;
-            }
-            append_field(out, h.name, h.value);
-        }
-        append_framing(out, body.length, chunked_);
-        out.append("\r\n");
+        const std::string out = request_head_bytes(head, host_, body.length, chunked_);
         lowest(stream()).expires_after(timeout_);
         auto [ec, n] = co_await net::async_write(stream(), net::buffer(out), use_nothrow);
         lowest(stream()).expires_never();
@@ -410,22 +404,17 @@ public:
                                   timeout ? "upstream_timeout" : "upstream_bad_response",
                                   timeout ? "response_timeout" : "response"};
             }
-            int code = rp_->get().result_int();
+            int code = rp_->status();
             if (code >= 100 && code < 200 && code != 101) {
                 continue;
             }
             break;
         }
-        auto& ures = rp_->get();
         ResponseHead rh;
-        rh.status = ures.result_int();
-        rh.reason = std::string(ures.reason());
-        rh.headers.reserve(policy::kTypicalHeaderFields);
-        for (const auto& f : ures) {
-            rh.headers.push_back({std::string(f.name_string()), std::string(f.value())});
-        }
+        rh.status = rp_->status();
+        rh.reason = std::string(rp_->reason());
+        rh.headers = std::move(rp_->fields());
         policy::strip_hop_by_hop(rh.headers);  // the request's rule: whole Connection tokens
-        header_fields_ = static_cast<size_t>(std::distance(ures.begin(), ures.end()));
         rh.body.none = rp_->is_done();
         if (!rp_->chunked()) {
             if (auto cl = rp_->content_length()) {
@@ -440,9 +429,9 @@ public:
         }
         co_return co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get(), timeout_);
     }
-    Headers response_trailers() override { return trailers_after(rp_->get(), header_fields_); }
+    Headers response_trailers() override { return std::move(rp_->trailers()); }
     void finish() override {
-        if (tls_ && w_ && rp_ && rp_->is_done() && rp_->get().keep_alive()) {
+        if (tls_ && w_ && rp_ && rp_->is_done() && rp_->keep_alive()) {
             w_->pool->release(std::move(tls_));
         }
     }
@@ -466,9 +455,8 @@ private:
     std::string host_;
     std::chrono::milliseconds timeout_;
     bool chunked_ = false;
-    std::optional<http::response_parser<http::buffer_body>> rp_;
+    std::optional<H1ResponseParser> rp_;
     RelayBuffer rbuf_;
-    size_t header_fields_ = 0;
 
 public:
     size_t max_header_bytes_ = 65536;
@@ -477,16 +465,15 @@ public:
 /// One HTTP/1.1 request: head → protocol-neutral head → the shared core.
 template <class ClientStream>
 awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
-                               http::request_parser<http::buffer_body>& parser, Scope& scope,
-                               bool absolute_form) {
+                               H1RequestParser& parser, Scope& scope, bool absolute_form) {
     const auto started = Clock::now();
     const auto& limits = scope.runtime->config->limits;
     H1Downstream<ClientStream> down(client, cbuf, parser, limits.idle_timeout);
-    auto head_or = to_request_head(parser.get(), scope.tls, absolute_form);
+    auto head_or = to_request_head(parser, scope.tls, absolute_form);
     if (auto* r = std::get_if<Refusal>(&head_or)) {
         co_await write_refusal(client, r->status, r->reason, false);
-        audit_refusal(scope, std::string(parser.get().method_string()),
-                      std::string(parser.get().target()), r->status, r->reason, started);
+        audit_refusal(scope, std::string(parser.method_string()), std::string(parser.target()),
+                      r->status, r->reason, started);
         co_return false;
     }
     co_return co_await serve_exchange(down, std::move(std::get<policy::RequestHead>(head_or)),
@@ -539,7 +526,7 @@ template awaitable<void> write_refusal<TlsStream>(TlsStream&, int, const std::st
 
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
-                                      http::request_parser<http::buffer_body>& parser, bool first,
+                                      H1RequestParser& parser, bool first,
                                       const Limits& limits) {
     parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
     parser.body_limit(boost::none);
@@ -592,9 +579,9 @@ awaitable<void> refuse_head(Stream& s, HeadRead result, Scope& scope, Clock::tim
 }
 
 template awaitable<HeadRead> read_request_head<TcpStream>(
-    TcpStream&, beast::flat_buffer&, http::request_parser<http::buffer_body>&, bool, const Limits&);
+    TcpStream&, beast::flat_buffer&, H1RequestParser&, bool, const Limits&);
 template awaitable<HeadRead> read_request_head<TlsStream>(
-    TlsStream&, beast::flat_buffer&, http::request_parser<http::buffer_body>&, bool, const Limits&);
+    TlsStream&, beast::flat_buffer&, H1RequestParser&, bool, const Limits&);
 template awaitable<void> refuse_head<TcpStream>(TcpStream&, HeadRead, Scope&, Clock::time_point);
 template awaitable<void> refuse_head<TlsStream>(TlsStream&, HeadRead, Scope&, Clock::time_point);
 
@@ -604,7 +591,7 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
     bool first = true;
     for (;;) {
         const auto started = Clock::now();
-        http::request_parser<http::buffer_body> parser;
+        H1RequestParser parser;
         auto got = co_await read_request_head(client, buffer, parser, first, limits);
         first = false;
         if (got != HeadRead::Ok) {
@@ -612,7 +599,7 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
             break;
         }
         if (scope.worker->shared.draining.load()) {
-            parser.get().keep_alive(false);
+            parser.close();
         }
         bool keep = co_await handle_request(client, buffer, parser, scope, false);
         if (!keep || scope.worker->shared.draining.load()) {
@@ -628,12 +615,12 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
 }
 
 awaitable<bool> forward_plain_http(TcpStream& client, beast::flat_buffer& buffer,
-                                   http::request_parser<http::buffer_body>& parser, Scope& scope) {
+                                   H1RequestParser& parser, Scope& scope) {
     co_return co_await handle_request(client, buffer, parser, scope, true);
 }
 
 awaitable<bool> forward_origin_http(TcpStream& client, beast::flat_buffer& buffer,
-                                    http::request_parser<http::buffer_body>& parser, Scope& scope) {
+                                    H1RequestParser& parser, Scope& scope) {
     co_return co_await handle_request(client, buffer, parser, scope, false);
 }
 

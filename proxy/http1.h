@@ -7,6 +7,7 @@
 #include <string>
 
 #include "proxy/exchange.h"
+#include "proxy/h1_parser.h"
 
 namespace egress::proxy {
 
@@ -30,7 +31,7 @@ enum class HeadRead : uint8_t {
 /// slowloris client is cut off at header_timeout wherever it starts.
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
-                                      http::request_parser<http::buffer_body>& parser, bool first,
+                                      H1RequestParser& parser, bool first,
                                       const Limits& limits);
 
 /// Answers a failed head read (408 header_timeout, 431, 400) and audits it; nothing for Closed.
@@ -44,11 +45,11 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
 /// Handles one absolute-form http:// request whose header is already parsed.
 /// Returns whether the client connection may be kept alive.
 awaitable<bool> forward_plain_http(TcpStream& client, beast::flat_buffer& buffer,
-                                   http::request_parser<http::buffer_body>& parser, Scope& scope);
+                                   H1RequestParser& parser, Scope& scope);
 
 /// Handles one origin-form request on the transparent listener (cleartext), whose header is
 /// already parsed and whose destination (scope.target) is decided.
 awaitable<bool> forward_origin_http(TcpStream& client, beast::flat_buffer& buffer,
-                                    http::request_parser<http::buffer_body>& parser, Scope& scope);
+                                    H1RequestParser& parser, Scope& scope);
 
 }  // namespace egress::proxy

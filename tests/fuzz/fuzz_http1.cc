@@ -17,7 +17,6 @@
 #include "proxy/http1.cc"  // NOLINT(bugprone-suspicious-include)
 
 #include <cstdint>
-#include <sstream>
 
 #include "fuzz_common.h"
 #include "policy/header_rules.h"
@@ -42,7 +41,7 @@ using egress::fuzz::fixture;
 constexpr size_t kMaxHeaderBytes = 65536;  // Limits::max_header_bytes default
 constexpr int kMaxRequests = 16;
 
-using Parser = http::request_parser<http::buffer_body>;
+using Parser = H1RequestParser;
 
 /// Feeds bytes to the parser until the header is complete. False: incomplete or bad.
 bool read_header(Parser& p, std::string_view& in) {
@@ -61,15 +60,14 @@ bool read_header(Parser& p, std::string_view& in) {
 bool read_body(Parser& p, std::string_view& in, std::string& body) {
     char buf[1024];
     while (!p.is_done()) {
-        p.get().body().data = buf;
-        p.get().body().size = sizeof buf;
+        p.body_buffer(buf, sizeof buf);
         beast::error_code ec;
         size_t n = p.put(net::buffer(in.data(), in.size()), ec);
         in.remove_prefix(n);
         if (ec == http::error::need_buffer) {
             ec = {};
         }
-        const size_t got = sizeof buf - p.get().body().size;
+        const size_t got = sizeof buf - p.body_room();
         body.append(buf, got);
         if (ec || (n == 0 && got == 0)) {
             return false;
@@ -78,51 +76,40 @@ bool read_body(Parser& p, std::string_view& in, std::string& body) {
     return true;
 }
 
-/// H1Upstream::send_head's serialization, parsed back by a fresh Beast parser: one request,
-/// same method, target, and exactly the fields we meant to send (no splitting, no smuggling).
+/// H1Upstream::send_head's serialization (request_head_bytes), parsed back by a fresh Beast
+/// parser: one request, same method, target, and exactly the fields we meant to send, in order
+/// (no splitting, no smuggling).
 void check_serialization(const policy::RequestHead& head, const std::string& host_header,
                          std::optional<uint64_t> length, bool chunked) {
-    http::request<http::empty_body> req;
-    req.method_string(head.method);
-    req.target(head.path);
-    req.version(11);
-    req.set(http::field::host, host_header);
     std::vector<std::pair<std::string, std::string>> expect{{"host", host_header}};
     for (const auto& h : head.headers) {
         if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
             continue;
         }
-        req.insert(h.name, h.value);
         expect.emplace_back(h.name, h.value);
     }
     if (length) {
-        req.content_length(*length);
         expect.emplace_back("content-length", std::to_string(*length));
     } else if (chunked) {
-        req.chunked(true);
         expect.emplace_back("transfer-encoding", "chunked");
     }
-    std::ostringstream os;
-    os << req.base();
-    const std::string wire = os.str();
+    const std::string wire = request_head_bytes(head, host_header, length, chunked);
 
-    http::request_parser<http::empty_body> back;
+    Parser back;  // keeps the wire order (Beast's basic_fields groups equal names)
     back.header_limit(1u << 20);
     back.body_limit(boost::none);  // only the head is compared; any Content-Length is fine
     beast::error_code ec;
     size_t n = back.put(net::buffer(wire), ec);
     FUZZ_CHECK(!ec && back.is_header_done(), "serialized head does not parse: " + ec.message());
     FUZZ_CHECK(n == wire.size(), "serialized head has bytes after its end (smuggling)");
-    const auto& got = back.get();
-    FUZZ_CHECK(got.method_string() == head.method, "method changed on the wire");
-    FUZZ_CHECK(got.target() == head.path, "target changed on the wire");
+    FUZZ_CHECK(back.method_string() == head.method, "method changed on the wire");
+    FUZZ_CHECK(back.target() == head.path, "target changed on the wire");
     size_t i = 0;
-    for (const auto& f : got) {
-        FUZZ_CHECK(i < expect.size(), "serialized head gained a field: " +
-                                          std::string(f.name_string()));
-        FUZZ_CHECK(policy::iequals(f.name_string(), expect[i].first),
+    for (const auto& f : back.fields()) {
+        FUZZ_CHECK(i < expect.size(), "serialized head gained a field: " + f.name);
+        FUZZ_CHECK(policy::iequals(f.name, expect[i].first),
                    "field name changed on the wire: " + expect[i].first);
-        FUZZ_CHECK(policy::trim_ows(f.value()) == policy::trim_ows(expect[i].second),
+        FUZZ_CHECK(policy::trim_ows(f.value) == policy::trim_ows(expect[i].second),
                    "field value changed on the wire: " + expect[i].first);
         ++i;
     }
@@ -152,7 +139,7 @@ void check_scrubber(const policy::Decision& d, std::string_view body) {
 /// Returns whether the connection would continue with the next request.
 bool serve_one(Parser& p, std::string_view& in, bool tls, const policy::HostPort& target) {
     const auto& f = fixture();
-    auto head_or = to_request_head(p.get(), tls, !tls);
+    auto head_or = to_request_head(p, tls, !tls);
     if (std::holds_alternative<Refusal>(head_or)) {
         const auto& r = std::get<Refusal>(head_or);
         FUZZ_CHECK(r.status == 400 && !r.reason.empty(), r.reason);
@@ -180,22 +167,20 @@ bool serve_one(Parser& p, std::string_view& in, bool tls, const policy::HostPort
     auto d = policy::RequestPipeline{}.run(head, ctx);
     fuzz::check_forwarded(head, d, ctx, sent);
 
-    const auto header_fields =
-        static_cast<size_t>(std::distance(p.get().begin(), p.get().end()));
     std::optional<uint64_t> length;
     if (auto cl = p.content_length(); cl && !p.chunked()) {
         length = *cl;
     }
     std::string body;
     const bool complete = read_body(p, in, body);
-    for (const auto& t : trailers_after(p.get(), header_fields)) {
+    for (const auto& t : p.trailers()) {
         FUZZ_CHECK(t.name == policy::ascii_lower(t.name), "trailer name not lowercase");
     }
     if (d.forward()) {
         check_serialization(head, target.authority(), length, p.chunked());
         check_scrubber(d, body);
     }
-    return complete && d.forward() && p.get().keep_alive();
+    return complete && d.forward() && p.keep_alive();
 }
 
 /// The decrypted stream inside an intercepted CONNECT tunnel.
@@ -228,16 +213,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         if (!read_header(p, in)) {
             return 0;
         }
-        auto& req = p.get();
-        if (auto it = req.find(http::field::proxy_authorization); it != req.end()) {
+        if (const std::string* auth = p.find("proxy-authorization")) {
             std::string user;
             std::string pass;
-            if (parse_proxy_basic(it->value(), user, pass)) {
+            if (parse_proxy_basic(*auth, user, pass)) {
                 FUZZ_CHECK(user.find(':') == std::string::npos, "user with ':'");
             }
         }
-        if (req.method() == http::verb::connect) {
-            auto hp = policy::parse_authority(req.target(), std::nullopt);
+        if (p.method() == http::verb::connect) {
+            auto hp = policy::parse_authority(p.target(), std::nullopt);
             if (!hp) {
                 return 0;
             }
@@ -254,7 +238,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             }
             return 0;
         }
-        auto url = boost::urls::parse_absolute_uri(req.target());
+        auto url = boost::urls::parse_absolute_uri(p.target());
         if (!url || url->scheme_id() != boost::urls::scheme::http || url->has_userinfo()) {
             return 0;
         }
@@ -264,7 +248,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
         auto dd = policy::decide_destination(f.global, f.run, *hp, f.now);
         if (dd.carry == policy::Carry::Deny) {
-            if (!(req.keep_alive() && p.is_done())) {
+            if (!(p.keep_alive() && p.is_done())) {
                 return 0;
             }
             continue;

@@ -155,6 +155,21 @@ def test_hop_by_hop_and_proxy_headers_are_stripped(world, egressd, marker):
     assert up.header("Authorization") == [f"Bearer {world.secrets['api_token']}"]
 
 
+def test_request_fields_reach_the_upstream_in_the_clients_order(world, egressd, marker):
+    # Field lines with the same name keep their relative order (RFC 9110 5.3), and egressd
+    # keeps the order of all of them: X-A, X-B, X-A arrives as sent, not grouped.
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    r = helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}", [
+        ("X-A", "1"), ("X-B", "2"), ("X-A", "3"), ("X-C", "4"), ("X-B", "5"),
+    ])
+    c.close()
+    assert r.status == 200, r
+    up = only(world.upstream.find(marker), marker)
+    ours = [(k.lower(), v) for k, v in up.headers if k.lower() in ("x-a", "x-b", "x-c")]
+    assert ours == [("x-a", "1"), ("x-b", "2"), ("x-a", "3"), ("x-c", "4"), ("x-b", "5")], \
+        up.headers
+
+
 def test_response_hop_by_hop_headers_are_stripped_by_whole_token(world, egressd, marker):
     c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
     r = helpers.request(c, "GET", f"/hop/{marker}", f"api.test:{world.U}")
