@@ -3,7 +3,12 @@
 server that accepts and holds, and reports egressd's RSS growth per tunnel (issue 5 target:
 10 000 idle tunnels under 64 KiB each) and its idle RSS (target: under 20 MiB).
 
-    bench/idle_tunnels.py [BUILD_DIR] [N]        (default: build 10000)
+    bench/idle_tunnels.py [BUILD_DIR] [N] [--intercept]     (default: build 10000)
+
+--intercept: the run intercepts instead (`unpinned: intercept`): each client completes a TLS
+handshake with the run CA through its tunnel and then idles, so egressd holds a TLS connection
+per tunnel (whose record buffers it frees after TlsSocket::kIdleRelease without use; RSS is
+read 3 s after the last handshake).
 
 Everything on 127.0.0.1; raises RLIMIT_NOFILE to 2*N + 100 for egressd (two descriptors per
 tunnel) within the hard limit."""
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import os
+import ssl
 import resource
 import shutil
 import socket
@@ -49,8 +55,10 @@ def free_port() -> int:
 
 
 def main() -> int:
-    build = sys.argv[1] if len(sys.argv) > 1 else "build"
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 10000
+    args = [a for a in sys.argv[1:] if a != "--intercept"]
+    intercept = "--intercept" in sys.argv[1:]
+    build = args[0] if args else "build"
+    n = int(args[1]) if len(args) > 1 else 10000
     need = n + 200
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 2 * n + 100:
@@ -74,7 +82,7 @@ admin: {{token_file: {w}/admin.token}}
 state: {{path: {w}/state}}
 keys: {{master_key_file: {w}/master.key}}
 resolver: {{overrides: {{hold.test: [127.0.0.1]}}}}
-policy: {{unpinned: tunnel, allow_hosts: [hold.test], allow_networks: [127.0.0.1/32],
+policy: {{unpinned: {"intercept" if intercept else "tunnel"}, allow_hosts: [hold.test], allow_networks: [127.0.0.1/32],
           allowed_ports: [{hold_port}]}}
 limits: {{connections_per_run: {n + 100}, idle_timeout: 10m}}
 audit: {{path: {w}/audit.jsonl}}
@@ -106,8 +114,13 @@ runs:
                 got += chunk
             if not got.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(got.decode(errors="replace"))
+            if intercept:
+                t = tls.wrap_socket(s, server_hostname="hold.test")  # handshake with egressd
+                return t
             return s
 
+        if intercept:
+            tls = ssl.create_default_context(cafile=f"{w}/ca.pem")
         for _ in range(10):  # warm: allocator arenas, first-use paths
             conns.append(open_tunnel())
         time.sleep(0.5)
@@ -116,12 +129,13 @@ runs:
         for _ in range(n):
             conns.append(open_tunnel())
         took = time.monotonic() - t0
-        time.sleep(1.0)
+        time.sleep(3.0 if intercept else 1.0)
         after = rss_kib(eg.pid)
         hwm = rss_kib(eg.pid, "VmHWM")
         per = (after - idle) * 1024 / n
         print(f"egressd idle RSS (10 tunnels open): {idle / 1024:.1f} MiB")
-        print(f"{n} idle CONNECT tunnels opened in {took:.1f} s; RSS {after / 1024:.1f} MiB, "
+        kind = "intercepted TLS" if intercept else "CONNECT"
+        print(f"{n} idle {kind} tunnels opened in {took:.1f} s; RSS {after / 1024:.1f} MiB, "
               f"peak {hwm / 1024:.1f} MiB")
         print(f"per idle tunnel: {per / 1024:.1f} KiB (target < 64 KiB)")
         ok = per < 64 * 1024

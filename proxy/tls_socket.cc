@@ -98,7 +98,7 @@ TlsSocket::TlsSocket(socket_type socket, boost::asio::ssl::context& ctx) {
     }
     // As asio::ssl::stream sets them: SSL_write may return after some records (a write_some),
     // may be retried from another address with the same bytes, and frees its record buffers
-    // while a connection is idle (RSS with thousands of idle keep-alive connections).
+    // while a connection is idle (until it is busy: keep_buffers).
     SSL_set_mode(core->ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER |
                                 SSL_MODE_RELEASE_BUFFERS);
     // Read what the socket has (several records) in one recv, not a header then a body.
@@ -243,14 +243,25 @@ bool TlsSocket::arm(const std::shared_ptr<Core>& core) {
         core->expired = true;
         return false;
     }
-    if (core->armed_at <= core->deadline) {
-        return true;  // fires by then; if the deadline moved later it re-arms when it fires
-    }
-    core->armed_at = core->deadline;
-    const uint64_t generation = ++core->generation;
-    core->timer.expires_at(core->deadline);  // cancels an earlier wait (a stale generation)
-    core->timer.async_wait([core, generation](error_code) { on_timer(core, generation); });
+    fire_by(core, core->deadline);  // if the deadline moved later, it re-arms when it fires
     return true;
+}
+
+void TlsSocket::fire_by(const std::shared_ptr<Core>& core, Clock::time_point at) {
+    if (core->armed_at <= at) {
+        return;
+    }
+    core->armed_at = at;
+    const uint64_t generation = ++core->generation;
+    core->timer.expires_at(at);  // cancels an earlier wait (a stale generation)
+    core->timer.async_wait([core, generation](error_code) { on_timer(core, generation); });
+}
+
+void TlsSocket::keep_buffers(const std::shared_ptr<Core>& core) {
+    SSL_clear_mode(core->ssl, SSL_MODE_RELEASE_BUFFERS);
+    core->keep_buffers = true;
+    core->release_due = Clock::now() + kIdleRelease;
+    fire_by(core, core->release_due);
 }
 
 void TlsSocket::on_timer(const std::shared_ptr<Core>& core, uint64_t generation) {
@@ -258,19 +269,36 @@ void TlsSocket::on_timer(const std::shared_ptr<Core>& core, uint64_t generation)
         return;
     }
     core->armed_at = Clock::time_point::max();
-    if (core->closed || core->deadline == Clock::time_point::max()) {
+    if (core->closed) {
         return;
     }
-    if (Clock::now() >= core->deadline) {
-        core->expired = true;
-        if (core->waiting > 0) {
-            error_code ignored;
-            core->socket.cancel(ignored);  // the waiting operations complete with timeout
+    const auto now = Clock::now();
+    if (core->keep_buffers && now >= core->release_due) {
+        if (core->used) {
+            core->used = false;  // busy in the last period: look again after the next one
+            core->release_due = now + kIdleRelease;
+        } else {
+            // A whole period without a call. SSL_free_buffers refuses while a record is half
+            // read or half written; the mode then frees them when they drain.
+            SSL_set_mode(core->ssl, SSL_MODE_RELEASE_BUFFERS);
+            SSL_free_buffers(core->ssl);
+            core->keep_buffers = false;
+            core->calls = 0;
         }
-        return;
     }
-    if (core->waiting > 0) {
-        arm(core);  // the deadline moved later while they waited
+    if (core->deadline != Clock::time_point::max() && !core->expired) {
+        if (now >= core->deadline) {
+            core->expired = true;
+            if (core->waiting > 0) {
+                error_code ignored;
+                core->socket.cancel(ignored);  // the waiting operations complete with timeout
+            }
+        } else if (core->waiting > 0) {
+            arm(core);  // the deadline moved later while they waited
+        }
+    }
+    if (core->keep_buffers) {
+        fire_by(core, core->release_due);
     }
 }
 

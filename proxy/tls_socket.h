@@ -6,6 +6,14 @@
 // (non-blocking SSL_read/SSL_write retried on readiness), with edge-triggered discipline: we
 // only wait after OpenSSL saw EAGAIN.
 //
+// Record buffers (about 34 KiB a connection): a stream starts with SSL_MODE_RELEASE_BUFFERS,
+// as nginx and HAProxy set it, so a connection that idles after its handshake (a tunnel that
+// is opened and left) holds none. But the mode frees them whenever a read drains them and
+// allocates them again on the next call: several malloc/free pairs of 17 KiB per proxied
+// request on a busy keep-alive connection. So after kBusyCalls OpenSSL calls a stream keeps its
+// buffers, and the stream's timer gives them back (and sets the mode again) once it has gone a
+// whole kIdleRelease without a call.
+//
 // The stream carries one deadline for its operations (expires_after / expires_never, like
 // beast::tcp_stream) that costs no system call to move: a single timer is armed when an
 // operation has to wait and re-armed lazily when it fires early. An operation still pending
@@ -77,6 +85,13 @@ public:
     }
     /// Whether an operation failed because the deadline passed (until it is reset).
     bool timed_out() const { return core_->expired; }
+
+    /// OpenSSL calls after which a stream keeps its record buffers between calls.
+    static constexpr uint32_t kBusyCalls = 16;
+    /// A stream that keeps them gives them back after this long without a call (1–2 periods).
+    static constexpr std::chrono::milliseconds kIdleRelease{1000};
+    /// Whether the stream keeps its record buffers between OpenSSL calls (it is busy).
+    bool keeps_buffers() const { return core_->keep_buffers; }
 
     template <class Token>
     auto async_handshake(handshake_type type, Token&& token) {
@@ -151,6 +166,10 @@ private:
         int waiting = 0;          // operations waiting for the socket
         bool expired = false;
         bool closed = false;
+        bool keep_buffers = false;  // SSL_MODE_RELEASE_BUFFERS is off
+        bool used = false;          // an OpenSSL call ran since release_due was set
+        uint32_t calls = 0;         // OpenSSL calls while the mode is on
+        Clock::time_point release_due = Clock::time_point::max();
         std::string gather;
     };
 
@@ -187,7 +206,17 @@ private:
     /// False when the deadline has passed (the operation completes with timeout); otherwise
     /// makes sure a timer will fire by the deadline.
     static bool arm(const std::shared_ptr<Core>& core);
+    /// Makes sure the timer fires by `at` (re-arms only when it would fire later).
+    static void fire_by(const std::shared_ptr<Core>& core, Clock::time_point at);
     static void on_timer(const std::shared_ptr<Core>& core, uint64_t generation);
+    /// Before every OpenSSL call: counts calls until the stream is busy, then keeps buffers.
+    static void note_use(const std::shared_ptr<Core>& core) {
+        core->used = true;
+        if (!core->keep_buffers && ++core->calls >= kBusyCalls) {
+            keep_buffers(core);
+        }
+    }
+    static void keep_buffers(const std::shared_ptr<Core>& core);
 
     /// One composed operation: try the OpenSSL call; on WANT_READ/WRITE wait for the socket
     /// and try again. A result known at initiation is posted (Asio's rule: a completion
@@ -216,8 +245,11 @@ private:
                                          0});
                 }
             }
-            Status s = core->closed ? Status{Status::Failed, boost::asio::error::bad_descriptor, 0}
-                                    : step(core->ssl);
+            if (core->closed) {
+                return finish(self, {Status::Failed, boost::asio::error::bad_descriptor, 0});
+            }
+            note_use(core);
+            Status s = step(core->ssl);
             if (s.kind == Status::Done || s.kind == Status::Failed) {
                 return finish(self, std::move(s));
             }

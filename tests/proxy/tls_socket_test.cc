@@ -330,6 +330,53 @@ TEST_F(TlsSocketTest, AfterCloseAReadNeverTouchesADescriptorNumberReused) {
     }());
 }
 
+TEST_F(TlsSocketTest, BusyStreamsKeepTheirRecordBuffersUntilTheyIdle) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        co_await net::async_write(c, net::buffer(std::string("hello")), use_nothrow);
+        EXPECT_EQ(co_await read_exactly(s, 5), "hello");
+        // A connection that did little (a tunnel opened and left) frees them as it goes.
+        EXPECT_FALSE(s.keeps_buffers());
+        EXPECT_FALSE(c.keeps_buffers());
+        // Requests and responses back and forth: both become busy.
+        for (int i = 0; i < static_cast<int>(TlsSocket::kBusyCalls); ++i) {
+            co_await net::async_write(c, net::buffer(std::string("ping")), use_nothrow);
+            EXPECT_EQ(co_await read_exactly(s, 4), "ping");
+            co_await net::async_write(s, net::buffer(std::string("pong")), use_nothrow);
+            EXPECT_EQ(co_await read_exactly(c, 4), "pong");
+        }
+        EXPECT_TRUE(s.keeps_buffers());
+        EXPECT_TRUE(c.keeps_buffers());
+        // Idle for more than two periods: the server waits in a read (an idle keep-alive
+        // client), the client does nothing at all (a pooled upstream connection).
+        std::string got(5, '\0');
+        bool read_done = false;
+        net::co_spawn(
+            s.get_executor(),
+            [&]() -> net::awaitable<void> {
+                auto [ec, n] = co_await net::async_read(s, net::buffer(got), use_nothrow);
+                EXPECT_FALSE(ec) << ec.message();
+                read_done = true;
+            },
+            net::detached);
+        net::steady_timer idle(s.get_executor(), 2 * TlsSocket::kIdleRelease + 300ms);
+        co_await idle.async_wait(use_nothrow);
+        EXPECT_FALSE(s.keeps_buffers());
+        EXPECT_FALSE(c.keeps_buffers());
+        EXPECT_FALSE(read_done);
+        // Both work on as before (OpenSSL allocates the buffers again when it needs them).
+        co_await net::async_write(c, net::buffer(std::string("again")), use_nothrow);
+        for (int i = 0; i < 100 && !read_done; ++i) {
+            idle.expires_after(10ms);
+            co_await idle.async_wait(use_nothrow);
+        }
+        EXPECT_TRUE(read_done);
+        EXPECT_EQ(got, "again");
+        EXPECT_FALSE(c.keeps_buffers());  // counting starts over
+    }());
+}
+
 TEST_F(TlsSocketTest, MovedStreamKeepsWorking) {
     auto [s, c] = pair();
     run([&]() -> net::awaitable<void> {
