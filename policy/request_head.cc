@@ -20,18 +20,6 @@ std::string ascii_lower(std::string_view s) {
     return out;
 }
 
-bool iequals(std::string_view a, std::string_view b) {
-    if (a.size() != b.size()) {
-        return false;
-    }
-    for (size_t i = 0; i < a.size(); ++i) {
-        if (lower_char(a[i]) != lower_char(b[i])) {
-            return false;
-        }
-    }
-    return true;
-}
-
 const std::string* RequestHead::find(std::string_view name) const {
     for (const Header& h : headers) {
         if (iequals(h.name, name)) {

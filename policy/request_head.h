@@ -36,6 +36,23 @@ struct RequestHead {
 
 /// Lowercases ASCII in place and returns it.
 std::string ascii_lower(std::string_view s);
-bool iequals(std::string_view a, std::string_view b);
+
+/// ASCII case-insensitive equality. Inline: header rules call it for every field against
+/// every name they know, and most calls end at the length check.
+inline bool iequals(std::string_view a, std::string_view b) {
+    if (a.size() != b.size()) {
+        return false;
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+        char x = a[i];
+        char y = b[i];
+        x = (x >= 'A' && x <= 'Z') ? static_cast<char>(x - 'A' + 'a') : x;
+        y = (y >= 'A' && y <= 'Z') ? static_cast<char>(y - 'A' + 'a') : y;
+        if (x != y) {
+            return false;
+        }
+    }
+    return true;
+}
 
 }  // namespace egress::policy

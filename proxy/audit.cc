@@ -4,6 +4,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 
@@ -96,12 +97,24 @@ void json_string(std::string& out, std::string_view v) {
 
 /// Starts `"name":` after '{' or a previous field (a value never ends in '{').
 void field(std::string& out, std::string_view name) {
-    if (out.back() != '{') {
-        out.push_back(',');
+    // One append per field (the record has twenty), four for a name too long for the buffer.
+    char key[32];
+    if (name.size() > sizeof key - 4) {
+        out.append(out.back() != '{' ? ",\"" : "\"");
+        out.append(name);
+        out.append("\":");
+        return;
     }
-    out.push_back('"');
-    out += name;
-    out += "\":";
+    size_t n = 0;
+    if (out.back() != '{') {
+        key[n++] = ',';
+    }
+    key[n++] = '"';
+    std::memcpy(key + n, name.data(), name.size());
+    n += name.size();
+    key[n++] = '"';
+    key[n++] = ':';
+    out.append(key, n);
 }
 
 void str_field(std::string& out, std::string_view name, std::string_view v) {
