@@ -24,27 +24,34 @@ bool is_tchar(char c) {
     return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
 }
 
-// Lowercased tokens of every Connection header.
-std::vector<std::string> connection_tokens(const std::vector<Header>& headers) {
-    std::vector<std::string> tokens;
+// The values of every Connection header, joined with commas: the tokens they name. One string
+// (no allocation for the usual "keep-alive" or "close"), split again where it is consulted.
+std::string connection_values(const std::vector<Header>& headers) {
+    std::string joined;
     for (const Header& h : headers) {
-        if (!iequals(h.name, "connection")) {
-            continue;
-        }
-        std::string_view v = h.value;
-        while (!v.empty()) {
-            const size_t comma = v.find(',');
-            const std::string_view token = trim_ows(v.substr(0, comma));
-            if (!token.empty()) {
-                tokens.push_back(ascii_lower(token));
+        if (iequals(h.name, "connection")) {
+            if (!joined.empty()) {
+                joined.push_back(',');
             }
-            if (comma == std::string_view::npos) {
-                break;
-            }
-            v.remove_prefix(comma + 1);
+            joined.append(h.value);
         }
     }
-    return tokens;
+    return joined;
+}
+
+/// Whether `name` is one of the comma-separated tokens in `tokens` (OWS around each ignored).
+bool named_in(std::string_view tokens, std::string_view name) {
+    while (!tokens.empty()) {
+        const size_t comma = tokens.find(',');
+        if (iequals(trim_ows(tokens.substr(0, comma)), name)) {
+            return true;
+        }
+        if (comma == std::string_view::npos) {
+            break;
+        }
+        tokens.remove_prefix(comma + 1);
+    }
+    return false;
 }
 
 }  // namespace
@@ -88,7 +95,7 @@ bool valid_header_value(std::string_view value) {
 }
 
 size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
-    const std::vector<std::string> tokens = connection_tokens(headers);
+    const std::string tokens = connection_values(headers);
     const size_t before = headers.size();
     std::erase_if(headers, [&](const Header& h) {
         if (keep_te_trailers && iequals(h.name, "te") && iequals(trim_ows(h.value), "trailers")) {
@@ -102,8 +109,7 @@ size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
         if (iequals(h.name, "content-length")) {
             return false;
         }
-        return std::any_of(tokens.begin(), tokens.end(),
-                           [&](const std::string& t) { return iequals(h.name, t); });
+        return !tokens.empty() && named_in(tokens, h.name);
     });
     return before - headers.size();
 }
