@@ -4,8 +4,10 @@
 # CPU-time figures of bench/compare.sh cannot resolve on a shared machine.
 #
 #   bench/instructions.sh [BUILD_DIR] [CONNECTIONS] [KEEP_PROFILE_DIR]
+#   PROTO=h2 STREAMS=50 bench/instructions.sh [BUILD_DIR] [CONNECTIONS] [KEEP_PROFILE_DIR]
 #
-# Runs bench/compare.sh h1 twice with egressd under callgrind (2 s and 6 s of load) and
+# Runs bench/compare.sh (h1, or h2 with STREAMS streams per connection; H2_UPSTREAM passes
+# through) twice with egressd under callgrind (2 s and 6 s of load) and
 # reports (instructions in the long run - in the short one) / (requests - requests): the
 # start-up (run CA, config, dynamic linking) cancels out. User-space instructions only (the
 # kernel's share is not counted), and everything runs ~50x slower under valgrind, so the
@@ -15,6 +17,7 @@
 set -euo pipefail
 BUILD=$(cd "${1:-build}" && pwd)
 CONNS=${2:-1}
+if [ "${PROTO:-h1}" = h2 ]; then STREAMS=${STREAMS:-50}; else STREAMS=; fi
 KEEP=${3:-}
 HERE=$(cd "$(dirname "$0")" && pwd)
 W=$(mktemp -d /tmp/egress-instr.XXXXXX)
@@ -32,7 +35,12 @@ chmod +x "$W/egressd"
 one() {
   rm -f "$W"/out/callgrind.out.*
   local reqs
-  reqs=$("$HERE/compare.sh" h1 "$W" "$CONNS" "$1" 1 2>&1 | sed -n 's/^egressd: \([0-9]*\) audited.*/\1/p')
+  if [ "${PROTO:-h1}" = h2 ]; then
+    set -- h2 "$W" "$CONNS" "${STREAMS:-50}" "$1" 1
+  else
+    set -- h1 "$W" "$CONNS" "$1" 1
+  fi
+  reqs=$("$HERE/compare.sh" "$@" 2>&1 | sed -n 's/^egressd: \([0-9]*\) audited.*/\1/p')
   sleep 1  # callgrind writes its file when egressd exits
   echo "$reqs $(sed -n 's/^summary: //p' "$W"/out/callgrind.out.*)"
 }
@@ -45,4 +53,4 @@ if [ "$r2" -le "$r1" ]; then
   echo "the long run served no more requests than the short one ($r1, $r2)" >&2
   exit 1
 fi
-echo "egressd: $(( (i2 - i1) / (r2 - r1) )) instructions per request (h1, $CONNS connection(s); runs of $r1 and $r2 requests)"
+echo "egressd: $(( (i2 - i1) / (r2 - r1) )) instructions per request (${PROTO:-h1}, $CONNS connection(s)${STREAMS:+ x $STREAMS streams}; runs of $r1 and $r2 requests)"
