@@ -364,8 +364,8 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
             }
             bool ka = !is_connect && parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, 403, reason, ka);
-            audit_refusal(scope, method, is_connect ? "" : std::string(parser.target()), 403, reason,
-                          started);
+            audit_refusal(scope, method, is_connect ? "" : std::string(parser.target()), 403,
+                          reason, started);
             if (!ka) {
                 co_return;
             }

@@ -102,7 +102,7 @@ TlsSocket::TlsSocket(socket_type socket, boost::asio::ssl::context& ctx) {
     }
     // As asio::ssl::stream sets them: SSL_write may return after some records (a write_some),
     // may be retried from another address with the same bytes, and frees its record buffers
-    // while a connection is idle (until it is busy: keep_buffers).
+    // while a connection is idle (until it is busy: start_keeping_buffers).
     SSL_set_mode(core->ssl, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER |
                                 SSL_MODE_RELEASE_BUFFERS);
     // Read what the socket has (several records) in one recv, not a header then a body.
@@ -261,7 +261,7 @@ void TlsSocket::fire_by(const std::shared_ptr<Core>& core, Clock::time_point at)
     core->timer.async_wait([core, generation](error_code) { on_timer(core, generation); });
 }
 
-void TlsSocket::keep_buffers(const std::shared_ptr<Core>& core) {
+void TlsSocket::start_keeping_buffers(const std::shared_ptr<Core>& core) {
     SSL_clear_mode(core->ssl, SSL_MODE_RELEASE_BUFFERS);
     core->keep_buffers = true;
     core->release_due = Clock::now() + kIdleRelease;

@@ -213,10 +213,10 @@ private:
     static void note_use(const std::shared_ptr<Core>& core) {
         core->used = true;
         if (!core->keep_buffers && ++core->calls >= kBusyCalls) {
-            keep_buffers(core);
+            start_keeping_buffers(core);
         }
     }
-    static void keep_buffers(const std::shared_ptr<Core>& core);
+    static void start_keeping_buffers(const std::shared_ptr<Core>& core);
 
     /// One composed operation: try the OpenSSL call; on WANT_READ/WRITE wait for the socket
     /// and try again. A result known at initiation is posted (Asio's rule: a completion
