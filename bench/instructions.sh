@@ -15,6 +15,7 @@
 # there (callgrind_annotate --inclusive=yes DIR/callgrind.out.*).
 # Needs valgrind (apt-get install -y valgrind) and what bench/compare.sh needs.
 set -euo pipefail
+command -v valgrind >/dev/null || { echo "instructions.sh needs valgrind: apt-get install -y valgrind" >&2; exit 2; }
 BUILD=$(cd "${1:-build}" && pwd)
 CONNS=${2:-1}
 if [ "${PROTO:-h1}" = h2 ]; then STREAMS=${STREAMS:-50}; else STREAMS=; fi
