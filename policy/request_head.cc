@@ -20,13 +20,17 @@ std::string ascii_lower(std::string_view s) {
     return out;
 }
 
-const std::string* RequestHead::find(std::string_view name) const {
+const std::string* find_header(const std::vector<Header>& headers, std::string_view name) {
     for (const Header& h : headers) {
         if (iequals(h.name, name)) {
             return &h.value;
         }
     }
     return nullptr;
+}
+
+const std::string* RequestHead::find(std::string_view name) const {
+    return find_header(headers, name);
 }
 
 size_t RequestHead::count(std::string_view name) const {

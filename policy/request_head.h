@@ -34,6 +34,9 @@ struct RequestHead {
     std::string_view path_only() const;
 };
 
+/// First value of the header `name` (compared case-insensitively) in `headers`, or nullptr.
+const std::string* find_header(const std::vector<Header>& headers, std::string_view name);
+
 /// Lowercases ASCII in place and returns it.
 std::string ascii_lower(std::string_view s);
 

@@ -189,7 +189,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     rec.bytes_in = up_bytes;
     rec.bytes_out = down_bytes;
     rec.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
-    rec.upstream_addr = d.peer.address().to_string() + ":" + std::to_string(d.peer.port());
+    rec.upstream_addr = endpoint_text(d.peer);
     rec.proto_in = "tunnel";
     rec.proto_out = "tunnel";
     w.audit(rec);

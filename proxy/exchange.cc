@@ -165,6 +165,8 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     co_return make_h1_upstream(w, std::move(c), false, authority);
 }
 
+}  // namespace
+
 /// "a.b.c.d:port" for the audit record's upstream_addr. IPv4 by hand: address::to_string goes
 /// through inet_ntop and a temporary string, 2 % of a proxied request's instructions.
 std::string endpoint_text(const tcp::endpoint& ep) {
@@ -190,8 +192,6 @@ std::string endpoint_text(const tcp::endpoint& ep) {
     p = std::to_chars(p, end, ep.port()).ptr;
     return std::string(buf, p);
 }
-
-}  // namespace
 
 namespace {
 

@@ -113,6 +113,9 @@ public:
 awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope& scope,
                                std::chrono::steady_clock::time_point started);
 
+/// "host:port" of an upstream peer as the audit record's upstream_addr names it.
+std::string endpoint_text(const tcp::endpoint& ep);
+
 /// Records a refusal in audit and metrics.
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
                    const std::string& reason, std::chrono::steady_clock::time_point started);

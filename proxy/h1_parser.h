@@ -43,12 +43,7 @@ public:
     const std::vector<policy::Header>& fields() const { return fields_; }
     /// First value of the field `name` (compared case-insensitively), or nullptr.
     const std::string* find(std::string_view name) const {
-        for (const auto& f : fields_) {
-            if (policy::iequals(f.name, name)) {
-                return &f.value;
-            }
-        }
-        return nullptr;
+        return policy::find_header(fields_, name);
     }
     /// Fields after a chunked body (trailers), names lowercased.
     std::vector<policy::Header>& trailers() { return trailers_; }
