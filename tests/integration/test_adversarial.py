@@ -21,6 +21,7 @@ import secrets as pysecrets
 import socket
 import ssl
 import subprocess
+import threading
 import time
 
 import pytest
@@ -1033,28 +1034,44 @@ def tls_renegotiation(c: Ctx) -> Obs:
     must never be served on that connection."""
     p = openssl_s_client(c.e.proxy_port, f"api.test:{c.U}", "r1", c.w.tokens["r1"],
                          ["-tls1_2", "-servername", "api.test", "-CAfile", c.ca("r1")])
-    out = b""
+    # s_client takes "R" as a command only when it reads that line alone, after its handshake:
+    # wait for what it prints at each stage (bounded) instead of sleeping, so a slow start on a
+    # loaded machine does not hand it "R" and the request in one read.
+    chunks: list[bytes] = []
+
+    def pump() -> None:
+        for chunk in iter(lambda: p.stdout.read1(4096), b""):
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+
+    def wait_for(marker: bytes, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while marker not in b"".join(chunks) and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.05)
+
     try:
-        for step in (b"R\n", req(c).encode()):
-            time.sleep(1.0)  # s_client reads stdin line by line once connected
+        wait_for(b"Verify return code", 15.0)  # the first handshake is done
+        for step, marker in ((b"R\n", b"RENEGOTIATING"), (req(c).encode(), b"")):
             try:
                 p.stdin.write(step)
                 p.stdin.flush()
             except (BrokenPipeError, OSError):
                 break
-        time.sleep(1.0)
+            wait_for(marker or b"\0never", 1.0)
     finally:
         try:
             p.stdin.close()
         except (BrokenPipeError, OSError):
             pass
-        p.stdin = None
         try:
-            so, se = p.communicate(timeout=10)
+            p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
-            so, se = p.communicate(timeout=10)
-        out = so + se
+            p.wait(timeout=10)
+        reader.join(timeout=10)
+        out = b"".join(chunks) + p.stderr.read()
     text = out.decode(errors="replace")
     obs = Obs()
     obs.notes["tail"] = text[-240:]
