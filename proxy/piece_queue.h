@@ -1,19 +1,23 @@
 #pragma once
 // A FIFO of body pieces for the HTTP/2 codecs (light: no Asio, no nghttp2).
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <utility>
-#include <vector>
+
+#include <boost/container/small_vector.hpp>
 
 namespace egress::proxy {
 
 /// FIFO of body pieces (a stream's inbound DATA or outbound body). std::deque allocates its
 /// map and a 512-byte node when constructed: with four per proxied h2 stream that was 8
-/// mallocs per stream, for queues that mostly hold zero or one piece. This one
-/// allocates nothing until the first push. Popped slots are reclaimed when the queue
-/// empties, or compacted when most of it is consumed (a queue that never empties).
+/// mallocs per stream, for queues that mostly hold zero or one piece. This one keeps its
+/// first two slots inline (a small response's one DATA piece costs no slot allocation, only
+/// the piece's own bytes). Popped slots are reclaimed when the queue empties, or compacted
+/// when most of it is consumed (a queue that never empties).
 class PieceQueue {
 public:
+    static constexpr size_t kInlineSlots = 2;
     bool empty() const { return head_ == items_.size(); }
     size_t size() const { return items_.size() - head_; }
     std::string& front() { return items_[head_]; }
@@ -38,9 +42,16 @@ public:
     auto end() const { return items_.end(); }
     /// Slots held, consumed ones included (what the compaction bounds; for tests).
     size_t slots() const { return items_.size(); }
+    /// The slots live inside the queue object (no slot allocation has happened; for tests).
+    bool slots_inline() const {
+        const auto* p = reinterpret_cast<const char*>(items_.data());
+        const auto* self = reinterpret_cast<const char*>(this);
+        return std::less_equal<const char*>()(self, p) &&
+               std::less<const char*>()(p, self + sizeof *this);
+    }
 
 private:
-    std::vector<std::string> items_;
+    boost::container::small_vector<std::string, kInlineSlots> items_;
     size_t head_ = 0;
 };
 

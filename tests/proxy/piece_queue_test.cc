@@ -33,6 +33,26 @@ TEST(PieceQueue, IsFirstInFirstOut) {
     EXPECT_TRUE(q.empty());
 }
 
+// A stream's usual queue (one or two pieces) allocates no slots, and keeps first-in-first-out
+// order when it outgrows them.
+TEST(PieceQueue, FirstPiecesUseInlineSlots) {
+    PieceQueue q;
+    EXPECT_TRUE(q.slots_inline());
+    for (size_t i = 0; i < PieceQueue::kInlineSlots; ++i) {
+        q.emplace_back(std::to_string(i));
+    }
+    EXPECT_TRUE(q.slots_inline());
+    q.emplace_back("spill");
+    EXPECT_FALSE(q.slots_inline());
+    EXPECT_EQ(contents(q), (std::vector<std::string>{"0", "1", "spill"}));
+    q.pop_front();
+    q.pop_front();
+    q.pop_front();
+    EXPECT_TRUE(q.empty());
+    q.emplace_back("again");
+    EXPECT_EQ(q.front(), "again");
+}
+
 // A producer that stays ahead of its consumer: the queue never empties, yet the consumed
 // slots do not pile up, and the order holds through every compaction.
 TEST(PieceQueue, NeverEmptyQueueStaysBounded) {
