@@ -68,13 +68,35 @@ std::string iso8601_utc(std::chrono::system_clock::time_point t) {
 namespace {
 
 /// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters).
+bool plain_byte(char ch) {
+    auto c = static_cast<unsigned char>(ch);
+    return c >= 0x20 && c != '"' && c != '\\';
+}
+
+/// No byte of `v` needs escaping in a JSON string. Eight bytes per step ("any byte below k"
+/// is (w - k*ones) & ~w & highs, exact as a yes/no for k <= 0x80; '"' and '\\' are the zero
+/// bytes after an xor): the audit record's strings are checked on every request.
+bool json_plain(std::string_view v) {
+    constexpr uint64_t kOnes = 0x0101010101010101ULL;
+    constexpr uint64_t kHighs = 0x8080808080808080ULL;
+    size_t i = 0;
+    for (; i + 8 <= v.size(); i += 8) {
+        uint64_t w = 0;
+        std::memcpy(&w, v.data() + i, 8);
+        const uint64_t quote = w ^ (kOnes * '"');
+        const uint64_t slash = w ^ (kOnes * '\\');
+        const uint64_t bad =
+            ((w - kOnes * 0x20) & ~w) | ((quote - kOnes) & ~quote) | ((slash - kOnes) & ~slash);
+        if ((bad & kHighs) != 0) {
+            return false;
+        }
+    }
+    return std::all_of(v.begin() + static_cast<std::ptrdiff_t>(i), v.end(), plain_byte);
+}
+
 void json_string(std::string& out, std::string_view v) {
     out.push_back('"');
-    auto plain = [](char ch) {
-        auto c = static_cast<unsigned char>(ch);
-        return c >= 0x20 && c != '"' && c != '\\';
-    };
-    if (std::all_of(v.begin(), v.end(), plain)) {  // the usual case: one append
+    if (json_plain(v)) {  // the usual case: one append
         out += v;
         out.push_back('"');
         return;

@@ -300,7 +300,7 @@ std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead&
     if (im.io.dead || im.goaway) {
         return nullptr;
     }
-    std::vector<nghttp2_nv> nva;
+    NvList nva;
     nva.reserve(head.headers.size() + 4);
     nva.push_back(make_nv(":method", head.method));
     nva.push_back(make_nv(":scheme", head.scheme));

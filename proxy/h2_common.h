@@ -3,6 +3,8 @@
 // (pulls in nghttp2).
 #include <nghttp2/nghttp2.h>
 
+#include <boost/container/small_vector.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -69,6 +71,10 @@ struct CallbacksDeleter {
 };
 using CallbacksPtr = std::unique_ptr<nghttp2_session_callbacks, CallbacksDeleter>;
 
+/// A header block for nghttp2's submit calls (which copy names and values): a typical head
+/// fits inline, so building one allocates nothing.
+using NvList = boost::container::small_vector<nghttp2_nv, policy::kTypicalHeaderFields + 4>;
+
 inline nghttp2_nv make_nv(std::string_view name, std::string_view value) {
     return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
                       reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), name.size(),
@@ -112,7 +118,7 @@ ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
     if (st->out.empty() && st->out_last) {
         *data_flags |= NGHTTP2_DATA_FLAG_EOF;
         if (!st->out_trailers.empty()) {
-            std::vector<nghttp2_nv> nva;
+            NvList nva;
             nva.reserve(st->out_trailers.size());
             for (const auto& h : st->out_trailers) {
                 nva.push_back(make_nv(h.name, h.value));

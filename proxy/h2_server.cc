@@ -405,7 +405,7 @@ public:
                         [&](const auto& h) { return has_upper(h.name); })) {
             lowered.reserve(rh.headers.size());
         }
-        std::vector<nghttp2_nv> nva;
+        NvList nva;
         nva.reserve(rh.headers.size() + 1);
         nva.push_back(make_nv(":status", status));
         for (const auto& h : rh.headers) {

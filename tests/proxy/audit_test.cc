@@ -186,6 +186,31 @@ TEST(AuditJson, IsOneValidObjectWithEveryFieldAndEscapes) {
     EXPECT_TRUE(w.at("run").is_null());
 }
 
+// The escape check looks at eight bytes at a time: every ASCII byte, at every position of a
+// value longer than one step, round-trips through a JSON parser; bytes from 0x80 up are
+// written as they are.
+TEST(AuditJson, EveryByteAtEveryPositionIsEscapedOrKept) {
+    AuditRecord r = record(1);
+    for (int b = 0; b < 256; ++b) {
+        for (size_t pos = 0; pos < 17; ++pos) {
+            std::string value(17, 'a');
+            value[pos] = static_cast<char>(b);
+            r.reason = value;
+            const std::string line = audit_json(r);
+            if (b < 0x80) {
+                boost::system::error_code ec;
+                auto v = boost::json::parse(line, ec);
+                ASSERT_FALSE(ec) << "byte " << b << " at " << pos;
+                ASSERT_EQ(v.as_object().at("reason").as_string(), value)
+                    << "byte " << b << " at " << pos;
+            } else {
+                ASSERT_NE(line.find("\"reason\":\"" + value + "\""), std::string::npos)
+                    << "byte " << b << " at " << pos;
+            }
+        }
+    }
+}
+
 // The formatter caches the date and time of the current second per thread: check it against
 // strftime on instants in different seconds, back and forth, and before 1970.
 TEST(AuditJson, TimestampMatchesStrftimeAcrossSeconds) {
