@@ -11,7 +11,9 @@
 # reports (instructions in the long run - in the short one) / (requests - requests): the
 # start-up (run CA, config, dynamic linking) cancels out. User-space instructions only (the
 # kernel's share is not counted), and everything runs ~50x slower under valgrind, so the
-# request mix is that of a light load. With KEEP_PROFILE_DIR the long run's profile is kept
+# request mix is that of a light load. h1 with one connection repeats within about 1%; h2
+# moves about 4% from run to run (how many streams one read or write carries depends on
+# timing): compare medians of several alternating runs there. With KEEP_PROFILE_DIR the long run's profile is kept
 # there (callgrind_annotate --inclusive=yes DIR/callgrind.out.*).
 # Needs valgrind (apt-get install -y valgrind) and what bench/compare.sh needs.
 set -euo pipefail

@@ -67,7 +67,6 @@ std::string iso8601_utc(std::chrono::system_clock::time_point t) {
 
 namespace {
 
-/// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters).
 bool plain_byte(char ch) {
     auto c = static_cast<unsigned char>(ch);
     return c >= 0x20 && c != '"' && c != '\\';
@@ -94,6 +93,7 @@ bool json_plain(std::string_view v) {
     return std::all_of(v.begin() + static_cast<std::ptrdiff_t>(i), v.end(), plain_byte);
 }
 
+/// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters).
 void json_string(std::string& out, std::string_view v) {
     out.push_back('"');
     if (json_plain(v)) {  // the usual case: one append
