@@ -69,12 +69,13 @@ namespace {
 
 bool plain_byte(char ch) {
     auto c = static_cast<unsigned char>(ch);
-    return c >= 0x20 && c != '"' && c != '\\';
+    return c >= 0x20 && c < 0x80 && c != '"' && c != '\\';
 }
 
-/// No byte of `v` needs escaping in a JSON string. Eight bytes per step ("any byte below k"
-/// is (w - k*ones) & ~w & highs, exact as a yes/no for k <= 0x80; '"' and '\\' are the zero
-/// bytes after an xor): the audit record's strings are checked on every request.
+/// `v` is printable ASCII without '"' and '\\': written as it is. Eight bytes per step ("any
+/// byte below k" is (w - k*ones) & ~w & highs, exact as a yes/no for k <= 0x80; '"' and '\\'
+/// are the zero bytes after an xor; a byte from 0x80 up has its high bit set): the audit
+/// record's strings are checked on every request.
 bool json_plain(std::string_view v) {
     constexpr uint64_t kOnes = 0x0101010101010101ULL;
     constexpr uint64_t kHighs = 0x8080808080808080ULL;
@@ -84,8 +85,8 @@ bool json_plain(std::string_view v) {
         std::memcpy(&w, v.data() + i, 8);
         const uint64_t quote = w ^ (kOnes * '"');
         const uint64_t slash = w ^ (kOnes * '\\');
-        const uint64_t bad =
-            ((w - kOnes * 0x20) & ~w) | ((quote - kOnes) & ~quote) | ((slash - kOnes) & ~slash);
+        const uint64_t bad = w | ((w - kOnes * 0x20) & ~w) | ((quote - kOnes) & ~quote) |
+                             ((slash - kOnes) & ~slash);
         if ((bad & kHighs) != 0) {
             return false;
         }
@@ -93,7 +94,42 @@ bool json_plain(std::string_view v) {
     return std::all_of(v.begin() + static_cast<std::ptrdiff_t>(i), v.end(), plain_byte);
 }
 
+/// Length of the well-formed UTF-8 sequence starting at v[i] (RFC 3629: no overlong forms,
+/// no surrogates, nothing above U+10FFFF), or 0.
+size_t utf8_sequence(std::string_view v, size_t i) {
+    auto at = [&](size_t k) { return static_cast<unsigned char>(v[k]); };
+    const unsigned c = at(i);
+    size_t n = 0;
+    unsigned lo = 0x80;
+    unsigned hi = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) {
+        n = 2;
+    } else if (c >= 0xe0 && c <= 0xef) {
+        n = 3;
+        lo = c == 0xe0 ? 0xa0 : lo;
+        hi = c == 0xed ? 0x9f : hi;
+    } else if (c >= 0xf0 && c <= 0xf4) {
+        n = 4;
+        lo = c == 0xf0 ? 0x90 : lo;
+        hi = c == 0xf4 ? 0x8f : hi;
+    } else {
+        return 0;
+    }
+    if (i + n > v.size() || at(i + 1) < lo || at(i + 1) > hi) {
+        return 0;
+    }
+    for (size_t k = 2; k < n; ++k) {
+        if (at(i + k) < 0x80 || at(i + k) > 0xbf) {
+            return 0;
+        }
+    }
+    return n;
+}
+
 /// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters).
+/// Well-formed UTF-8 is kept; any other byte from 0x80 up (a request target may carry raw
+/// bytes) is written as \u00XX, its Latin-1 reading, so every audit line stays valid JSON
+/// for strict parsers.
 void json_string(std::string& out, std::string_view v) {
     out.push_back('"');
     if (json_plain(v)) {  // the usual case: one append
@@ -101,18 +137,26 @@ void json_string(std::string& out, std::string_view v) {
         out.push_back('"');
         return;
     }
-    for (char ch : v) {
-        auto c = static_cast<unsigned char>(ch);
+    for (size_t i = 0; i < v.size();) {
+        const auto c = static_cast<unsigned char>(v[i]);
+        if (c >= 0x80) {
+            if (const size_t n = utf8_sequence(v, i)) {
+                out.append(v.substr(i, n));
+                i += n;
+                continue;
+            }
+        }
         if (c == '"' || c == '\\') {
             out.push_back('\\');
-            out.push_back(ch);
-        } else if (c < 0x20) {
+            out.push_back(static_cast<char>(c));
+        } else if (c < 0x20 || c >= 0x80) {
             char esc[8];
             std::snprintf(esc, sizeof esc, "\\u%04x", c);
             out += esc;
         } else {
-            out.push_back(ch);
+            out.push_back(static_cast<char>(c));
         }
+        ++i;
     }
     out.push_back('"');
 }

@@ -825,6 +825,11 @@ def cases_identity() -> list[Case]:
     return [
         Case("forged-egress-header", tun(lambda c: req(c, extra="X-Egress-Run: r2\r\n")),
              403, "forged_egress_header"),
+        # Beast passes raw bytes from 0x80 up in a target: the audit line must stay valid JSON
+        # for a strict reader (audit_since's json.loads of bytes decodes strict UTF-8).
+        Case("forged-egress-header-raw-bytes-in-target",
+             tun(lambda c: req(c, path=f"/echo/{c.m}/\xff\xc3(", extra="X-Egress-Run: r2\r\n")),
+             403, "forged_egress_header"),
         Case("forged-egress-header-mixed-case",
              tun(lambda c: req(c, extra="x-EgReSs-Pin: any\r\n")), 403, "forged_egress_header"),
         Case("forged-egress-header-cleartext",
