@@ -126,10 +126,27 @@ size_t utf8_sequence(std::string_view v, size_t i) {
     return n;
 }
 
-/// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters).
-/// Well-formed UTF-8 is kept; any other byte from 0x80 up (a request target may carry raw
-/// bytes) is written as \u00XX, its Latin-1 reading, so every audit line stays valid JSON
-/// for strict parsers.
+/// The one UTF-8 rule of append_utf8_or_latin1: `ascii(c)` writes each byte below 0x80.
+template <class Ascii>
+void append_utf8(std::string& out, std::string_view v, Ascii ascii) {
+    for (size_t i = 0; i < v.size();) {
+        const auto c = static_cast<unsigned char>(v[i]);
+        if (c < 0x80) {
+            ascii(static_cast<char>(c));
+            ++i;
+        } else if (const size_t n = utf8_sequence(v, i)) {
+            out.append(v.substr(i, n));
+            i += n;
+        } else {
+            out.push_back(static_cast<char>(0xc0 | (c >> 6)));
+            out.push_back(static_cast<char>(0x80 | (c & 0x3f)));
+            ++i;
+        }
+    }
+}
+
+/// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters),
+/// in valid UTF-8 (append_utf8_or_latin1's rule).
 void json_string(std::string& out, std::string_view v) {
     out.push_back('"');
     if (json_plain(v)) {  // the usual case: one append
@@ -137,27 +154,18 @@ void json_string(std::string& out, std::string_view v) {
         out.push_back('"');
         return;
     }
-    for (size_t i = 0; i < v.size();) {
-        const auto c = static_cast<unsigned char>(v[i]);
-        if (c >= 0x80) {
-            if (const size_t n = utf8_sequence(v, i)) {
-                out.append(v.substr(i, n));
-                i += n;
-                continue;
-            }
-        }
-        if (c == '"' || c == '\\') {
+    append_utf8(out, v, [&](char ch) {
+        if (ch == '"' || ch == '\\') {
             out.push_back('\\');
-            out.push_back(static_cast<char>(c));
-        } else if (c < 0x20 || c >= 0x80) {
+            out.push_back(ch);
+        } else if (static_cast<unsigned char>(ch) < 0x20) {
             char esc[8];
-            std::snprintf(esc, sizeof esc, "\\u%04x", c);
+            std::snprintf(esc, sizeof esc, "\\u%04x", static_cast<unsigned>(ch));
             out += esc;
         } else {
-            out.push_back(static_cast<char>(c));
+            out.push_back(ch);
         }
-        ++i;
-    }
+    });
     out.push_back('"');
 }
 
@@ -210,6 +218,10 @@ void num_field(std::string& out, std::string_view name, uint64_t v) {
 }
 
 }  // namespace
+
+void append_utf8_or_latin1(std::string& out, std::string_view v) {
+    append_utf8(out, v, [&](char ch) { out.push_back(ch); });
+}
 
 // Written by hand rather than through boost::json::object: one per request on the hot path,
 // and the fields and their order are fixed (DESIGN.md "Audit record").

@@ -59,7 +59,9 @@ std::string json_log_line(const std::string& time, const std::string& level,
             }
             o[key == "conn" ? "conn_id" : "req_id"] = n;
         } else if (key == "run") {
-            o["run"] = val;
+            std::string run;
+            append_utf8_or_latin1(run, val);
+            o["run"] = std::move(run);
         } else {
             break;
         }
@@ -69,7 +71,11 @@ std::string json_log_line(const std::string& time, const std::string& level,
         }
         rest.remove_prefix(sp + 1);
     }
-    o["msg"] = rest;
+    // boost::json writes a string's bytes as they are: a raw byte of a request target in the
+    // message would make the line invalid UTF-8.
+    std::string msg;
+    append_utf8_or_latin1(msg, rest);
+    o["msg"] = std::move(msg);
     return boost::json::serialize(o);
 }
 

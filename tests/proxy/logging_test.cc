@@ -27,5 +27,16 @@ TEST(JsonLog, PlainMessagesAreEscaped) {
     EXPECT_EQ(bad["msg"].as_string(), "conn=abc rest");
 }
 
+// A request target's raw bytes reach log messages: the line stays valid UTF-8 JSON, with
+// well-formed UTF-8 kept and a lone high byte read as Latin-1 (the audit record's rule).
+TEST(JsonLog, RawHighBytesKeepTheLineValidUtf8) {
+    auto line = json_log_line("t", "info", "conn=1 run=r\xff GET a.test:443/caf\xc3\xa9/\xff\xc3(");
+    boost::system::error_code ec;
+    auto v = boost::json::parse(line, ec);
+    ASSERT_FALSE(ec) << line;
+    EXPECT_EQ(v.as_object()["msg"].as_string(), "GET a.test:443/caf\xc3\xa9/\xc3\xbf\xc3\x83(");
+    EXPECT_EQ(v.as_object()["run"].as_string(), "r\xc3\xbf");
+}
+
 }  // namespace
 }  // namespace egress::proxy
