@@ -1,5 +1,7 @@
 #include "proxy/audit.h"
 
+#include "common/json_text.h"
+
 #include <algorithm>
 #include <charconv>
 #include <chrono>
@@ -94,78 +96,15 @@ bool json_plain(std::string_view v) {
     return std::all_of(v.begin() + static_cast<std::ptrdiff_t>(i), v.end(), plain_byte);
 }
 
-/// Length of the well-formed UTF-8 sequence starting at v[i] (RFC 3629: no overlong forms,
-/// no surrogates, nothing above U+10FFFF), or 0.
-size_t utf8_sequence(std::string_view v, size_t i) {
-    auto at = [&](size_t k) { return static_cast<unsigned char>(v[k]); };
-    const unsigned c = at(i);
-    size_t n = 0;
-    unsigned lo = 0x80;
-    unsigned hi = 0xbf;
-    if (c >= 0xc2 && c <= 0xdf) {
-        n = 2;
-    } else if (c >= 0xe0 && c <= 0xef) {
-        n = 3;
-        lo = c == 0xe0 ? 0xa0 : lo;
-        hi = c == 0xed ? 0x9f : hi;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        n = 4;
-        lo = c == 0xf0 ? 0x90 : lo;
-        hi = c == 0xf4 ? 0x8f : hi;
-    } else {
-        return 0;
-    }
-    if (i + n > v.size() || at(i + 1) < lo || at(i + 1) > hi) {
-        return 0;
-    }
-    for (size_t k = 2; k < n; ++k) {
-        if (at(i + k) < 0x80 || at(i + k) > 0xbf) {
-            return 0;
-        }
-    }
-    return n;
-}
-
-/// The one UTF-8 rule of append_utf8_or_latin1: `ascii(c)` writes each byte below 0x80.
-template <class Ascii>
-void append_utf8(std::string& out, std::string_view v, Ascii ascii) {
-    for (size_t i = 0; i < v.size();) {
-        const auto c = static_cast<unsigned char>(v[i]);
-        if (c < 0x80) {
-            ascii(static_cast<char>(c));
-            ++i;
-        } else if (const size_t n = utf8_sequence(v, i)) {
-            out.append(v.substr(i, n));
-            i += n;
-        } else {
-            out.push_back(static_cast<char>(0xc0 | (c >> 6)));
-            out.push_back(static_cast<char>(0x80 | (c & 0x3f)));
-            ++i;
-        }
-    }
-}
-
-/// Appends `v` as a JSON string (RFC 8259 escaping: quote, backslash, control characters),
-/// in valid UTF-8 (append_utf8_or_latin1's rule).
+/// Appends `v` as a JSON string: one append when it is plain, else common/json_text.h's
+/// escaper (which also keeps the line valid UTF-8).
 void json_string(std::string& out, std::string_view v) {
-    out.push_back('"');
-    if (json_plain(v)) {  // the usual case: one append
-        out += v;
-        out.push_back('"');
+    if (!json_plain(v)) {
+        append_json_string(out, v);
         return;
     }
-    append_utf8(out, v, [&](char ch) {
-        if (ch == '"' || ch == '\\') {
-            out.push_back('\\');
-            out.push_back(ch);
-        } else if (static_cast<unsigned char>(ch) < 0x20) {
-            char esc[8];
-            std::snprintf(esc, sizeof esc, "\\u%04x", static_cast<unsigned>(ch));
-            out += esc;
-        } else {
-            out.push_back(ch);
-        }
-    });
+    out.push_back('"');
+    out += v;
     out.push_back('"');
 }
 
@@ -218,10 +157,6 @@ void num_field(std::string& out, std::string_view name, uint64_t v) {
 }
 
 }  // namespace
-
-void append_utf8_or_latin1(std::string& out, std::string_view v) {
-    append_utf8(out, v, [&](char ch) { out.push_back(ch); });
-}
 
 // Written by hand rather than through boost::json::object: one per request on the hot path,
 // and the fields and their order are fixed (DESIGN.md "Audit record").

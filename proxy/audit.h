@@ -88,12 +88,6 @@ private:
 /// "2026-12-02T17:53:31.687Z": the one timestamp format of audit records and JSON logs.
 std::string iso8601_utc(std::chrono::system_clock::time_point t);
 
-/// Appends `v` as valid UTF-8: well-formed sequences (RFC 3629) as they are, any other byte
-/// from 0x80 up as the character U+0080..U+00FF (its Latin-1 reading). The audit record and
-/// the JSON log line both go through it, so a raw byte of a request target never makes a
-/// line strict readers reject.
-void append_utf8_or_latin1(std::string& out, std::string_view v);
-
 /// The JSON line for a record (no trailing newline). Exposed for tests.
 std::string audit_json(const AuditRecord& rec);
 /// The same, appended to `out`.

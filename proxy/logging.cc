@@ -2,6 +2,8 @@
 
 #include "proxy/audit.h"
 
+#include "common/json_text.h"
+
 #include <chrono>
 #include <ctime>
 

@@ -1,5 +1,7 @@
 #include "proxy/audit.h"
 
+#include "common/json_text.h"
+
 #include <gtest/gtest.h>
 
 #include <boost/json.hpp>
@@ -211,7 +213,8 @@ TEST(AuditJson, EveryByteAtEveryPositionIsEscapedOrKept) {
 }
 
 // Well-formed UTF-8 goes out as it is; malformed sequences (overlong, surrogate, truncated,
-// above U+10FFFF) are escaped byte by byte and the line stays valid JSON.
+// above U+10FFFF) are written byte by byte as Latin-1 characters and the line stays valid
+// JSON. egressctl's check of a secret before upload (valid_utf8) uses the same rule.
 TEST(AuditJson, KeepsUtf8AndEscapesMalformedSequences) {
     AuditRecord r = record(1);
     const std::string good = "/caf\xc3\xa9/\xe2\x82\xac/\xf0\x9f\x98\x80/\xf4\x8f\xbf\xbf";
@@ -232,7 +235,9 @@ TEST(AuditJson, KeepsUtf8AndEscapesMalformedSequences) {
         }
         expected += "y";
         EXPECT_EQ(v.as_object().at("reason").as_string(), expected);
+        EXPECT_FALSE(valid_utf8(r.reason));
     }
+    EXPECT_TRUE(valid_utf8(good));
 }
 
 // The formatter caches the date and time of the current second per thread: check it against
