@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <charconv>
 #include <vector>
 
 namespace egress::policy {
@@ -244,6 +245,20 @@ Result<HostPort> parse_authority(std::string_view authority, std::optional<uint1
         return make_error("missing port");
     }
     return hp;
+}
+
+bool spells_target(std::string_view authority, const HostPort& target, uint16_t default_port) {
+    if (target.host.empty() || !authority.starts_with(target.host) || target.is_ipv6_literal()) {
+        return false;
+    }
+    std::string_view rest = authority.substr(target.host.size());
+    if (rest.empty()) {
+        return target.port == default_port;
+    }
+    char buf[8];
+    buf[0] = ':';
+    auto [end, ec] = std::to_chars(buf + 1, buf + sizeof buf, target.port);
+    return ec == std::errc() && target.port != 0 && rest == std::string_view(buf, end);
 }
 
 Result<HostPattern> HostPattern::parse(std::string_view text) {

@@ -30,12 +30,15 @@ std::optional<Decision> check_host_agreement(RequestHead& head, const RequestCon
     if (head.authority.empty()) {
         return refuse(400, "missing_host");
     }
-    Result<HostPort> authority = parse_authority(head.authority, default_port(head, ctx));
-    if (!authority) {
-        return refuse(400, "bad_host");
-    }
-    if (*authority != ctx.target) {
-        return refuse(421, "host_mismatch");
+    const uint16_t port = default_port(head, ctx);
+    if (!spells_target(head.authority, ctx.target, port)) {
+        Result<HostPort> authority = parse_authority(head.authority, port);
+        if (!authority) {
+            return refuse(400, "bad_host");
+        }
+        if (*authority != ctx.target) {
+            return refuse(421, "host_mismatch");
+        }
     }
     // The head never carries a Host header beside its authority; a codec that let one through
     // must not produce two different hosts on the wire.
@@ -45,7 +48,7 @@ std::optional<Decision> check_host_agreement(RequestHead& head, const RequestCon
         }
     }
     head.remove("host");
-    if (ctx.sni) {
+    if (ctx.sni && *ctx.sni != ctx.target.host) {  // equal: normalize_host is idempotent
         Result<std::string> sni = normalize_host(*ctx.sni);
         if (!sni || *sni != ctx.target.host) {
             return refuse(421, "sni_mismatch");

@@ -7,6 +7,8 @@
 //     quad, or a canonical IPv6 literal; no numeric form that inet_aton reads differently
 //     ("127.1", "0x7f.0.0.1", "2130706433", "0177.0.0.1") survives normalisation;
 //   * parse_authority round-trips through HostPort::authority();
+//   * spells_target never says yes where parse_authority gives another target (the request
+//     path skips the parse on its yes);
 //   * HostPattern::parse round-trips through text(), and matches() agrees with an
 //     independent reading of the documented rule (exact, or exactly one extra label);
 //   * match_pin and decide_destination give the same answer with and without the pin index.
@@ -122,6 +124,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else {
         FUZZ_CHECK(!policy::parse_authority(host, std::nullopt).ok(),
                    "accepted without a default port but refused with one");
+    }
+
+    // The pattern half, read as an authority, is the target to spell (and a few fixed ones).
+    for (uint16_t dp : {uint16_t{443}, uint16_t{80}}) {
+        auto target = policy::parse_authority(pat, dp);
+        for (const policy::HostPort& t :
+             {target ? *target : policy::HostPort{"a.test", 443}, policy::HostPort{"a.test", 443},
+              policy::HostPort{"127.0.0.1", 8080}}) {
+            if (policy::spells_target(host, t, dp)) {
+                auto parsed = policy::parse_authority(host, dp);
+                FUZZ_CHECK(parsed && *parsed == t,
+                           "spells_target said yes but the parse differs: " + t.authority());
+            }
+        }
     }
 
     auto p = policy::HostPattern::parse(pat);

@@ -117,6 +117,55 @@ INSTANTIATE_TEST_SUITE_P(
                       AuthorityCase{"2130706433:80", std::nullopt, false, "", 0},
                       AuthorityCase{"127.0.0.1:8080", std::nullopt, true, "127.0.0.1", 8080}));
 
+// spells_target is the request path's shortcut past parse_authority: whenever it says yes,
+// the parse must give the target; the spellings it leaves to the parse are listed too.
+TEST(SpellsTarget, YesOnlyWhereTheParseAgrees) {
+    const HostPort name{"api.github.com", 443};
+    const HostPort quad{"127.0.0.1", 8443};
+    const HostPort v6{"::1", 443};
+    struct Case {
+        std::string authority;
+        HostPort target;
+        uint16_t default_port;
+        bool spelled;
+    };
+    for (const Case& c : std::vector<Case>{
+             {"api.github.com", name, 443, true},
+             {"api.github.com:443", name, 443, true},
+             {"api.github.com:443", name, 80, true},
+             {"api.github.com", name, 80, false},        // the parse gives port 80: a mismatch
+             {"API.github.com", name, 443, false},       // same target, left to the parse
+             {"api.github.com.", name, 443, false},      // same target, left to the parse
+             {"api.github.com:0443", name, 443, false},  // same target, left to the parse
+             {"api.github.com:4430", name, 443, false},
+             {"api.github.com:44", name, 443, false},
+             {"api.github.com:", name, 443, false},
+             {"api.github.com.evil.test", name, 443, false},
+             {"api.github.co", name, 443, false},
+             {"", name, 443, false},
+             {"127.0.0.1:8443", quad, 443, true},
+             {"127.0.0.1", quad, 443, false},
+             {"127.0.0.1:8443x", quad, 443, false},
+             {"[::1]", v6, 443, false},  // IPv6 always takes the parse
+             {"::1", v6, 443, false},
+             {"::1:443", v6, 443, false},
+         }) {
+        EXPECT_EQ(spells_target(c.authority, c.target, c.default_port), c.spelled) << c.authority;
+        if (c.spelled) {
+            Result<HostPort> parsed = parse_authority(c.authority, c.default_port);
+            ASSERT_TRUE(parsed.ok()) << c.authority;
+            EXPECT_EQ(*parsed, c.target) << c.authority;
+        }
+    }
+    // Every target the parse produces is spelled by its own authority() text (except IPv6,
+    // which is bracketed there and left to the parse).
+    for (const char* a : {"a.test:1", "xn--bcher-kva.example:65535", "10.0.0.1:80", "_svc.a.b:443"}) {
+        Result<HostPort> t = parse_authority(a, std::nullopt);
+        ASSERT_TRUE(t.ok()) << a;
+        EXPECT_TRUE(spells_target(t->authority(), *t, 443)) << a;
+    }
+}
+
 TEST(HostPort, Authority) {
     EXPECT_EQ((HostPort{"a.test", 443}).authority(), "a.test:443");
     EXPECT_EQ((HostPort{"::1", 8443}).authority(), "[::1]:8443");
