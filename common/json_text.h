@@ -57,9 +57,10 @@ inline bool valid_utf8(std::string_view v) {
 /// Appends `v` as valid UTF-8: `ascii(c)` writes each byte below 0x80, well-formed sequences
 /// go as they are, any other byte from 0x80 up becomes the character U+0080..U+00FF (its
 /// Latin-1 reading), so a raw byte of a request target never makes a line that strict
-/// readers reject.
-template <class Ascii>
-void append_utf8(std::string& out, std::string_view v, Ascii ascii) {
+/// readers reject. `Out` is std::string or any sink with push_back(char) and
+/// append(std::string_view) (the audit writer's pre-sized cursor).
+template <class Out, class Ascii>
+void append_utf8(Out& out, std::string_view v, Ascii ascii) {
     for (size_t i = 0; i < v.size();) {
         const auto c = static_cast<unsigned char>(v[i]);
         if (c < 0x80) {
@@ -83,8 +84,9 @@ inline void append_utf8_or_latin1(std::string& out, std::string_view v) {
 
 /// Appends `v` as a JSON string literal (RFC 8259: quote, backslash and control characters
 /// escaped) in valid UTF-8. No temporaries: every byte goes straight into `out`, which the
-/// caller may wipe.
-inline void append_json_string(std::string& out, std::string_view v) {
+/// caller may wipe. At most 6 * v.size() + 2 bytes ("\u00XX" for a control character).
+template <class Out>
+void append_json_string(Out& out, std::string_view v) {
     static constexpr char kHex[] = "0123456789abcdef";
     out.push_back('"');
     append_utf8(out, v, [&](char ch) {
@@ -93,7 +95,7 @@ inline void append_json_string(std::string& out, std::string_view v) {
             out.push_back('\\');
             out.push_back(ch);
         } else if (c < 0x20) {
-            out += "\\u00";
+            out.append(std::string_view("\\u00"));
             out.push_back(kHex[c >> 4]);
             out.push_back(kHex[c & 15]);
         } else {

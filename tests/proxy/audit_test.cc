@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <latch>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -278,6 +279,73 @@ TEST(AuditJson, DurationHasThreeDecimals) {
         EXPECT_NE(line.find(std::string("\"duration_ms\":") + text + ","), std::string::npos)
             << line;
     }
+}
+
+// The line is measured, then written into the space measured: every field at its longest
+// (each string byte a six-byte \u00XX escape, the largest numbers, a duration to_chars cannot
+// write in 64 bytes) still fits, appends after what the buffer held, and parses back.
+TEST(AuditJson, WorstCaseFieldsFitTheMeasuredLine) {
+    AuditRecord r;
+    const std::string ctl(300, '\x01');
+    for (std::string* f : {&r.run, &r.method, &r.scheme, &r.host, &r.path, &r.decision, &r.reason,
+                           &r.upstream_addr, &r.proto_in, &r.proto_out, &r.event}) {
+        *f = ctl;
+    }
+    r.pin = ctl;
+    r.secret = ctl;
+    r.port = 65535;
+    r.status = std::numeric_limits<int>::min();
+    r.bytes_in = std::numeric_limits<uint64_t>::max();
+    r.bytes_out = std::numeric_limits<uint64_t>::max();
+    r.req_id = std::numeric_limits<uint64_t>::max();
+    for (double ms : {1e300, -1e300, std::numeric_limits<double>::infinity(), 0.5}) {
+        r.duration_ms = ms;
+        std::string out = "before\n";
+        append_audit_json(out, r);
+        ASSERT_TRUE(out.starts_with("before\n{\"time\":\""));
+        boost::system::error_code ec;
+        auto v = boost::json::parse(std::string_view(out).substr(7), ec);
+        ASSERT_FALSE(ec) << ms;
+        const auto& o = v.as_object();
+        EXPECT_EQ(o.at("event").as_string(), ctl);
+        EXPECT_EQ(o.at("secret").as_string(), ctl);
+        EXPECT_EQ(o.at("status").as_int64(), std::numeric_limits<int>::min());
+        EXPECT_EQ(o.at("bytes_out").as_uint64(), std::numeric_limits<uint64_t>::max());
+        EXPECT_EQ(o.at("req_id").as_uint64(), std::numeric_limits<uint64_t>::max());
+        EXPECT_EQ(o.size(), 20U);  // every field, event and req_id included
+    }
+}
+
+// The whole line of a typical record, byte for byte after its timestamp: field order, nulls,
+// numbers and the query cut are the contract (DESIGN.md "Audit record").
+TEST(AuditJson, TypicalLineIsExactlyTheContract) {
+    AuditRecord r;
+    r.run = "run-1";
+    r.method = "GET";
+    r.scheme = "https";
+    r.host = "api.github.com";
+    r.port = 443;
+    r.path = "/repos/a/b?token=q";
+    r.status = 200;
+    r.pin = "gh-read";
+    r.secret = "gh";
+    r.decision = "allow";
+    r.reason = "injected";
+    r.bytes_in = 0;
+    r.bytes_out = 1234;
+    r.duration_ms = 3.14159;
+    r.upstream_addr = "127.0.0.1:8443";
+    r.proto_in = "h2";
+    r.req_id = 7;
+    const std::string line = audit_json(r);
+    ASSERT_EQ(line.substr(0, 9), "{\"time\":\"");
+    EXPECT_EQ(line.substr(33),
+              "\",\"run\":\"run-1\",\"method\":\"GET\",\"scheme\":\"https\","
+              "\"host\":\"api.github.com\",\"port\":443,\"path\":\"/repos/a/b\",\"status\":200,"
+              "\"pin\":\"gh-read\",\"secret\":\"gh\",\"decision\":\"allow\",\"reason\":\"injected\","
+              "\"bytes_in\":0,\"bytes_out\":1234,\"duration_ms\":3.142,"
+              "\"upstream_addr\":\"127.0.0.1:8443\",\"proto_in\":\"h2\",\"proto_out\":null,"
+              "\"req_id\":7}");
 }
 
 TEST(AuditLog, UnwritablePathNamesTheKey) {
