@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "proxy/h2_common.h"
+#include "proxy/h2_pool.h"
 
 namespace egress::proxy {
 
@@ -48,6 +49,7 @@ struct H2ClientSession::Impl {
     std::unique_ptr<TlsStream> stream;
     H2Io io;
     H2ClientOptions opts;
+    H2Pool pool;  // nghttp2's memory: outlives the session
     SessionPtr session;
     std::unordered_map<int32_t, std::shared_ptr<H2ClientStreamState>> streams;
     bool goaway = false;
@@ -219,6 +221,9 @@ awaitable<void> watch_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
             im.fail_all();
             break;
         }
+        if (im.streams.empty()) {
+            im.pool.trim();  // a pooled connection between bursts holds no spare blocks
+        }
         if (im.streams.empty() && now - im.io.last_activity > im.opts.idle_timeout) {
             im.goaway = true;
             nghttp2_session_terminate_session(im.session.get(), NGHTTP2_NO_ERROR);
@@ -259,7 +264,7 @@ std::shared_ptr<H2ClientSession> H2ClientSession::start(std::unique_ptr<TlsStrea
     nghttp2_option_set_no_auto_window_update(opt.get(), 1);
     nghttp2_option_set_peer_max_concurrent_streams(opt.get(), 100);
     nghttp2_session* s = nullptr;
-    nghttp2_session_client_new2(&s, cbs.get(), &im, opt.get());
+    nghttp2_session_client_new3(&s, cbs.get(), &im, opt.get(), im.pool.mem());
     im.session.reset(s);
     im.io.session = s;
 

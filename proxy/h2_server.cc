@@ -10,6 +10,7 @@
 
 #include "policy/header_rules.h"
 #include "proxy/h2_common.h"
+#include "proxy/h2_pool.h"
 
 namespace egress::proxy {
 
@@ -61,6 +62,7 @@ struct Conn {
     H2Io io;
     Scope scope;
     Limits limits;
+    H2Pool pool;  // nghttp2's memory: outlives the session
     SessionPtr session;
     std::unordered_map<int32_t, std::shared_ptr<ServerStream>> streams;
     std::vector<int32_t> ready;  // complete request heads from the last mem_recv
@@ -616,6 +618,9 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
             c->io.wsig.notify();
         }
         bool idle = c->streams.empty() && c->handlers == 0;
+        if (idle) {
+            c->pool.trim();  // an idle connection holds no spare blocks
+        }
         if (idle && (c->goaway_sent || now - c->io.last_activity > c->limits.idle_timeout)) {
             nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
             c->io.wsig.notify();
@@ -653,7 +658,7 @@ bool start_session(Conn& c) {
     nghttp2_option_set_max_settings(opt.get(), l.h2_max_settings);
     nghttp2_option_set_no_closed_streams(opt.get(), 1);
     nghttp2_session* s = nullptr;
-    if (nghttp2_session_server_new2(&s, cbs.get(), &c, opt.get()) != 0) {
+    if (nghttp2_session_server_new3(&s, cbs.get(), &c, opt.get(), c.pool.mem()) != 0) {
         return false;
     }
     c.session.reset(s);
