@@ -189,26 +189,29 @@ TEST(AuditJson, IsOneValidObjectWithEveryFieldAndEscapes) {
     EXPECT_TRUE(w.at("run").is_null());
 }
 
-// The escape check looks at eight bytes at a time: every byte, at every position of a value
-// longer than one step, gives a line a strict JSON parser accepts, and reads back as the byte
-// (ASCII) or as its Latin-1 character (a lone byte from 0x80 up is not UTF-8).
+// The escape check looks at eight bytes at a time (the last step overlapping, a short value
+// padded): every byte, at every position of values shorter than, as long as and longer than
+// one step, gives a line a strict JSON parser accepts, and reads back as the byte (ASCII) or
+// as its Latin-1 character (a lone byte from 0x80 up is not UTF-8).
 TEST(AuditJson, EveryByteAtEveryPositionIsEscapedOrKept) {
     AuditRecord r = record(1);
     for (int b = 0; b < 256; ++b) {
-        for (size_t pos = 0; pos < 17; ++pos) {
-            std::string value(17, 'a');
-            value[pos] = static_cast<char>(b);
-            r.reason = value;
-            boost::system::error_code ec;
-            auto v = boost::json::parse(audit_json(r), ec);
-            ASSERT_FALSE(ec) << "byte " << b << " at " << pos;
-            std::string expected = value;
-            if (b >= 0x80) {  // U+0080..U+00FF in UTF-8
-                expected.replace(pos, 1, {static_cast<char>(0xc0 | (b >> 6)),
-                                          static_cast<char>(0x80 | (b & 0x3f))});
+        for (size_t len : {1, 7, 8, 9, 16, 17}) {
+            for (size_t pos = 0; pos < len; ++pos) {
+                std::string value(len, 'a');
+                value[pos] = static_cast<char>(b);
+                r.reason = value;
+                boost::system::error_code ec;
+                auto v = boost::json::parse(audit_json(r), ec);
+                ASSERT_FALSE(ec) << "byte " << b << " at " << pos << " of " << len;
+                std::string expected = value;
+                if (b >= 0x80) {  // U+0080..U+00FF in UTF-8
+                    expected.replace(pos, 1, {static_cast<char>(0xc0 | (b >> 6)),
+                                              static_cast<char>(0x80 | (b & 0x3f))});
+                }
+                ASSERT_EQ(v.as_object().at("reason").as_string(), expected)
+                    << "byte " << b << " at " << pos << " of " << len;
             }
-            ASSERT_EQ(v.as_object().at("reason").as_string(), expected)
-                << "byte " << b << " at " << pos;
         }
     }
 }
