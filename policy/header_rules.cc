@@ -1,6 +1,7 @@
 #include "policy/header_rules.h"
 
 #include <algorithm>
+#include <array>
 #include <string>
 #include <vector>
 
@@ -17,12 +18,19 @@ bool is_one_of(std::string_view name, std::initializer_list<std::string_view> na
                        [&](std::string_view n) { return iequals(name, n); });
 }
 
-bool is_tchar(char c) {
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) {
-        return true;
+// RFC 9110 tchar as a table: every field name of every request is checked byte by byte.
+constexpr std::array<bool, 256> kTchar = [] {
+    std::array<bool, 256> t{};
+    for (int c = 0; c < 256; ++c) {
+        t[static_cast<size_t>(c)] = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                                    (c >= '0' && c <= '9') ||
+                                    std::string_view("!#$%&'*+-.^_`|~").find(static_cast<char>(c)) !=
+                                        std::string_view::npos;
     }
-    return std::string_view("!#$%&'*+-.^_`|~").find(c) != std::string_view::npos;
-}
+    return t;
+}();
+
+bool is_tchar(char c) { return kTchar[static_cast<unsigned char>(c)]; }
 
 // The values of every Connection header, joined with commas: the tokens they name. One string
 // (no allocation for the usual "keep-alive" or "close"), split again where it is consulted.
@@ -66,11 +74,21 @@ std::string_view trim_ows(std::string_view s) {
     return s;
 }
 
-
 bool is_hop_by_hop(std::string_view name) {
-    return is_one_of(name, {"connection", "keep-alive", "proxy-connection", "te", "trailer",
-                            "transfer-encoding", "upgrade"}) ||
-           istarts_with(name, "proxy-");
+    // By length first: most fields of a request have a length no hop-by-hop name has, and
+    // this runs for every field of every request. "proxy-connection" is under "proxy-".
+    switch (name.size()) {
+    case 2:
+        return iequals(name, "te");
+    case 7:
+        return iequals(name, "trailer") || iequals(name, "upgrade");
+    case 10:
+        return iequals(name, "connection") || iequals(name, "keep-alive");
+    case 17:
+        return iequals(name, "transfer-encoding");
+    default:
+        return istarts_with(name, "proxy-");
+    }
 }
 
 bool is_transport_header(std::string_view name) {

@@ -34,7 +34,27 @@ INSTANTIATE_TEST_SUITE_P(
         NameCase{":path", false, true, false}, NameCase{"x-egress-run", false, true, true},
         NameCase{"X-Egress-Reason", false, true, true}, NameCase{"x-egress", false, false, false},
         NameCase{"authorization", false, false, false}, NameCase{"x-api-key", false, false, false},
-        NameCase{"proxy", false, false, false}, NameCase{"accept-encoding", false, false, false}));
+        NameCase{"proxy", false, false, false}, NameCase{"accept-encoding", false, false, false},
+        // every length the by-length check branches on, in other cases and near misses
+        NameCase{"TE", true, true, false}, NameCase{"tf", false, false, false},
+        NameCase{"UPGRADE", true, true, false}, NameCase{"Trailer", true, true, false},
+        NameCase{"trailers", false, false, false}, NameCase{"upgradf", false, false, false},
+        NameCase{"KEEP-ALIVE", true, true, false}, NameCase{"connectiom", false, false, false},
+        NameCase{"Transfer-Encoding", true, true, false},
+        NameCase{"transfer-encodinh", false, false, false}, NameCase{"proxy-", true, true, false},
+        NameCase{"Proxy-Connection", true, true, false}, NameCase{"", false, false, false}));
+
+// The tchar table against RFC 9110's definition, byte by byte.
+TEST(HeaderRules, NameBytesAreExactlyTchar) {
+    const std::string_view specials = "!#$%&'*+-.^_`|~";
+    for (int c = 0; c < 256; ++c) {
+        const char ch = static_cast<char>(c);
+        const bool tchar = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                           (c >= '0' && c <= '9') || specials.find(ch) != std::string_view::npos;
+        EXPECT_EQ(valid_header_name(std::string_view(&ch, 1)), tchar) << c;
+        EXPECT_EQ(valid_header_name(std::string("x") + ch + "y"), tchar) << c;
+    }
+}
 
 TEST(HeaderRules, ValidName) {
     EXPECT_TRUE(valid_header_name("x-api-key"));
