@@ -1,6 +1,7 @@
 #include "proxy/audit.h"
 
 #include "common/json_text.h"
+#include "common/text_cursor.h"
 
 #include <algorithm>
 #include <cassert>
@@ -105,24 +106,6 @@ bool json_plain(std::string_view v) {
     return plain_word(w);
 }
 
-/// Writes into memory its caller sized. The audit line is measured first and then written
-/// with plain stores: through std::string's append (a capacity check and an out-of-line copy
-/// for each of the line's ~45 pieces) it cost ~6k instructions a record, 7% of egressd's at
-/// h1 x1 (callgrind, bench/instructions.sh).
-struct Cursor {
-    char* p;
-    void push_back(char c) { *p++ = c; }
-    void append(std::string_view s) {
-        std::memcpy(p, s.data(), s.size());
-        p += s.size();
-    }
-    template <size_t N>
-    void lit(const char (&s)[N]) {  // a literal: its length is known, the copy is inlined
-        std::memcpy(p, s, N - 1);
-        p += N - 1;
-    }
-};
-
 /// The record's fields, in DESIGN.md's order, for a visitor that first measures (Measure)
 /// and then writes (Write): one description of the line for both passes. `sep` is the text
 /// before the value: the key with its comma.
@@ -189,7 +172,7 @@ struct Measure {
 };
 
 struct Write {
-    Cursor c;
+    TextCursor& c;
     const bool* plain;
     size_t strings = 0;
     void time() {
@@ -245,13 +228,12 @@ void append_audit_json(std::string& out, const AuditRecord& r) {
     const std::string_view path = std::string_view(r.path).substr(0, r.path.find('?'));
     Measure m;
     visit_record(r, path, m);
-    const size_t start = out.size();
-    out.resize(start + m.bytes);
-    Write w{Cursor{out.data() + start}, m.plain};
-    visit_record(r, path, w);
-    w.c.push_back('}');
-    assert(w.c.p <= out.data() + start + m.bytes);
-    out.resize(static_cast<size_t>(w.c.p - out.data()));
+    // Measured, then written with plain stores into the space measured (common/text_cursor.h).
+    append_bounded(out, m.bytes, [&](TextCursor& c) {
+        Write w{c, m.plain};
+        visit_record(r, path, w);
+        c.push_back('}');
+    });
 }
 
 Result<std::unique_ptr<AuditLog>> AuditLog::open(const std::string& path, bool durable) {

@@ -3,6 +3,7 @@
 #include <boost/url/parse.hpp>
 #include <charconv>
 
+#include "common/text_cursor.h"
 #include "policy/header_rules.h"
 #include "proxy/buffer_pool.h"
 
@@ -35,6 +36,13 @@ void append_field(std::string& out, std::string_view name, std::string_view valu
     out.append("\r\n");
 }
 
+void write_field(TextCursor& c, std::string_view name, std::string_view value) {
+    c.append(name);
+    c.lit(": ");
+    c.append(value);
+    c.lit("\r\n");
+}
+
 size_t fields_size(const Headers& headers) {
     size_t n = 0;
     for (const auto& h : headers) {
@@ -43,13 +51,15 @@ size_t fields_size(const Headers& headers) {
     return n;
 }
 
-void append_framing(std::string& out, std::optional<uint64_t> length, bool chunked) {
+/// At most kFramingBytes: "Content-Length: " and 20 digits, or "Transfer-Encoding: chunked".
+constexpr size_t kFramingBytes = 40;
+void write_framing(TextCursor& c, std::optional<uint64_t> length, bool chunked) {
     if (length) {
         char digits[24];
         auto [end, ec] = std::to_chars(digits, digits + sizeof digits, *length);
-        append_field(out, "Content-Length", std::string_view(digits, static_cast<size_t>(end - digits)));
+        write_field(c, "Content-Length", std::string_view(digits, static_cast<size_t>(end - digits)));
     } else if (chunked) {
-        append_field(out, "Transfer-Encoding", "chunked");
+        write_field(c, "Transfer-Encoding", "chunked");
     }
 }
 
@@ -58,22 +68,24 @@ void append_framing(std::string& out, std::optional<uint64_t> length, bool chunk
 std::string request_head_bytes(const policy::RequestHead& head, std::string_view host,
                                std::optional<uint64_t> length, bool chunked) {
     std::string out;
-    out.reserve(64 + head.method.size() + head.path.size() + host.size() +
-                fields_size(head.headers));
-    out.append(head.method);
-    out.push_back(' ');
-    out.append(head.path);
-    out.append(" HTTP/1.1\r\n");
-    append_field(out, "Host", host);
-    for (const auto& h : head.headers) {
-        // Transport framing is this serializer's job; te is hop-by-hop in HTTP/1.1.
-        if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
-            continue;
+    const size_t bound = head.method.size() + head.path.size() + host.size() +
+                         fields_size(head.headers) + kFramingBytes + 32;
+    append_bounded(out, bound, [&](TextCursor& c) {
+        c.append(head.method);
+        c.push_back(' ');
+        c.append(head.path);
+        c.lit(" HTTP/1.1\r\n");
+        write_field(c, "Host", host);
+        for (const auto& h : head.headers) {
+            // Transport framing is this serializer's job; te is hop-by-hop in HTTP/1.1.
+            if (h.name == "content-length" || h.name == "transfer-encoding" || h.name == "te") {
+                continue;
+            }
+            write_field(c, h.name, h.value);
         }
-        append_field(out, h.name, h.value);
-    }
-    append_framing(out, length, chunked);
-    out.append("\r\n");
+        write_framing(c, length, chunked);
+        c.lit("\r\n");
+    });
     return out;
 }
 
@@ -309,28 +321,28 @@ public:
         const std::string_view reason =
             rh.reason.empty() ? std::string_view(http::obsolete_reason(static_cast<http::status>(rh.status)))
                               : std::string_view(rh.reason);
-        head.reserve(64 + reason.size() + fields_size(rh.headers));
-        char status[3];
-        std::to_chars(status, status + 3, rh.status);
-        head.append("HTTP/1.1 ");
-        head.append(status, 3);
-        head.push_back(' ');
-        head.append(reason);
-        head.append("\r\n");
-        for (const auto& h : rh.headers) {
-            if (policy::iequals(h.name, "transfer-encoding") ||
-                (!none_ && policy::iequals(h.name, "content-length"))) {
-                continue;
+        const size_t bound = reason.size() + fields_size(rh.headers) + kFramingBytes + 64;
+        append_bounded(head, bound, [&](TextCursor& c) {
+            c.lit("HTTP/1.1 ");
+            c.p = std::to_chars(c.p, c.p + 3, rh.status).ptr;  // three digits (checked above)
+            c.push_back(' ');
+            c.append(reason);
+            c.lit("\r\n");
+            for (const auto& h : rh.headers) {
+                if (policy::iequals(h.name, "transfer-encoding") ||
+                    (!none_ && policy::iequals(h.name, "content-length"))) {
+                    continue;
+                }
+                write_field(c, h.name, h.value);
             }
-            append_field(head, h.name, h.value);
-        }
-        if (!none_) {
-            append_framing(head, rh.body.length, chunked_);
-        }
-        if (!keep_alive_) {
-            append_field(head, "Connection", "close");
-        }
-        head.append("\r\n");
+            if (!none_) {
+                write_framing(c, rh.body.length, chunked_);
+            }
+            if (!keep_alive_) {
+                c.lit("Connection: close\r\n");
+            }
+            c.lit("\r\n");
+        });
         if (!none_ && !chunked_ && *rh.body.length <= kCoalesceBodyBytes) {
             // A small fixed-length body: hold the head back and send it with the body in one
             // write (one TLS record, one syscall instead of two per response).
