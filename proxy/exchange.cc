@@ -201,8 +201,10 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
     scope.worker->audit(rec);
     shared.metrics.denied(rec.reason);
     shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
-    spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id, rec.req_id, rec.run,
-                 rec.method, scope.target.authority(), rec.path, rec.status, rec.reason);
+    if (spdlog::should_log(spdlog::level::info)) {  // the arguments cost even when it is off
+        spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id, rec.req_id, rec.run,
+                     rec.method, scope.target.authority(), rec.path, rec.status, rec.reason);
+    }
 }
 
 }  // namespace
@@ -327,10 +329,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
         w.audit(rec);
         shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
-        spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
-                     scope.conn_id, rec.req_id, rec.run, method, scope.target.authority(), rec.path, status,
-                     rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out, rec.proto_out,
-                     rec.duration_ms);
+        if (spdlog::should_log(spdlog::level::info)) {  // authority() and value_or copy strings
+            spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
+                         scope.conn_id, rec.req_id, rec.run, method, scope.target.authority(),
+                         rec.path, status, rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out,
+                         rec.proto_out, rec.duration_ms);
+        }
     };
 
     // Request head and body, then the response head. A pooled h1 connection the upstream

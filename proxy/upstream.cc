@@ -1,5 +1,7 @@
 #include "proxy/upstream.h"
 
+#include <charconv>
+
 #include <sys/socket.h>
 
 #include "proxy/h2_client.h"
@@ -120,7 +122,20 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
 }
 
 std::string UpstreamPool::key(const std::string& run, const policy::HostPort& dest) {
-    return run + '\n' + dest.authority();
+    // run "\n" authority, built in one string (once per request: no temporaries).
+    const bool v6 = dest.is_ipv6_literal();
+    std::string k;
+    k.reserve(run.size() + dest.host.size() + 10);
+    k.append(run);
+    k.push_back('\n');
+    if (v6) {
+        k.push_back('[');
+    }
+    k.append(dest.host);
+    k.append(v6 ? "]:" : ":");
+    char port[8];
+    k.append(port, std::to_chars(port, port + sizeof port, dest.port).ptr);
+    return k;
 }
 
 std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key) {
