@@ -77,18 +77,24 @@ std::string_view trim_ows(std::string_view s) {
 bool is_hop_by_hop(std::string_view name) {
     // By length first: most fields of a request have a length no hop-by-hop name has, and
     // this runs for every field of every request. "proxy-connection" is under "proxy-".
+    bool named = false;
     switch (name.size()) {
     case 2:
-        return iequals(name, "te");
+        named = iequals(name, "te");
+        break;
     case 7:
-        return iequals(name, "trailer") || iequals(name, "upgrade");
+        named = iequals(name, "trailer") || iequals(name, "upgrade");
+        break;
     case 10:
-        return iequals(name, "connection") || iequals(name, "keep-alive");
+        named = iequals(name, "connection") || iequals(name, "keep-alive");
+        break;
     case 17:
-        return iequals(name, "transfer-encoding");
+        named = iequals(name, "transfer-encoding");
+        break;
     default:
-        return istarts_with(name, "proxy-");
+        break;
     }
+    return named || istarts_with(name, "proxy-");  // any length: "proxy-x" has seven bytes
 }
 
 bool is_transport_header(std::string_view name) {

@@ -37,8 +37,9 @@ Result<std::string> normalize_host(std::string_view host);
 /// non-numeric ports, userinfo and everything normalize_host refuses.
 Result<HostPort> parse_authority(std::string_view authority, std::optional<uint16_t> default_port);
 
-/// Whether `authority` is `target` spelled exactly as this module writes it: "host:port", or
-/// "host" when the port is `default_port` (no brackets: an IPv6 target never matches). Then
+/// Whether `authority` is `target` (normalized: as parse_authority returns it) spelled exactly
+/// as this module writes it: "host:port", or "host" when the port is `default_port` (no
+/// brackets: an IPv6 target never matches). Then
 /// parse_authority(authority, default_port) == target (normalize_host is idempotent), so a
 /// caller can skip the parse; false says nothing (the client may spell the same target
 /// another way: upper case, a trailing dot, "[v6]"). The request path's fast path: nearly

@@ -4,7 +4,6 @@
 #include "common/text_cursor.h"
 
 #include <algorithm>
-#include <cassert>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -144,7 +143,7 @@ constexpr size_t kNumberChars = 20;  // a uint64_t or an int64_t in decimal
 constexpr size_t kMillisChars = 64;  // to_chars' buffer below; longer is written as "0"
 
 /// Upper bound of the line's length. A string's check (json_plain) is kept for Write, so each
-/// value is scanned once; at most kMaxStrings strings a record.
+/// value is scanned once (for the first kMaxStrings strings; any beyond take the escaper).
 constexpr size_t kMaxStrings = 16;
 struct Measure {
     size_t bytes = kTimeKey.size() + kTimeChars + 1 + 1;  // {"time":"…" and the closing '}'
@@ -152,9 +151,11 @@ struct Measure {
     size_t strings = 0;
     void time() {}
     void str(std::string_view sep, std::string_view v) {
-        assert(strings < kMaxStrings);
-        const bool p = json_plain(v);
-        plain[strings++] = p;
+        const bool p = strings < kMaxStrings && json_plain(v);
+        if (strings < kMaxStrings) {
+            plain[strings] = p;
+        }
+        ++strings;
         bytes += sep.size() + (p ? v.size() + 2 : 6 * v.size() + 2);  // json_text.h's bound
     }
     void opt(std::string_view sep, std::string_view v, bool present) {
@@ -182,7 +183,9 @@ struct Write {
     }
     void str(std::string_view sep, std::string_view v) {
         c.append(sep);
-        if (plain[strings++]) {
+        const bool p = strings < kMaxStrings && plain[strings];
+        ++strings;
+        if (p) {
             c.push_back('"');
             c.append(v);
             c.push_back('"');

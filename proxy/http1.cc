@@ -29,18 +29,13 @@ constexpr uint64_t kCoalesceBodyBytes = 16 * 1024;
 /// allocation, where Beast's message allocates a node per field and its serializer walks them
 /// again. Every name and value here was parsed (Beast, nghttp2) or built and validated by the
 /// pipeline (trailers are checked where they are written), so no CR or LF reaches the wire.
-void append_field(std::string& out, std::string_view name, std::string_view value) {
+/// "name: value\r\n" into a std::string or a TextCursor (the heads' pre-sized writers).
+template <class Out>
+void write_field(Out& out, std::string_view name, std::string_view value) {
     out.append(name);
-    out.append(": ");
+    out.append(std::string_view(": "));
     out.append(value);
-    out.append("\r\n");
-}
-
-void write_field(TextCursor& c, std::string_view name, std::string_view value) {
-    c.append(name);
-    c.lit(": ");
-    c.append(value);
-    c.lit("\r\n");
+    out.append(std::string_view("\r\n"));
 }
 
 size_t fields_size(const Headers& headers) {
@@ -198,7 +193,7 @@ awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bo
                 for (const auto& h : *trailers) {
                     if (policy::valid_header_name(h.name) && policy::valid_header_value(h.value) &&
                         !policy::is_hop_by_hop(h.name) && h.name != "content-length") {
-                        append_field(tail, h.name, h.value);
+                        write_field(tail, h.name, h.value);
                     }
                 }
             }

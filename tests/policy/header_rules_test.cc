@@ -42,7 +42,10 @@ INSTANTIATE_TEST_SUITE_P(
         NameCase{"KEEP-ALIVE", true, true, false}, NameCase{"connectiom", false, false, false},
         NameCase{"Transfer-Encoding", true, true, false},
         NameCase{"transfer-encodinh", false, false, false}, NameCase{"proxy-", true, true, false},
-        NameCase{"Proxy-Connection", true, true, false}, NameCase{"", false, false, false}));
+        NameCase{"Proxy-Connection", true, true, false}, NameCase{"", false, false, false},
+        // "proxy-" names of every length the check branches on (7, 10, 17 bytes)
+        NameCase{"proxy-x", true, true, false}, NameCase{"Proxy-abcd", true, true, false},
+        NameCase{"proxy-abcdefghijk", true, true, false}));
 
 // The tchar table against RFC 9110's definition, byte by byte.
 TEST(HeaderRules, NameBytesAreExactlyTchar) {
