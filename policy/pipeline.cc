@@ -84,6 +84,7 @@ void inject(RequestHead& head, const Pin& pin, Decision& d) {
         d.scrub.push_back(value.substr(6));  // the base64 blob after "Basic "
     }
     head.set(name, std::move(value));  // replaces every client-sent value, never merges
+    head.never_index = name;
     head.set("accept-encoding", "identity");
     for (const auto& h : pin.extra_headers) {  // validated at load: never transport headers
         head.set(h.name, h.value);

@@ -22,6 +22,11 @@ struct RequestHead {
     std::string authority;  // Host / :authority exactly as the client sent it ("" if absent)
     std::string path;       // origin-form: "/a/b?q=1"
     std::vector<Header> headers;  // in order, lowercase names; never contains "host"
+    /// The field whose value is the injected credential (set by the pipeline), "" if none.
+    /// An HTTP/2 encoder sends it never-indexed (RFC 7541 7.1.3): in a pooled connection's
+    /// HPACK table it would be a target for compression-length probing by the sandbox's own
+    /// requests. nghttp2 does so by itself only for "authorization" and short cookies.
+    std::string never_index;
 
     /// First value for `name` (lowercase), or nullptr.
     const std::string* find(std::string_view name) const;

@@ -75,10 +75,11 @@ using CallbacksPtr = std::unique_ptr<nghttp2_session_callbacks, CallbacksDeleter
 /// fits inline, so building one allocates nothing.
 using NvList = boost::container::small_vector<nghttp2_nv, policy::kTypicalHeaderFields + 4>;
 
-inline nghttp2_nv make_nv(std::string_view name, std::string_view value) {
+inline nghttp2_nv make_nv(std::string_view name, std::string_view value,
+                          uint8_t flags = NGHTTP2_NV_FLAG_NONE) {
     return nghttp2_nv{reinterpret_cast<uint8_t*>(const_cast<char*>(name.data())),
                       reinterpret_cast<uint8_t*>(const_cast<char*>(value.data())), name.size(),
-                      value.size(), NGHTTP2_NV_FLAG_NONE};
+                      value.size(), flags};
 }
 
 /// Counts one decoded header field against a stream's budget (both codecs use it). Decoded

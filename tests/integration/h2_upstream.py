@@ -31,6 +31,9 @@ class _Stream:
         self.headers = headers
         self.pseudo = {k: v for k, v in headers if k.startswith(":")}
         self.regular = [(k, v) for k, v in headers if not k.startswith(":")]
+        # fields the sender marked never-indexed (RFC 7541 7.1.3): hpack decodes them as
+        # NeverIndexedHeaderTuple, whose `indexable` is False
+        self.never_indexed = [h[0] for h in headers if not getattr(h, "indexable", True)]
         self.sha = hashlib.sha256()
         self.n = 0
         self.trailers: list[tuple[str, str]] = []
@@ -159,7 +162,9 @@ class H2Upstream:
         parts = url.path.split("/")
         base = "/" + parts[1] if len(parts) > 1 else "/"
         echo = {"method": p.get(":method"), "path": path, "authority": p.get(":authority"),
-                "headers": [[k, v] for k, v in st.regular], "body_length": st.n,
+                "headers": [[k, v] for k, v in st.regular],
+                "never_indexed": st.never_indexed,
+                "body_length": st.n,
                 "body_sha256": st.sha.hexdigest(), "trailers": [[k, v] for k, v in st.trailers],
                 "proto": "h2"}
         if base in ("/echo", "/upload"):

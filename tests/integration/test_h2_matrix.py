@@ -69,6 +69,25 @@ def test_injection_curl(world, e2, h2up, marker, case):
     assert rec["decision"] == "allow" and rec["status"] == 200
 
 
+@pytest.mark.parametrize("down", ["h1", "h2"])
+def test_injected_credential_is_never_indexed_upstream(world, e2, h2up, marker, down):
+    """On the h2 upstream leg the injected field is sent never-indexed (RFC 7541 7.1.3), so it
+    never enters the pooled connection's HPACK table, where the sandbox's own requests could
+    probe it by length; nghttp2 does that by itself only for authorization. A field the client
+    sent is indexable as usual (the check can fail)."""
+    P = h2up.port
+    r = curl(world, e2, f"https://hdr.test:{P}/echo/{marker}", down == "h2", "-f",
+             "-H", "x-client-field: plain")
+    assert r.returncode == 0, r.stderr
+    echo = json.loads(r.stdout)
+    assert world.secrets["hdr_key"] not in r.stdout.decode()
+    assert echo["proto"] == "h2"
+    [seen] = h2up.find(marker)
+    assert seen.header("x-api-key") == [f"Key {world.secrets['hdr_key']}"]
+    assert "x-api-key" in echo["never_indexed"], echo["never_indexed"]
+    assert "x-client-field" not in echo["never_indexed"]
+
+
 @pytest.mark.parametrize("case", MATRIX)
 def test_host_agreement(world, e2, h2up, marker, case):
     """A Host / :authority naming another host than the CONNECT target: 421, nothing sent."""

@@ -131,6 +131,7 @@ TEST_F(PipelineTest, HeaderInjected) {
     const Decision d = run();
     ASSERT_TRUE(d.forward()) << d.reason;
     EXPECT_EQ(d.injected_header, "x-api-key");
+    EXPECT_EQ(head_.never_index, "x-api-key");  // HTTP/2: sent never-indexed
     EXPECT_EQ(head_.count("x-api-key"), 1U);
     EXPECT_EQ(*head_.find("x-api-key"), "k=ghp_s3cr3t");
     EXPECT_EQ(head_.find("authorization"), nullptr);
@@ -272,6 +273,7 @@ TEST_F(PipelineTest, CleartextNeverInjects) {
     EXPECT_EQ(d.reason, "cleartext_no_credential");
     EXPECT_EQ(d.pin, nullptr);
     EXPECT_TRUE(d.injected_header.empty());
+    EXPECT_TRUE(head_.never_index.empty());
     EXPECT_TRUE(d.scrub.empty());
     EXPECT_EQ(*head_.find("authorization"), "Bearer client");
     EXPECT_EQ(head_.find("accept-encoding"), nullptr);
