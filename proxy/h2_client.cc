@@ -377,39 +377,10 @@ void H2ClientStream::reset() {
 
 awaitable<bool> H2ClientStream::write(std::string_view data, bool last,
                                       const std::vector<policy::Header>* trailers) {
-    auto& st = *state_;
     auto& im = *session_->impl_;
-    if (st.closed || im.io.dead || st.out_last) {
-        co_return false;
-    }
-    if (!data.empty()) {
-        st.out.emplace_back(data);
-        st.out_bytes += data.size();
-    }
-    if (last) {
-        st.out_last = true;
-        if (trailers != nullptr) {
-            for (const auto& h : *trailers) {
-                if (!h2_forbidden(h) && h.name != "content-length") {
-                    st.out_trailers.push_back(h);
-                }
-            }
-        }
-    }
-    if (st.deferred) {
-        st.deferred = false;
-        nghttp2_session_resume_data(im.session.get(), st.id);
-    }
-    im.io.wsig.notify();
-    while (st.out_bytes > im.opts.max_send_buffer) {
-        if (st.closed || im.io.dead) {
-            co_return false;
-        }
-        if (!co_await st.signal.wait(im.opts.io_timeout)) {
-            co_return false;
-        }
-    }
-    co_return !im.io.dead;
+    const bool queued = co_await h2_send_body(im.io, *state_, data, last, trailers,
+                                              im.opts.max_send_buffer, im.opts.io_timeout);
+    co_return queued && !im.io.dead;
 }
 
 awaitable<bool> H2ClientStream::response(H2ClientResponse& out) {

@@ -230,4 +230,48 @@ struct H2Io {
     }
 };
 
+/// One stream's outgoing body, for both codecs (the server's responses, the client's request
+/// bodies): queues `data` for nghttp2's data callback and, with the last piece, the trailers
+/// (names lowercased; fields HTTP/2 forbids, te and content-length dropped), resumes a deferred
+/// stream, wakes the writer, then waits while more than `window` bytes are queued, so a slow
+/// reader holds only this stream's handler. False when the stream or connection is gone, or
+/// the body was already complete.
+template <class Stream>
+awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool last,
+                             const std::vector<policy::Header>* trailers, size_t window,
+                             std::chrono::milliseconds timeout) {
+    if (st.closed || io.dead || st.out_last) {
+        co_return false;
+    }
+    if (!data.empty()) {
+        st.out.emplace_back(data);
+        st.out_bytes += data.size();
+    }
+    if (last) {
+        st.out_last = true;
+        if (trailers != nullptr) {
+            for (const auto& h : *trailers) {
+                policy::Header l{policy::ascii_lower(h.name), h.value};
+                if (!h2_forbidden(l) && l.name != "te" && l.name != "content-length") {
+                    st.out_trailers.push_back(std::move(l));
+                }
+            }
+        }
+    }
+    if (st.deferred) {
+        st.deferred = false;
+        nghttp2_session_resume_data(io.session, st.id);
+    }
+    io.wsig.notify();
+    while (st.out_bytes > window) {
+        if (st.closed || io.dead) {
+            co_return false;
+        }
+        if (!co_await st.signal.wait(timeout)) {
+            co_return false;
+        }
+    }
+    co_return true;
+}
+
 }  // namespace egress::proxy

@@ -394,39 +394,10 @@ public:
 
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
         auto& st = *st_;
-        if (st.closed || c_->io.dead || st.out_last) {
-            co_return false;
-        }
-        if (!data.empty()) {
-            st.out.emplace_back(data);
-            st.out_bytes += data.size();
-        }
-        if (last) {
-            st.out_last = true;
-            if (trailers != nullptr) {
-                for (const auto& h : *trailers) {
-                    policy::Header l{policy::ascii_lower(h.name), h.value};
-                    if (!h2_forbidden(l) && l.name != "te" && l.name != "content-length") {
-                        st.out_trailers.push_back(std::move(l));
-                    }
-                }
-            }
-        }
-        if (st.deferred) {
-            st.deferred = false;
-            nghttp2_session_resume_data(c_->session.get(), st.id);
-        }
-        c_->io.wsig.notify();
-        // Backpressure: a slow reader on this stream holds only this stream's handler.
-        while (st.out_bytes > c_->limits.h2_stream_window) {
-            if (st.closed || c_->io.dead) {
-                co_return false;
-            }
-            if (!co_await st.signal.wait(c_->limits.idle_timeout)) {
-                co_return false;
-            }
-        }
-        co_return !st.closed || st.out_last;
+        const bool queued = co_await h2_send_body(c_->io, st, data, last, trailers,
+                                                  c_->limits.h2_stream_window,
+                                                  c_->limits.idle_timeout);
+        co_return queued && (!st.closed || st.out_last);
     }
 
 private:
