@@ -143,7 +143,8 @@ net::awaitable<void> Http2Driver::run() {
       continue;
     }
     if (new_connection) {
-      auto stream = session_->open(request_.head, request_.end_stream);
+      auto stream = session_->open(request_.head, request_.head.scheme, request_.head.authority,
+                                   request_.end_stream);
       if (!stream) {
         record_failure(*first, {ErrorKind::kWrite, 0, "cannot open an HTTP/2 stream"});
       } else {
@@ -195,7 +196,8 @@ net::awaitable<void> Http2Driver::worker(std::shared_ptr<H2ClientSession> sessio
       }
       retried = false;
     }
-    auto stream = session->open(request_.head, request_.end_stream);
+    auto stream = session->open(request_.head, request_.head.scheme, request_.head.authority,
+                                 request_.end_stream);
     if (!stream) {
       if (retried) {
         record_failure(*ticket, {ErrorKind::kWrite, 0, "cannot open an HTTP/2 stream"});

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <openssl/crypto.h>
+
 namespace egress::policy {
 
 namespace {
@@ -55,6 +57,17 @@ std::string_view RequestHead::path_only() const {
     // path and is seen by every check that runs on it.
     const size_t q = p.find('?');
     return q == std::string_view::npos ? p : p.substr(0, q);
+}
+
+void RequestHead::wipe_injected() {
+    if (never_index.empty()) {
+        return;
+    }
+    for (Header& h : headers) {
+        if (h.name == never_index) {
+            OPENSSL_cleanse(h.value.data(), h.value.size());
+        }
+    }
 }
 
 }  // namespace egress::policy

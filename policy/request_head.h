@@ -37,6 +37,9 @@ struct RequestHead {
     void set(std::string_view name, std::string value);
     /// Path without the query string.
     std::string_view path_only() const;
+    /// Overwrites the value of the injected credential field (never_index) with zeros, in
+    /// place: the request is done and this copy of the secret is not left in freed memory.
+    void wipe_injected();
 };
 
 /// First value of the header `name` (compared case-insensitively) in `headers`, or nullptr.

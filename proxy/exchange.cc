@@ -53,10 +53,9 @@ public:
     bool reused() const override { return false; }
 
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
-        policy::RequestHead h = head;
-        h.authority = authority_;
-        h.scheme = "https";
-        stream_ = pooled_.session->open(h, body.none);
+        // Not a copy of the head with another authority: that was a vector and a string per
+        // field each request, the injected credential among them (and never wiped).
+        stream_ = pooled_.session->open(head, "https", authority_, body.none);
         co_return stream_ != nullptr;
     }
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
@@ -101,6 +100,7 @@ private:
 
 H2ClientOptions h2_client_options(const Limits& l) {
     H2ClientOptions o;
+    o.wipe_sent = true;  // request heads carry the injected credential
     o.stream_window = static_cast<uint32_t>(l.h2_stream_window);
     o.connection_window = static_cast<uint32_t>(std::max<size_t>(l.h2_stream_window * 4, 1 << 20));
     o.max_send_buffer = l.h2_stream_window;
@@ -262,6 +262,11 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     ctx.upstream_h2 = true;  // "te: trailers" survives; the h1 serializer drops any te
     ctx.now = policy::Clock::now();
     auto decision = shared.pipeline.run(head, ctx);
+    // The head now holds the credential in clear: wiped on every way out of this exchange.
+    struct WipeInjected {
+        policy::RequestHead& head;
+        ~WipeInjected() { head.wipe_injected(); }
+    } wipe_injected{head};
     if (!decision.forward()) {
         bool ka = client_ka && req_body.none;
         co_await down.refuse(decision.status, decision.reason, ka);

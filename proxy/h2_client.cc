@@ -41,7 +41,10 @@ struct H2ClientStreamState {
 
 struct H2ClientSession::Impl {
     Impl(std::unique_ptr<TlsStream> s, H2ClientOptions o)
-        : stream(std::move(s)), io(*stream), opts(o), watchdog(stream->get_executor()) {}
+        : stream(std::move(s)), io(*stream), opts(o), pool(o.wipe_sent),
+          watchdog(stream->get_executor()) {
+        io.wipe_written = o.wipe_sent;
+    }
     ~Impl() {
         // The session goes first: nothing its callbacks reference may die before it.
         session.reset();
@@ -300,6 +303,8 @@ bool H2ClientSession::has_capacity() const {
 }
 
 std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead& head,
+                                                      std::string_view scheme,
+                                                      std::string_view authority,
                                                       bool end_stream) {
     Impl& im = *impl_;
     if (im.io.dead || im.goaway) {
@@ -308,8 +313,8 @@ std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead&
     NvList nva;
     nva.reserve(head.headers.size() + 4);
     nva.push_back(make_nv(":method", head.method));
-    nva.push_back(make_nv(":scheme", head.scheme));
-    nva.push_back(make_nv(":authority", head.authority));
+    nva.push_back(make_nv(":scheme", scheme));
+    nva.push_back(make_nv(":authority", authority));
     nva.push_back(make_nv(":path", head.path));
     for (const auto& h : head.headers) {
         if (!h2_forbidden(h)) {

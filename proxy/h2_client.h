@@ -31,6 +31,10 @@ struct H2ClientOptions {
     size_t max_header_fields = 100;
     std::chrono::milliseconds idle_timeout{30'000};  // no open stream this long: GOAWAY, close
     std::chrono::milliseconds io_timeout{60'000};    // a stream read/write waits at most this
+    /// The session carries a secret (egressd's upstream leg: the injected credential). Every
+    /// frame byte written is wiped after the write, and every block nghttp2 frees (its copy
+    /// of a request's fields among them) before it is reused or given back.
+    bool wipe_sent = false;
 };
 
 struct H2ClientResponse {
@@ -90,10 +94,12 @@ public:
     bool alive() const;
     size_t open_streams() const;
 
-    /// Opens a stream for `head` (:method, :scheme, :authority, :path from the head; headers
-    /// as given, lowercase; connection-specific headers must already be gone). With
-    /// `end_stream` the request has no body. nullptr when the session cannot open streams.
-    std::unique_ptr<H2ClientStream> open(const policy::RequestHead& head, bool end_stream);
+    /// Opens a stream for `head` (:method and :path from the head, :scheme and :authority as
+    /// given, so a caller that sends another authority need not copy the head; headers as
+    /// given, lowercase; connection-specific headers must already be gone). With `end_stream`
+    /// the request has no body. nullptr when the session cannot open streams.
+    std::unique_ptr<H2ClientStream> open(const policy::RequestHead& head, std::string_view scheme,
+                                         std::string_view authority, bool end_stream);
 
     /// GOAWAY and close once in-flight streams are done.
     void shutdown();

@@ -2,6 +2,7 @@
 // Small pieces shared by the HTTP/2 server and client codecs. Include only from proxy/h2_*.cc
 // (pulls in nghttp2).
 #include <nghttp2/nghttp2.h>
+#include <openssl/crypto.h>
 
 #include <boost/container/small_vector.hpp>
 
@@ -161,6 +162,7 @@ struct H2Io {
     Signal wsig;  // "there may be something to send"
     bool dead = false;
     bool writing = false;
+    bool wipe_written = false;  // frames may carry a secret: zero each buffer once written
     std::chrono::steady_clock::time_point write_started{};
     std::chrono::steady_clock::time_point last_activity = std::chrono::steady_clock::now();
 
@@ -214,6 +216,9 @@ struct H2Io {
                 write_started = std::chrono::steady_clock::now();
                 auto [ec, n] = co_await net::async_write(*stream, net::buffer(wbuf), use_nothrow);
                 writing = false;
+                if (wipe_written) {
+                    OPENSSL_cleanse(wbuf.data(), wbuf.size());
+                }
                 if (ec) {
                     dead = true;
                     break;

@@ -12,7 +12,12 @@
 // streams in flight, which then missed the cache) and given back when the session has no
 // open stream (trim, from the session's watchdog), so an idle connection does not hold a
 // burst's memory.
+//
+// A pool made with `wipe` zeroes every block as nghttp2 frees it (cached or given back): the
+// upstream session's blocks hold its copy of a request's fields, the injected credential
+// among them (nghttp2_submit_request copies the name/value list).
 #include <nghttp2/nghttp2.h>
+#include <openssl/crypto.h>
 
 #include <bit>
 #include <cstddef>
@@ -32,7 +37,7 @@ public:
     /// Free blocks kept for reuse, at most (beyond it a freed block goes back to malloc).
     static constexpr size_t kMaxCachedBytes = 64 * 1024;
 
-    H2Pool() {
+    explicit H2Pool(bool wipe = false) : wipe_(wipe) {
         mem_.mem_user_data = this;
         mem_.malloc = [](size_t n, void* self) { return static_cast<H2Pool*>(self)->allocate(n); };
         mem_.free = [](void* p, void* self) { static_cast<H2Pool*>(self)->release(p); };
@@ -74,6 +79,9 @@ public:
         char* base = static_cast<char*>(p) - kHeader;
         size_t bytes = 0;
         std::memcpy(&bytes, base, sizeof bytes);
+        if (wipe_) {
+            OPENSSL_cleanse(p, bytes - kHeader);
+        }
         if (bytes > kMaxClassBytes || cached_ + bytes > kMaxCachedBytes) {
             std::free(base);
             return;
@@ -154,6 +162,7 @@ private:
     }
 
     nghttp2_mem mem_{};
+    bool wipe_ = false;
     Free* free_[kClasses] = {};
     size_t cached_ = 0;
 };

@@ -1,5 +1,7 @@
 #include "proxy/http1.h"
 
+#include <openssl/crypto.h>
+
 #include <boost/url/parse.hpp>
 #include <charconv>
 
@@ -385,10 +387,13 @@ public:
 
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
         chunked_ = !body.length && !body.none;
-        const std::string out = request_head_bytes(head, host_, body.length, chunked_);
+        std::string out = request_head_bytes(head, host_, body.length, chunked_);
         lowest(stream()).expires_after(timeout_);
         auto [ec, n] = co_await net::async_write(stream(), net::buffer(out), use_nothrow);
         lowest(stream()).expires_never();
+        if (!head.never_index.empty()) {
+            OPENSSL_cleanse(out.data(), out.size());  // it held the injected credential
+        }
         co_return !ec;
     }
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {

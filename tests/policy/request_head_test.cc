@@ -45,6 +45,22 @@ TEST(RequestHead, PathOnly) {
     EXPECT_EQ(h.path_only(), "");
 }
 
+TEST(RequestHead, WipeInjectedZeroesOnlyTheInjectedField) {
+    RequestHead h;
+    h.headers = {{"x-api-key", "Key s3cr3t-value-longer-than-sso"},
+                 {"accept", "*/*"},
+                 {"x-api-key", "k2"}};
+    h.wipe_injected();  // nothing injected: nothing touched
+    EXPECT_EQ(h.headers[0].value, "Key s3cr3t-value-longer-than-sso");
+    h.never_index = "x-api-key";
+    const char* storage = h.headers[0].value.data();
+    h.wipe_injected();
+    EXPECT_EQ(h.headers[0].value.data(), storage);  // in place, not a new buffer
+    EXPECT_EQ(h.headers[0].value, std::string(32, '\0'));
+    EXPECT_EQ(h.headers[2].value, std::string(2, '\0'));
+    EXPECT_EQ(h.headers[1].value, "*/*");
+}
+
 TEST(RequestHead, AsciiHelpers) {
     EXPECT_EQ(ascii_lower("Content-TYPE"), "content-type");
     EXPECT_EQ(ascii_lower("\xc3\x84"), "\xc3\x84");  // non-ASCII untouched

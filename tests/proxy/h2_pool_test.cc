@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,38 @@ TEST(H2Pool, FreedBlocksAreReusedBySizeClass) {
     pool.release(b);
     pool.release(c);
     pool.release(nullptr);
+}
+
+TEST(H2Pool, AWipingPoolZeroesBlocksAsTheyAreFreed) {
+    for (const bool wipe : {false, true}) {
+        H2Pool pool(wipe);
+        auto* a = static_cast<unsigned char*>(pool.allocate(100));  // the 128-byte class
+        ASSERT_NE(a, nullptr);
+        std::memset(a, 'S', H2Pool::usable_size(a));
+        pool.release(a);
+        // The free list hands the same block back: what the freed block still holds is visible.
+        auto* b = static_cast<unsigned char*>(pool.allocate(100));
+        ASSERT_EQ(b, a);
+        const size_t n = H2Pool::usable_size(b);
+        const size_t left = static_cast<size_t>(std::count(b, b + n, 'S'));
+        if (wipe) {
+            EXPECT_EQ(left, 0U);
+            EXPECT_EQ(static_cast<size_t>(std::count(b, b + n, 0)), n);
+        } else {
+            EXPECT_EQ(left, n);  // the plain pool does not touch freed blocks (the test can fail)
+        }
+        // A reallocation that moves the block copies it, then frees (and wipes) the old one.
+        std::memset(b, 'T', n);
+        auto* c = static_cast<unsigned char*>(pool.reallocate(b, 600));
+        ASSERT_NE(c, nullptr);
+        ASSERT_NE(c, b);
+        EXPECT_EQ(static_cast<size_t>(std::count(c, c + n, 'T')), n);
+        auto* d = static_cast<unsigned char*>(pool.allocate(100));  // b's block again
+        ASSERT_EQ(d, b);
+        EXPECT_EQ(static_cast<size_t>(std::count(d, d + n, 'T')), wipe ? 0U : n);
+        pool.release(c);
+        pool.release(d);
+    }
 }
 
 TEST(H2Pool, EverySizeGetsAnAlignedBlockThatHoldsIt) {
