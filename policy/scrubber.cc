@@ -141,7 +141,11 @@ Scrubber::Scrubber(std::vector<std::string> needles) {
     std::sort(needles.begin(), needles.end(), [](const std::string& a, const std::string& b) {
         return a.size() != b.size() ? a.size() > b.size() : a < b;
     });
-    needles.erase(std::unique(needles.begin(), needles.end()), needles.end());
+    const auto dups = std::unique(needles.begin(), needles.end());
+    for (auto it = dups; it != needles.end(); ++it) {
+        OPENSSL_cleanse(it->data(), it->size());  // a needle twice (a template of just the secret)
+    }
+    needles.erase(dups, needles.end());
     needles_ = std::move(needles);
     max_len_ = needles_.empty() ? 0 : needles_.front().size();
     search_ = plan(needles_);

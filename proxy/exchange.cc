@@ -273,6 +273,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         audit_refusal(scope, method, head.path, decision.status, decision.reason, started);
         co_return ka;
     }
+    // The needles (the secret, the injected value) are wiped by the scrubber's destructor,
+    // so it takes them now: every way out from here wipes them.
+    policy::Scrubber scrubber(std::move(decision.scrub));
 
     // Expect: 100-continue is answered here; the upstream never sees it.
     if (const auto* expect = head.find("expect"); expect && policy::iequals(*expect, "100-continue")) {
@@ -321,7 +324,6 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
     }
 
-    policy::Scrubber scrubber(std::move(decision.scrub));
     auto finish = [&](int status, const std::string& reason, const std::string& kind) {
         rec.status = status;
         rec.decision = "allow";  // the pipeline allowed it; reason records what went wrong

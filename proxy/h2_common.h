@@ -191,6 +191,16 @@ struct H2Io {
         }
     }
 
+    /// Moves `buf` into a larger buffer (at least `need` bytes) and wipes the old one, which a
+    /// plain reallocation would free with the frames it held.
+    static void grow_wiping(std::string& buf, size_t need) {
+        std::string bigger;
+        bigger.reserve(std::max(need, 2 * buf.capacity()));
+        bigger.append(buf);
+        OPENSSL_cleanse(buf.data(), buf.size());
+        buf.swap(bigger);
+    }
+
     /// The writer: serializes frames with mem_send (copying each piece before the next call,
     /// whose pointer it invalidates), one async_write at a time, until the session wants
     /// neither to read nor to write, or the connection dies.
@@ -208,6 +218,9 @@ struct H2Io {
                 }
                 if (n == 0) {
                     break;
+                }
+                if (wipe_written && wbuf.size() + static_cast<size_t>(n) > wbuf.capacity()) {
+                    grow_wiping(wbuf, wbuf.size() + static_cast<size_t>(n));
                 }
                 wbuf.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n));
             }
