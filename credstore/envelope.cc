@@ -19,6 +19,8 @@
 #include <ctime>
 #include <filesystem>
 
+#include "common/secure_zero.h"
+
 extern char** environ;
 
 namespace egress::credstore {
@@ -39,7 +41,7 @@ constexpr int kKmsTimeoutMs = 30'000;
 
 void wipe(std::string& s) {
     if (!s.empty()) {
-        OPENSSL_cleanse(s.data(), s.size());
+        egress::secure_zero(s.data(), s.size());
     }
     s.clear();
 }
@@ -160,7 +162,7 @@ std::string sha256_hex_prefix(std::string_view bytes, size_t hex_chars) {
         out.push_back(kHex[md[i] >> 4]);
         out.push_back(kHex[md[i] & 0xf]);
     }
-    OPENSSL_cleanse(md, sizeof md);
+    egress::secure_zero(md, sizeof md);
     return out.substr(0, hex_chars);
 }
 
@@ -185,7 +187,7 @@ public:
     }
 
     ~FileKeyProvider() override {
-        OPENSSL_cleanse(mem_, page_);
+        egress::secure_zero(mem_, page_);
         (void)munlock(mem_, page_);
         (void)munmap(mem_, page_);
     }

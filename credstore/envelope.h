@@ -2,7 +2,7 @@
 // Envelope encryption: each secret value is sealed with AES-256-GCM under its own random
 // 256-bit data key (DEK); the DEK is wrapped by the master key (KEK) through a KeyProvider.
 // The AAD binds the ciphertext to (name, scope, version): a blob moved to another name or
-// scope does not decrypt. Plaintext key material is wiped (OPENSSL_cleanse) after use.
+// scope does not decrypt. Plaintext key material is wiped (secure_zero) after use.
 #include <cstdint>
 #include <memory>
 #include <string>

@@ -8,6 +8,8 @@
 #include <fstream>
 #include <ostream>
 
+#include "common/secure_zero.h"
+
 namespace egress::credstore {
 
 namespace {
@@ -17,7 +19,7 @@ constexpr size_t kMaxSecretBytes = 16 * 1024;
 // Wipes a std::string's bytes before it is released.
 void wipe(std::string& s) {
     if (!s.empty()) {
-        OPENSSL_cleanse(s.data(), s.size());
+        egress::secure_zero(s.data(), s.size());
     }
     s.clear();
 }
@@ -35,7 +37,7 @@ SecretValue::SecretValue(std::string_view bytes)
 }
 
 SecretValue::~SecretValue() {
-    OPENSSL_cleanse(data_, capacity_);
+    egress::secure_zero(data_, capacity_);
     (void)munlock(data_, capacity_);
     delete[] data_;
 }

@@ -1,7 +1,7 @@
 #pragma once
 // A credential value in memory. Never printable: streaming or formatting it prints
 // "<redacted>". Its bytes live in a buffer that is mlock'ed (best effort, so they stay out of
-// swap) and wiped with OPENSSL_cleanse when the value is destroyed.
+// swap) and wiped (secure_zero) when the value is destroyed.
 #include <cstddef>
 #include <iosfwd>
 #include <memory>

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include <openssl/crypto.h>
+#include "common/secure_zero.h"
 
 namespace egress::policy {
 
@@ -65,7 +65,7 @@ void RequestHead::wipe_injected() {
     }
     for (Header& h : headers) {
         if (h.name == never_index) {
-            OPENSSL_cleanse(h.value.data(), h.value.size());
+            egress::secure_zero(h.value.data(), h.value.size());
         }
     }
 }

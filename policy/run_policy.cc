@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "common/secure_zero.h"
 #include "policy/header_rules.h"
 #include "policy/request_head.h"
 
@@ -162,8 +163,8 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
             credentials.append(spec.username).append(":").append(secret);
             std::string blob = base64(credentials);
             std::string value = "Basic " + blob;
-            OPENSSL_cleanse(credentials.data(), credentials.size());
-            OPENSSL_cleanse(blob.data(), blob.size());
+            egress::secure_zero(credentials.data(), credentials.size());
+            egress::secure_zero(blob.data(), blob.size());
             return value;
         }
         case InjectType::Header: {

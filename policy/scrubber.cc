@@ -6,6 +6,8 @@
 #include <array>
 #include <cstring>
 
+#include "common/secure_zero.h"
+
 namespace egress::policy {
 
 namespace {
@@ -143,7 +145,7 @@ Scrubber::Scrubber(std::vector<std::string> needles) {
     });
     const auto dups = std::unique(needles.begin(), needles.end());
     for (auto it = dups; it != needles.end(); ++it) {
-        OPENSSL_cleanse(it->data(), it->size());  // a needle twice (a template of just the secret)
+        egress::secure_zero(it->data(), it->size());  // a needle twice (a template of just the secret)
     }
     needles.erase(dups, needles.end());
     needles_ = std::move(needles);
@@ -153,11 +155,11 @@ Scrubber::Scrubber(std::vector<std::string> needles) {
 
 Scrubber::~Scrubber() {
     for (std::string& n : needles_) {
-        OPENSSL_cleanse(n.data(), n.size());
+        egress::secure_zero(n.data(), n.size());
     }
-    OPENSSL_cleanse(tail_.data(), tail_.size());
-    OPENSSL_cleanse(search_.firsts.data(), search_.firsts.size());
-    OPENSSL_cleanse(search_.first.data(), search_.first.size());
+    egress::secure_zero(tail_.data(), tail_.size());
+    egress::secure_zero(search_.firsts.data(), search_.firsts.size());
+    egress::secure_zero(search_.first.data(), search_.first.size());
 }
 
 // One copy per piece: the held-back bytes and `in` are appended to `out` and scrubbed there
@@ -171,7 +173,7 @@ void Scrubber::feed(std::string_view in, std::string& out) {
     out.reserve(start + tail_.size() + in.size());  // no reallocation between the appends
     out.append(tail_);
     out.append(in);
-    OPENSSL_cleanse(tail_.data(), tail_.size());
+    egress::secure_zero(tail_.data(), tail_.size());
     ScanState st{covered_left_, run_pos_, 0};
     const size_t safe =
         scan(needles_, search_, max_len_, out.data() + start, out.size() - start, false, st);
@@ -182,7 +184,7 @@ void Scrubber::feed(std::string_view in, std::string& out) {
     char* held = out.data() + start + safe;
     const size_t held_len = out.size() - start - safe;
     tail_.assign(held, held_len);
-    OPENSSL_cleanse(held, held_len);
+    egress::secure_zero(held, held_len);
     out.resize(start + safe);
 }
 
@@ -191,7 +193,7 @@ void Scrubber::finish(std::string& out) {
     scan(needles_, search_, max_len_, tail_.data(), tail_.size(), true, st);
     replacements_ += st.replacements;
     out.append(tail_);
-    OPENSSL_cleanse(tail_.data(), tail_.size());
+    egress::secure_zero(tail_.data(), tail_.size());
     tail_.clear();
     covered_left_ = 0;
     run_pos_ = 0;

@@ -2,6 +2,7 @@
 // Runs on its own io_context thread, so control-plane writes (fsync) never stall the proxy.
 #include <sys/stat.h>
 
+#include "common/secure_zero.h"
 #include "proxy/control_plane.h"
 #include "proxy/worker.h"
 
@@ -147,7 +148,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
                 res.body() = std::move(r.body);
             }
             // The request body may hold a secret value: wipe it.
-            OPENSSL_cleanse(req.body().data(), req.body().size());
+            egress::secure_zero(req.body().data(), req.body().size());
         } else {
             res.result(http::status::not_found);
             res.body() = R"({"error":"not_found","detail":"no such route"})";

@@ -1,6 +1,7 @@
 // The forward-proxy port: identity, CONNECT (intercept or tunnel) and absolute-form http://.
 #include <boost/url/parse.hpp>
 
+#include "common/secure_zero.h"
 #include "policy/header_rules.h"
 #include "proxy/http1.h"
 #include "tls/client_hello.h"
@@ -85,7 +86,7 @@ Identity identify(const Runtime& rt, const H1RequestParser& req) {
             ended_reason = e->second.second;
         }
     }
-    OPENSSL_cleanse(pass.data(), pass.size());
+    egress::secure_zero(pass.data(), pass.size());
     if (!ended_reason.empty()) {
         return {nullptr, 403, ended_reason};
     }

@@ -15,6 +15,7 @@
 #include <boost/url/params_view.hpp>
 #include <boost/url/url_view.hpp>
 
+#include "common/secure_zero.h"
 #include "policy/header_rules.h"
 #include "tls/run_ca.h"
 
@@ -52,7 +53,7 @@ std::string random_hex(size_t bytes) {
         out.push_back(kHex[c >> 4]);
         out.push_back(kHex[c & 15]);
     }
-    OPENSSL_cleanse(raw.data(), raw.size());
+    egress::secure_zero(raw.data(), raw.size());
     return out;
 }
 
@@ -191,7 +192,7 @@ struct WipeField {
     ~WipeField() {
         if (auto* v = object.if_contains(key); v != nullptr && v->is_string()) {
             auto& str = v->as_string();
-            OPENSSL_cleanse(str.data(), str.size());
+            egress::secure_zero(str.data(), str.size());
         }
     }
 };
@@ -284,7 +285,7 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         bool wrote = ::write(fd, tok.data(), tok.size()) == static_cast<ssize_t>(tok.size());
         ::fsync(fd);
         ::close(fd);
-        OPENSSL_cleanse(tok.data(), tok.size());
+        egress::secure_zero(tok.data(), tok.size());
         if (!wrote) {
             return make_error("admin.token_file: cannot write " + cfg.admin_token_file);
         }
@@ -416,14 +417,14 @@ ApiResponse ControlPlane::create_secret(std::string_view body) {
     if (!value) return error(400, "invalid_request", value.error());
     for (const auto& [k, v] : *o) {
         if (k != "name" && k != "scope" && k != "value") {
-            OPENSSL_cleanse(value->data(), value->size());
+            egress::secure_zero(value->data(), value->size());
             return error(400, "invalid_request", std::string(k) + ": unknown field");
         }
     }
     std::lock_guard lock(mu_);
     auto snap = store_->snapshot();
     if (snap->secrets.count(credstore::secret_key(*name, *scope)) != 0) {
-        OPENSSL_cleanse(value->data(), value->size());
+        egress::secure_zero(value->data(), value->size());
         return error(409, "conflict", "secret '" + *name + "' already exists in scope " +
                                           scope->to_string() + "; use PUT to rotate it");
     }
@@ -440,7 +441,7 @@ ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_vie
     if (!value) return error(400, "invalid_request", value.error());
     for (const auto& [k, v] : *o) {
         if (k != "scope" && k != "value") {
-            OPENSSL_cleanse(value->data(), value->size());
+            egress::secure_zero(value->data(), value->size());
             return error(400, "invalid_request", std::string(k) + ": unknown field");
         }
     }
@@ -448,7 +449,7 @@ ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_vie
     auto snap = store_->snapshot();
     auto it = snap->secrets.find(credstore::secret_key(name, *scope));
     if (it == snap->secrets.end()) {
-        OPENSSL_cleanse(value->data(), value->size());
+        egress::secure_zero(value->data(), value->size());
         return error(404, "not_found", "no secret '" + name + "' in scope " + scope->to_string());
     }
     return store_secret(name, *scope, it->second.version + 1, *value, 200);
@@ -457,7 +458,7 @@ ApiResponse ControlPlane::rotate_secret(const std::string& name, std::string_vie
 ApiResponse ControlPlane::store_secret(const std::string& name, const Scope& scope,
                                        uint64_t version, std::string& value, int status) {
     auto sealed = credstore::seal(keys_.primary(), name, scope, version, value);
-    OPENSSL_cleanse(value.data(), value.size());
+    egress::secure_zero(value.data(), value.size());
     if (!sealed) return error(400, "invalid_request", "value: " + sealed.error());
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutSecret;
@@ -708,7 +709,7 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     run.ca_cert_pem = (*ca)->cert_pem();
     std::string key = (*ca)->key_pem();
     auto sealed_key = credstore::seal(keys_.primary(), "ca:" + run.id, *scope, 1, key);
-    OPENSSL_cleanse(key.data(), key.size());
+    egress::secure_zero(key.data(), key.size());
     if (!sealed_key) return error(500, "ca_failed", sealed_key.error());
     run.ca_key = *sealed_key;
     std::string token = random_hex(24);
@@ -721,7 +722,7 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     json::object out;
     out["id"] = run.id;
     out["proxy_url"] = "http://" + run.id + ":" + token + "@" + proxy_authority_;
-    OPENSSL_cleanse(token.data(), token.size());
+    egress::secure_zero(token.data(), token.size());
     out["ca_pem"] = run.ca_cert_pem;
     out["expires_at"] = rfc3339(run.expires_at);
     out["scope"] = scope_json(run.scope);

@@ -2,7 +2,6 @@
 // Small pieces shared by the HTTP/2 server and client codecs. Include only from proxy/h2_*.cc
 // (pulls in nghttp2).
 #include <nghttp2/nghttp2.h>
-#include <openssl/crypto.h>
 
 #include <boost/container/small_vector.hpp>
 
@@ -14,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/secure_zero.h"
 #include "policy/request_head.h"
 #include "proxy/piece_queue.h"
 #include "proxy/net.h"
@@ -197,7 +197,7 @@ struct H2Io {
         std::string bigger;
         bigger.reserve(std::max(need, 2 * buf.capacity()));
         bigger.append(buf);
-        OPENSSL_cleanse(buf.data(), buf.size());
+        egress::secure_zero(buf.data(), buf.size());
         buf.swap(bigger);
     }
 
@@ -230,7 +230,7 @@ struct H2Io {
                 auto [ec, n] = co_await net::async_write(*stream, net::buffer(wbuf), use_nothrow);
                 writing = false;
                 if (wipe_written) {
-                    OPENSSL_cleanse(wbuf.data(), wbuf.size());
+                    egress::secure_zero(wbuf.data(), wbuf.size());
                 }
                 if (ec) {
                     dead = true;

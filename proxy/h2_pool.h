@@ -17,13 +17,14 @@
 // upstream session's blocks hold its copy of a request's fields, the injected credential
 // among them (nghttp2_submit_request copies the name/value list).
 #include <nghttp2/nghttp2.h>
-#include <openssl/crypto.h>
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+
+#include "common/secure_zero.h"
 
 namespace egress::proxy {
 
@@ -80,7 +81,7 @@ public:
         size_t bytes = 0;
         std::memcpy(&bytes, base, sizeof bytes);
         if (wipe_) {
-            OPENSSL_cleanse(p, bytes - kHeader);
+            egress::secure_zero(p, bytes - kHeader);
         }
         if (bytes > kMaxClassBytes || cached_ + bytes > kMaxCachedBytes) {
             std::free(base);

@@ -1,10 +1,9 @@
 #include "proxy/http1.h"
 
-#include <openssl/crypto.h>
-
 #include <boost/url/parse.hpp>
 #include <charconv>
 
+#include "common/secure_zero.h"
 #include "common/text_cursor.h"
 #include "policy/header_rules.h"
 #include "proxy/buffer_pool.h"
@@ -392,7 +391,7 @@ public:
         auto [ec, n] = co_await net::async_write(stream(), net::buffer(out), use_nothrow);
         lowest(stream()).expires_never();
         if (!head.never_index.empty()) {
-            OPENSSL_cleanse(out.data(), out.size());  // it held the injected credential
+            egress::secure_zero(out.data(), out.size());  // it held the injected credential
         }
         co_return !ec;
     }

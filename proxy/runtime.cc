@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/secure_zero.h"
+
 namespace egress::proxy {
 
 namespace {
@@ -239,7 +241,7 @@ bool parse_proxy_basic(std::string_view v, std::string& user, std::string& pass)
     }
     user = out.substr(0, colon);
     pass = out.substr(colon + 1);
-    OPENSSL_cleanse(out.data(), out.size());
+    egress::secure_zero(out.data(), out.size());
     return true;
 }
 

@@ -14,6 +14,8 @@
 #include <ctime>
 #include <string>
 
+#include "common/secure_zero.h"
+
 namespace egress::tls {
 namespace {
 
@@ -271,7 +273,7 @@ std::string RunCa::key_pem() const {
     const long len = BIO_get_mem_data(bio.get(), &data);
     std::string out = len > 0 ? std::string(data, static_cast<size_t>(len)) : std::string();
     if (len > 0) {
-        OPENSSL_cleanse(data, static_cast<size_t>(len));
+        egress::secure_zero(data, static_cast<size_t>(len));
     }
     return out;
 }

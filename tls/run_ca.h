@@ -41,7 +41,7 @@ public:
 
     /// The CA private key as PKCS#8 PEM, for sealing into the state store (fleet replicas
     /// and restarts must serve the run with the same CA). WARNING: key material; the caller
-    /// seals it at once and wipes the string (OPENSSL_cleanse).
+    /// seals it at once and wipes the string (secure_zero).
     std::string key_pem() const;
 
     /// Rebuilds a run CA from its certificate and (unsealed) key; a fresh leaf key is made.

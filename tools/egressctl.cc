@@ -38,6 +38,7 @@
 #include <boost/url.hpp>
 
 #include "common/json_text.h"
+#include "common/secure_zero.h"
 
 namespace net = boost::asio;
 namespace beast = boost::beast;
@@ -90,7 +91,7 @@ struct Wiped {  // a string holding secret material, wiped when it goes away
     std::string s;
     ~Wiped() { wipe(); }
     void wipe() {
-        if (!s.empty()) OPENSSL_cleanse(s.data(), s.size());
+        if (!s.empty()) egress::secure_zero(s.data(), s.size());
         s.clear();
     }
 };
@@ -439,7 +440,7 @@ public:
 
 private:
     static void wipe(http::request<http::string_body>& req) {
-        if (!req.body().empty()) OPENSSL_cleanse(req.body().data(), req.body().size());
+        if (!req.body().empty()) egress::secure_zero(req.body().data(), req.body().size());
     }
 
     template <class Protocol>
@@ -537,14 +538,14 @@ Wiped read_secret_value() {
         ssize_t n = ::read(STDIN_FILENO, buf, sizeof buf);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) {
-            OPENSSL_cleanse(buf, sizeof buf);
+            egress::secure_zero(buf, sizeof buf);
             if (echo_off) ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &saved);
             throw Failure(std::string("cannot read the secret value from standard input: ") +
                           std::strerror(errno));
         }
         if (n == 0) break;
         if (v.s.size() + static_cast<size_t>(n) > (1u << 20)) {
-            OPENSSL_cleanse(buf, sizeof buf);
+            egress::secure_zero(buf, sizeof buf);
             if (echo_off) ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &saved);
             throw Failure("secret value on standard input is larger than 1 MiB");
         }
@@ -559,7 +560,7 @@ Wiped read_secret_value() {
         v.s.append(buf, static_cast<size_t>(n));
         if (tty && v.s.find('\n') != std::string::npos) break;  // one line from a terminal
     }
-    OPENSSL_cleanse(buf, sizeof buf);
+    egress::secure_zero(buf, sizeof buf);
     if (echo_off) {
         ::tcsetattr(STDIN_FILENO, TCSAFLUSH, &saved);
         std::fputs("\n", stderr);
@@ -603,7 +604,7 @@ struct Ctx {
                 throw Failure("--token-file " + *token_file + ": " + std::strerror(err));
             }
             tok.assign(buf, static_cast<size_t>(n));
-            OPENSSL_cleanse(buf, sizeof buf);
+            egress::secure_zero(buf, sizeof buf);
         } else if (const char* env = std::getenv("EGRESSD_ADMIN_TOKEN")) {
             tok = env;
         } else {
