@@ -1,0 +1,108 @@
+#include "proxy/pool_allocator.h"
+
+#include <gtest/gtest.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace egress::proxy {
+namespace {
+
+struct Block {
+    std::array<char, 200> bytes{};
+};
+
+TEST(PoolAllocator, AFreedBlockIsTheNextOneHandedOut) {
+    if (kSanitized) {
+        GTEST_SKIP() << "no cache under AddressSanitizer";
+    }
+    using A = PoolAllocator<Block, 4>;
+    A a;
+    const size_t before = A::cached();
+    Block* p = a.allocate(1);
+    a.deallocate(p, 1);
+    EXPECT_EQ(A::cached(), before + 1);
+    Block* q = a.allocate(1);
+    EXPECT_EQ(q, p);  // from this thread's cache, not from malloc
+    EXPECT_EQ(A::cached(), before);
+    a.deallocate(q, 1);
+}
+
+TEST(PoolAllocator, KeepsAtMostKeepBlocks) {
+    if (kSanitized) {
+        GTEST_SKIP() << "no cache under AddressSanitizer";
+    }
+    struct Other {
+        std::array<char, 72> bytes{};
+    };
+    using A = PoolAllocator<Other, 4>;
+    A a;
+    std::vector<Other*> blocks;
+    for (int i = 0; i < 10; ++i) {
+        blocks.push_back(a.allocate(1));
+    }
+    for (Other* p : blocks) {
+        a.deallocate(p, 1);
+    }
+    EXPECT_EQ(A::cached(), 4U);  // the other six went back to operator delete
+    // Arrays never come from or go to the cache.
+    Other* arr = a.allocate(3);
+    EXPECT_EQ(A::cached(), 4U);
+    a.deallocate(arr, 3);
+    EXPECT_EQ(A::cached(), 4U);
+}
+
+TEST(PoolAllocator, SharedObjectsAndMapNodesComeBackIntoTheCache) {
+    struct Stream {
+        int id = 0;
+        std::string name;
+    };
+    using Map = std::unordered_map<int, std::shared_ptr<Stream>, std::hash<int>,
+                                   std::equal_to<int>,
+                                   PoolAllocator<std::pair<const int, std::shared_ptr<Stream>>>>;
+    Map m;
+    for (int round = 0; round < 3; ++round) {
+        for (int i = 0; i < 50; ++i) {
+            auto s = std::allocate_shared<Stream>(PoolAllocator<Stream>{});
+            s->id = i;
+            s->name = "stream-" + std::to_string(i) + "-with-a-name-past-the-inline-buffer";
+            m[i] = std::move(s);
+        }
+        for (int i = 0; i < 50; ++i) {
+            ASSERT_EQ(m.at(i)->id, i);
+            ASSERT_EQ(m.at(i)->name.substr(0, 7 + std::to_string(i).size()),
+                      "stream-" + std::to_string(i));
+        }
+        m.clear();
+    }
+    EXPECT_TRUE(m.empty());
+}
+
+TEST(PoolAllocator, ABlockFreedOnAnotherThreadJoinsThatThreadsCache) {
+    if (kSanitized) {
+        GTEST_SKIP() << "no cache under AddressSanitizer";
+    }
+    struct Cross {
+        std::array<char, 48> bytes{};
+    };
+    using A = PoolAllocator<Cross, 8>;
+    A a;
+    Cross* p = a.allocate(1);
+    size_t there = 0;
+    std::thread t([&] {
+        A b;
+        b.deallocate(p, 1);
+        there = A::cached();
+        // The thread ends with one cached block: its cache gives it back to operator delete.
+    });
+    t.join();
+    EXPECT_EQ(there, 1U);
+    EXPECT_EQ(A::cached(), 0U);  // this thread's cache is untouched
+}
+
+}  // namespace
+}  // namespace egress::proxy
