@@ -8,6 +8,7 @@
 #include "policy/header_rules.h"
 #include "policy/scrubber.h"
 #include "proxy/h2_client.h"
+#include "proxy/pool_allocator.h"
 
 namespace egress::proxy {
 
@@ -44,7 +45,7 @@ std::string host_header(const policy::HostPort& hp, bool tls) {
 }
 
 /// An HTTP/2 stream on a pooled upstream session.
-class H2Upstream final : public Upstream {
+class H2Upstream final : public Upstream, public PooledNew<H2Upstream> {
 public:
     H2Upstream(H2Pooled p, std::string authority)
         : pooled_(std::move(p)), authority_(std::move(authority)) {}

@@ -20,6 +20,7 @@
 
 #include "policy/request_head.h"
 #include "proxy/net.h"
+#include "proxy/pool_allocator.h"
 
 namespace egress::proxy {
 
@@ -47,7 +48,7 @@ class H2ClientSession;
 struct H2ClientStreamState;
 
 /// One request/response on a session. Destroying an unfinished stream resets it (CANCEL).
-class H2ClientStream {
+class H2ClientStream : public PooledNew<H2ClientStream> {  // one per proxied h2 stream
 public:
     H2ClientStream(std::shared_ptr<H2ClientSession> session,
                    std::shared_ptr<H2ClientStreamState> state);

@@ -124,6 +124,25 @@ private:
     };
 };
 
+/// Class-level new and delete through the same per-thread cache, for objects made with
+/// make_unique and owned through a base pointer (derive from PooledNew<T>; a virtual
+/// destructor in the base makes delete find these). Other sizes (a further derived class)
+/// go to the global operators.
+template <class T>
+struct PooledNew {
+    static void* operator new(size_t n) {
+        return n == sizeof(T) ? static_cast<void*>(PoolAllocator<T>{}.allocate(1))
+                              : ::operator new(n);
+    }
+    static void operator delete(void* p, size_t n) noexcept {
+        if (n == sizeof(T)) {
+            PoolAllocator<T>{}.deallocate(static_cast<T*>(p), 1);
+        } else {
+            ::operator delete(p);
+        }
+    }
+};
+
 /// Stateless: every instance can free what any other made.
 template <class T, class U, size_t Keep>
 bool operator==(const PoolAllocator<T, Keep>&, const PoolAllocator<U, Keep>&) noexcept {

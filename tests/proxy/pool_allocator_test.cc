@@ -104,5 +104,25 @@ TEST(PoolAllocator, ABlockFreedOnAnotherThreadJoinsThatThreadsCache) {
     EXPECT_EQ(A::cached(), 0U);  // this thread's cache is untouched
 }
 
+struct Base {
+    virtual ~Base() = default;
+};
+struct Derived final : Base, PooledNew<Derived> {
+    std::array<char, 100> bytes{};
+};
+
+TEST(PoolAllocator, PooledNewRecyclesObjectsDeletedThroughTheirBase) {
+    if (kSanitized) {
+        GTEST_SKIP() << "no cache under AddressSanitizer";
+    }
+    std::unique_ptr<Base> a = std::make_unique<Derived>();
+    const void* where = a.get();
+    a.reset();  // Derived's operator delete, found through the virtual destructor
+    EXPECT_EQ(PoolAllocator<Derived>::cached(), 1U);
+    std::unique_ptr<Base> b = std::make_unique<Derived>();
+    EXPECT_EQ(static_cast<const void*>(b.get()), where);
+    EXPECT_EQ(PoolAllocator<Derived>::cached(), 0U);
+}
+
 }  // namespace
 }  // namespace egress::proxy
