@@ -8,7 +8,6 @@
 
 #include "proxy/h2_common.h"
 #include "proxy/h2_pool.h"
-#include "proxy/pool_allocator.h"
 
 namespace egress::proxy {
 
@@ -55,11 +54,7 @@ struct H2ClientSession::Impl {
     H2ClientOptions opts;
     H2Pool pool;  // nghttp2's memory: outlives the session
     SessionPtr session;
-    // The nodes and the stream states come from per-thread caches (proxy/pool_allocator.h).
-    std::unordered_map<int32_t, std::shared_ptr<H2ClientStreamState>, std::hash<int32_t>,
-                       std::equal_to<int32_t>,
-                       PoolAllocator<std::pair<const int32_t, std::shared_ptr<H2ClientStreamState>>>>
-        streams;
+    StreamMap<H2ClientStreamState> streams;
     bool goaway = false;
     net::steady_timer watchdog;
 
@@ -328,8 +323,7 @@ std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead&
                                   secret ? NGHTTP2_NV_FLAG_NO_INDEX : NGHTTP2_NV_FLAG_NONE));
         }
     }
-    auto st = std::allocate_shared<H2ClientStreamState>(PoolAllocator<H2ClientStreamState>{},
-                                                        im.stream->get_executor());
+    auto st = make_stream<H2ClientStreamState>(im.stream->get_executor());
     nghttp2_data_provider prd{};
     prd.source.ptr = st.get();
     prd.read_callback = read_request_body;

@@ -11,10 +11,13 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common/secure_zero.h"
 #include "policy/request_head.h"
+#include "proxy/pool_allocator.h"
 #include "proxy/piece_queue.h"
 #include "proxy/net.h"
 
@@ -152,6 +155,20 @@ inline bool h2_forbidden(std::string_view n, std::string_view value) {
            n == "transfer-encoding" || n == "upgrade" || n == "host";
 }
 inline bool h2_forbidden(const policy::Header& h) { return h2_forbidden(h.name, h.value); }
+
+/// A connection's streams by id. Their state and the map's nodes come from a per-thread
+/// cache of freed blocks (proxy/pool_allocator.h): with fifty streams in flight glibc's
+/// seven-block bins overflowed and each took malloc's slow path.
+template <class Stream>
+using StreamMap =
+    std::unordered_map<int32_t, std::shared_ptr<Stream>, std::hash<int32_t>,
+                       std::equal_to<int32_t>,
+                       PoolAllocator<std::pair<const int32_t, std::shared_ptr<Stream>>>>;
+
+template <class Stream, class... Args>
+std::shared_ptr<Stream> make_stream(Args&&... args) {
+    return std::allocate_shared<Stream>(PoolAllocator<Stream>{}, std::forward<Args>(args)...);
+}
 
 /// Shared state of one HTTP/2 connection's I/O: the writer is the only coroutine that writes
 /// to the TLS stream, and the only caller of nghttp2_session_mem_send.

@@ -11,7 +11,6 @@
 #include "policy/header_rules.h"
 #include "proxy/h2_common.h"
 #include "proxy/h2_pool.h"
-#include "proxy/pool_allocator.h"
 
 namespace egress::proxy {
 
@@ -55,11 +54,6 @@ struct ServerStream {
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
 };
 
-using StreamMap =
-    std::unordered_map<int32_t, std::shared_ptr<ServerStream>, std::hash<int32_t>,
-                       std::equal_to<int32_t>,
-                       PoolAllocator<std::pair<const int32_t, std::shared_ptr<ServerStream>>>>;
-
 struct Conn {
     Conn(TlsStream& s, Scope sc) : io(s), scope(std::move(sc)), watchdog(s.get_executor()),
                                    handlers_done(s.get_executor()) {}
@@ -70,7 +64,7 @@ struct Conn {
     Limits limits;
     H2Pool pool;  // nghttp2's memory: outlives the session
     SessionPtr session;
-    StreamMap streams;  // the nodes and the streams come from per-thread caches
+    StreamMap<ServerStream> streams;
     std::vector<int32_t> ready;  // complete request heads from the last mem_recv
     net::steady_timer watchdog;
     Signal handlers_done;
@@ -118,8 +112,7 @@ int on_begin_headers(nghttp2_session*, const nghttp2_frame* frame, void* user_da
         return 0;
     }
     if (frame->headers.cat == NGHTTP2_HCAT_REQUEST) {
-        auto st = std::allocate_shared<ServerStream>(PoolAllocator<ServerStream>{},
-                                                     c->io.stream->get_executor());
+        auto st = make_stream<ServerStream>(c->io.stream->get_executor());
         st->id = frame->hd.stream_id;
         st->head.scheme = "";
         // Room for a typical request and the fields the pipeline sets, so neither the
