@@ -39,19 +39,12 @@ constexpr std::string_view kSecretAadLabel = "egressd/secret/v1";
 constexpr size_t kMaxKmsOutputBytes = 64 * 1024;
 constexpr int kKmsTimeoutMs = 30'000;
 
-void wipe(std::string& s) {
-    if (!s.empty()) {
-        egress::secure_zero(s.data(), s.size());
-    }
-    s.clear();
-}
-
 // Owns a std::string holding key or plaintext bytes; wipes it on every exit path.
 class WipedString {
 public:
     WipedString() = default;
     explicit WipedString(std::string s) : s_(std::move(s)) {}
-    ~WipedString() { wipe(s_); }
+    ~WipedString() { egress::secure_wipe(s_); }
     WipedString(const WipedString&) = delete;
     WipedString& operator=(const WipedString&) = delete;
     std::string& get() { return s_; }
@@ -107,7 +100,7 @@ Result<std::string> aes_gcm(bool encrypt, std::string_view key, std::string_view
         out += tag;
     }
     if (!ok) {
-        wipe(out);
+        egress::secure_wipe(out);
         return make_error(encrypt ? "aes-gcm: encryption failed"
                                   : "aes-gcm: authentication failed");
     }
@@ -433,7 +426,7 @@ Result<std::string> run_command(const std::string& command, std::string_view inp
                                     : "killed by signal " + std::to_string(WTERMSIG(status));
     }
     if (!failure.empty()) {
-        wipe(output);
+        egress::secure_wipe(output);
         return make_error("kms command '" + command + "' " + failure);
     }
     return output;
@@ -519,7 +512,7 @@ Result<std::string> base64_decode(std::string_view text) {
     const int n = EVP_DecodeBlock(reinterpret_cast<unsigned char*>(out.data()), bytes_of(text),
                                   static_cast<int>(text.size()));
     if (n < 0 || static_cast<size_t>(n) != out.size()) {
-        wipe(out);
+        egress::secure_wipe(out);
         return make_error("invalid base64");
     }
     out.resize(out.size() - pad);

@@ -16,14 +16,6 @@ namespace {
 
 constexpr size_t kMaxSecretBytes = 16 * 1024;
 
-// Wipes a std::string's bytes before it is released.
-void wipe(std::string& s) {
-    if (!s.empty()) {
-        egress::secure_zero(s.data(), s.size());
-    }
-    s.clear();
-}
-
 }  // namespace
 
 SecretValue::SecretValue(std::string_view bytes)
@@ -68,7 +60,7 @@ Result<SecretPtr> load_secret_file(const std::string& path) {
     std::string content(kMaxSecretBytes + 3, '\0');
     in.read(content.data(), static_cast<std::streamsize>(content.size()));
     if (in.bad()) {
-        wipe(content);
+        egress::secure_wipe(content);
         return make_error("secret file " + path + ": read error");
     }
     const size_t n = static_cast<size_t>(in.gcount());
@@ -80,11 +72,11 @@ Result<SecretPtr> load_secret_file(const std::string& path) {
     }
     Result<bool> valid = validate_secret_bytes(value);
     if (!valid) {
-        wipe(content);
+        egress::secure_wipe(content);
         return make_error("secret file " + path + ": " + valid.error());
     }
     SecretPtr secret = std::make_shared<const SecretValue>(value);
-    wipe(content);
+    egress::secure_wipe(content);
     return secret;
 }
 

@@ -193,8 +193,7 @@ void Scrubber::finish(std::string& out) {
     scan(needles_, search_, max_len_, tail_.data(), tail_.size(), true, st);
     replacements_ += st.replacements;
     out.append(tail_);
-    egress::secure_zero(tail_.data(), tail_.size());
-    tail_.clear();
+    egress::secure_wipe(tail_);
     covered_left_ = 0;
     run_pos_ = 0;
 }

@@ -90,10 +90,7 @@ const char* kUsage =
 struct Wiped {  // a string holding secret material, wiped when it goes away
     std::string s;
     ~Wiped() { wipe(); }
-    void wipe() {
-        if (!s.empty()) egress::secure_zero(s.data(), s.size());
-        s.clear();
-    }
+    void wipe() { egress::secure_wipe(s); }
 };
 
 std::string trim_ws(std::string s) {

@@ -1,5 +1,7 @@
 #include "credstore/secret.h"
 
+#include "common/secure_zero.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -120,3 +122,15 @@ TEST(ConstantTimeEquals, Compares) {
 
 }  // namespace
 }  // namespace egress::credstore
+
+TEST(SecureWipe, ZeroesTheBytesInPlaceThenEmptiesTheString) {
+    std::string s = "a secret longer than the small-string buffer";
+    const size_t n = s.size();
+    const char* storage = s.data();
+    egress::secure_wipe(s);
+    EXPECT_TRUE(s.empty());
+    ASSERT_EQ(s.data(), storage);  // clear() keeps the buffer: what it held is now zero
+    EXPECT_EQ(std::string(storage, n), std::string(n, '\0'));
+    egress::secure_wipe(s);  // an empty string is fine
+    EXPECT_TRUE(s.empty());
+}
