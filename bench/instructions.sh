@@ -15,6 +15,8 @@
 # moves about 4% from run to run (how many streams one read or write carries depends on
 # timing): compare medians of several alternating runs there. With KEEP_PROFILE_DIR the long run's profile is kept
 # there (callgrind_annotate --inclusive=yes DIR/callgrind.out.*).
+# --trace-children=yes follows egressd's one re-exec at start (proxy/malloc_tuning.h): the
+# profile is of the process that serves.
 # Needs valgrind (apt-get install -y valgrind) and what bench/compare.sh needs.
 set -euo pipefail
 command -v valgrind >/dev/null || { echo "instructions.sh needs valgrind: apt-get install -y valgrind" >&2; exit 2; }
@@ -29,7 +31,7 @@ mkdir -p "$W/out"
 ln -s "$BUILD/bench" "$W/bench"
 cat > "$W/egressd" <<EOF
 #!/bin/sh
-exec valgrind --tool=callgrind --callgrind-out-file=$W/out/callgrind.out.%p --dump-instr=no \
+exec valgrind --tool=callgrind --trace-children=yes --callgrind-out-file=$W/out/callgrind.out.%p --dump-instr=no \
   "$BUILD/egressd" "\$@"
 EOF
 chmod +x "$W/egressd"

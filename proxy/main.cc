@@ -2,6 +2,7 @@
 #include <sys/resource.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -9,6 +10,7 @@
 
 #include "proxy/config.h"
 #include "proxy/logging.h"
+#include "proxy/malloc_tuning.h"
 #include "proxy/runtime.h"
 #include "proxy/server.h"
 
@@ -54,6 +56,10 @@ int main(int argc, char** argv) {
         std::fputs(kUsage, stderr);
         return 2;
     }
+    if (!check) {
+        // Once, before anything else (threads, files): see proxy/malloc_tuning.h.
+        egress::proxy::reexec_with_malloc_tuning(argv);
+    }
     auto cfg = egress::proxy::load_config_file(config_path);
     if (!cfg) {
         std::fprintf(stderr, "egressd: invalid configuration %s:\n%s\n", config_path.c_str(),
@@ -66,6 +72,9 @@ int main(int argc, char** argv) {
     }
     harden_process();
     egress::proxy::setup_logging(cfg->log_format, cfg->log_level);
+    if (const char* tunables = std::getenv("GLIBC_TUNABLES")) {
+        spdlog::info("malloc: GLIBC_TUNABLES={}", tunables);
+    }
 
     auto config = std::make_shared<const egress::proxy::Config>(std::move(*cfg));
     egress::proxy::BuildWarnings warnings;

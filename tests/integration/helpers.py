@@ -68,6 +68,7 @@ class Egressd:
         self.proxy_port = int(config["listen"]["proxy"].rsplit(":", 1)[1])
         self.admin_port = int(config["listen"]["admin"].rsplit(":", 1)[1])
         self.audit_path = config["audit"]["path"]
+        self.extra_env: dict[str, str] = {}  # added to egressd's environment at start
 
     # -- lifecycle --------------------------------------------------------------------------
     def write_config(self):
@@ -86,7 +87,7 @@ class Egressd:
         self._err = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen([self.binary, "--config", self.config_path], cwd=self.workdir,
                                      stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
-                                     env=clean_env(), preexec_fn=_die_with_parent)
+                                     env=clean_env(**self.extra_env), preexec_fn=_die_with_parent)
         try:
             self.wait_ready()
         except BaseException:

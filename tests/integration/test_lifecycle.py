@@ -4,6 +4,7 @@ while the old keeps serving."""
 from __future__ import annotations
 
 import hashlib
+import re
 import signal
 import socket
 import subprocess
@@ -93,3 +94,33 @@ def test_sighup_reload_valid_and_invalid(world, factory, marker):
     r = helpers.request(c, "GET", f"/echo/{marker}-b", f"api.test:{world.U}")
     assert r.status == 200
     c.close()
+
+
+
+def test_restarts_itself_once_with_a_larger_malloc_cache(factory):
+    """egressd re-executes itself at start with glibc.malloc.tcache_count added to
+    GLIBC_TUNABLES (proxy/malloc_tuning.h): same pid, same process name, it serves, and says
+    what it runs with; an operator's own tcache_count is left as it is. (The start-up log is
+    the witness: /proc/PID/environ shows only the first tunable, glibc cuts the original
+    string while it parses a copy.)"""
+    def tunables_logged(e) -> list[str]:
+        return re.findall(r"malloc: GLIBC_TUNABLES=(\S+)", e.stderr_text())
+
+    e = factory.start()
+    assert tunables_logged(e) == ["glibc.malloc.tcache_count=256"]
+    with open(f"/proc/{e.proc.pid}/environ", "rb") as f:
+        assert b"GLIBC_TUNABLES=glibc.malloc.tcache_count=256\0" in f.read()
+    with open(f"/proc/{e.proc.pid}/comm") as f:
+        assert f.read().strip() == "egressd"  # not "exe": it ran its own path
+    assert e.admin_get("/readyz")[0] == 200
+
+    for inherited, expected in [
+            ("glibc.malloc.tcache_count=7", "glibc.malloc.tcache_count=7"),
+            ("glibc.malloc.arena_max=2",
+             "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=256")]:
+        o = factory.make()
+        o.extra_env = {"GLIBC_TUNABLES": inherited}
+        factory.started.append(o)
+        o.start()
+        assert tunables_logged(o) == [expected]
+        assert o.admin_get("/readyz")[0] == 200
