@@ -1,6 +1,7 @@
 """Lifecycle: SIGTERM drains in-flight transfers (all 50 finish intact, exit 0, /readyz turns
 503, new connections are refused); SIGHUP reloads a valid config and refuses an invalid one
-while the old keeps serving."""
+while the old keeps serving; at start egressd re-executes itself once with a larger malloc
+cache."""
 from __future__ import annotations
 
 import hashlib
@@ -94,7 +95,6 @@ def test_sighup_reload_valid_and_invalid(world, factory, marker):
     r = helpers.request(c, "GET", f"/echo/{marker}-b", f"api.test:{world.U}")
     assert r.status == 200
     c.close()
-
 
 
 def test_restarts_itself_once_with_a_larger_malloc_cache(factory):
