@@ -52,6 +52,7 @@ struct Limits {
     size_t leaf_mints_per_minute = 600;  // per run (token bucket); 0 = unlimited
     size_t max_upstream_idle_per_host = 32;
     size_t upstream_tls_sessions = 1024;  // resumable upstream sessions kept per worker; 0 = none
+    size_t worker_threads = 0;  // event loops; 0 = one per CPU this process may use (cpus.h)
 };
 
 struct PinConfig {

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "proxy/control_plane.h"
+#include "proxy/cpus.h"
 #include "proxy/upstream.h"
 #include "proxy/worker.h"
 #include "tls/contexts.h"
@@ -131,10 +132,12 @@ struct Server::Impl {
             cfg->state_path != old.state_path || cfg->master_key_file != old.master_key_file ||
             cfg->resolver_overrides != old.resolver_overrides ||
             cfg->limits.max_upstream_idle_per_host != old.limits.max_upstream_idle_per_host ||
-            cfg->limits.upstream_tls_sessions != old.limits.upstream_tls_sessions) {
+            cfg->limits.upstream_tls_sessions != old.limits.upstream_tls_sessions ||
+            cfg->limits.worker_threads != old.limits.worker_threads) {
             spdlog::warn("reload: listen.*, upstream.ca_file, state.*, keys.*, "
-                         "resolver.overrides, limits.max_upstream_idle_per_host and "
-                         "limits.upstream_tls_sessions changes take effect after a restart");
+                         "resolver.overrides, limits.max_upstream_idle_per_host, "
+                         "limits.upstream_tls_sessions and limits.worker_threads changes take "
+                         "effect after a restart");
         }
         auto config = std::make_shared<const Config>(std::move(*cfg));
         BuildWarnings warnings;
@@ -252,7 +255,8 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     s.client_ctx = std::make_unique<ssl::context>(client_ctx->release());
     s.metrics.runs_active.store(static_cast<int64_t>(runtime->runs.size()));
 
-    size_t n = std::max(1u, std::thread::hardware_concurrency());
+    const size_t configured = cfg.limits.worker_threads;
+    const size_t n = configured != 0 ? configured : usable_cpus();
     for (size_t i = 0; i < n; ++i) {
         impl_->workers.push_back(std::make_unique<Worker>(s));
     }

@@ -90,6 +90,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.leaf_cache_size, d.limits.leaf_cache_size);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 1024u);
+    EXPECT_EQ(c.limits.worker_threads, 0u);  // one per usable CPU
     EXPECT_EQ(c.audit.path, "var/audit.jsonl");
     EXPECT_FALSE(c.audit.durable);
     EXPECT_EQ(c.log_level, "info");
@@ -159,6 +160,7 @@ limits:
   leaf_mints_per_minute: 120
   max_upstream_idle_per_host: 0
   upstream_tls_sessions: 0
+  worker_threads: 3
 audit:
   path: "-"
   durable: true
@@ -253,6 +255,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.leaf_mints_per_minute, 120u);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 0u);
+    EXPECT_EQ(c.limits.worker_threads, 3u);
     EXPECT_EQ(c.audit.path, "-");
     EXPECT_TRUE(c.audit.durable);
     EXPECT_EQ(c.log_level, "debug");
@@ -446,6 +449,8 @@ const ErrorRow kErrorRows[] = {
      "limits.max_header_bytes: expected an integer"},
     {"IntegerOutOfRange", "limits: {connections_per_run: 0}\n",
      "limits.connections_per_run: expected an integer in 1.."},
+    {"TooManyWorkers", "limits: {worker_threads: 1000}\n",
+     "limits.worker_threads: expected an integer in 0..256"},
     {"NegativeInteger", "limits: {h2_max_concurrent_streams: -1}\n",
      "limits.h2_max_concurrent_streams: expected an integer"},
     {"StringGotMapping", "audit: {path: {a: b}}\n", "audit.path: expected a string, got a mapping"},

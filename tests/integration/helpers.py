@@ -69,6 +69,7 @@ class Egressd:
         self.admin_port = int(config["listen"]["admin"].rsplit(":", 1)[1])
         self.audit_path = config["audit"]["path"]
         self.extra_env: dict[str, str] = {}  # added to egressd's environment at start
+        self.binary_prefix: list[str] = []  # e.g. ["taskset", "-c", "0"]
 
     # -- lifecycle --------------------------------------------------------------------------
     def write_config(self):
@@ -85,7 +86,8 @@ class Egressd:
         self.write_config()
         self._out = open(self.stdout_path, "ab")
         self._err = open(self.stderr_path, "ab")
-        self.proc = subprocess.Popen([self.binary, "--config", self.config_path], cwd=self.workdir,
+        self.proc = subprocess.Popen([*self.binary_prefix, self.binary, "--config", self.config_path],
+                                     cwd=self.workdir,
                                      stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL,
                                      env=clean_env(**self.extra_env), preexec_fn=_die_with_parent)
         try:

@@ -124,3 +124,37 @@ def test_restarts_itself_once_with_a_larger_malloc_cache(factory):
         o.start()
         assert tunables_logged(o) == [expected]
         assert o.admin_get("/readyz")[0] == 200
+
+
+def _taskset_cpus(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(l for l in f if l.startswith("Cpus_allowed_list:"))
+    n = 0
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(l for l in f if l.startswith("Threads:")).split()[1])
+
+
+def test_worker_threads_key_and_its_cpu_aware_default(factory):
+    """limits.worker_threads sets the number of event loops; 0 (the default) is one per CPU
+    this process may use: under `taskset -c 0` that is one, whatever the machine has."""
+    one = factory.make(mutate=lambda c: c.setdefault("limits", {}).update({"worker_threads": 3}))
+    factory.started.append(one)
+    one.start()
+    assert "(3 workers)" in one.stderr_text()
+    assert _threads(one.proc.pid) >= 3
+
+    pinned = factory.make()
+    pinned.binary_prefix = ["taskset", "-c", "0"]
+    factory.started.append(pinned)
+    pinned.start()
+    assert _taskset_cpus(pinned.proc.pid) == 1
+    assert "(1 workers)" in pinned.stderr_text()
+    assert pinned.admin_get("/readyz")[0] == 200
+
