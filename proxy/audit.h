@@ -88,6 +88,11 @@ private:
 /// "2026-12-02T17:53:31.687Z": the one timestamp format of audit records and JSON logs.
 std::string iso8601_utc(std::chrono::system_clock::time_point t);
 
+/// A duration in milliseconds as JSON, with three decimals: what std::to_chars(fixed, 3)
+/// writes, byte for byte; "0" for what it cannot (not finite, longer than 64 bytes). Exposed
+/// for tests.
+std::string duration_ms_text(double ms);
+
 /// The JSON line for a record (no trailing newline). Exposed for tests.
 std::string audit_json(const AuditRecord& rec);
 /// The same, appended to `out`.

@@ -7,6 +7,9 @@
 #include <boost/json.hpp>
 
 #include <atomic>
+#include <charconv>
+#include <cmath>
+#include <random>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -355,6 +358,42 @@ TEST(AuditLog, UnwritablePathNamesTheKey) {
     auto log = AuditLog::open("/proc/egress-no-such-dir/audit.jsonl", true);
     ASSERT_FALSE(log.ok());
     EXPECT_NE(log.error().find("audit.path"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace egress::proxy
+
+namespace egress::proxy {
+namespace {
+
+std::string to_chars_fixed3(double v) {
+    char buf[400];
+    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::fixed, 3);
+    return ec == std::errc() ? std::string(buf, end) : std::string("0");
+}
+
+// The fast path writes exactly what std::to_chars(fixed, 3) writes: every value an exchange
+// measures (random, over the whole range and its edges) and the half-way cases, where the
+// product by 1000 and the exact binary value could round differently.
+TEST(AuditJson, DurationIsWhatToCharsWrites) {
+    std::vector<double> values = {0.0,    0.0004, 0.0005, 0.0015, 0.0025, 1.0005, 2.0005,
+                                  0.1235, 12.3456, 999.9995, 999999.9995, 999999.9999, 1e6,
+                                  1e6 - 1e-9, 4e9, 1e12, 123456.5, 0.0125, 5e-324,
+                                  std::nextafter(0.0005, 1.0), std::nextafter(0.0005, 0.0)};
+    std::mt19937_64 rng(20261204);
+    std::uniform_real_distribution<double> small(0.0, 5.0), mid(0.0, 2e6);
+    for (int i = 0; i < 100000; ++i) {
+        values.push_back(small(rng));
+        values.push_back(mid(rng));
+        // Exact ties in decimal: k.xyz5, whose binary value lies just above or below.
+        values.push_back(static_cast<double>(rng() % 100000000) / 1000.0 + 0.0005);
+    }
+    for (double v : values) {
+        ASSERT_EQ(duration_ms_text(v), to_chars_fixed3(v)) << std::hexfloat << v;
+    }
+    EXPECT_EQ(duration_ms_text(-1.5), "-1.500");  // not measured, but still what to_chars says
+    EXPECT_EQ(duration_ms_text(std::numeric_limits<double>::infinity()), "0");
+    EXPECT_EQ(duration_ms_text(std::nan("")), "0");
 }
 
 }  // namespace
