@@ -63,15 +63,6 @@ char* write_iso8601_utc(char* p, std::chrono::system_clock::time_point t) {
     return p;
 }
 
-}  // namespace
-
-std::string iso8601_utc(std::chrono::system_clock::time_point t) {
-    char buf[24];
-    return std::string(buf, write_iso8601_utc(buf, t));
-}
-
-namespace {
-
 constexpr size_t kMillisChars = 64;  // to_chars' buffer below; longer is written as "0"
 
 /// duration_ms with three decimals at p (kMillisChars bytes of room); returns the end.
@@ -88,7 +79,7 @@ char* write_millis(char* p, double v) {
         const double frac = t - whole;
         if (std::fabs(frac - 0.5) > 1e-6) {
             auto n = static_cast<uint64_t>(whole) + (frac > 0.5 ? 1 : 0);
-            p = std::to_chars(p, p + 20, n / 1000).ptr;
+            p = std::to_chars(p, p + kMillisChars, n / 1000).ptr;
             *p++ = '.';
             return write_digits(p, static_cast<unsigned>(n % 1000), 3);
         }
@@ -102,6 +93,11 @@ char* write_millis(char* p, double v) {
 }
 
 }  // namespace
+
+std::string iso8601_utc(std::chrono::system_clock::time_point t) {
+    char buf[24];
+    return std::string(buf, write_iso8601_utc(buf, t));
+}
 
 std::string duration_ms_text(double ms) {
     char buf[kMillisChars];

@@ -30,10 +30,12 @@ def poll(pred, timeout: float, what: str, interval: float = 0.02):
 
 
 def clean_env(**extra) -> dict:
-    """The environment for client subprocesses: no proxy or CA variables inherited."""
+    """The environment for client subprocesses and egressd: no proxy or CA variables
+    inherited, and no allocator tunables (egressd adds its own: proxy/malloc_tuning.h)."""
     env = {k: v for k, v in os.environ.items()
            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy",
-                                "ssl_cert_file", "curl_ca_bundle", "requests_ca_bundle")}
+                                "ssl_cert_file", "curl_ca_bundle", "requests_ca_bundle",
+                                "glibc_tunables")}
     env.update(extra)
     return env
 
