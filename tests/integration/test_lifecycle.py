@@ -37,15 +37,20 @@ def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
     procs = []
     for i in range(N_TRANSFERS):
         out = tmp_path / f"dl{i}.bin"
-        # --limit-rate keeps every transfer in flight for ~2 s, so SIGTERM lands mid-body.
+        # The upstream pauses 60 ms after each 64 KiB piece (~2 s per transfer), so SIGTERM
+        # lands mid-body for egressd itself. (A client-side --limit-rate would not: the
+        # kernel's socket buffers hold 2 MiB, egressd would be done and exit at once.)
         procs.append((out, subprocess.Popen(
-            ["curl", "-sS", "-f", "--http1.1", "--max-time", "120", "--limit-rate", "1M",
-             "--cacert", ca, "-o", str(out), f"https://api.test:{world.U}/bytes/{n}?{marker}-{i}"],
+            ["curl", "-sS", "-f", "--http1.1", "--max-time", "120", "--cacert", ca, "-o", str(out),
+             f"https://api.test:{world.U}/bytes/{n}?pace=60&id={marker}-{i}"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     try:
         # Every transfer has reached the upstream (and so is in flight through egressd).
         _poll(lambda: len(world.upstream.find(marker)) >= N_TRANSFERS, 60, "50 transfers upstream")
         e.proc.send_signal(signal.SIGTERM)
+        # The signal did land mid-body: most upstream writers are still part-way through.
+        mid = sum(0 < world.upstream.progress(f"{marker}-{i}") < n for i in range(N_TRANSFERS))
+        assert mid >= N_TRANSFERS // 2, f"only {mid} transfers were mid-body at SIGTERM"
         # Draining: /readyz fails and the proxy port stops accepting.
         _poll(lambda: (e.admin_get("/readyz", timeout=0.5) or (0,))[0] == 503, 10,
               "/readyz 503 while draining")

@@ -7,6 +7,8 @@
   records every request it sees, with endpoints:
     /echo            JSON: method, path, headers ([name, value] pairs), body length and sha256
     /bytes/N         N deterministic bytes, Content-Length, written in 64 KiB pieces
+                     (?pace=MS: a pause of MS ms after each piece, so the transfer stays in
+                     flight at the upstream; ?id=I: progress(I) tells how far it got)
     /chunked/N       the same bytes, chunked transfer coding
     /upload          reads the body as a stream, replies JSON length + sha256
     /reflect         echoes the request's Authorization / X-Api-Key value into the response
@@ -247,6 +249,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 sent += len(piece)
                 if q.get("id"):
                     self.server.progress[q["id"]] = sent  # how far the writer got (backpressure)
+                if q.get("pace") and sent < total:
+                    self.wfile.flush()
+                    time.sleep(min(int(q["pace"]), 1000) / 1000)
             if parts[1] == "chunked":
                 self.wfile.write(b"0\r\n\r\n")
         elif base == "/reflect":
