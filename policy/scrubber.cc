@@ -198,6 +198,30 @@ void Scrubber::finish(std::string& out) {
     run_pos_ = 0;
 }
 
+std::string_view Scrubber::feed_in_place(std::span<char> piece, bool last, std::string& spill) {
+    if (!active()) {
+        return {piece.data(), piece.size()};
+    }
+    if (!tail_.empty()) {
+        spill.clear();
+        feed({piece.data(), piece.size()}, spill);
+        if (last) {
+            finish(spill);
+        }
+        return spill;
+    }
+    ScanState st{covered_left_, run_pos_, 0};
+    const size_t safe = scan(needles_, search_, max_len_, piece.data(), piece.size(), last, st);
+    replacements_ += st.replacements;
+    covered_left_ = last ? 0 : st.covered_left;
+    run_pos_ = last ? 0 : st.run_pos;
+    char* held = piece.data() + safe;
+    const size_t held_len = piece.size() - safe;
+    tail_.assign(held, held_len);
+    egress::secure_zero(held, held_len);
+    return {piece.data(), safe};
+}
+
 std::string Scrubber::scrub_value(std::string_view value) {
     std::string buf(value);
     scrub_in_place(buf);

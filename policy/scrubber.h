@@ -4,6 +4,7 @@
 // so Content-Length framing stays valid and nothing needs buffering beyond a short tail.
 #include <array>
 #include <cstddef>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -24,6 +25,13 @@ public:
     void feed(std::string_view in, std::string& out);
     /// Emits whatever is held back (scrubbed).
     void finish(std::string& out);
+    /// The same stream, scrubbed where the piece lies (no copy of the body): returns the bytes
+    /// to send now, a prefix of `piece` whose replaced bytes were rewritten in place (the
+    /// length never changes). Bytes that may begin a needle at the end of `piece` are held
+    /// back (and wiped in `piece`), as feed() holds them. Only when bytes are held back from
+    /// the previous piece does it fall back to feed() into `spill` and return `spill`.
+    /// `last` also does what finish() does.
+    std::string_view feed_in_place(std::span<char> piece, bool last, std::string& spill);
 
     /// Scrubs one complete value (a header value).
     std::string scrub_value(std::string_view value);

@@ -370,7 +370,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 if (chunk.last) {
                     trailers = down.request_trailers();
                 }
-                if (!co_await up->send_body(chunk.data, chunk.last,
+                if (!co_await up->send_body(chunk.view(), chunk.last,
                                             trailers.empty() ? nullptr : &trailers)) {
                     sent = false;
                     break;
@@ -445,7 +445,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_return false;
     }
     if (!resp->body.none) {
-        std::string scrubbed;
+        std::string spill;  // only when the scrubber held bytes back from the previous piece
         for (;;) {
             auto chunk = co_await up->read_body();
             if (!chunk.ok) {
@@ -454,15 +454,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 co_return false;
             }
             rec.bytes_out += chunk.data.size();
-            std::string_view out = chunk.data;
-            if (scrubber.active()) {
-                scrubbed.clear();
-                scrubber.feed(chunk.data, scrubbed);
-                if (chunk.last) {
-                    scrubber.finish(scrubbed);
-                }
-                out = scrubbed;
-            }
+            // Scrubbed where it lies, in the upstream's buffer: no copy, no allocation.
+            const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
             if (out.empty() && !chunk.last) {
                 continue;
             }

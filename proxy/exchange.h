@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,12 +49,14 @@ enum class BodyFailure : uint8_t {
     Framing,  // malformed framing (chunk syntax, length mismatch): a smuggling attempt or a bug
 };
 
-/// One piece of a body. `data` stays valid until the next read on the same source.
+/// One piece of a body. `data` is the source's own buffer: it stays valid until the next read
+/// on the same source, and the reader may rewrite it in place (the response scrubber does).
 struct BodyChunk {
-    std::string_view data;
+    std::span<char> data;
     bool last = false;   // the body (and its trailers) is complete
     bool ok = true;      // false: see `failure`
     BodyFailure failure = BodyFailure::Aborted;
+    std::string_view view() const { return {data.data(), data.size()}; }
 };
 
 struct ResponseHead {

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,7 +67,7 @@ public:
     /// Next response body piece (valid until the next call; empty with eof=true at the end).
     /// Bytes returned by the previous call are consumed (window update) first.
     struct Piece {
-        std::string_view data;
+        std::span<char> data;  // the stream's buffer until the next read(); may be rewritten
         bool eof = false;
         bool ok = true;
     };

@@ -21,7 +21,7 @@ auto& lowest(Stream& s) {
 }
 
 /// Free buffer space before each body read: one TLS record's plaintext.
-constexpr size_t kBodyReadBytes = 16 * 1024;
+constexpr size_t kBodyReadBytes = 64 * 1024;
 
 /// Responses with a Content-Length up to this go out head and body in one write.
 constexpr uint64_t kCoalesceBodyBytes = 16 * 1024;
@@ -164,7 +164,7 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
         co_return BodyChunk{{}, false, false, failure};
     }
     size_t got = kRelayBufferBytes - p.body_room();
-    co_return BodyChunk{std::string_view(buf, got), p.is_done(), true};
+    co_return BodyChunk{std::span<char>(buf, got), p.is_done(), true};
 }
 
 /// Writes one body piece with HTTP/1.1 framing: raw (Content-Length) or chunked, the last

@@ -14,44 +14,7 @@ namespace net = boost::asio;
 using error_code = boost::system::error_code;
 using socket_type = TlsSocket::socket_type;
 
-// The BIO between OpenSSL and the socket. Unlike OpenSSL's socket BIO it sends with
-// MSG_NOSIGNAL (a peer that went away is EPIPE, not SIGPIPE) and asks the Asio socket for its
-// descriptor on every call: once the socket is closed, a late SSL call fails with EBADF
-// instead of reading a descriptor number the kernel has handed to another connection.
-int socket_of(BIO* bio) {
-    auto* s = static_cast<socket_type*>(BIO_get_data(bio));
-    return (s != nullptr && s->is_open()) ? s->native_handle() : -1;
-}
-
 bool retriable(int err) { return err == EAGAIN || err == EWOULDBLOCK || err == EINTR; }
-
-int bio_write(BIO* bio, const char* data, int len) {
-    BIO_clear_retry_flags(bio);
-    const int fd = socket_of(bio);
-    if (fd < 0) {
-        errno = EBADF;
-        return -1;
-    }
-    const ssize_t n = ::send(fd, data, static_cast<size_t>(len), MSG_NOSIGNAL);
-    if (n < 0 && retriable(errno)) {
-        BIO_set_retry_write(bio);
-    }
-    return static_cast<int>(n);
-}
-
-int bio_read(BIO* bio, char* data, int len) {
-    BIO_clear_retry_flags(bio);
-    const int fd = socket_of(bio);
-    if (fd < 0) {
-        errno = EBADF;
-        return -1;
-    }
-    const ssize_t n = ::recv(fd, data, static_cast<size_t>(len), 0);
-    if (n < 0 && retriable(errno)) {
-        BIO_set_retry_read(bio);
-    }
-    return static_cast<int>(n);  // 0: the peer closed
-}
 
 long bio_ctrl(BIO*, int cmd, long, void*) {
     // Writes are unbuffered: a flush (after each handshake flight) has nothing to do. Every
@@ -62,19 +25,6 @@ long bio_ctrl(BIO*, int cmd, long, void*) {
 int bio_create(BIO* bio) {
     BIO_set_init(bio, 1);
     return 1;
-}
-
-const BIO_METHOD* socket_bio_method() {
-    static const BIO_METHOD* method = [] {
-        BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "egressd socket");
-        if (m == nullptr || BIO_meth_set_write(m, bio_write) != 1 ||
-            BIO_meth_set_read(m, bio_read) != 1 || BIO_meth_set_ctrl(m, bio_ctrl) != 1 ||
-            BIO_meth_set_create(m, bio_create) != 1) {
-            throw std::bad_alloc();
-        }
-        return m;
-    }();
-    return method;
 }
 
 /// Before each SSL call: classify() reads OpenSSL's error queue and errno, so neither may hold
@@ -94,6 +44,58 @@ error_code ssl_error(unsigned long e) {
 
 }  // namespace
 
+// The BIO between OpenSSL and the socket. Unlike OpenSSL's socket BIO it sends with
+// MSG_NOSIGNAL (a peer that went away is EPIPE, not SIGPIPE) and asks the Asio socket for its
+// descriptor on every call: once the socket is closed, a late SSL call fails with EBADF
+// instead of reading a descriptor number the kernel has handed to another connection.
+namespace {
+int descriptor(socket_type& s) { return s.is_open() ? s.native_handle() : -1; }
+}  // namespace
+
+int TlsSocket::bio_write(BIO* bio, const char* data, int len) {
+    BIO_clear_retry_flags(bio);
+    auto* core = static_cast<Core*>(BIO_get_data(bio));
+    const int fd = descriptor(core->socket);
+    if (fd < 0) {
+        errno = EBADF;
+        return -1;
+    }
+    const int flags = MSG_NOSIGNAL | (core->more_to_send ? MSG_MORE : 0);
+    const ssize_t n = ::send(fd, data, static_cast<size_t>(len), flags);
+    if (n < 0 && retriable(errno)) {
+        BIO_set_retry_write(bio);
+    }
+    return static_cast<int>(n);
+}
+
+int TlsSocket::bio_read(BIO* bio, char* data, int len) {
+    BIO_clear_retry_flags(bio);
+    auto* core = static_cast<Core*>(BIO_get_data(bio));
+    const int fd = descriptor(core->socket);
+    if (fd < 0) {
+        errno = EBADF;
+        return -1;
+    }
+    const ssize_t n = ::recv(fd, data, static_cast<size_t>(len), 0);
+    if (n < 0 && retriable(errno)) {
+        BIO_set_retry_read(bio);
+    }
+    return static_cast<int>(n);  // 0: the peer closed
+}
+
+const BIO_METHOD* TlsSocket::socket_bio_method() {
+    static const BIO_METHOD* method = [] {
+        BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "egressd socket");
+        if (m == nullptr || BIO_meth_set_write(m, bio_write) != 1 ||
+            BIO_meth_set_read(m, bio_read) != 1 || BIO_meth_set_ctrl(m, bio_ctrl) != 1 ||
+            BIO_meth_set_create(m, bio_create) != 1) {
+            throw std::bad_alloc();
+        }
+        return m;
+    }();
+    return method;
+}
+
 TlsSocket::TlsSocket(socket_type socket, boost::asio::ssl::context& ctx) {
     auto core = std::make_shared<Core>(std::move(socket));
     core->ssl = SSL_new(ctx.native_handle());
@@ -111,7 +113,7 @@ TlsSocket::TlsSocket(socket_type socket, boost::asio::ssl::context& ctx) {
     if (bio == nullptr) {
         throw boost::system::system_error(ssl_error(ERR_get_error()), "BIO_new");
     }
-    BIO_set_data(bio, &core->socket);
+    BIO_set_data(bio, core.get());  // the Core outlives the SSL object it frees
     SSL_set_bio(core->ssl, bio, bio);  // one reference, owned by the SSL object
     if (core->socket.is_open()) {
         error_code ec;
@@ -175,13 +177,15 @@ TlsSocket::Status TlsSocket::classify(SSL* ssl, int ret) {
     }
 }
 
-TlsSocket::Status TlsSocket::HandshakeStep::operator()(SSL* ssl) const {
+TlsSocket::Status TlsSocket::HandshakeStep::operator()(Core& core) const {
+    SSL* ssl = core.ssl;
     clear_errors();
     const int r = SSL_do_handshake(ssl);
     return r == 1 ? Status{Status::Done, {}, 0} : classify(ssl, r);
 }
 
-TlsSocket::Status TlsSocket::ShutdownStep::operator()(SSL* ssl) const {
+TlsSocket::Status TlsSocket::ShutdownStep::operator()(Core& core) const {
+    SSL* ssl = core.ssl;
     clear_errors();
     const int r = SSL_shutdown(ssl);
     if (r == 1) {
@@ -200,7 +204,8 @@ TlsSocket::Status TlsSocket::ShutdownStep::operator()(SSL* ssl) const {
     return classify(ssl, r);
 }
 
-TlsSocket::Status TlsSocket::ReadStep::operator()(SSL* ssl) const {
+TlsSocket::Status TlsSocket::ReadStep::operator()(Core& core) const {
+    SSL* ssl = core.ssl;
     if (size == 0) {
         return {Status::Done, {}, 0};
     }
@@ -224,16 +229,29 @@ TlsSocket::Status TlsSocket::ReadStep::operator()(SSL* ssl) const {
     return {Status::Done, {}, n};
 }
 
-TlsSocket::Status TlsSocket::WriteStep::operator()(SSL* ssl) const {
-    if (size == 0) {
-        return {Status::Done, {}, 0};
+TlsSocket::Status TlsSocket::WriteStep::operator()(Core& core) const {
+    // With SSL_MODE_ENABLE_PARTIAL_WRITE each SSL_write_ex sends one record (at most 16 KiB
+    // of plaintext, less if the peer asked for smaller fragments), so only a write with more
+    // than 16 KiB left has a record after this one: MSG_MORE never holds back a write's last.
+    size_t done = 0;
+    while (done < size) {
+        clear_errors();
+        size_t n = 0;
+        core.more_to_send = size - done > kMaxRecordPlaintext;
+        const int ok = SSL_write_ex(core.ssl, data + done, size - done, &n);
+        core.more_to_send = false;
+        if (ok != 1) {
+            if (done > 0) {
+                // Report what went out. The caller writes the rest with the same bytes, as
+                // OpenSSL requires after WANT_WRITE, and that call waits if it must.
+                clear_errors();
+                break;
+            }
+            return classify(core.ssl, 0);
+        }
+        done += n;
     }
-    clear_errors();
-    size_t n = 0;
-    if (SSL_write_ex(ssl, data, size, &n) != 1) {
-        return classify(ssl, 0);
-    }
-    return {Status::Done, {}, n};
+    return {Status::Done, {}, done};
 }
 
 bool TlsSocket::arm(const std::shared_ptr<Core>& core) {
@@ -263,6 +281,7 @@ void TlsSocket::fire_by(const std::shared_ptr<Core>& core, Clock::time_point at)
 
 void TlsSocket::start_keeping_buffers(const std::shared_ptr<Core>& core) {
     SSL_clear_mode(core->ssl, SSL_MODE_RELEASE_BUFFERS);
+    SSL_set_default_read_buffer_len(core->ssl, kBusyReadBufferBytes);
     core->keep_buffers = true;
     core->release_due = Clock::now() + kIdleRelease;
     fire_by(core, core->release_due);
@@ -286,6 +305,7 @@ void TlsSocket::on_timer(const std::shared_ptr<Core>& core, uint64_t generation)
             // read or half written; the mode then frees them when they drain.
             SSL_set_mode(core->ssl, SSL_MODE_RELEASE_BUFFERS);
             SSL_free_buffers(core->ssl);
+            SSL_set_default_read_buffer_len(core->ssl, 0);  // OpenSSL's one-record minimum
             core->keep_buffers = false;
             core->calls = 0;
         }

@@ -12,7 +12,12 @@
 // allocates them again on the next call: several malloc/free pairs of 17 KiB per proxied
 // request on a busy keep-alive connection. So after kBusyCalls OpenSSL calls a stream keeps its
 // buffers, and the stream's timer gives them back (and sets the mode again) once it has gone a
-// whole kIdleRelease without a call.
+// whole kIdleRelease without a call. While it keeps them its read buffer holds four records
+// (kBusyReadBufferBytes, about 84 KiB a busy connection with the write buffer), so a large
+// body is read with a quarter of the system calls.
+//
+// Writes: one write operation sends as many records as the socket takes, every record but the
+// write's last with MSG_MORE (see WriteStep).
 //
 // The stream carries one deadline for its operations (expires_after / expires_never, like
 // beast::tcp_stream) that costs no system call to move: a single timer is armed when an
@@ -90,6 +95,10 @@ public:
     static constexpr uint32_t kBusyCalls = 16;
     /// A stream that keeps them gives them back after this long without a call (1–2 periods).
     static constexpr std::chrono::milliseconds kIdleRelease{1000};
+    /// A busy stream's read buffer: with read ahead, one recv takes up to four whole records
+    /// (a 64 KiB body in one system call, not four). Streams that are not busy (handshakes,
+    /// a request now and then) keep OpenSSL's one-record buffer, allocated per call.
+    static constexpr size_t kBusyReadBufferBytes = 4 * SSL3_RT_MAX_PACKET_SIZE;
     /// Whether the stream keeps its record buffers between OpenSSL calls (it is busy).
     bool keeps_buffers() const { return core_->keep_buffers; }
 
@@ -149,7 +158,8 @@ public:
         return start<void(error_code, size_t)>(step, std::forward<Token>(token));
     }
 
-    static constexpr size_t kGatherBytes = 16 * 1024;  // one TLS record's plaintext
+    static constexpr size_t kMaxRecordPlaintext = 16 * 1024;  // TLS's largest record
+    static constexpr size_t kGatherBytes = kMaxRecordPlaintext;  // gathered into one record
 
 private:
     struct Core {
@@ -171,6 +181,7 @@ private:
         uint32_t calls = 0;         // OpenSSL calls while the mode is on
         Clock::time_point release_due = Clock::time_point::max();
         std::string gather;
+        bool more_to_send = false;  // the record being written is not the write's last: MSG_MORE
     };
 
     /// What one attempt of an OpenSSL call came to.
@@ -183,21 +194,29 @@ private:
     static Status classify(SSL* ssl, int ret);
 
     struct HandshakeStep {
-        Status operator()(SSL* ssl) const;
+        Status operator()(Core& core) const;
     };
     struct ShutdownStep {
-        Status operator()(SSL* ssl) const;
+        Status operator()(Core& core) const;
     };
     struct ReadStep {
         char* data = nullptr;
         size_t size = 0;
-        Status operator()(SSL* ssl) const;
+        Status operator()(Core& core) const;
     };
+    /// Writes as many records as the socket takes (not one per call of the operation): a
+    /// 64 KiB body goes out in one step, and every record but the last is sent with MSG_MORE,
+    /// so the kernel builds one segment of them and the peer wakes once, not once a record.
     struct WriteStep {
         const char* data = nullptr;
         size_t size = 0;
-        Status operator()(SSL* ssl) const;
+        Status operator()(Core& core) const;
     };
+
+    // The BIO between OpenSSL and core->socket (tls_socket.cc).
+    static const BIO_METHOD* socket_bio_method();
+    static int bio_write(BIO* bio, const char* data, int len);
+    static int bio_read(BIO* bio, char* data, int len);
 
     /// Closes the socket now and cancels the timer: a timer handler still holding the core
     /// must not keep the descriptor open until it fires.
@@ -249,7 +268,7 @@ private:
                 return finish(self, {Status::Failed, boost::asio::error::bad_descriptor, 0});
             }
             note_use(core);
-            Status s = step(core->ssl);
+            Status s = step(*core);
             if (s.kind == Status::Done || s.kind == Status::Failed) {
                 return finish(self, std::move(s));
             }

@@ -7,7 +7,8 @@
 // Invariants checked beyond "no sanitizer report":
 //   * scrub_value equals the definition (byte by byte, no skipping: the longest needle at each
 //     position extends the covered run; the replacement text restarts with each run);
-//   * feeding the body in pieces (cut where the input's bytes say) gives the same output;
+//   * feeding the body in pieces (cut where the input's bytes say) gives the same output, through
+//     feed() and through feed_in_place() (each piece scrubbed in a buffer of its own);
 //   * the output has the body's length. (Not "holds no needle": the replacement text next to
 //     kept bytes can spell a needle such as "ab[", which is no leak of the input.)
 #include <algorithm>
@@ -60,5 +61,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     streamed.finish(out);
     FUZZ_CHECK(out == want, "streamed output differs from the definition");
     FUZZ_CHECK(out.size() == body.size(), "length changed");
+
+    // The same cuts, scrubbed in place (each piece in a buffer of its own, as relayed).
+    Scrubber in_place(needles);
+    std::string sent;
+    std::string spill;
+    prev = 0;
+    for (size_t i = 0; i <= body.size(); ++i) {
+        if (i == body.size() || (static_cast<unsigned char>(body[i]) & 7) == 0) {
+            const size_t end_at = std::min(i + 1, body.size());
+            std::string piece(body.substr(prev, end_at - prev));
+            sent.append(in_place.feed_in_place(piece, i == body.size(), spill));
+            prev = end_at;
+        }
+    }
+    FUZZ_CHECK(sent == want, "in-place output differs from the definition");
     return 0;
 }

@@ -32,6 +32,23 @@ std::string split_feed(const std::vector<std::string>& needles, std::string_view
     return out;
 }
 
+// The same pieces through feed_in_place, each in its own buffer (as the proxy's relay buffer
+// or HTTP/2 piece): what it returns is what would be sent.
+std::string split_feed_in_place(const std::vector<std::string>& needles, std::string_view body,
+                                const std::vector<size_t>& cuts) {
+    Scrubber s(needles);
+    std::string out;
+    std::string spill;
+    size_t prev = 0;
+    for (size_t i = 0; i <= cuts.size(); ++i) {
+        const size_t cut = i < cuts.size() ? cuts[i] : body.size();
+        std::string piece(body.substr(prev, cut - prev));
+        out.append(s.feed_in_place(piece, i == cuts.size(), spill));
+        prev = cut;
+    }
+    return out;
+}
+
 TEST(Scrubber, InactiveIsIdentity) {
     Scrubber none;
     EXPECT_FALSE(none.active());
@@ -139,6 +156,7 @@ TEST(Scrubber, EverySplitPositionGivesTheSameResult) {
             }
             for (size_t i = 0; i <= body.size(); ++i) {
                 EXPECT_EQ(split_feed(needles, body, {i}), expected) << "cut " << i;
+                EXPECT_EQ(split_feed_in_place(needles, body, {i}), expected) << "cut " << i;
                 for (size_t j = i; j <= body.size(); ++j) {
                     ASSERT_EQ(split_feed(needles, body, {i, j}), expected)
                         << "cuts " << i << "," << j;
@@ -150,6 +168,7 @@ TEST(Scrubber, EverySplitPositionGivesTheSameResult) {
                 all.push_back(i);
             }
             EXPECT_EQ(split_feed(needles, body, all), expected);
+            EXPECT_EQ(split_feed_in_place(needles, body, all), expected);
         }
     }
 }
@@ -174,6 +193,7 @@ TEST(Scrubber, RandomBodiesAndSplits) {
             }
         }
         ASSERT_EQ(split_feed(needles, body, cuts), expected) << body;
+        ASSERT_EQ(split_feed_in_place(needles, body, cuts), expected) << body;
     }
 }
 
@@ -211,6 +231,7 @@ TEST(Scrubber, MatchesTheDefinitionOnRandomBodies) {
                 }
             }
             ASSERT_EQ(split_feed(needles, body, cuts), want) << body;
+            ASSERT_EQ(split_feed_in_place(needles, body, cuts), want) << body;
         }
     }
 }
@@ -230,6 +251,26 @@ TEST(Scrubber, LargeBodyStreams) {
     EXPECT_EQ(out.size(), body.size());
     EXPECT_EQ(out.find(secret), std::string::npos);
     EXPECT_EQ(s.replacements(), 21U);
+}
+
+// In place: the returned bytes are the piece's own (no copy) unless bytes were held back
+// from the previous piece; held-back bytes are wiped in the piece; `last` flushes them.
+TEST(Scrubber, FeedInPlaceRewritesThePieceAndHoldsBackAPrefix) {
+    Scrubber s({"secret"});
+    std::string spill;
+    std::string a = "data secret more secr";
+    const std::string_view out_a = s.feed_in_place(a, false, spill);
+    EXPECT_EQ(out_a.data(), a.data());  // the piece itself, scrubbed where it lies
+    EXPECT_EQ(out_a, "data [REDAC more ");  // the replacement keeps the length
+    EXPECT_EQ(a.substr(out_a.size()), std::string(4, '\0'));  // "secr" held back, wiped here
+    std::string b = "et end";
+    const std::string_view out_b = s.feed_in_place(b, true, spill);
+    EXPECT_EQ(out_b.data(), spill.data());  // held bytes go first: the spill path
+    EXPECT_EQ(out_b, "[REDAC end");
+    EXPECT_EQ(s.replacements(), 2U);
+    std::string c = "plain";
+    Scrubber inactive;
+    EXPECT_EQ(inactive.feed_in_place(c, true, spill).data(), c.data());
 }
 
 }  // namespace

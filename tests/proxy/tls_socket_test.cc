@@ -6,6 +6,8 @@
 #include "proxy/tls_socket.h"
 
 #include <gtest/gtest.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -131,6 +133,27 @@ TEST_F(TlsSocketTest, HandshakeVerifiesAndGatheredBuffersArriveInOrder) {
         EXPECT_FALSE(ec);
         EXPECT_EQ(n, a.size() + b.size() + body.size());
         EXPECT_EQ(co_await read_exactly(s, n), a + b + body);
+    }());
+}
+
+TEST_F(TlsSocketTest, OneWriteSendsSeveralRecordsAndNeverHoldsBackTheLast) {
+    // A write_some takes as many records as the socket does (here all of 50 000 bytes: four
+    // records), every one but the last sent with MSG_MORE. The last one must not be held
+    // back: once the write completes, nothing may wait unsent in the kernel (SIOCOUTQNSD),
+    // or the peer would see the response's end only when a timer flushed it.
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        for (size_t size : {size_t{50000}, size_t{16384}, size_t{16385}, size_t{100}}) {
+            const std::string body = pattern(size, 'w');
+            auto [ec, n] = co_await c.async_write_some(net::buffer(body), use_nothrow);
+            EXPECT_FALSE(ec) << ec.message();
+            EXPECT_EQ(n, size);
+            int unsent = -1;
+            EXPECT_EQ(::ioctl(c.socket().native_handle(), SIOCOUTQNSD, &unsent), 0);
+            EXPECT_EQ(unsent, 0) << size << " bytes written";
+            EXPECT_EQ(co_await read_exactly(s, size), body);
+        }
     }());
 }
 
