@@ -59,7 +59,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         if (!chunk.ok) {
             co_return false;  // client reset or connection gone: nothing to answer
         }
-        body.append(chunk.data);
+        body.append(chunk.view());
         if (chunk.last) {
             break;
         }
