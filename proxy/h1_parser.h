@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,6 +61,30 @@ public:
     /// unless close() was called (a draining server answers with Connection: close).
     bool keep_alive() const { return !close_ && Base::keep_alive(); }
     void close() { close_ = true; }
+
+    /// A Content-Length body's bytes after those the parser has buffered are read straight
+    /// into the relay buffer, not through the parser (which would copy each byte out of its
+    /// read buffer once more); the parser is told how many arrived. Once started, the body is
+    /// this counter's: the parser's own state is never consulted or fed again for this message
+    /// (a new message gets a new parser), so is_done() below is the one to ask.
+    /// How many body bytes are still to come, if the body can be read that way now.
+    std::optional<uint64_t> direct_body_left() {
+        if (!direct_left_) {
+            if (!this->is_header_done() || Base::is_done() || this->chunked()) {
+                return std::nullopt;
+            }
+            auto left = this->content_length_remaining();
+            if (!left) {
+                return std::nullopt;  // delimited by the connection's close
+            }
+            direct_left_ = *left;
+        }
+        return direct_left_;
+    }
+    /// `n` body bytes (at most direct_body_left()) were read straight into the relay buffer.
+    void direct_body_read(size_t n) { *direct_left_ -= std::min<uint64_t>(n, *direct_left_); }
+    /// The message is complete (hides basic_parser::is_done, which a direct body never reaches).
+    bool is_done() const { return (direct_left_ && *direct_left_ == 0) || Base::is_done(); }
 
 private:
     void on_request_impl(http::verb method, beast::string_view method_str,
@@ -131,6 +156,7 @@ private:
     char* body_ = nullptr;
     size_t room_ = 0;
     bool close_ = false;
+    std::optional<uint64_t> direct_left_;  // set once the body is read straight
 };
 
 using H1RequestParser = H1Parser<true>;

@@ -2,6 +2,7 @@
 
 #include <boost/url/parse.hpp>
 #include <charconv>
+#include <cstring>
 
 #include "common/secure_zero.h"
 #include "common/text_cursor.h"
@@ -142,6 +143,28 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
     if (p.is_done()) {
         co_return BodyChunk{{}, true, true};
     }
+    if (auto left = p.direct_body_left()) {
+        // Content-Length: the body goes straight into the relay buffer, not through the
+        // parser, and never past its end (a pipelined next message stays for its own parse).
+        const auto room = static_cast<size_t>(std::min<uint64_t>(*left, kRelayBufferBytes));
+        if (inbuf.size() > 0) {  // bytes that came in with the head
+            const size_t n = std::min(inbuf.size(), room);
+            std::memcpy(buf, inbuf.data().data(), n);
+            inbuf.consume(n);
+            p.direct_body_read(n);
+            co_return BodyChunk{std::span<char>(buf, n), p.is_done(), true};
+        }
+        ReadDeadline deadline(s, timeout);
+        auto [ec, n] = co_await s.async_read_some(net::buffer(buf, room), use_nothrow);
+        if (ec) {
+            // EOF before Content-Length bytes is a truncation (the parser's partial_message).
+            co_return BodyChunk{{}, false, false,
+                                deadline.fired() ? BodyFailure::Timeout : BodyFailure::Aborted};
+        }
+        p.direct_body_read(n);
+        co_return BodyChunk{std::span<char>(buf, n), p.is_done(), true};
+    }
+    // Chunked, or delimited by the connection's close: Beast's parser takes the framing.
     p.body_buffer(buf, kRelayBufferBytes);
     // Beast reads max(512, free capacity) bytes per call: without room for a whole TLS record
     // a body would be relayed (and re-encrypted, and sent) in 512-byte pieces.
