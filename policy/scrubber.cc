@@ -174,18 +174,20 @@ void Scrubber::feed(std::string_view in, std::string& out) {
     out.append(tail_);
     out.append(in);
     egress::secure_zero(tail_.data(), tail_.size());
+    const size_t safe = scan_and_hold(out.data() + start, out.size() - start, false);
+    out.resize(start + safe);
+}
+
+size_t Scrubber::scan_and_hold(char* data, size_t size, bool final) {
     ScanState st{covered_left_, run_pos_, 0};
-    const size_t safe =
-        scan(needles_, search_, max_len_, out.data() + start, out.size() - start, false, st);
+    const size_t safe = scan(needles_, search_, max_len_, data, size, final, st);
     covered_left_ = st.covered_left;
     run_pos_ = st.run_pos;
     replacements_ += st.replacements;
-    // Hold back the unfinished bytes (shorter than the longest needle) and wipe them in out.
-    char* held = out.data() + start + safe;
-    const size_t held_len = out.size() - start - safe;
-    tail_.assign(held, held_len);
-    egress::secure_zero(held, held_len);
-    out.resize(start + safe);
+    // Hold back the unfinished bytes (shorter than the longest needle) and wipe them there.
+    tail_.assign(data + safe, size - safe);
+    egress::secure_zero(data + safe, size - safe);
+    return safe;
 }
 
 void Scrubber::finish(std::string& out) {
@@ -210,15 +212,11 @@ std::string_view Scrubber::feed_in_place(std::span<char> piece, bool last, std::
         }
         return spill;
     }
-    ScanState st{covered_left_, run_pos_, 0};
-    const size_t safe = scan(needles_, search_, max_len_, piece.data(), piece.size(), last, st);
-    replacements_ += st.replacements;
-    covered_left_ = last ? 0 : st.covered_left;
-    run_pos_ = last ? 0 : st.run_pos;
-    char* held = piece.data() + safe;
-    const size_t held_len = piece.size() - safe;
-    tail_.assign(held, held_len);
-    egress::secure_zero(held, held_len);
+    const size_t safe = scan_and_hold(piece.data(), piece.size(), last);  // last: holds none
+    if (last) {
+        covered_left_ = 0;
+        run_pos_ = 0;
+    }
     return {piece.data(), safe};
 }
 

@@ -53,6 +53,10 @@ public:
     };
 
 private:
+    /// Scrubs `data` in place from the stream's state, holds back (into tail_, wiped in
+    /// `data`) what may begin a needle unless `final`; returns how many bytes are final.
+    size_t scan_and_hold(char* data, size_t size, bool final);
+
     std::vector<std::string> needles_;  // longest first
     Search search_;
     std::string tail_;

@@ -62,12 +62,12 @@ public:
     bool keep_alive() const { return !close_ && Base::keep_alive(); }
     void close() { close_ = true; }
 
-    /// A Content-Length body's bytes after those the parser has buffered are read straight
-    /// into the relay buffer, not through the parser (which would copy each byte out of its
-    /// read buffer once more); the parser is told how many arrived. Once started, the body is
-    /// this counter's: the parser's own state is never consulted or fed again for this message
-    /// (a new message gets a new parser), so is_done() below is the one to ask.
-    /// How many body bytes are still to come, if the body can be read that way now.
+    /// A Content-Length body is taken by the caller, not through the parser (which would copy
+    /// each byte out of its read buffer once more): what the read buffer holds, then straight
+    /// from the stream into the relay buffer (h1_read_body). The parser is told how many bytes
+    /// arrived. Once started, the body is this counter's: the parser's own state is never fed
+    /// again for this message (a new message gets a new parser), so is_done() below is the
+    /// one to ask. Returns how many body bytes are still to come, if the body is taken so.
     std::optional<uint64_t> direct_body_left() {
         if (!direct_left_) {
             if (!this->is_header_done() || Base::is_done() || this->chunked()) {

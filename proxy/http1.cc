@@ -21,7 +21,8 @@ auto& lowest(Stream& s) {
     return beast::get_lowest_layer(s);
 }
 
-/// Free buffer space before each body read: one TLS record's plaintext.
+/// Free buffer space before each body read through the parser (chunked or close-delimited
+/// bodies): the four TLS records a busy TlsSocket reads at once.
 constexpr size_t kBodyReadBytes = 64 * 1024;
 
 /// Responses with a Content-Length up to this go out head and body in one write.
@@ -147,19 +148,20 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
         // Content-Length: the body goes straight into the relay buffer, not through the
         // parser, and never past its end (a pipelined next message stays for its own parse).
         const auto room = static_cast<size_t>(std::min<uint64_t>(*left, kRelayBufferBytes));
+        size_t n = 0;
         if (inbuf.size() > 0) {  // bytes that came in with the head
-            const size_t n = std::min(inbuf.size(), room);
+            n = std::min(inbuf.size(), room);
             std::memcpy(buf, inbuf.data().data(), n);
             inbuf.consume(n);
-            p.direct_body_read(n);
-            co_return BodyChunk{std::span<char>(buf, n), p.is_done(), true};
-        }
-        ReadDeadline deadline(s, timeout);
-        auto [ec, n] = co_await s.async_read_some(net::buffer(buf, room), use_nothrow);
-        if (ec) {
-            // EOF before Content-Length bytes is a truncation (the parser's partial_message).
-            co_return BodyChunk{{}, false, false,
-                                deadline.fired() ? BodyFailure::Timeout : BodyFailure::Aborted};
+        } else {
+            ReadDeadline deadline(s, timeout);
+            auto [ec, got] = co_await s.async_read_some(net::buffer(buf, room), use_nothrow);
+            if (ec) {
+                // EOF before Content-Length bytes is a truncation (the parser's partial_message).
+                co_return BodyChunk{{}, false, false,
+                                    deadline.fired() ? BodyFailure::Timeout : BodyFailure::Aborted};
+            }
+            n = got;
         }
         p.direct_body_read(n);
         co_return BodyChunk{std::span<char>(buf, n), p.is_done(), true};

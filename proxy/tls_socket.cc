@@ -42,15 +42,15 @@ error_code ssl_error(unsigned long e) {
     return error_code(static_cast<int>(e), net::error::get_ssl_category());
 }
 
+int descriptor(socket_type& s) { return s.is_open() ? s.native_handle() : -1; }
+
 }  // namespace
 
 // The BIO between OpenSSL and the socket. Unlike OpenSSL's socket BIO it sends with
 // MSG_NOSIGNAL (a peer that went away is EPIPE, not SIGPIPE) and asks the Asio socket for its
 // descriptor on every call: once the socket is closed, a late SSL call fails with EBADF
-// instead of reading a descriptor number the kernel has handed to another connection.
-namespace {
-int descriptor(socket_type& s) { return s.is_open() ? s.native_handle() : -1; }
-}  // namespace
+// instead of reading a descriptor number the kernel has handed to another connection. Its
+// data is the stream's Core, which owns the SSL object and so outlives the BIO.
 
 int TlsSocket::bio_write(BIO* bio, const char* data, int len) {
     BIO_clear_retry_flags(bio);
@@ -113,7 +113,7 @@ TlsSocket::TlsSocket(socket_type socket, boost::asio::ssl::context& ctx) {
     if (bio == nullptr) {
         throw boost::system::system_error(ssl_error(ERR_get_error()), "BIO_new");
     }
-    BIO_set_data(bio, core.get());  // the Core outlives the SSL object it frees
+    BIO_set_data(bio, core.get());
     SSL_set_bio(core->ssl, bio, bio);  // one reference, owned by the SSL object
     if (core->socket.is_open()) {
         error_code ec;

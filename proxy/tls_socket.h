@@ -13,7 +13,7 @@
 // request on a busy keep-alive connection. So after kBusyCalls OpenSSL calls a stream keeps its
 // buffers, and the stream's timer gives them back (and sets the mode again) once it has gone a
 // whole kIdleRelease without a call. While it keeps them its read buffer holds four records
-// (kBusyReadBufferBytes, about 84 KiB a busy connection with the write buffer), so a large
+// (kBusyReadBufferBytes, 69 KiB; 88 KiB a busy connection with the write buffer), so a large
 // body is read with a quarter of the system calls.
 //
 // Writes: one write operation sends as many records as the socket takes, every record but the
