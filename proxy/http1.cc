@@ -1,5 +1,6 @@
 #include "proxy/http1.h"
 
+#include <array>
 #include <boost/url/parse.hpp>
 #include <charconv>
 #include <cstring>
@@ -200,17 +201,20 @@ awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bo
                               std::string_view head = {}) {
     std::string framing;
     std::string tail;
-    std::vector<net::const_buffer> bufs;
+    // At most four pieces (head, chunk size, data, chunk end and trailers): a fixed array, no
+    // vector to grow and for Asio's write operation to copy; empty entries are skipped.
+    std::array<net::const_buffer, 4> bufs{};
+    size_t nbufs = 0;
     if (!head.empty()) {
-        bufs.push_back(net::buffer(head));  // a held-back head goes out in the same write
+        bufs[nbufs++] = net::buffer(head);  // a held-back head goes out in the same write
     }
     if (chunked) {
         if (!data.empty()) {
             char hex[24];
             int n = std::snprintf(hex, sizeof hex, "%zx\r\n", data.size());
             framing.assign(hex, static_cast<size_t>(n));
-            bufs.push_back(net::buffer(framing));
-            bufs.push_back(net::buffer(data));
+            bufs[nbufs++] = net::buffer(framing);
+            bufs[nbufs++] = net::buffer(data);
             tail = "\r\n";
         }
         if (last) {
@@ -226,12 +230,12 @@ awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bo
             tail += "\r\n";
         }
         if (!tail.empty()) {
-            bufs.push_back(net::buffer(tail));
+            bufs[nbufs++] = net::buffer(tail);
         }
     } else if (!data.empty()) {
-        bufs.push_back(net::buffer(data));
+        bufs[nbufs++] = net::buffer(data);
     }
-    if (bufs.empty()) {
+    if (nbufs == 0) {
         co_return true;
     }
     lowest(s).expires_after(timeout);
