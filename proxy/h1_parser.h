@@ -67,7 +67,8 @@ public:
     /// from the stream into the relay buffer (h1_read_body). The parser is told how many bytes
     /// arrived. Once started, the body is this counter's: the parser's own state is never fed
     /// again for this message (a new message gets a new parser), so is_done() below is the
-    /// one to ask. Returns how many body bytes are still to come, if the body is taken so.
+    /// one to ask. Returns how many body bytes are still to come, if the body is taken so;
+    /// the first call that answers latches the count from the parser.
     std::optional<uint64_t> direct_body_left() {
         if (!direct_left_) {
             if (!this->is_header_done() || Base::is_done() || this->chunked()) {

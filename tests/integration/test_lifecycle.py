@@ -37,12 +37,13 @@ def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
     procs = []
     for i in range(N_TRANSFERS):
         out = tmp_path / f"dl{i}.bin"
-        # The upstream pauses 60 ms after each 64 KiB piece (~2 s per transfer), so SIGTERM
-        # lands mid-body for egressd itself. (A client-side --limit-rate would not: the
-        # kernel's socket buffers hold 2 MiB, egressd would be done and exit at once.)
+        # The upstream pauses 100 ms after each 64 KiB piece (~3 s per transfer, longer than
+        # 50 curls take to start on a loaded two-core runner), so SIGTERM lands mid-body for
+        # egressd itself. (A client-side --limit-rate would not: the kernel's socket buffers
+        # hold 2 MiB, egressd would be done and exit at once.)
         procs.append((out, subprocess.Popen(
             ["curl", "-sS", "-f", "--http1.1", "--max-time", "120", "--cacert", ca, "-o", str(out),
-             f"https://api.test:{world.U}/bytes/{n}?pace=60&id={marker}-{i}"],
+             f"https://api.test:{world.U}/bytes/{n}?pace=100&id={marker}-{i}"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     try:
         # Every transfer has reached the upstream (and so is in flight through egressd).
