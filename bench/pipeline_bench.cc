@@ -53,6 +53,7 @@ struct Fixture {
             pin.secret_name = "token";
             pin.secret = secret;
             if (std::string_view(host) == "api.github.com") pin.path_prefixes = {"/repos/acme/"};
+            prepare_injection(pin);  // as the runtime builds pins
             run.pins.push_back(std::move(pin));
         }
         ctx.global = &global;
@@ -120,6 +121,7 @@ void BM_PipelineRunPins(benchmark::State& state) {
         pin.id = numbered("p", i);
         pin.host = must_pattern(numbered("host", i, ".example.com"));
         pin.secret = f.run.pins.back().secret;
+        prepare_injection(pin);
         pins.push_back(std::move(pin));
     }
     for (Pin& p : f.run.pins) pins.push_back(std::move(p));

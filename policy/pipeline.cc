@@ -74,23 +74,18 @@ std::optional<Decision> check_hygiene(RequestHead& head, const RequestContext& c
 }
 
 void inject(RequestHead& head, const Pin& pin, Decision& d) {
-    const std::string_view secret = pin.secret->reveal();
-    const std::string name = injected_header_name(pin.inject);
-    std::string value = injected_header_value(pin.inject, secret);
-    d.scrub.reserve(3);
-    d.scrub.emplace_back(secret);
-    d.scrub.push_back(value);
-    if (pin.inject.type == InjectType::Basic) {
-        d.scrub.push_back(value.substr(6));  // the base64 blob after "Basic "
-    }
-    head.set(name, std::move(value));  // replaces every client-sent value, never merges
-    head.never_index = name;
+    std::shared_ptr<const Injection> made;  // only for a pin without prepare_injection()
+    const Injection& inj =
+        pin.injection ? *pin.injection : *(made = make_injection(pin.inject, *pin.secret));
+    head.set(inj.header, std::string(inj.value->reveal()));  // replaces, never merges
+    head.never_index = inj.header;
     head.set("accept-encoding", "identity");
     for (const auto& h : pin.extra_headers) {  // validated at load: never transport headers
         head.set(h.name, h.value);
     }
     d.pin = &pin;
-    d.injected_header = name;
+    d.injected_header = inj.header;
+    d.scrub = inj.scrub;
     d.reason = "injected";
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // The request pipeline: runs exactly once per request on the protocol-neutral head, for
 // HTTP/1.1 and HTTP/2 alike. Serializers after it never decide policy.
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -27,9 +28,10 @@ struct Decision {
     std::string reason;              // machine-readable, e.g. "host_mismatch"
     const Pin* pin = nullptr;        // the pin whose credential was injected, if any
     std::string injected_header;     // lowercase header name, if injected
-    /// Byte strings that must not reach the sandbox in the response (the secret and the
-    /// injected header value). WARNING: holds secret bytes; feed to a Scrubber only.
-    std::vector<std::string> scrub;
+    /// What must not reach the sandbox in the response (the secret and the injected header
+    /// value), the pin's shared plan; null when nothing was injected. WARNING: secret bytes;
+    /// feed to a Scrubber only.
+    std::shared_ptr<const ScrubPlan> scrub;
 
     bool forward() const { return status == 0; }
 };

@@ -179,6 +179,28 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
     return {};
 }
 
+std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
+                                                const credstore::SecretValue& secret) {
+    auto inj = std::make_shared<Injection>();
+    inj->header = injected_header_name(spec);
+    std::string value = injected_header_value(spec, secret.reveal());
+    std::vector<std::string> needles;
+    needles.reserve(3);
+    needles.emplace_back(secret.reveal());
+    needles.push_back(value);
+    if (spec.type == InjectType::Basic) {
+        needles.push_back(value.substr(6));  // the base64 blob after "Basic "
+    }
+    inj->scrub = std::make_shared<const ScrubPlan>(std::move(needles));  // wipes them
+    inj->value = std::make_shared<const credstore::SecretValue>(value);
+    egress::secure_wipe(value);
+    return inj;
+}
+
+void prepare_injection(Pin& pin) {
+    pin.injection = pin.secret ? make_injection(pin.inject, *pin.secret) : nullptr;
+}
+
 void index_pins(RunPolicy& run) {
     auto index = std::make_shared<PinIndex>();
     for (uint32_t i = 0; i < run.pins.size(); ++i) {

@@ -28,12 +28,13 @@ struct ScanState {
 /// occurrence of a needle at q puts one of its kernels at most `back` bytes after q, so the
 /// kernel found first, minus `back`, is never past q; the caller checks byte by byte from there.
 /// From `bulk_end` a needle may be cut off by the end: every byte that starts one is a candidate.
-size_t next_start(const std::vector<std::string>& needles, const Scrubber::Search& search,
-                  const char* buf, size_t i, size_t size, size_t bulk_end) {
+size_t next_start(const ScrubPlan& plan, const char* buf, size_t i, size_t size,
+                  size_t bulk_end) {
+    const ScrubPlan::Search& search = plan.search();
     if (i < bulk_end) {
         size_t next = bulk_end;
         for (const auto& k : search.kernels) {
-            const std::string& n = needles[k.needle];
+            const std::string_view n = plan.needles()[k.needle];
             const size_t hay_end = std::min(size, next + k.back + n.size() - 1);
             if (hay_end <= i || hay_end - i < n.size()) {
                 continue;
@@ -66,13 +67,14 @@ size_t next_start(const std::vector<std::string>& needles, const Scrubber::Searc
 /// first position where a needle could still begin but the buffer ends first; the caller
 /// holds those bytes back. Replacement text is "[REDACTED]" cut or padded with '*', so the
 /// length never changes and a byte's replacement depends only on its offset in the run.
-size_t scan(const std::vector<std::string>& needles, const Scrubber::Search& search,
-            size_t max_len, char* buf, size_t size, bool final, ScanState& st) {
+size_t scan(const ScrubPlan& plan, char* buf, size_t size, bool final, ScanState& st) {
+    const size_t max_len = plan.max_len();
+    const ScrubPlan::Search& search = plan.search();
     // From bulk_end on, a needle could be cut off by the end of the buffer (unless final).
     const size_t bulk_end = final ? size : size - std::min(size, max_len - 1);
     for (size_t i = 0; i < size; ++i) {
         if (st.covered_left == 0) {
-            i = next_start(needles, search, buf, i, size, bulk_end);
+            i = next_start(plan, buf, i, size, bulk_end);
             if (i == size) {
                 break;
             }
@@ -80,14 +82,14 @@ size_t scan(const std::vector<std::string>& needles, const Scrubber::Search& sea
         const size_t left = size - i;
         const bool candidate = search.first[static_cast<unsigned char>(buf[i])];
         if (candidate && !final && left < max_len) {
-            for (const std::string& n : needles) {
+            for (const std::string_view n : plan.needles()) {
                 if (n.size() > left && std::memcmp(n.data(), buf + i, left) == 0) {
                     return i;  // a longer needle may still complete here
                 }
             }
         }
         if (candidate) {
-            for (const std::string& n : needles) {  // longest first
+            for (const std::string_view n : plan.needles()) {  // longest first
                 if (n.size() <= left && std::memcmp(n.data(), buf + i, n.size()) == 0) {
                     if (st.covered_left == 0) {
                         st.run_pos = 0;
@@ -108,25 +110,26 @@ size_t scan(const std::vector<std::string>& needles, const Scrubber::Search& sea
 }
 
 /// Kernels and first bytes of `needles` (distinct, non-empty).
-Scrubber::Search plan(const std::vector<std::string>& needles) {
-    Scrubber::Search s;
+ScrubPlan::Search plan_search(const std::vector<std::string_view>& needles) {
+    ScrubPlan::Search s;
     for (size_t k = 0; k < needles.size(); ++k) {
-        const std::string& kn = needles[k];
-        const bool holds_other = std::any_of(needles.begin(), needles.end(), [&](const auto& o) {
-            return &o != &kn && kn.find(o) != std::string::npos;
-        });
+        const std::string_view kn = needles[k];
+        bool holds_other = false;
+        for (size_t o = 0; o < needles.size() && !holds_other; ++o) {
+            holds_other = o != k && kn.find(needles[o]) != std::string_view::npos;
+        }
         if (holds_other) {
             continue;
         }
         size_t back = 0;  // the largest offset of this kernel inside any needle
-        for (const std::string& n : needles) {
+        for (const std::string_view n : needles) {
             for (size_t at = n.find(kn); at != std::string::npos; at = n.find(kn, at + 1)) {
                 back = std::max(back, at);
             }
         }
         s.kernels.push_back({k, back});
     }
-    for (const std::string& n : needles) {
+    for (const std::string_view n : needles) {
         auto c = static_cast<unsigned char>(n.front());
         if (!s.first[c]) {
             s.first[c] = true;
@@ -138,29 +141,50 @@ Scrubber::Search plan(const std::vector<std::string>& needles) {
 
 }  // namespace
 
-Scrubber::Scrubber(std::vector<std::string> needles) {
+ScrubPlan::ScrubPlan(std::vector<std::string> needles) {
     std::erase_if(needles, [](const std::string& n) { return n.empty(); });
     std::sort(needles.begin(), needles.end(), [](const std::string& a, const std::string& b) {
         return a.size() != b.size() ? a.size() > b.size() : a < b;
     });
     const auto dups = std::unique(needles.begin(), needles.end());
     for (auto it = dups; it != needles.end(); ++it) {
-        egress::secure_zero(it->data(), it->size());  // a needle twice (a template of just the secret)
+        egress::secure_wipe(*it);  // a needle twice (a template of just the secret)
     }
     needles.erase(dups, needles.end());
-    needles_ = std::move(needles);
+    size_t total = 0;
+    for (const std::string& n : needles) {
+        total += n.size();
+    }
+    std::string joined;
+    joined.reserve(total);  // one buffer, so no unwiped copy is left behind by growing
+    for (const std::string& n : needles) {
+        joined += n;
+    }
+    bytes_ = std::make_unique<const credstore::SecretValue>(joined);
+    egress::secure_wipe(joined);
+    const std::string_view all = bytes_->reveal();
+    size_t at = 0;
+    needles_.reserve(needles.size());
+    for (std::string& n : needles) {
+        needles_.push_back(all.substr(at, n.size()));
+        at += n.size();
+        egress::secure_wipe(n);
+    }
     max_len_ = needles_.empty() ? 0 : needles_.front().size();
-    search_ = plan(needles_);
+    search_ = plan_search(needles_);
 }
 
-Scrubber::~Scrubber() {
-    for (std::string& n : needles_) {
-        egress::secure_zero(n.data(), n.size());
-    }
-    egress::secure_zero(tail_.data(), tail_.size());
+ScrubPlan::~ScrubPlan() {
     egress::secure_zero(search_.firsts.data(), search_.firsts.size());
     egress::secure_zero(search_.first.data(), search_.first.size());
 }
+
+Scrubber::Scrubber(std::shared_ptr<const ScrubPlan> plan) : plan_(std::move(plan)) {}
+
+Scrubber::Scrubber(std::vector<std::string> needles)
+    : plan_(std::make_shared<const ScrubPlan>(std::move(needles))) {}
+
+Scrubber::~Scrubber() { egress::secure_zero(tail_.data(), tail_.size()); }
 
 // One copy per piece: the held-back bytes and `in` are appended to `out` and scrubbed there
 // (a 64 KiB body piece used to be copied into the tail, copied out, and the tail wiped).
@@ -180,7 +204,7 @@ void Scrubber::feed(std::string_view in, std::string& out) {
 
 size_t Scrubber::scan_and_hold(char* data, size_t size, bool final) {
     ScanState st{covered_left_, run_pos_, 0};
-    const size_t safe = scan(needles_, search_, max_len_, data, size, final, st);
+    const size_t safe = scan(*plan_, data, size, final, st);
     covered_left_ = st.covered_left;
     run_pos_ = st.run_pos;
     replacements_ += st.replacements;
@@ -191,9 +215,11 @@ size_t Scrubber::scan_and_hold(char* data, size_t size, bool final) {
 }
 
 void Scrubber::finish(std::string& out) {
-    ScanState st{covered_left_, run_pos_, 0};
-    scan(needles_, search_, max_len_, tail_.data(), tail_.size(), true, st);
-    replacements_ += st.replacements;
+    if (active()) {
+        ScanState st{covered_left_, run_pos_, 0};
+        scan(*plan_, tail_.data(), tail_.size(), true, st);
+        replacements_ += st.replacements;
+    }
     out.append(tail_);
     egress::secure_wipe(tail_);
     covered_left_ = 0;
@@ -231,7 +257,7 @@ void Scrubber::scrub_in_place(std::string& value) {
         return;
     }
     ScanState st;
-    scan(needles_, search_, max_len_, value.data(), value.size(), true, st);
+    scan(*plan_, value.data(), value.size(), true, st);
     replacements_ += st.replacements;
 }
 

@@ -4,21 +4,63 @@
 // so Content-Length framing stays valid and nothing needs buffering beyond a short tail.
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "credstore/secret.h"
+
 namespace egress::policy {
+
+/// The needles of one credential and how a body is searched for them. Made once per pin
+/// (policy::Injection), not per request: sorting and planning the needles, and copying them,
+/// cost ~2.5 k instructions and three allocations per request when every exchange built its
+/// own. Read-only, so every request's Scrubber shares it. WARNING: holds secret bytes: they
+/// live in one mlock'ed buffer (credstore::SecretValue), wiped on destruction.
+class ScrubPlan {
+public:
+    /// Empty needles are ignored, duplicates kept once. Wipes the argument's bytes.
+    explicit ScrubPlan(std::vector<std::string> needles);
+    ~ScrubPlan();  // wipes the search's first bytes (the needles wipe themselves)
+    ScrubPlan(const ScrubPlan&) = delete;
+    ScrubPlan& operator=(const ScrubPlan&) = delete;
+
+    /// How a body is searched, derived from the needles: it holds each needle's first byte,
+    /// so it is wiped with them.
+    struct Search {
+        struct Kernel {
+            size_t needle;  // index of a needle that contains no other needle
+            size_t back;    // a needle holding it may start up to this many bytes earlier
+        };
+        std::vector<Kernel> kernels;  // every needle contains at least one kernel
+        std::array<bool, 256> first{};  // bytes that start some needle
+        std::string firsts;             // the same bytes, for memchr
+    };
+
+    const std::vector<std::string_view>& needles() const { return needles_; }  // longest first
+    const Search& search() const { return search_; }
+    size_t max_len() const { return max_len_; }
+
+private:
+    std::unique_ptr<const credstore::SecretValue> bytes_;  // the needles, back to back
+    std::vector<std::string_view> needles_;                // views into bytes_
+    Search search_;
+    size_t max_len_ = 0;
+};
 
 class Scrubber {
 public:
     Scrubber() = default;
-    /// Empty needles are ignored. WARNING: holds secret bytes; never log a Scrubber.
+    /// One response's stream over a shared plan (null: nothing to scrub). WARNING: holds
+    /// secret bytes (the held-back tail); never log a Scrubber.
+    explicit Scrubber(std::shared_ptr<const ScrubPlan> plan);
+    /// With a plan of its own, for one-off uses and tests.
     explicit Scrubber(std::vector<std::string> needles);
-    ~Scrubber();  // wipes the needles and the held-back tail
+    ~Scrubber();  // wipes the held-back tail
 
-    bool active() const { return !needles_.empty(); }
+    bool active() const { return plan_ != nullptr && !plan_->needles().empty(); }
 
     /// Appends scrubbed bytes of `in` to `out`. Holds back at most (longest needle - 1) bytes
     /// that could begin a match; they are emitted by a later feed or by finish().
@@ -40,27 +82,13 @@ public:
 
     size_t replacements() const { return replacements_; }
 
-    /// How a body is searched, derived from the needles: it holds each needle's first byte,
-    /// so it is wiped with them.
-    struct Search {
-        struct Kernel {
-            size_t needle;  // index of a needle that contains no other needle
-            size_t back;    // a needle holding it may start up to this many bytes earlier
-        };
-        std::vector<Kernel> kernels;  // every needle contains at least one kernel
-        std::array<bool, 256> first{};  // bytes that start some needle
-        std::string firsts;             // the same bytes, for memchr
-    };
-
 private:
     /// Scrubs `data` in place from the stream's state, holds back (into tail_, wiped in
     /// `data`) what may begin a needle unless `final`; returns how many bytes are final.
     size_t scan_and_hold(char* data, size_t size, bool final);
 
-    std::vector<std::string> needles_;  // longest first
-    Search search_;
+    std::shared_ptr<const ScrubPlan> plan_;
     std::string tail_;
-    size_t max_len_ = 0;
     size_t replacements_ = 0;
     // Where the stream stands inside a replacement that started in an earlier feed().
     size_t covered_left_ = 0;  // bytes still covered by a match already found

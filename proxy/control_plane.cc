@@ -1102,6 +1102,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
             for (const auto& [n, v] : p.extra_headers) pin.extra_headers.push_back({n, v});
             pin.secret = value;
             pin.expires_at = policy::Clock::from_time_t(p.expires_at);
+            policy::prepare_injection(pin);
             run->policy.pins.push_back(std::move(pin));
         }
         policy::index_pins(run->policy);

@@ -274,8 +274,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         audit_refusal(scope, method, head.path, decision.status, decision.reason, started);
         co_return ka;
     }
-    // The needles (the secret, the injected value) are wiped by the scrubber's destructor,
-    // so it takes them now: every way out from here wipes them.
+    // The needles (the secret, the injected value) are the pin's plan, shared and wiped with
+    // it; what the scrubber holds back of this response is wiped by its destructor.
     policy::Scrubber scrubber(std::move(decision.scrub));
 
     // Expect: 100-continue is answered here; the upstream never sees it.

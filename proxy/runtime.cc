@@ -124,6 +124,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                     continue;
                 }
                 pin.secret = *s;
+                policy::prepare_injection(pin);
             } else {
                 // Named secrets come from the state store (control plane).
                 warnings.lines.push_back(pc.yaml_path + ".secret: store-backed secrets are not "

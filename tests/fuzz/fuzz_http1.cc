@@ -129,7 +129,7 @@ void check_serialization(const policy::RequestHead& head, const std::string& hos
 
 /// A pinned response body goes through the Scrubber in pieces: same length, no secret left.
 void check_scrubber(const policy::Decision& d, std::string_view body) {
-    if (d.scrub.empty() || body.empty()) {
+    if ((d.scrub == nullptr) || body.empty()) {
         return;
     }
     policy::Scrubber sc(d.scrub);
@@ -140,7 +140,7 @@ void check_scrubber(const policy::Decision& d, std::string_view body) {
     }
     sc.finish(out);
     FUZZ_CHECK(out.size() == body.size(), "scrubber changed the body length");
-    for (const auto& needle : d.scrub) {
+    for (const std::string_view needle : d.scrub->needles()) {
         FUZZ_CHECK(needle.empty() || out.find(needle) == std::string::npos,
                    "scrubber let a secret through");
     }

@@ -28,6 +28,7 @@ Pin make_pin(std::string id, std::string_view host, InjectSpec inject,
     pin.secret_name = "github_token";
     pin.inject = inject;
     pin.secret = std::make_shared<const credstore::SecretValue>(kSecret);
+    prepare_injection(pin);  // as the runtime and the control plane build pins
     return pin;
 }
 
@@ -84,8 +85,9 @@ protected:
     RequestHead head_;
 };
 
-bool has(const std::vector<std::string>& v, std::string_view s) {
-    return std::find(v.begin(), v.end(), s) != v.end();
+bool has(const std::shared_ptr<const ScrubPlan>& plan, std::string_view s) {
+    return plan != nullptr &&
+           std::find(plan->needles().begin(), plan->needles().end(), s) != plan->needles().end();
 }
 
 TEST_F(PipelineTest, BearerInjected) {
@@ -99,6 +101,46 @@ TEST_F(PipelineTest, BearerInjected) {
     EXPECT_EQ(*head_.find("accept-encoding"), "identity");
     EXPECT_TRUE(has(d.scrub, kSecret));
     EXPECT_TRUE(has(d.scrub, "Bearer ghp_s3cr3t"));
+}
+
+// Every request of a pin shares the plan made once with the pin.
+TEST_F(PipelineTest, InjectionIsMadeOncePerPin) {
+    const RequestHead fresh = head_;
+    const Decision first = run();
+    ASSERT_TRUE(first.forward()) << first.reason;
+    ASSERT_NE(run_.pins[0].injection, nullptr);
+    EXPECT_EQ(first.scrub, run_.pins[0].injection->scrub);
+    head_ = fresh;
+    const Decision second = run();
+    ASSERT_TRUE(second.forward()) << second.reason;
+    EXPECT_EQ(second.scrub, first.scrub);
+    EXPECT_EQ(*head_.find("authorization"), "Bearer ghp_s3cr3t");
+}
+
+// A pin made without prepare_injection() gets the same header and needles, made per request.
+TEST_F(PipelineTest, PinWithoutPreparedInjectionGetsOneMade) {
+    for (Pin& pin : run_.pins) {
+        pin.injection = nullptr;
+    }
+    target("git.test");
+    const Decision d = run();
+    ASSERT_TRUE(d.forward()) << d.reason;
+    const std::string blob = "eC1hY2Nlc3MtdG9rZW46Z2hwX3MzY3IzdA==";
+    EXPECT_EQ(*head_.find("authorization"), "Basic " + blob);
+    EXPECT_EQ(head_.never_index, "authorization");
+    ASSERT_NE(d.scrub, nullptr);
+    EXPECT_EQ(d.scrub->needles().size(), 3U);
+    EXPECT_TRUE(has(d.scrub, kSecret));
+    EXPECT_TRUE(has(d.scrub, "Basic " + blob));
+    EXPECT_TRUE(has(d.scrub, blob));
+}
+
+TEST_F(PipelineTest, PinWithoutSecretHasNoInjection) {
+    Pin pin = make_pin("p", "x.test", InjectSpec{});
+    ASSERT_NE(pin.injection, nullptr);
+    pin.secret = nullptr;
+    prepare_injection(pin);
+    EXPECT_EQ(pin.injection, nullptr);
 }
 
 TEST_F(PipelineTest, ClientAuthorizationReplacedNotMerged) {
@@ -156,7 +198,7 @@ TEST_P(PipelineRefusalTest, Refuses) {
     EXPECT_EQ(d.status, c.status) << d.reason;
     EXPECT_EQ(d.reason, c.reason);
     EXPECT_EQ(d.pin, nullptr);
-    EXPECT_TRUE(d.scrub.empty());
+    EXPECT_EQ(d.scrub, nullptr);
     for (const Header& h : head_.headers) {
         EXPECT_EQ(h.value.find(kSecret), std::string::npos) << h.name;
     }
@@ -274,7 +316,7 @@ TEST_F(PipelineTest, CleartextNeverInjects) {
     EXPECT_EQ(d.pin, nullptr);
     EXPECT_TRUE(d.injected_header.empty());
     EXPECT_TRUE(head_.never_index.empty());
-    EXPECT_TRUE(d.scrub.empty());
+    EXPECT_EQ(d.scrub, nullptr);
     EXPECT_EQ(*head_.find("authorization"), "Bearer client");
     EXPECT_EQ(head_.find("accept-encoding"), nullptr);
 }
@@ -285,7 +327,7 @@ TEST_F(PipelineTest, AllowedHostWithoutPinForwardsBare) {
     const Decision d = run();
     ASSERT_TRUE(d.forward()) << d.reason;
     EXPECT_EQ(d.pin, nullptr);
-    EXPECT_TRUE(d.scrub.empty());
+    EXPECT_EQ(d.scrub, nullptr);
     EXPECT_EQ(*head_.find("accept-encoding"), "gzip");
     EXPECT_EQ(head_.find("authorization"), nullptr);
 }
