@@ -197,7 +197,12 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     return inj;
 }
 
-void prepare_injection(Pin& pin) {
+void prepare_injection(Pin& pin, const Pin* previous) {
+    if (previous != nullptr && previous->injection && pin.secret &&
+        previous->secret == pin.secret && previous->inject == pin.inject) {
+        pin.injection = previous->injection;
+        return;
+    }
     pin.injection = pin.secret ? make_injection(pin.inject, *pin.secret) : nullptr;
 }
 

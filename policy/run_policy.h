@@ -28,6 +28,8 @@ struct InjectSpec {
     std::string username;                  // basic
     std::string header_name;               // header (lowercase after validation)
     std::string value_template = "{secret}";  // header: must contain "{secret}" once
+
+    bool operator==(const InjectSpec&) const = default;
 };
 
 /// Validates an injection: header names must be valid tokens and not transport headers
@@ -82,8 +84,10 @@ struct Pin {
 };
 
 /// Sets pin.injection from pin.inject and pin.secret (clears it without a secret). Call once
-/// a pin's secret and injection are final.
-void prepare_injection(Pin& pin);
+/// a pin's secret and injection are final. With `previous` (the same pin in the build before)
+/// holding the same secret object and spec, its injection is kept rather than made again: a
+/// rebuild of a run with many pins then costs no mlock and no planning for unchanged ones.
+void prepare_injection(Pin& pin, const Pin* previous = nullptr);
 
 /// Pins by host, so a run with thousands of pins matches a request in O(1) instead of
 /// scanning them all: exact hosts, and wildcard pins by the parent they stand under.

@@ -135,6 +135,28 @@ TEST_F(PipelineTest, PinWithoutPreparedInjectionGetsOneMade) {
     EXPECT_TRUE(has(d.scrub, blob));
 }
 
+// A rebuilt pin keeps the injection of the pin it replaces when the secret object and the
+// spec are the same, and gets a new one when either changed.
+TEST_F(PipelineTest, RebuiltPinKeepsAnUnchangedInjection) {
+    const Pin before = make_pin("p", "x.test", InjectSpec{});
+    Pin same = make_pin("p", "x.test", InjectSpec{});
+    same.secret = before.secret;
+    prepare_injection(same, &before);
+    EXPECT_EQ(same.injection, before.injection);
+
+    Pin other_secret = make_pin("p", "x.test", InjectSpec{});  // equal bytes, another object
+    prepare_injection(other_secret, &before);
+    ASSERT_NE(other_secret.injection, nullptr);
+    EXPECT_NE(other_secret.injection, before.injection);
+
+    Pin other_spec = make_pin("p", "x.test", basic("u"));
+    other_spec.secret = before.secret;
+    prepare_injection(other_spec, &before);
+    ASSERT_NE(other_spec.injection, nullptr);
+    EXPECT_NE(other_spec.injection, before.injection);
+    EXPECT_EQ(std::string(other_spec.injection->value->reveal()).rfind("Basic ", 0), 0U);
+}
+
 TEST_F(PipelineTest, PinWithoutSecretHasNoInjection) {
     Pin pin = make_pin("p", "x.test", InjectSpec{});
     ASSERT_NE(pin.injection, nullptr);
