@@ -197,13 +197,37 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     return inj;
 }
 
-void prepare_injection(Pin& pin, const Pin* previous) {
-    if (previous != nullptr && previous->injection && pin.secret &&
-        previous->secret == pin.secret && previous->inject == pin.inject) {
-        pin.injection = previous->injection;
+void prepare_injection(Pin& pin) {
+    pin.injection = pin.secret ? make_injection(pin.inject, *pin.secret) : nullptr;
+}
+
+void InjectionCache::remember(const Pin& pin) {
+    if (!pin.secret || !pin.injection) {
         return;
     }
-    pin.injection = pin.secret ? make_injection(pin.inject, *pin.secret) : nullptr;
+    auto& entries = by_secret_[pin.secret.get()];
+    for (const Entry& e : entries) {
+        if (e.spec == pin.inject) {
+            return;
+        }
+    }
+    entries.push_back({pin.secret, pin.inject, pin.injection});
+}
+
+void InjectionCache::prepare(Pin& pin) {
+    if (!pin.secret) {
+        pin.injection = nullptr;
+        return;
+    }
+    auto& entries = by_secret_[pin.secret.get()];
+    for (const Entry& e : entries) {
+        if (e.spec == pin.inject) {
+            pin.injection = e.injection;
+            return;
+        }
+    }
+    prepare_injection(pin);
+    entries.push_back({pin.secret, pin.inject, pin.injection});
 }
 
 void index_pins(RunPolicy& run) {

@@ -84,10 +84,27 @@ struct Pin {
 };
 
 /// Sets pin.injection from pin.inject and pin.secret (clears it without a secret). Call once
-/// a pin's secret and injection are final. With `previous` (the same pin in the build before)
-/// holding the same secret object and spec, its injection is kept rather than made again: a
-/// rebuild of a run with many pins then costs no mlock and no planning for unchanged ones.
-void prepare_injection(Pin& pin, const Pin* previous = nullptr);
+/// a pin's secret and injection are final.
+void prepare_injection(Pin& pin);
+
+/// prepare_injection() for the pins of one build, sharing: pins that inject the same secret
+/// object the same way get one injection (and one pair of mlock'ed buffers, not one per pin:
+/// a run of thousands of pins on one credential would otherwise lock thousands of pages), and
+/// what remember() was given from the build before is kept rather than made again (a rebuild
+/// costs no mlock and no planning for unchanged pins). Lives for one build.
+class InjectionCache {
+public:
+    void remember(const Pin& pin);  // offers pin.injection, if any, for reuse
+    void prepare(Pin& pin);         // sets pin.injection, reusing an equal one
+
+private:
+    struct Entry {
+        credstore::SecretPtr secret;  // held, so the key's address cannot be reused meanwhile
+        InjectSpec spec;
+        std::shared_ptr<const Injection> injection;
+    };
+    std::unordered_map<const credstore::SecretValue*, std::vector<Entry>> by_secret_;
+};
 
 /// Pins by host, so a run with thousands of pins matches a request in O(1) instead of
 /// scanning them all: exact hosts, and wildcard pins by the parent they stand under.

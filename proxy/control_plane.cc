@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <set>
 #include <fstream>
-#include <unordered_map>
 
 #include <boost/json.hpp>
 #include <boost/url/parse.hpp>
@@ -1080,12 +1079,12 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
             run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
             run->leaves = make_leaf_cache(run->ca, config_->limits);
         }
-        // The build before's pins, by id: an unchanged pin keeps its injection (its secret is
-        // the same object, unseal_cached) instead of making it again, ~4-6 µs and two mlocks
-        // a pin (BM_MakeInjection), on every rebuild of a run with thousands of pins.
-        std::unordered_map<std::string_view, const policy::Pin*> before;
+        // Pins on one secret share an injection, and an unchanged pin keeps the build
+        // before's (its secret is the same object: unseal_cached) instead of making it again:
+        // ~4-6 µs and two mlocks each (BM_MakeInjection), for thousands of pins a rebuild.
+        policy::InjectionCache injections;
         if (prev != built_.end()) {
-            for (const policy::Pin& op : prev->second->policy.pins) before.emplace(op.id, &op);
+            for (const policy::Pin& old : prev->second->policy.pins) injections.remember(old);
         }
         for (const auto& p : rec.pins) {
             auto pat = policy::HostPattern::parse(p.host);
@@ -1110,8 +1109,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
             for (const auto& [n, v] : p.extra_headers) pin.extra_headers.push_back({n, v});
             pin.secret = value;
             pin.expires_at = policy::Clock::from_time_t(p.expires_at);
-            const auto old = before.find(pin.id);
-            policy::prepare_injection(pin, old != before.end() ? old->second : nullptr);
+            injections.prepare(pin);
             run->policy.pins.push_back(std::move(pin));
         }
         policy::index_pins(run->policy);

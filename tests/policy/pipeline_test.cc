@@ -135,26 +135,38 @@ TEST_F(PipelineTest, PinWithoutPreparedInjectionGetsOneMade) {
     EXPECT_TRUE(has(d.scrub, blob));
 }
 
-// A rebuilt pin keeps the injection of the pin it replaces when the secret object and the
-// spec are the same, and gets a new one when either changed.
-TEST_F(PipelineTest, RebuiltPinKeepsAnUnchangedInjection) {
+// One build's pins share an injection per secret object and spec, and keep one remembered
+// from the build before; a changed secret object or spec gets a new one.
+TEST_F(PipelineTest, InjectionCacheSharesEqualInjections) {
     const Pin before = make_pin("p", "x.test", InjectSpec{});
+    InjectionCache cache;
+    cache.remember(before);
+
     Pin same = make_pin("p", "x.test", InjectSpec{});
     same.secret = before.secret;
-    prepare_injection(same, &before);
+    cache.prepare(same);
     EXPECT_EQ(same.injection, before.injection);
 
-    Pin other_secret = make_pin("p", "x.test", InjectSpec{});  // equal bytes, another object
-    prepare_injection(other_secret, &before);
+    Pin other_secret = make_pin("q", "y.test", InjectSpec{});  // equal bytes, another object
+    cache.prepare(other_secret);
     ASSERT_NE(other_secret.injection, nullptr);
     EXPECT_NE(other_secret.injection, before.injection);
+    Pin sharing = make_pin("r", "z.test", InjectSpec{});
+    sharing.secret = other_secret.secret;
+    cache.prepare(sharing);
+    EXPECT_EQ(sharing.injection, other_secret.injection);
 
     Pin other_spec = make_pin("p", "x.test", basic("u"));
     other_spec.secret = before.secret;
-    prepare_injection(other_spec, &before);
+    cache.prepare(other_spec);
     ASSERT_NE(other_spec.injection, nullptr);
     EXPECT_NE(other_spec.injection, before.injection);
     EXPECT_EQ(std::string(other_spec.injection->value->reveal()).rfind("Basic ", 0), 0U);
+
+    Pin no_secret = make_pin("s", "w.test", InjectSpec{});
+    no_secret.secret = nullptr;
+    cache.prepare(no_secret);
+    EXPECT_EQ(no_secret.injection, nullptr);
 }
 
 TEST_F(PipelineTest, PinWithoutSecretHasNoInjection) {
