@@ -54,8 +54,8 @@ Result<std::vector<Header>> validate_extra_headers(const std::vector<Header>& he
 
 /// What injecting one pin's credential writes, and what its responses are scrubbed of. Made
 /// once when the pin is built (prepare_injection), so a request copies the value into its
-/// head and shares the plan: building both per request was ~3 k instructions and five
-/// allocations. WARNING: holds secret bytes (in mlock'ed buffers, wiped when dropped).
+/// head and shares the plan: building both per request was ~3 k instructions and about
+/// five allocations. WARNING: holds secret bytes (in mlock'ed buffers, wiped when dropped).
 struct Injection {
     std::string header;                      // lowercase name ("authorization", ...)
     credstore::SecretPtr value;              // the header value: "Bearer S", ...
