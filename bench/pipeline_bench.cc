@@ -139,8 +139,9 @@ void BM_PipelineRunPins(benchmark::State& state) {
 BENCHMARK(BM_PipelineRunPins)->Arg(10)->Arg(100)->Arg(1000);
 
 // What building a pin costs for its credential (prepare_injection: the header value and the
-// scrubber's plan, each in an mlock'ed buffer): paid for every pin of a run each time the run
-// is built, so a 10 000-pin run pays it 10 000 times per rebuild. 0 bearer, 1 basic.
+// scrubber's plan, each in an mlock'ed buffer): paid once per secret and spec when a run is
+// built (policy::InjectionCache shares it between pins, and a control-plane rebuild keeps the
+// unchanged ones). 0 bearer, 1 basic.
 void BM_MakeInjection(benchmark::State& state) {
     const auto secret = std::make_shared<const credstore::SecretValue>(kSecret);
     InjectSpec spec;

@@ -137,7 +137,7 @@ inline void check_forwarded(const policy::RequestHead& head, const policy::Decis
     using namespace policy;
     if (!d.forward()) {
         FUZZ_CHECK(d.status >= 400 && d.status < 600 && !d.reason.empty(), d.reason);
-        FUZZ_CHECK(d.pin == nullptr && (d.scrub == nullptr), "a refusal carries a credential");
+        FUZZ_CHECK(d.pin == nullptr && d.scrub == nullptr, "a refusal carries a credential");
         return;
     }
     // Host agreement: the authority names the connection's destination.
@@ -157,7 +157,7 @@ inline void check_forwarded(const policy::RequestHead& head, const policy::Decis
     }
     if (!ctx.tls) {
         // Over cleartext the pipeline only removes: every forwarded header was sent.
-        FUZZ_CHECK(d.pin == nullptr && (d.scrub == nullptr), "credential over cleartext");
+        FUZZ_CHECK(d.pin == nullptr && d.scrub == nullptr, "credential over cleartext");
         for (const Header& h : head.headers) {
             bool found = false;
             for (const Header& s : sent) {

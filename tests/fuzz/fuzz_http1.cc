@@ -129,7 +129,7 @@ void check_serialization(const policy::RequestHead& head, const std::string& hos
 
 /// A pinned response body goes through the Scrubber in pieces: same length, no secret left.
 void check_scrubber(const policy::Decision& d, std::string_view body) {
-    if ((d.scrub == nullptr) || body.empty()) {
+    if (d.scrub == nullptr || body.empty()) {
         return;
     }
     policy::Scrubber sc(d.scrub);
