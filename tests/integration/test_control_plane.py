@@ -5,6 +5,7 @@ Secret values never appear in test output: see cp_helpers.expect / fp.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import secrets as pysecrets
@@ -441,6 +442,45 @@ def test_rotated_secret_applies_to_next_request_on_same_connection(cp, world):
         c.close()
     lst = {(s["name"], json.dumps(s["scope"])): s for s in api_ok(cp, "GET", "/v1/secrets")["secrets"]}
     assert lst[("rot_tok", json.dumps({"org": "acme"}))]["version"] == 3
+
+
+def test_pins_sharing_a_secret_follow_its_rotation(cp, world):
+    """Pins that inject one secret the same way share one injection (policy::InjectionCache),
+    and a rebuild keeps unchanged pins' injections: a rotation, and a pin added later, must
+    still give every pin the current value, in its own form."""
+    v1, v2 = sval("share1"), sval("share2")
+    put_secret(cp, "share_tok", v1, org="acme")
+    run = create_run(cp, world, {"org": "acme"},
+                     [bearer_pin(api_host(world), "share_tok"),
+                      bearer_pin(f"other.test:{world.U}", "share_tok"),
+                      {"host": f"basic.test:{world.U}", "secret": "share_tok",
+                       "inject": {"type": "basic", "username": "u"}}],
+                     allow=["hdr.test"])  # the run's CA may certify it: a pin is added later
+
+    def auth_seen(host: str) -> str:
+        marker = "m-share-" + pysecrets.token_hex(3)
+        c, resp = get_via(run, host, world.U, f"/echo/{marker}")
+        c.close()
+        assert resp.status == 200, (host, resp.status)
+        seen = seen_auth(world.upstream, marker)
+        assert len(seen) == 1, (host, len(seen))
+        return seen[0]
+
+    def basic(v: str) -> str:
+        return "Basic " + base64.b64encode(f"u:{v}".encode()).decode()
+
+    expect(auth_seen("api.test") == f"Bearer {v1}", "api.test: not v1")
+    expect(auth_seen("other.test") == f"Bearer {v1}", "other.test: not v1")
+    expect(auth_seen("basic.test") == basic(v1), "basic.test: not basic(v1)")
+    rotate_secret(cp, "share_tok", v2, org="acme")
+    expect(auth_seen("api.test") == f"Bearer {v2}", "api.test: not v2 after rotation")
+    expect(auth_seen("other.test") == f"Bearer {v2}", "other.test: not v2 after rotation")
+    expect(auth_seen("basic.test") == basic(v2), "basic.test: not basic(v2) after rotation")
+    # A pin added later rebuilds the run; the unchanged pins keep injecting v2.
+    api_ok(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin(f"hdr.test:{world.U}", "share_tok"))
+    expect(auth_seen("hdr.test") == f"Bearer {v2}", "added pin: not v2")
+    expect(auth_seen("other.test") == f"Bearer {v2}", "other.test: not v2 after the rebuild")
+    expect(auth_seen("basic.test") == basic(v2), "basic.test: not basic(v2) after the rebuild")
 
 
 def _refused_or_closed(c: helpers.Conn, host: str, path: str):
