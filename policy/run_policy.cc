@@ -201,33 +201,33 @@ void prepare_injection(Pin& pin) {
     pin.injection = pin.secret ? make_injection(pin.inject, *pin.secret) : nullptr;
 }
 
-void InjectionCache::remember(const Pin& pin) {
-    if (!pin.secret || !pin.injection) {
-        return;
-    }
-    auto& entries = by_secret_[pin.secret.get()];
-    for (const Entry& e : entries) {
-        if (e.spec == pin.inject) {
-            return;
+const std::shared_ptr<const Injection>* InjectionCache::find(const Pin& pin) const {
+    const auto it = by_secret_.find(pin.secret.get());
+    if (it != by_secret_.end()) {
+        for (const Entry& e : it->second) {
+            if (e.spec == pin.inject) {
+                return &e.injection;
+            }
         }
     }
-    entries.push_back({pin.secret, pin.inject, pin.injection});
+    return nullptr;
+}
+
+void InjectionCache::remember(const Pin& pin) {
+    if (pin.secret && pin.injection && find(pin) == nullptr) {
+        add(pin);
+    }
 }
 
 void InjectionCache::prepare(Pin& pin) {
     if (!pin.secret) {
         pin.injection = nullptr;
-        return;
+    } else if (const auto* kept = find(pin)) {
+        pin.injection = *kept;
+    } else {
+        prepare_injection(pin);
+        add(pin);
     }
-    auto& entries = by_secret_[pin.secret.get()];
-    for (const Entry& e : entries) {
-        if (e.spec == pin.inject) {
-            pin.injection = e.injection;
-            return;
-        }
-    }
-    prepare_injection(pin);
-    entries.push_back({pin.secret, pin.inject, pin.injection});
 }
 
 void index_pins(RunPolicy& run) {

@@ -103,6 +103,12 @@ private:
         InjectSpec spec;
         std::shared_ptr<const Injection> injection;
     };
+    /// The injection kept for pin's secret object and spec, or null.
+    const std::shared_ptr<const Injection>* find(const Pin& pin) const;
+    void add(const Pin& pin) {
+        by_secret_[pin.secret.get()].push_back({pin.secret, pin.inject, pin.injection});
+    }
+
     std::unordered_map<const credstore::SecretValue*, std::vector<Entry>> by_secret_;
 };
 
