@@ -156,7 +156,7 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
             inbuf.consume(n);
         } else {
             ReadDeadline deadline(s, timeout);
-            auto [ec, got] = co_await s.async_read_some(net::buffer(buf, room), use_nothrow);
+            auto [ec, got] = co_await read_some(s, net::buffer(buf, room));
             if (ec) {
                 // EOF before Content-Length bytes is a truncation (the parser's partial_message).
                 co_return BodyChunk{{}, false, false,
@@ -239,7 +239,7 @@ awaitable<bool> h1_write_body(Stream& s, bool chunked, std::string_view data, bo
         co_return true;
     }
     lowest(s).expires_after(timeout);
-    auto [ec, n] = co_await net::async_write(s, bufs, use_nothrow);
+    auto [ec, n] = co_await write_all(s, bufs);
     lowest(s).expires_never();
     co_return !ec;
 }
@@ -330,7 +330,7 @@ public:
     awaitable<void> send_continue() override {
         static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
         lowest(s_).expires_after(timeout_);
-        co_await net::async_write(s_, net::buffer(kContinue), use_nothrow);
+        co_await write_all(s_, net::buffer(kContinue));
         lowest(s_).expires_never();
     }
     awaitable<void> refuse(int status, const std::string& reason, bool keep_alive) override {
@@ -375,7 +375,7 @@ public:
             co_return true;
         }
         lowest(s_).expires_after(timeout_);
-        auto [ec, n] = co_await net::async_write(s_, net::buffer(head), use_nothrow);
+        auto [ec, n] = co_await write_all(s_, net::buffer(head));
         lowest(s_).expires_never();
         co_return !ec;
     }
@@ -417,7 +417,7 @@ public:
         chunked_ = !body.length && !body.none;
         std::string out = request_head_bytes(head, host_, body.length, chunked_);
         lowest(stream()).expires_after(timeout_);
-        auto [ec, n] = co_await net::async_write(stream(), net::buffer(out), use_nothrow);
+        auto [ec, n] = co_await write_all(stream(), net::buffer(out));
         lowest(stream()).expires_never();
         if (!head.never_index.empty()) {
             egress::secure_zero(out.data(), out.size());  // it held the injected credential
@@ -436,7 +436,7 @@ public:
                 rp_->skip(true);
             }
             lowest(stream()).expires_after(timeout_);
-            auto [ec, n] = co_await http::async_read_header(stream(), buffer(), *rp_, use_nothrow);
+            auto ec = co_await read_header(stream(), buffer(), *rp_);
             lowest(stream()).expires_never();
             if (ec) {
                 bool timeout = ec == beast::error::timeout;
@@ -572,7 +572,7 @@ awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
     parser.body_limit(boost::none);
     if (!first && buf.size() == 0) {
         lowest(s).expires_after(limits.idle_timeout);
-        auto [ec, n] = co_await s.async_read_some(buf.prepare(4096), use_nothrow);
+        auto [ec, n] = co_await read_some(s, buf.prepare(4096));
         lowest(s).expires_never();
         if (ec) {
             co_return HeadRead::Closed;  // idle keep-alive connection ends quietly
@@ -580,7 +580,7 @@ awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
         buf.commit(n);
     }
     ReadDeadline deadline(s, limits.header_timeout);
-    auto [ec, n] = co_await http::async_read_header(s, buf, parser, use_nothrow);
+    auto ec = co_await read_header(s, buf, parser);
     if (!ec) {
         co_return HeadRead::Ok;
     }

@@ -25,6 +25,92 @@ using awaitable = net::awaitable<T>;
 /// Expected errors are values (STYLE.md 10): co_await op(..., use_nothrow) → tuple(ec, ...).
 inline constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
 
+// Reads and writes for coroutines. On a TlsSocket they try the socket at once and complete in
+// the calling coroutine when the result is known (TlsSocket::read_some_now); only what has to
+// wait goes through an operation. On other streams they are the Asio and Beast operations.
+
+/// s.async_read_some.
+template <class Stream, class MutableBuffers>
+awaitable<std::tuple<error_code, size_t>> read_some(Stream& s, const MutableBuffers& bufs) {
+    if constexpr (std::is_same_v<Stream, TlsSocket>) {
+        auto a = s.read_some_now(bufs);
+        if (a.outcome) {
+            co_return *a.outcome;
+        }
+        co_return co_await s.async_read_some_after(a, bufs, use_nothrow);
+    } else {
+        co_return co_await s.async_read_some(bufs, use_nothrow);
+    }
+}
+
+/// net::async_write: all of bufs, or an error.
+template <class Stream, class ConstBuffers>
+awaitable<std::tuple<error_code, size_t>> write_all(Stream& s, const ConstBuffers& bufs) {
+    if constexpr (std::is_same_v<Stream, TlsSocket>) {
+        auto a = s.write_some_now(bufs);
+        size_t n = 0;
+        if (!a.outcome) {
+            auto [ec, sent] = co_await s.async_write_some_after(a, bufs, use_nothrow);
+            a.outcome = {ec, sent};
+        }
+        auto [ec, sent] = *a.outcome;
+        n = sent;
+        if (ec || n == net::buffer_size(bufs)) {
+            co_return std::tuple(ec, n);
+        }
+        beast::buffers_suffix<ConstBuffers> rest(bufs);  // the socket took part: write the rest
+        rest.consume(n);
+        auto [rec, rn] = co_await net::async_write(s, rest, use_nothrow);
+        co_return std::tuple(rec, n + rn);
+    } else {
+        co_return co_await net::async_write(s, bufs, use_nothrow);
+    }
+}
+
+/// http::async_read_header. On a TlsSocket, Beast's steps (beast/http/impl/read.hpp,
+/// read_some_op) with read_some: parse what is buffered, read at most 64 KiB more while the
+/// parser needs it, EOF after some bytes is the parser's put_eof and before any is
+/// end_of_stream. A head already buffered (read while the connection idled) or already
+/// received is parsed without a composed operation posting its result.
+template <class Stream, bool isRequest>
+awaitable<error_code> read_header(Stream& s, beast::flat_buffer& b, http::basic_parser<isRequest>& p) {
+    if constexpr (std::is_same_v<Stream, TlsSocket>) {
+        while (!p.is_header_done()) {
+            if (b.size() > 0) {
+                error_code ec;
+                b.consume(p.put(b.data(), ec));
+                if (ec != http::error::need_more) {
+                    if (ec) {
+                        co_return ec;
+                    }
+                    continue;
+                }
+            }
+            const size_t size = beast::read_size(b, 65536);
+            if (size == 0) {
+                co_return http::error::buffer_overflow;
+            }
+            auto [ec, n] = co_await read_some(s, b.prepare(size));
+            b.commit(n);
+            if (ec == net::error::eof) {
+                if (!p.got_some()) {
+                    co_return http::error::end_of_stream;
+                }
+                error_code eof;
+                p.put_eof(eof);  // partial_message: the head was cut short
+                co_return eof;
+            }
+            if (ec) {
+                co_return ec;
+            }
+        }
+        co_return error_code();
+    } else {
+        auto [ec, n] = co_await http::async_read_header(s, b, p, use_nothrow);
+        co_return ec;
+    }
+}
+
 using TcpStream = beast::tcp_stream;
 /// TLS on the socket itself (proxy/tls_socket.h), not asio::ssl::stream's BIO pair.
 using TlsStream = TlsSocket;

@@ -43,6 +43,8 @@
 #include <boost/beast/core/tcp_stream.hpp>
 #include <chrono>
 #include <memory>
+#include <optional>
+#include <utility>
 #include <string>
 
 namespace egress::proxy {
@@ -118,44 +120,49 @@ public:
     }
     template <class MutableBuffers, class Token>
     auto async_read_some(const MutableBuffers& buffers, Token&& token) {
-        ReadStep step;
-        for (auto it = boost::asio::buffer_sequence_begin(buffers);
-             it != boost::asio::buffer_sequence_end(buffers); ++it) {
-            const boost::asio::mutable_buffer b = *it;
-            if (b.size() != 0) {
-                step.data = static_cast<char*>(b.data());
-                step.size = b.size();
-                break;
-            }
-        }
-        return start<void(error_code, size_t)>(step, std::forward<Token>(token));
+        return start<void(error_code, size_t)>(read_step(buffers), std::forward<Token>(token));
     }
     /// Writes up to one buffer or, for a sequence of small buffers (a serialized head and a
     /// body), up to kGatherBytes of them gathered into one TLS record.
     template <class ConstBuffers, class Token>
     auto async_write_some(const ConstBuffers& buffers, Token&& token) {
-        WriteStep step;
-        size_t nonempty = 0;
-        for (auto it = boost::asio::buffer_sequence_begin(buffers);
-             it != boost::asio::buffer_sequence_end(buffers) && nonempty < 2; ++it) {
-            const boost::asio::const_buffer b = *it;
-            if (b.size() != 0 && nonempty++ == 0) {
-                step.data = static_cast<const char*>(b.data());
-                step.size = b.size();
-            }
-        }
-        if (nonempty > 1 && step.size < kGatherBytes) {
-            std::string& g = core_->gather;
-            g.clear();
-            for (auto it = boost::asio::buffer_sequence_begin(buffers);
-                 it != boost::asio::buffer_sequence_end(buffers) && g.size() < kGatherBytes; ++it) {
-                const boost::asio::const_buffer b = *it;
-                g.append(static_cast<const char*>(b.data()), std::min(b.size(), kGatherBytes - g.size()));
-            }
-            step.data = g.data();
-            step.size = g.size();
-        }
-        return start<void(error_code, size_t)>(step, std::forward<Token>(token));
+        return start<void(error_code, size_t)>(write_step(buffers), std::forward<Token>(token));
+    }
+
+    /// Reads and writes tried at once, for coroutines: a read of bytes that are already there,
+    /// or a write the socket takes, completes in the calling coroutine. An operation that
+    /// completes at its start must post its result (Asio's rule), which costs the operation, a
+    /// post and a turn of the event loop; on the path of a proxied request that is most reads
+    /// and writes (proxy/net.h: read_some, write_all, read_header).
+    using Outcome = std::pair<error_code, size_t>;
+    struct Attempt {
+        std::optional<Outcome> outcome;  // the result, known now
+        bool want_write = false;         // else what the socket must become ready for
+    };
+    /// One try of async_read_some's read (same rules: no other read in flight).
+    template <class MutableBuffers>
+    Attempt read_some_now(const MutableBuffers& buffers) {
+        return now(read_step(buffers));
+    }
+    /// One try of async_write_some's write (no other write in flight). Without an outcome the
+    /// write must be retried with the same bytes (OpenSSL's rule after WANT_WRITE).
+    template <class ConstBuffers>
+    Attempt write_some_now(const ConstBuffers& buffers) {
+        return now(write_step(buffers));
+    }
+    /// After an attempt without an outcome: the operation, which waits for the socket first
+    /// (trying again at once would cost a second recv or send to learn it would block). Start
+    /// it before the event loop runs again: with edge-triggered readiness, an edge that came
+    /// between the attempt and the wait would be missed.
+    template <class MutableBuffers, class Token>
+    auto async_read_some_after(const Attempt& a, const MutableBuffers& buffers, Token&& token) {
+        return start<void(error_code, size_t)>(read_step(buffers), std::forward<Token>(token),
+                                               wait_for(a));
+    }
+    template <class ConstBuffers, class Token>
+    auto async_write_some_after(const Attempt& a, const ConstBuffers& buffers, Token&& token) {
+        return start<void(error_code, size_t)>(write_step(buffers), std::forward<Token>(token),
+                                               wait_for(a));
     }
 
     static constexpr size_t kMaxRecordPlaintext = 16 * 1024;  // TLS's largest record
@@ -244,6 +251,9 @@ private:
     struct Op {
         std::shared_ptr<Core> core;
         Step step;
+        /// WantRead/WantWrite: the step was just tried (TlsSocket::now) and must wait for that
+        /// first.
+        Status::Kind wait_first = Status::Done;
         bool started = false;
         bool waiting = false;
         bool deferred = false;
@@ -267,8 +277,12 @@ private:
             if (core->closed) {
                 return finish(self, {Status::Failed, boost::asio::error::bad_descriptor, 0});
             }
-            note_use(core);
-            Status s = step(*core);
+            Status s{wait_first, {}, 0};
+            if (wait_first == Status::Done) {
+                note_use(core);
+                s = step(*core);
+            }
+            wait_first = Status::Done;
             if (s.kind == Status::Done || s.kind == Status::Failed) {
                 return finish(self, std::move(s));
             }
@@ -305,10 +319,72 @@ private:
         }
     };
 
+    template <class MutableBuffers>
+    static ReadStep read_step(const MutableBuffers& buffers) {
+        ReadStep step;
+        for (auto it = boost::asio::buffer_sequence_begin(buffers);
+             it != boost::asio::buffer_sequence_end(buffers); ++it) {
+            const boost::asio::mutable_buffer b = *it;
+            if (b.size() != 0) {
+                step.data = static_cast<char*>(b.data());
+                step.size = b.size();
+                break;
+            }
+        }
+        return step;
+    }
+    template <class ConstBuffers>
+    WriteStep write_step(const ConstBuffers& buffers) {
+        WriteStep step;
+        size_t nonempty = 0;
+        for (auto it = boost::asio::buffer_sequence_begin(buffers);
+             it != boost::asio::buffer_sequence_end(buffers) && nonempty < 2; ++it) {
+            const boost::asio::const_buffer b = *it;
+            if (b.size() != 0 && nonempty++ == 0) {
+                step.data = static_cast<const char*>(b.data());
+                step.size = b.size();
+            }
+        }
+        if (nonempty > 1 && step.size < kGatherBytes) {
+            std::string& g = core_->gather;
+            g.clear();
+            for (auto it = boost::asio::buffer_sequence_begin(buffers);
+                 it != boost::asio::buffer_sequence_end(buffers) && g.size() < kGatherBytes; ++it) {
+                const boost::asio::const_buffer b = *it;
+                g.append(static_cast<const char*>(b.data()), std::min(b.size(), kGatherBytes - g.size()));
+            }
+            step.data = g.data();
+            step.size = g.size();
+        }
+        return step;
+    }
+    /// One attempt of a read or write step, outside an operation.
+    template <class Step>
+    Attempt now(const Step& step) {
+        if (core_->closed) {
+            return {Outcome{boost::asio::error::bad_descriptor, 0}};
+        }
+        note_use(core_);
+        Status s = step(*core_);
+        if (s.kind == Status::Done) {
+            return {Outcome{error_code(), s.bytes}};
+        }
+        if (s.kind == Status::Failed) {
+            return {Outcome{s.ec, 0}};
+        }
+        return {std::nullopt, s.kind == Status::WantWrite};
+    }
+    static Status::Kind wait_for(const Attempt& a) {
+        if (a.outcome) {
+            return Status::Done;  // nothing to wait for: the operation tries at once
+        }
+        return a.want_write ? Status::WantWrite : Status::WantRead;
+    }
+
     template <class Signature, class Step, class Token>
-    auto start(Step step, Token&& token) {
-        return boost::asio::async_compose<Token, Signature>(Op<Step>{core_, step}, token,
-                                                            core_->socket);
+    auto start(Step step, Token&& token, Status::Kind wait_first = Status::Done) {
+        return boost::asio::async_compose<Token, Signature>(Op<Step>{core_, step, wait_first},
+                                                            token, core_->socket);
     }
 
     std::shared_ptr<Core> core_;

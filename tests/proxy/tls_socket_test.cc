@@ -2,8 +2,11 @@
 // transfers through small socket buffers (the WANT_WRITE path), concurrent reads and writes
 // on one stream (HTTP/2's reader and writer), the lazy deadline, close_notify, truncation,
 // and the failure modes a socket BIO of our own must get right (EPIPE without SIGPIPE, no
-// read from a descriptor number reused after close).
+// read from a descriptor number reused after close). And the reads and writes tried at once
+// (read_some_now, write_some_now and proxy/net.h's helpers built on them).
 #include "proxy/tls_socket.h"
+
+#include "proxy/net.h"  // read_some, write_all, read_header: the coroutine fast paths
 
 #include <gtest/gtest.h>
 #include <linux/sockios.h>
@@ -408,6 +411,196 @@ TEST_F(TlsSocketTest, MovedStreamKeepsWorking) {
         co_await net::async_write(*moved, net::buffer(std::string("hello")), use_nothrow);
         EXPECT_EQ(co_await read_exactly(s, 5), "hello");
     }());
+}
+
+/// Waits (bounded) until `sock` has at least `bytes` unread bytes in the kernel.
+net::awaitable<void> until_received(tcp::socket& sock, int bytes) {
+    net::steady_timer t(co_await net::this_coro::executor);
+    int have = 0;
+    for (int i = 0; i < 2000; ++i) {
+        EXPECT_EQ(::ioctl(sock.native_handle(), FIONREAD, &have), 0);
+        if (have >= bytes) {
+            co_return;
+        }
+        t.expires_after(1ms);
+        co_await t.async_wait(use_nothrow);
+    }
+    ADD_FAILURE() << "only " << have << " of " << bytes << " bytes arrived";
+}
+
+TEST_F(TlsSocketTest, ReadNowTakesWhatIsThereAndOtherwiseTheReadWaitsFirst) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        char buf[64];
+        // Nothing sent: no outcome, and the operation started after it waits for the socket
+        // (it does not miss the data that comes later).
+        auto a = s.read_some_now(net::buffer(buf));
+        EXPECT_FALSE(a.outcome);
+        EXPECT_FALSE(a.want_write);
+        auto write_later = [&]() -> net::awaitable<void> {
+            net::steady_timer t(co_await net::this_coro::executor);
+            t.expires_after(20ms);
+            co_await t.async_wait(use_nothrow);
+            co_await net::async_write(c, net::buffer(std::string_view("first")), use_nothrow);
+        };
+        auto read_after = [&]() -> net::awaitable<std::string> {
+            auto [ec, n] = co_await s.async_read_some_after(a, net::buffer(buf), use_nothrow);
+            EXPECT_FALSE(ec) << ec.message();
+            co_return std::string(buf, n);
+        };
+        EXPECT_EQ(co_await (read_after() && write_later()), "first");
+        // Two records, both received before the read: one try takes both, with no wait.
+        co_await net::async_write(c, net::buffer(std::string_view("head")), use_nothrow);
+        co_await net::async_write(c, net::buffer(std::string_view("body")), use_nothrow);
+        co_await until_received(s.socket(), 2 * (5 + 4 + 17));  // TLS 1.3 records
+        auto b = s.read_some_now(net::buffer(buf));
+        EXPECT_TRUE(b.outcome);
+        if (b.outcome) {
+            EXPECT_FALSE(b.outcome->first);
+            EXPECT_EQ(std::string_view(buf, b.outcome->second), "headbody");
+        }
+        // proxy/net.h's read_some over both paths.
+        co_await net::async_write(c, net::buffer(std::string_view("third")), use_nothrow);
+        co_await until_received(s.socket(), 5 + 5 + 17);
+        auto [ec3, n3] = co_await read_some(s, net::buffer(buf));
+        EXPECT_FALSE(ec3);
+        EXPECT_EQ(std::string_view(buf, n3), "third");
+        auto read_waiting = [&]() -> net::awaitable<std::string> {
+            auto [ec, n] = co_await read_some(s, net::buffer(buf));
+            EXPECT_FALSE(ec) << ec.message();
+            co_return std::string(buf, n);
+        };
+        EXPECT_EQ(co_await (read_waiting() && write_later()), "first");
+    }());
+}
+
+TEST_F(TlsSocketTest, WriteNowTakesWhatTheSocketTakesAndTheRestWaitsForRoom) {
+    // Tries fill the socket until it takes nothing (want_write); the write started after that
+    // waits for room, and write_all sends the rest through the full socket: the reader, who
+    // starts late, gets every byte in order.
+    auto [s, c] = pair();
+    const std::string data = pattern(16 << 20, 'n');
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        size_t at = 0;
+        TlsSocket::Attempt a;
+        for (int i = 0; i < 1000 && at < data.size(); ++i) {
+            a = c.write_some_now(net::buffer(data.data() + at, std::min<size_t>(64 << 10, data.size() - at)));
+            if (!a.outcome) {
+                break;
+            }
+            EXPECT_FALSE(a.outcome->first) << a.outcome->first.message();
+            EXPECT_GT(a.outcome->second, 0u);
+            at += a.outcome->second;
+        }
+        EXPECT_FALSE(a.outcome) << "the socket took all " << at << " bytes";
+        if (a.outcome) {
+            co_return;
+        }
+        EXPECT_TRUE(a.want_write);
+        EXPECT_GT(at, 0u);
+        auto writer = [&]() -> net::awaitable<void> {
+            auto [ec, n] = co_await c.async_write_some_after(
+                a, net::buffer(data.data() + at, std::min<size_t>(64 << 10, data.size() - at)),
+                use_nothrow);
+            EXPECT_FALSE(ec) << ec.message();
+            EXPECT_GT(n, 0u);
+            at += n;
+            auto [ec2, n2] = co_await write_all(c, net::buffer(data.data() + at, data.size() - at));
+            EXPECT_FALSE(ec2) << ec2.message();
+            EXPECT_EQ(at + n2, data.size());
+        };
+        auto got = co_await (writer() && read_exactly(s, data.size()));
+        EXPECT_TRUE(got == data);
+    }());
+}
+
+/// What reading a head left: the error, the head as Beast parsed it, and the bytes left over.
+struct HeadResult {
+    error_code ec;
+    bool done = false;
+    std::string method, target, fields, rest;
+    bool operator==(const HeadResult&) const = default;
+};
+
+std::ostream& operator<<(std::ostream& os, const HeadResult& r) {
+    return os << r.ec.message() << " done=" << r.done << " " << r.method << " " << r.target
+              << " [" << r.fields << "] rest=[" << r.rest << "]";
+}
+
+TEST_F(TlsSocketTest, ReadHeaderOnATlsSocketAgreesWithBeast) {
+    // proxy/net.h's read_header runs Beast's read steps in the coroutine; for each way a head
+    // can arrive (whole, in pieces, with the body behind it, cut short by close_notify, never,
+    // too large for the parser or for the buffer, malformed) it must come to what Beast's
+    // http::async_read_header comes to on the same stream.
+    struct Case {
+        std::vector<std::string> pieces;
+        bool close_after = false;
+        uint32_t header_limit = 8192;
+        size_t buffer_max = 1 << 20;
+    };
+    const std::string big(3000, 'v');
+    const std::vector<Case> cases = {
+        {{"GET /a HTTP/1.1\r\nHost: a.test\r\nX-One: 1\r\n\r\n"}},
+        {{"GET /b HT", "TP/1.1\r\nHo", "st: a.test\r\n\r", "\nbody bytes"}},
+        {{"POST /c HTTP/1.1\r\nHost: a.test\r\nContent-Length: 5\r\n\r\nhello"}},
+        {{"GET /d HTTP/1.1\r\nHost: a.test\r\n"}, true},
+        {{}, true},
+        {{"GET /e HTTP/1.1\r\nX-Big: " + big + "\r\n\r\n"}, false, 1024},
+        {{"GET /f HTTP/1.1\r\nX-Big: " + big + "\r\n\r\n"}, false, 8192, 1024},
+        {{"G@T /g HTTP/1.1\r\n\r\n"}},
+    };
+    const std::vector<error_code> expected = {
+        {}, {}, {}, http::error::partial_message, http::error::end_of_stream,
+        http::error::header_limit, http::error::buffer_overflow, http::error::bad_method};
+    ASSERT_EQ(expected.size(), cases.size());
+    for (size_t i = 0; i < cases.size(); ++i) {
+        const Case& k = cases[i];
+        HeadResult results[2];
+        for (int beast_read = 0; beast_read < 2; ++beast_read) {
+            auto [s, c] = pair();
+            HeadResult& r = results[beast_read];
+            run([&]() -> net::awaitable<void> {
+                co_await handshake(s, c);
+                auto send = [&]() -> net::awaitable<void> {
+                    net::steady_timer t(co_await net::this_coro::executor);
+                    for (const auto& piece : k.pieces) {
+                        co_await net::async_write(c, net::buffer(piece), use_nothrow);
+                        t.expires_after(5ms);  // each piece in a read of its own
+                        co_await t.async_wait(use_nothrow);
+                    }
+                    if (k.close_after) {
+                        SSL_shutdown(c.native_handle());  // close_notify, without waiting
+                    }
+                };
+                auto receive = [&]() -> net::awaitable<void> {
+                    beast::flat_buffer b(k.buffer_max);
+                    http::request_parser<http::empty_body> p;
+                    p.header_limit(k.header_limit);
+                    s.expires_after(5s);
+                    if (beast_read == 1) {
+                        auto [ec, n] = co_await http::async_read_header(s, b, p, use_nothrow);
+                        r.ec = ec;
+                    } else {
+                        r.ec = co_await read_header(s, b, p);
+                    }
+                    r.done = p.is_header_done();
+                    if (r.done) {
+                        r.method = std::string(p.get().method_string());
+                        r.target = std::string(p.get().target());
+                        for (const auto& f : p.get()) {
+                            r.fields += std::string(f.name_string()) + "=" + std::string(f.value()) + ";";
+                        }
+                    }
+                    r.rest = beast::buffers_to_string(b.data());
+                };
+                co_await (send() && receive());
+            }());
+        }
+        EXPECT_EQ(results[0], results[1]) << "case " << i;
+        EXPECT_EQ(results[0].ec, expected[i]) << "case " << i << ": " << results[0];
+    }
 }
 
 }  // namespace
