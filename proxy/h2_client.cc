@@ -186,7 +186,7 @@ awaitable<void> read_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
     auto buf = std::make_unique<uint8_t[]>(16 * 1024);
     while (!im.io.dead) {
         auto [ec, n] =
-            co_await im.stream->async_read_some(net::buffer(buf.get(), 16 * 1024), use_nothrow);
+            co_await read_some(*im.stream, net::buffer(buf.get(), 16 * 1024));
         if (ec) {
             break;
         }

@@ -244,7 +244,7 @@ struct H2Io {
             if (!wbuf.empty()) {
                 writing = true;
                 write_started = std::chrono::steady_clock::now();
-                auto [ec, n] = co_await net::async_write(*stream, net::buffer(wbuf), use_nothrow);
+                auto [ec, n] = co_await write_all(*stream, net::buffer(wbuf));
                 writing = false;
                 if (wipe_written) {
                     egress::secure_zero(wbuf.data(), wbuf.size());

@@ -517,7 +517,7 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
     auto ex = co_await net::this_coro::executor;
     while (!c->io.dead) {
         auto [ec, n] =
-            co_await c->io.stream->async_read_some(net::buffer(buf.get(), 16 * 1024), use_nothrow);
+            co_await read_some(*c->io.stream, net::buffer(buf.get(), 16 * 1024));
         if (ec) {
             break;
         }

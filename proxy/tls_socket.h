@@ -134,11 +134,18 @@ public:
     /// completes at its start must post its result (Asio's rule), which costs the operation, a
     /// post and a turn of the event loop; on the path of a proxied request that is most reads
     /// and writes (proxy/net.h: read_some, write_all, read_header).
+    ///
+    /// Fairness: a stream completes at most kInlineStreak tries in a row this way; then a try
+    /// is not made (tried false) and the operation started after it goes through the event
+    /// loop, so a peer that keeps a socket full (an upload, a flood of HTTP/2 frames) cannot
+    /// keep a coroutine running past the other connections of its loop.
     using Outcome = std::pair<error_code, size_t>;
     struct Attempt {
         std::optional<Outcome> outcome;  // the result, known now
+        bool tried = true;               // false: the streak's limit; the operation tries
         bool want_write = false;         // else what the socket must become ready for
     };
+    static constexpr uint32_t kInlineStreak = 16;
     /// One try of async_read_some's read (same rules: no other read in flight).
     template <class MutableBuffers>
     Attempt read_some_now(const MutableBuffers& buffers) {
@@ -189,6 +196,7 @@ private:
         Clock::time_point release_due = Clock::time_point::max();
         std::string gather;
         bool more_to_send = false;  // the record being written is not the write's last: MSG_MORE
+        uint32_t inline_streak = 0;  // tries completed in a row in the caller (kInlineStreak)
     };
 
     /// What one attempt of an OpenSSL call came to.
@@ -364,18 +372,22 @@ private:
         if (core_->closed) {
             return {Outcome{boost::asio::error::bad_descriptor, 0}};
         }
+        if (core_->inline_streak >= kInlineStreak) {
+            return {std::nullopt, false};
+        }
         note_use(core_);
         Status s = step(*core_);
         if (s.kind == Status::Done) {
+            ++core_->inline_streak;
             return {Outcome{error_code(), s.bytes}};
         }
         if (s.kind == Status::Failed) {
             return {Outcome{s.ec, 0}};
         }
-        return {std::nullopt, s.kind == Status::WantWrite};
+        return {std::nullopt, true, s.kind == Status::WantWrite};
     }
     static Status::Kind wait_for(const Attempt& a) {
-        if (a.outcome) {
+        if (a.outcome || !a.tried) {
             return Status::Done;  // nothing to wait for: the operation tries at once
         }
         return a.want_write ? Status::WantWrite : Status::WantRead;
@@ -383,6 +395,7 @@ private:
 
     template <class Signature, class Step, class Token>
     auto start(Step step, Token&& token, Status::Kind wait_first = Status::Done) {
+        core_->inline_streak = 0;  // this one waits or goes through the event loop
         return boost::asio::async_compose<Token, Signature>(Op<Step>{core_, step, wait_first},
                                                             token, core_->socket);
     }
