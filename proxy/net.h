@@ -48,13 +48,11 @@ template <class Stream, class ConstBuffers>
 awaitable<std::tuple<error_code, size_t>> write_all(Stream& s, const ConstBuffers& bufs) {
     if constexpr (std::is_same_v<Stream, TlsSocket>) {
         auto a = s.write_some_now(bufs);
-        size_t n = 0;
         if (!a.outcome) {
             auto [ec, sent] = co_await s.async_write_some_after(a, bufs, use_nothrow);
             a.outcome = {ec, sent};
         }
-        auto [ec, sent] = *a.outcome;
-        n = sent;
+        const auto [ec, n] = *a.outcome;
         if (ec || n == net::buffer_size(bufs)) {
             co_return std::tuple(ec, n);
         }

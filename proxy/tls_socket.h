@@ -19,6 +19,10 @@
 // Writes: one write operation sends as many records as the socket takes, every record but the
 // write's last with MSG_MORE (see WriteStep).
 //
+// Coroutines try first (read_some_now, write_some_now; proxy/net.h wraps them): a read of bytes
+// already received or a write the socket takes completes in the caller, and only what has to
+// wait becomes an operation, which then waits for the socket before trying again.
+//
 // The stream carries one deadline for its operations (expires_after / expires_never, like
 // beast::tcp_stream) that costs no system call to move: a single timer is armed when an
 // operation has to wait and re-armed lazily when it fires early. An operation still pending
@@ -44,8 +48,8 @@
 #include <chrono>
 #include <memory>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 
 namespace egress::proxy {
 
