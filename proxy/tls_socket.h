@@ -163,8 +163,8 @@ public:
     }
     /// After an attempt without an outcome: the operation, which waits for the socket first
     /// (trying again at once would cost a second recv or send to learn it would block). Start
-    /// it before the event loop runs again: with edge-triggered readiness, an edge that came
-    /// between the attempt and the wait would be missed.
+    /// it before the event loop runs again: Asio's reactor drops a readiness edge that no
+    /// operation waits for (edge-triggered epoll), so one it saw in between would be lost.
     template <class MutableBuffers, class Token>
     auto async_read_some_after(const Attempt& a, const MutableBuffers& buffers, Token&& token) {
         return start<void(error_code, size_t)>(read_step(buffers), std::forward<Token>(token),
