@@ -175,6 +175,9 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
         inbuf.reserve(inbuf.size() + kBodyReadBytes);
     }
     ReadDeadline deadline(s, timeout);
+    // Beast's operation, not proxy/net.h's tries: a piece already buffered is posted (one
+    // turn of the event loop), as every read was before net.h. Content-Length bodies, the
+    // common case, take the direct path above.
     auto [ec, n] = co_await http::async_read_some(s, inbuf, p, use_nothrow);
     if (ec == http::error::need_buffer) {
         ec = {};
