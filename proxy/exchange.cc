@@ -113,7 +113,9 @@ H2ClientOptions h2_client_options(const Limits& l) {
 
 /// Upstream for the agreed destination: an h2 session with room, a pooled h1 connection, or
 /// a fresh dial (vetted address, verified TLS, ALPN h2|http/1.1 negotiated on its own).
-awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool allow_pool) {
+/// `retryable`: the request has no body, so it can be sent again (UpstreamPool::acquire).
+awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool allow_pool,
+                                                            bool retryable) {
     Worker& w = *scope.worker;
     const Runtime& rt = *scope.runtime;
     const auto& limits = rt.config->limits;
@@ -133,7 +135,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
             if (auto s = w.pool->acquire_h2(key)) {
                 co_return std::make_unique<H2Upstream>(std::move(*s), authority);
             }
-            if (auto c = w.pool->acquire(key)) {
+            if (auto c = w.pool->acquire(key, retryable)) {
                 co_return make_h1_upstream(w, std::move(c), true, authority);
             }
         }
@@ -284,7 +286,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_await down.send_continue();
     }
 
-    auto opened = co_await open_upstream(scope, true);
+    auto opened = co_await open_upstream(scope, true, req_body.none);
     if (auto* r = std::get_if<Refusal>(&opened)) {
         if (!r->kind.empty()) {
             shared.metrics.upstream_error(r->kind);
@@ -423,7 +425,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     retry:
         spdlog::debug("conn={} pooled upstream connection was closed; retrying", scope.conn_id);
         up.reset();
-        auto again = co_await open_upstream(scope, false);
+        auto again = co_await open_upstream(scope, false, false);
         if (auto* r = std::get_if<Refusal>(&again)) {
             co_await down.refuse(r->status, r->reason, false);
             audit_refusal(scope, method, head.path, r->status, r->reason, started);

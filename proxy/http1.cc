@@ -439,7 +439,7 @@ public:
                 rp_->skip(true);
             }
             lowest(stream()).expires_after(timeout_);
-            auto ec = co_await read_header(stream(), buffer(), *rp_);
+            auto ec = co_await read_header(stream(), buffer(), *rp_, Arrival::Later);
             lowest(stream()).expires_never();
             if (ec) {
                 bool timeout = ec == beast::error::timeout;
@@ -575,7 +575,7 @@ awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
     parser.body_limit(boost::none);
     if (!first && buf.size() == 0) {
         lowest(s).expires_after(limits.idle_timeout);
-        auto [ec, n] = co_await read_some(s, buf.prepare(4096));
+        auto [ec, n] = co_await read_some(s, buf.prepare(4096), Arrival::Later);
         lowest(s).expires_never();
         if (ec) {
             co_return HeadRead::Closed;  // idle keep-alive connection ends quietly

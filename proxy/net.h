@@ -29,10 +29,20 @@ inline constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
 // the calling coroutine when the result is known (TlsSocket::read_some_now); only what has to
 // wait goes through an operation. On other streams they are the Asio and Beast operations.
 
+/// Whether a read may find bytes there already. Later: it follows our own write to the same
+/// peer, which has yet to answer (a response right after its request, the next request right
+/// after a response); on a TlsSocket it waits for the socket first
+/// (TlsSocket::async_read_some_later), without a try whose recv would only learn EAGAIN.
+enum class Arrival { Maybe, Later };
+
 /// s.async_read_some.
 template <class Stream, class MutableBuffers>
-awaitable<std::tuple<error_code, size_t>> read_some(Stream& s, const MutableBuffers& bufs) {
+awaitable<std::tuple<error_code, size_t>> read_some(Stream& s, const MutableBuffers& bufs,
+                                                    Arrival arrival = Arrival::Maybe) {
     if constexpr (std::is_same_v<Stream, TlsSocket>) {
+        if (arrival == Arrival::Later) {
+            co_return co_await s.async_read_some_later(bufs, use_nothrow);
+        }
         auto a = s.read_some_now(bufs);
         if (a.outcome) {
             co_return *a.outcome;
@@ -70,8 +80,10 @@ awaitable<std::tuple<error_code, size_t>> write_all(Stream& s, const ConstBuffer
 /// parser needs it, EOF after some bytes is the parser's put_eof and before any is
 /// end_of_stream. A head already buffered (read while the connection idled) or already
 /// received is parsed without a composed operation posting its result.
+/// `arrival` is that of the first bytes read from the socket.
 template <class Stream, bool isRequest>
-awaitable<error_code> read_header(Stream& s, beast::flat_buffer& b, http::basic_parser<isRequest>& p) {
+awaitable<error_code> read_header(Stream& s, beast::flat_buffer& b, http::basic_parser<isRequest>& p,
+                                  Arrival arrival = Arrival::Maybe) {
     if constexpr (std::is_same_v<Stream, TlsSocket>) {
         while (!p.is_header_done()) {
             if (b.size() > 0) {
@@ -88,7 +100,8 @@ awaitable<error_code> read_header(Stream& s, beast::flat_buffer& b, http::basic_
             if (size == 0) {
                 co_return http::error::buffer_overflow;
             }
-            auto [ec, n] = co_await read_some(s, b.prepare(size));
+            auto [ec, n] = co_await read_some(s, b.prepare(size), arrival);
+            arrival = Arrival::Maybe;
             b.commit(n);
             if (ec == net::error::eof) {
                 if (!p.got_some()) {

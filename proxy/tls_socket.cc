@@ -192,8 +192,7 @@ TlsSocket::Status TlsSocket::ShutdownStep::operator()(Core& core) const {
         return {Status::Done, {}, 0};
     }
     if (r == 0) {
-        // Ours is sent. Try for the peer's now: waiting for readability without having seen
-        // EAGAIN could miss a close_notify that is already in (the reactor is edge-triggered).
+        // Ours is sent. Try for the peer's now: it is often in already (the peer closed first).
         clear_errors();
         const int again = SSL_shutdown(ssl);
         if (again == 1) {

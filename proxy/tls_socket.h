@@ -3,8 +3,7 @@
 // small BIO (recv/send, MSG_NOSIGNAL) while Asio only tells us when the socket is ready: no
 // BIO pair to copy every byte through, no intermediate 17 KiB buffers, one composed operation
 // per read or write instead of Asio's SSL engine loop. The model is nginx's and HAProxy's
-// (non-blocking SSL_read/SSL_write retried on readiness), with edge-triggered discipline: we
-// only wait after OpenSSL saw EAGAIN.
+// (non-blocking SSL_read/SSL_write retried on readiness).
 //
 // Record buffers (about 34 KiB a connection): a stream starts with SSL_MODE_RELEASE_BUFFERS,
 // as nginx and HAProxy set it, so a connection that idles after its handshake (a tunnel that
@@ -21,7 +20,9 @@
 //
 // Coroutines try first (read_some_now, write_some_now; proxy/net.h wraps them): a read of bytes
 // already received or a write the socket takes completes in the caller, and only what has to
-// wait becomes an operation, which then waits for the socket before trying again.
+// wait becomes an operation, which then waits for the socket before trying again. A read that
+// follows our own write to the same peer (async_read_some_later) waits first: its try would
+// almost always be a recv that learns EAGAIN.
 //
 // The stream carries one deadline for its operations (expires_after / expires_never, like
 // beast::tcp_stream) that costs no system call to move: a single timer is armed when an
@@ -162,9 +163,11 @@ public:
         return now(write_step(buffers));
     }
     /// After an attempt without an outcome: the operation, which waits for the socket first
-    /// (trying again at once would cost a second recv or send to learn it would block). Start
-    /// it before the event loop runs again: Asio's reactor drops a readiness edge that no
-    /// operation waits for (edge-triggered epoll), so one it saw in between would be lost.
+    /// (trying again at once would cost a second recv or send to learn it would block).
+    /// Waiting first never misses what is there already: Asio starts every wait with
+    /// epoll_ctl(EPOLL_CTL_MOD), on which the kernel checks readiness again and reports a
+    /// socket that is ready at once, though the reactor is edge-triggered and drops an edge
+    /// that no operation waited for.
     template <class MutableBuffers, class Token>
     auto async_read_some_after(const Attempt& a, const MutableBuffers& buffers, Token&& token) {
         return start<void(error_code, size_t)>(read_step(buffers), std::forward<Token>(token),
@@ -174,6 +177,17 @@ public:
     auto async_write_some_after(const Attempt& a, const ConstBuffers& buffers, Token&& token) {
         return start<void(error_code, size_t)>(write_step(buffers), std::forward<Token>(token),
                                                wait_for(a));
+    }
+
+    /// A read that expects nothing yet (the response right after its request went out, the
+    /// next request right after a response went out): it waits for the socket first, without
+    /// the try whose recv would only learn EAGAIN. What has arrived already is not missed (see
+    /// above); what OpenSSL holds already (a record read ahead, the rest of one) is read at once.
+    template <class MutableBuffers, class Token>
+    auto async_read_some_later(const MutableBuffers& buffers, Token&& token) {
+        const Status::Kind first =
+            core_ && SSL_has_pending(core_->ssl) == 0 ? Status::WantRead : Status::Done;
+        return start<void(error_code, size_t)>(read_step(buffers), std::forward<Token>(token), first);
     }
 
     static constexpr size_t kMaxRecordPlaintext = 16 * 1024;  // TLS's largest record

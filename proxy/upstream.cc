@@ -138,7 +138,7 @@ std::string UpstreamPool::key(const std::string& run, const policy::HostPort& de
     return k;
 }
 
-std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key) {
+std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retryable) {
     auto it = idle_.find(key);
     if (it == idle_.end()) {
         return nullptr;
@@ -153,6 +153,9 @@ std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key) {
         if (now - conn->idle_since > kMaxIdleAge || conn->buffer.size() != 0 ||
             SSL_has_pending(conn->stream->native_handle()) == 1) {
             continue;
+        }
+        if (retryable && now - conn->idle_since < kFreshIdle) {
+            return conn;
         }
         // A peer that closed (0) or sent unsolicited bytes (>0) is not reusable.
         char byte;

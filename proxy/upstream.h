@@ -66,7 +66,16 @@ public:
     ~UpstreamPool();
     static std::string key(const std::string& run, const policy::HostPort& dest);
     /// A live idle connection for key, or nullptr. Dead or stale connections are dropped.
-    std::unique_ptr<TlsConn> acquire(const std::string& key);
+    /// `retryable`: the request can be sent again on a fresh connection if this one fails
+    /// before any response byte (proxy/exchange.cc); then a connection given back less than
+    /// kFreshIdle ago is handed out without the peek that asks the kernel whether the peer
+    /// closed or wrote while it idled.
+    std::unique_ptr<TlsConn> acquire(const std::string& key, bool retryable);
+    /// See acquire. A peek costs a system call per request on a busy keep-alive connection.
+    /// Its failure is retried anyway, and what it guards against comes later than this: a
+    /// server closes an idle connection at its idle timeout (seconds; nginx 75 s, Node 5 s),
+    /// some after writing an unsolicited 408, which must not be taken for the next response.
+    static constexpr std::chrono::milliseconds kFreshIdle{100};
     void release(std::unique_ptr<TlsConn> conn);
 
     /// A live HTTP/2 session for key with room for one more stream, if any.

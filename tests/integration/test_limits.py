@@ -2,6 +2,7 @@
 egressd enforces it with a clear refusal while other clients keep being served."""
 from __future__ import annotations
 
+import json
 import time
 
 import helpers
@@ -105,6 +106,58 @@ def test_no_idle_upstream_connections_redials_and_resumes_tls(world, factory, ma
     assert world.upstream.server.connections - before >= 3  # no reuse: one dial per request
     assert [s[0].resumed for s in seen] == [False, True, True]
     assert all(s[0].sni == "api.test" for s in seen)  # resumption keeps SNI and verification
+
+
+def _after_a_drop(world, e, marker, drop: str, pause: float, method: str, body: bytes | None):
+    """A request that the upstream answers and then closes its connection (/drop), and after
+    `pause` s the next request on the same tunnel, which egressd would send on that pooled
+    connection. Returns the second response and what the upstream saw of it."""
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"{drop}{'&' if '?' in drop else '?'}{marker}-1",
+                            f"api.test:{world.U}")
+        assert r.status == 200, (r.status, r.egress_reason)
+        time.sleep(pause)
+        r = helpers.request(c, method, f"/echo/{marker}-2", f"api.test:{world.U}", body=body)
+    finally:
+        c.close()
+    return r, world.upstream.find(f"{marker}-2")
+
+
+def test_a_pooled_connection_the_upstream_closed_fails_a_get_that_is_retried(world, factory, marker):
+    """A GET right after the upstream closed its pooled connection is sent on it without a
+    peek (UpstreamPool::kFreshIdle: a fresh connection saves the system call) and, failing
+    before any response byte, is sent again on a fresh connection: the client gets the answer
+    and the upstream sees the request once."""
+    e = factory.start()
+    r, seen = _after_a_drop(world, e, marker, "/drop/0", 0.0, "GET", None)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["method"] == "GET"
+    assert len(seen) == 1
+
+
+def test_a_pooled_connection_the_upstream_closed_is_not_used_for_a_request_with_a_body(
+        world, factory, marker):
+    """A request with a body cannot be sent twice: a pooled connection is checked (peeked)
+    before it carries one, however recently it was given back, and one the upstream closed is
+    not used. Without the peek this POST would go out on the closed connection and fail 502."""
+    e = factory.start()
+    r, seen = _after_a_drop(world, e, marker, "/drop/0", 0.05, "POST", b"x" * 1000)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["body_length"] == 1000
+    assert len(seen) == 1
+
+
+def test_an_unsolicited_408_on_an_idle_pooled_connection_is_not_the_next_answer(
+        world, factory, marker):
+    """Some servers write a 408 before they close a connection at their idle timeout. A pooled
+    connection idle longer than kFreshIdle is peeked before use, so the next GET is answered
+    by its own response on a fresh connection, not by that 408."""
+    e = factory.start()
+    r, seen = _after_a_drop(world, e, marker, "/drop/300?say=408", 0.8, "GET", None)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["method"] == "GET"
+    assert len(seen) == 1
 
 
 def test_upstream_tls_sessions_zero_never_resumes(world, factory, marker):

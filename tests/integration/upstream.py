@@ -285,6 +285,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif len(parts) == 3 and parts[1] == "delay" and parts[2].isdigit():
             time.sleep(min(int(parts[2]), 10000) / 1000)  # answers after N ms (at most 10 s)
             self._send(200, b'{"delayed":true}')
+        elif len(parts) >= 3 and parts[1] == "drop" and parts[2].isdigit():
+            # Answers as a keep-alive connection would (no Connection: close), then closes it
+            # N ms later while it idles; with ?say=408 it first writes an unsolicited 408, as
+            # some servers do when their idle timeout ends a connection.
+            self._send(200, b'{"dropping":true}')
+            self.wfile.flush()
+            time.sleep(min(int(parts[2]), 5000) / 1000)
+            if q.get("say") == "408":
+                self.wfile.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+                self.wfile.flush()
+            self.close_connection = True
         elif len(parts) == 3 and parts[1] == "short" and parts[2].isdigit():
             # Announces Content-Length N, sends N/2 bytes, then closes: a truncated response.
             total = int(parts[2])

@@ -475,6 +475,54 @@ TEST_F(TlsSocketTest, ReadNowTakesWhatIsThereAndOtherwiseTheReadWaitsFirst) {
     }());
 }
 
+TEST_F(TlsSocketTest, AReadThatExpectsNothingYetWaitsFirstYetMissesNothing) {
+    auto [s, c] = pair();
+    run([&]() -> net::awaitable<void> {
+        co_await handshake(s, c);
+        char buf[64];
+        s.expires_after(2s);  // a read that missed its bytes would time out, not hang the test
+        auto read_later = [&]() -> net::awaitable<std::string> {
+            auto [ec, n] = co_await s.async_read_some_later(net::buffer(buf), use_nothrow);
+            EXPECT_FALSE(ec) << ec.message();
+            co_return std::string(buf, n);
+        };
+        auto write_after = [&](std::string_view text) -> net::awaitable<void> {
+            net::steady_timer t(co_await net::this_coro::executor);
+            t.expires_after(20ms);
+            co_await t.async_wait(use_nothrow);
+            co_await net::async_write(c, net::buffer(text), use_nothrow);
+        };
+        // Nothing there yet: the read waits for the bytes that come.
+        EXPECT_EQ(co_await (read_later() && write_after("first")), "first");
+        // Bytes that arrived before the read, after the loop saw the socket readable with no
+        // operation waiting (the edge is gone): the wait still finds them, at once.
+        co_await net::async_write(c, net::buffer(std::string_view("second")), use_nothrow);
+        co_await until_received(s.socket(), 6 + 5 + 17);
+        net::steady_timer idle(ioc_, 50ms);
+        co_await idle.async_wait(use_nothrow);
+        auto before = std::chrono::steady_clock::now();
+        EXPECT_EQ(co_await read_later(), "second");
+        EXPECT_LT(std::chrono::steady_clock::now() - before, 1s);
+        // The rest of a record OpenSSL has already read: the socket is empty, so a wait would
+        // last until the deadline; the read takes it at once.
+        co_await net::async_write(c, net::buffer(std::string_view("headbody")), use_nothrow);
+        co_await until_received(s.socket(), 8 + 5 + 17);
+        auto [ec, n] = co_await s.async_read_some(net::buffer(buf, 4), use_nothrow);
+        EXPECT_FALSE(ec) << ec.message();
+        EXPECT_EQ(std::string_view(buf, n), "head");
+        before = std::chrono::steady_clock::now();
+        EXPECT_EQ(co_await read_later(), "body");
+        EXPECT_LT(std::chrono::steady_clock::now() - before, 1s);
+        // proxy/net.h's read_some with Arrival::Later.
+        auto read_some_later = [&]() -> net::awaitable<std::string> {
+            auto [ec, n] = co_await read_some(s, net::buffer(buf), Arrival::Later);
+            EXPECT_FALSE(ec) << ec.message();
+            co_return std::string(buf, n);
+        };
+        EXPECT_EQ(co_await (read_some_later() && write_after("third")), "third");
+    }());
+}
+
 TEST_F(TlsSocketTest, WriteNowTakesWhatTheSocketTakesAndTheRestWaitsForRoom) {
     // Tries fill the socket until it takes nothing (want_write); the write started after that
     // waits for room, and write_all sends the rest through the full socket: the reader, who
