@@ -16,8 +16,16 @@
 #   BENCH_BIN        the load client (default BUILD/bench/egress-bench; bench/goload takes the
 #                    same options: see bench/peers.sh's PEERS_CLIENT=go)
 #   PERF_OUT=FILE    records a perf profile of egressd during the run (PERF_ARGS: perf options)
+#   SYSCALLS=1       counts egressd's system calls from ready to the end of the load (perf stat
+#                    on the syscalls tracepoints; needs linux-perf and root) and prints them per
+#                    audited request: unlike strace, it does not slow egressd down, so the
+#                    batching and the EAGAINs are those of the real load
 #   COMPARE_DURABLE=1  compares egressd with audit.durable off (A) and on (B) instead of direct
 #                    vs egressd: two egressd processes, same upstream, same run.
+#   COMPARE_WITH=DIR   compares egressd from BUILD_DIR (A) with egressd from DIR/egressd (B), two
+#                    processes side by side, same config: an A/B of two builds in one run, whose
+#                    per-pair ratios do not drift with the machine's load as separate runs do.
+#                    The CPU and RSS figures printed after it are A's.
 # Prints the comparison, egressd's CPU µs per request and its peak RSS.
 set -euo pipefail
 PROTO=${1:?usage: compare.sh h1|h2 [BUILD_DIR] ...}
@@ -117,16 +125,23 @@ fi
 for _ in $(seq 100); do
   curl -sf "http://127.0.0.1:$AD/readyz" >/dev/null 2>&1 && break; sleep 0.1
 done
+if [ -n "${SYSCALLS:-}" ]; then
+  perf stat -x, -o "$W/syscalls.txt" -p "$EG_PID" -e syscalls:sys_enter_recvfrom \
+    -e syscalls:sys_enter_sendto -e syscalls:sys_enter_epoll_wait -e syscalls:sys_enter_epoll_ctl \
+    -e syscalls:sys_enter_write -e syscalls:sys_enter_futex 2>/dev/null &
+  STAT_PID=$!
+fi
 cat "$W/ca.pem" "$W/run-ca.pem" > "$W/both.pem"
 A_ARGS=''
 B_ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX"
-if [ -n "${COMPARE_DURABLE:-}" ]; then
+if [ -n "${COMPARE_DURABLE:-}${COMPARE_WITH:-}" ]; then
   PX2=$(free_port); AD2=$(free_port); mkdir -p "$W/d"
+  DURABLE=${COMPARE_DURABLE:+, durable: true}
   sed -e "s/127.0.0.1:$PX,/127.0.0.1:$PX2,/" -e "s/127.0.0.1:$AD}/127.0.0.1:$AD2}/" \
-      -e "s|audit: {path: $W/audit.jsonl}|audit: {path: $W/d/audit.jsonl, durable: true}|" \
+      -e "s|audit: {path: $W/audit.jsonl}|audit: {path: $W/d/audit.jsonl$DURABLE}|" \
       -e "s|$W/run-ca.pem|$W/d/run-ca.pem|" -e "s|path: $W/state|path: $W/d/state|" \
       "$W/egressd.yaml" > "$W/d/egressd.yaml"
-  "$BUILD/egressd" --config "$W/d/egressd.yaml" 2> "$W/d/egressd.log" &
+  "${COMPARE_WITH:-$BUILD}/egressd" --config "$W/d/egressd.yaml" 2> "$W/d/egressd.log" &
   EG2_PID=$!
   for _ in $(seq 100); do
     curl -sf "http://127.0.0.1:$AD2/readyz" >/dev/null 2>&1 && break; sleep 0.1
@@ -134,7 +149,11 @@ if [ -n "${COMPARE_DURABLE:-}" ]; then
   cat "$W/d/run-ca.pem" >> "$W/both.pem"
   A_ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX"
   B_ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX2"
-  echo "A = egressd, audit.durable false; B = egressd, audit.durable true"
+  if [ -n "${COMPARE_WITH:-}" ]; then
+    echo "A = egressd from $BUILD; B = egressd from $COMPARE_WITH"
+  else
+    echo "A = egressd, audit.durable false; B = egressd, audit.durable true"
+  fi
 fi
 
 cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
@@ -146,12 +165,17 @@ T0=$(cpu_ticks)
   | tee "$W/compare.txt"
 T1=$(cpu_ticks)
 if [ -n "${PERF_PID:-}" ]; then kill -INT "$PERF_PID"; wait "$PERF_PID" 2>/dev/null || true; fi
+if [ -n "${STAT_PID:-}" ]; then kill -INT "$STAT_PID"; wait "$STAT_PID" 2>/dev/null || true; fi
 HZ=$(getconf CLK_TCK)
 REQS=$(wc -l < "$W/audit.jsonl")
 TENTHS=$(( (T1 - T0) * 10000000 / HZ / (REQS > 0 ? REQS : 1) ))  # 0.1 µs: A/B pairs differ by less than 1
 echo "egressd: $REQS audited requests, CPU $((TENTHS / 10)).$((TENTHS % 10)) us/request," \
      "peak RSS $(awk '/VmHWM/{print $2" "$3}' /proc/$EG_PID/status)"
-if [ -n "${EG2_PID:-}" ]; then
+if [ -n "${STAT_PID:-}" ]; then
+  awk -F, -v n="$REQS" '/sys_enter_/ { sub(/.*sys_enter_/, "", $3); printf " %s %.2f", $3, $1 / (n > 0 ? n : 1) }
+      END { print "" }' "$W/syscalls.txt" | sed 's/^/egressd: system calls per request:/'
+fi
+if [ -n "${COMPARE_DURABLE:-}" ]; then
   echo "egressd (durable): $(grep -c '"event":"decision"' "$W/d/audit.jsonl") decision records" \
        "for $(grep -vc '"event":"decision"' "$W/d/audit.jsonl") requests"
 fi
