@@ -3,6 +3,7 @@
 #include <charconv>
 
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "proxy/h2_client.h"
 #include "tls/contexts.h"
@@ -90,7 +91,25 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
                                                          const std::string& session_key) {
     auto conn = std::make_unique<TlsConn>();
     conn->peer = d.peer;
-    conn->stream = std::make_unique<TlsStream>(std::move(*d.stream), *w.shared.client_ctx);
+    // Asio added writability (EPOLLOUT) to the descriptor's registration to wait for the
+    // connect, and never takes it away: every later wait's epoll_ctl would report the socket
+    // writable too, a spurious event per read wait for the life of the connection. The
+    // descriptor is registered again, for reads only (two calls, once per connection).
+    tcp::socket dialed = d.stream->release_socket();
+    error_code rec;
+    const int fd = dialed.release(rec);
+    tcp::socket fresh(w.ioc);
+    if (!rec) {
+        fresh.assign(d.peer.protocol(), fd, rec);
+        if (rec) {
+            ::close(fd);  // released, not adopted: ours to close
+        }
+    }
+    if (rec) {
+        spdlog::warn("upstream socket for {}: {}", host, rec.message());
+        co_return Refusal{502, "connect_failed", "connect"};
+    }
+    conn->stream = std::make_unique<TlsStream>(std::move(fresh), *w.shared.client_ctx);
     SSL* ssl = conn->stream->native_handle();
     if (auto ok = tls::prepare_client(ssl, host); !ok) {
         spdlog::warn("tls setup for {}: {}", host, ok.error());

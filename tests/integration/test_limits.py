@@ -3,6 +3,7 @@ egressd enforces it with a clear refusal while other clients keep being served."
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import helpers
@@ -158,6 +159,62 @@ def test_an_unsolicited_408_on_an_idle_pooled_connection_is_not_the_next_answer(
     assert r.status == 200, (r.status, r.egress_reason)
     assert json.loads(r.body)["method"] == "GET"
     assert len(seen) == 1
+
+
+def _epoll_masks(pid: int) -> dict[int, int]:
+    """fd -> the event mask egressd's epoll instances hold for it (/proc/PID/fdinfo)."""
+    masks = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                for line in f:
+                    if line.startswith("tfd:"):
+                        parts = line.split()
+                        masks[int(parts[1])] = int(parts[3], 16)
+        except FileNotFoundError:
+            continue
+    return masks
+
+
+def _sockets_to_port(pid: int, port: int) -> list[int]:
+    """egressd's descriptors of TCP connections whose remote port is `port` (IPv4 loopback)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if int(cols[2].split(":")[1], 16) == port:
+                inodes.add(cols[9])
+    fds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            fds.append(int(fd))
+    return fds
+
+
+def test_a_pooled_upstream_connection_is_registered_for_reads_only(world, factory, marker):
+    """Asio registers a dialed socket for writability to wait for its connect and never takes
+    that away, so every later wait would also report it writable: a spurious event per read
+    wait. egressd registers the connected descriptor again, for reads only (EPOLLOUT = 0x4)."""
+    e = factory.start()
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}")
+        assert r.status == 200
+        fds = _sockets_to_port(e.proc.pid, world.U)
+        assert fds, "no upstream connection from egressd"
+        masks = _epoll_masks(e.proc.pid)
+        for fd in fds:
+            assert fd in masks, f"upstream descriptor {fd} is not registered with epoll"
+            assert masks[fd] & 0x4 == 0, f"upstream descriptor {fd}: events {masks[fd]:#x}"
+            assert masks[fd] & 0x1, f"upstream descriptor {fd}: events {masks[fd]:#x}"
+    finally:
+        c.close()
 
 
 def test_upstream_tls_sessions_zero_never_resumes(world, factory, marker):
