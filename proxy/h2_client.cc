@@ -184,12 +184,16 @@ int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, vo
 
 awaitable<void> read_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
     auto buf = std::make_unique<uint8_t[]>(16 * 1024);
+    Arrival next = Arrival::Maybe;
     while (!im.io.dead) {
-        auto [ec, n] =
-            co_await read_some(*im.stream, net::buffer(buf.get(), 16 * 1024));
+        auto [ec, n] = co_await read_some(*im.stream, net::buffer(buf.get(), 16 * 1024), next);
         if (ec) {
             break;
         }
+        // A read that did not fill the buffer took all the socket had: the next one would
+        // most likely only learn EAGAIN, so it waits first (what OpenSSL still holds is read
+        // at once).
+        next = n < 16 * 1024 ? Arrival::Later : Arrival::Maybe;
         im.io.last_activity = Clock::now();
         ssize_t rv = nghttp2_session_mem_recv(im.session.get(), buf.get(), n);
         if (rv < 0) {

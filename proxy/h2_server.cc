@@ -514,13 +514,17 @@ void log_error(std::exception_ptr e) {
 
 awaitable<void> read_loop(std::shared_ptr<Conn> c) {
     auto buf = std::make_unique<uint8_t[]>(16 * 1024);
+    Arrival next = Arrival::Maybe;
     auto ex = co_await net::this_coro::executor;
     while (!c->io.dead) {
-        auto [ec, n] =
-            co_await read_some(*c->io.stream, net::buffer(buf.get(), 16 * 1024));
+        auto [ec, n] = co_await read_some(*c->io.stream, net::buffer(buf.get(), 16 * 1024), next);
         if (ec) {
             break;
         }
+        // A read that did not fill the buffer took all the socket had: the next one would
+        // most likely only learn EAGAIN, so it waits first (what OpenSSL still holds is read
+        // at once).
+        next = n < 16 * 1024 ? Arrival::Later : Arrival::Maybe;
         c->io.last_activity = Clock::now();
         ssize_t rv = nghttp2_session_mem_recv(c->session.get(), buf.get(), n);
         if (rv < 0) {
