@@ -286,7 +286,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_await down.send_continue();
     }
 
-    auto opened = co_await open_upstream(scope, true, req_body.none);
+    // A pooled connection skips its liveness peek only for a request whose failure is retried
+    // and whose method is idempotent (RFC 9110 9.2.2): a POST without a body is peeked for,
+    // so it leans on the retry only when the upstream closes in the instant after the peek.
+    const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
+                            method == "PUT" || method == "DELETE" || method == "TRACE";
+    auto opened = co_await open_upstream(scope, true, req_body.none && idempotent);
     if (auto* r = std::get_if<Refusal>(&opened)) {
         if (!r->kind.empty()) {
             shared.metrics.upstream_error(r->kind);

@@ -186,7 +186,7 @@ public:
     template <class MutableBuffers, class Token>
     auto async_read_some_later(const MutableBuffers& buffers, Token&& token) {
         const Status::Kind first =
-            core_ && SSL_has_pending(core_->ssl) == 0 ? Status::WantRead : Status::Done;
+            SSL_has_pending(core_->ssl) == 0 ? Status::WantRead : Status::Done;
         return start<void(error_code, size_t)>(read_step(buffers), std::forward<Token>(token), first);
     }
 

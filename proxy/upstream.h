@@ -67,9 +67,9 @@ public:
     static std::string key(const std::string& run, const policy::HostPort& dest);
     /// A live idle connection for key, or nullptr. Dead or stale connections are dropped.
     /// `retryable`: the request can be sent again on a fresh connection if this one fails
-    /// before any response byte (proxy/exchange.cc); then a connection given back less than
-    /// kFreshIdle ago is handed out without the peek that asks the kernel whether the peer
-    /// closed or wrote while it idled.
+    /// before any response byte, and its method is idempotent (proxy/exchange.cc); then a
+    /// connection given back less than kFreshIdle ago is handed out without the peek that
+    /// asks the kernel whether the peer closed or wrote while it idled.
     std::unique_ptr<TlsConn> acquire(const std::string& key, bool retryable);
     /// See acquire. A peek costs a system call per request on a busy keep-alive connection.
     /// Its failure is retried anyway, and what it guards against comes later than this: a
