@@ -109,16 +109,36 @@ def test_no_idle_upstream_connections_redials_and_resumes_tls(world, factory, ma
     assert all(s[0].sni == "api.test" for s in seen)  # resumption keeps SNI and verification
 
 
-def _after_a_drop(world, e, marker, drop: str, pause: float, method: str, body: bytes | None):
-    """A request that the upstream answers and then closes its connection (/drop), and after
-    `pause` s the next request on the same tunnel, which egressd would send on that pooled
-    connection. Returns the second response and what the upstream saw of it."""
+def _await_upstream_close(pid: int, port: int, timeout: float = 10.0) -> None:
+    """Until each of egressd's connections to `port` has the upstream's FIN (CLOSE_WAIT)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {}
+        with open("/proc/net/tcp") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[2].split(":")[1], 16) == port:
+                    states[cols[9]] = cols[3]
+        ours = [states[i] for i in _socket_inodes(pid) if i in states]
+        if ours and all(st == "08" for st in ours):  # 08: TCP_CLOSE_WAIT
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the upstream did not close egressd's connections to port {port}")
+
+
+def _after_a_drop(world, e, marker, drop: str, method: str, body: bytes | None,
+                  wait_close: bool):
+    """A request that the upstream answers and then closes its connection (/drop), and the
+    next request on the same tunnel, which egressd would send on that pooled connection: at
+    once, or once the upstream's close has reached egressd's socket. Returns the second
+    response and what the upstream saw of it."""
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
     try:
         r = helpers.request(c, "GET", f"{drop}{'&' if '?' in drop else '?'}{marker}-1",
                             f"api.test:{world.U}")
         assert r.status == 200, (r.status, r.egress_reason)
-        time.sleep(pause)
+        if wait_close:
+            _await_upstream_close(e.proc.pid, world.U)
         r = helpers.request(c, method, f"/echo/{marker}-2", f"api.test:{world.U}", body=body)
     finally:
         c.close()
@@ -131,7 +151,7 @@ def test_a_pooled_connection_the_upstream_closed_fails_a_get_that_is_retried(wor
     before any response byte, is sent again on a fresh connection: the client gets the answer
     and the upstream sees the request once."""
     e = factory.start()
-    r, seen = _after_a_drop(world, e, marker, "/drop/0", 0.0, "GET", None)
+    r, seen = _after_a_drop(world, e, marker, "/drop/0", "GET", None, wait_close=False)
     assert r.status == 200, (r.status, r.egress_reason)
     assert json.loads(r.body)["method"] == "GET"
     assert len(seen) == 1
@@ -143,7 +163,7 @@ def test_a_pooled_connection_the_upstream_closed_is_not_used_for_a_request_with_
     before it carries one, however recently it was given back, and one the upstream closed is
     not used. Without the peek this POST would go out on the closed connection and fail 502."""
     e = factory.start()
-    r, seen = _after_a_drop(world, e, marker, "/drop/0", 0.05, "POST", b"x" * 1000)
+    r, seen = _after_a_drop(world, e, marker, "/drop/0", "POST", b"x" * 1000, wait_close=True)
     assert r.status == 200, (r.status, r.egress_reason)
     assert json.loads(r.body)["body_length"] == 1000
     assert len(seen) == 1
@@ -155,7 +175,8 @@ def test_an_unsolicited_408_on_an_idle_pooled_connection_is_not_the_next_answer(
     connection idle longer than kFreshIdle is peeked before use, so the next GET is answered
     by its own response on a fresh connection, not by that 408."""
     e = factory.start()
-    r, seen = _after_a_drop(world, e, marker, "/drop/300?say=408", 0.8, "GET", None)
+    r, seen = _after_a_drop(world, e, marker, "/drop/300?say=408", "GET", None,
+                            wait_close=True)
     assert r.status == 200, (r.status, r.egress_reason)
     assert json.loads(r.body)["method"] == "GET"
     assert len(seen) == 1
@@ -178,6 +199,19 @@ def _epoll_masks(pid: int) -> dict[int, int]:
     return masks
 
 
+def _socket_inodes(pid: int) -> dict[str, int]:
+    """socket inode -> egressd's descriptor for it."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:["):
+            out[link[8:-1]] = int(fd)
+    return out
+
+
 def _sockets_to_port(pid: int, port: int) -> list[int]:
     """egressd's descriptors of TCP connections whose remote port is `port` (IPv4 loopback)."""
     inodes = set()
@@ -186,15 +220,7 @@ def _sockets_to_port(pid: int, port: int) -> list[int]:
             cols = line.split()
             if int(cols[2].split(":")[1], 16) == port:
                 inodes.add(cols[9])
-    fds = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            fds.append(int(fd))
-    return fds
+    return [fd for inode, fd in _socket_inodes(pid).items() if inode in inodes]
 
 
 def test_a_pooled_upstream_connection_is_registered_for_reads_only(world, factory, marker):
