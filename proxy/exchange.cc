@@ -113,7 +113,8 @@ H2ClientOptions h2_client_options(const Limits& l) {
 
 /// Upstream for the agreed destination: an h2 session with room, a pooled h1 connection, or
 /// a fresh dial (vetted address, verified TLS, ALPN h2|http/1.1 negotiated on its own).
-/// `retryable`: the request has no body, so it can be sent again (UpstreamPool::acquire).
+/// `retryable`: the request has no body and an idempotent method, so a failure on a pooled
+/// connection before any response byte is sent again (UpstreamPool::acquire).
 awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool allow_pool,
                                                             bool retryable) {
     Worker& w = *scope.worker;

@@ -521,10 +521,7 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
         if (ec) {
             break;
         }
-        // A read that did not fill the buffer took all the socket had: the next one would
-        // most likely only learn EAGAIN, so it waits first (what OpenSSL still holds is read
-        // at once).
-        next = n < 16 * 1024 ? Arrival::Later : Arrival::Maybe;
+        next = arrival_after(n, 16 * 1024);
         c->io.last_activity = Clock::now();
         ssize_t rv = nghttp2_session_mem_recv(c->session.get(), buf.get(), n);
         if (rv < 0) {

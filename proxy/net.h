@@ -35,6 +35,13 @@ inline constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
 /// (TlsSocket::async_read_some_later), without a try whose recv would only learn EAGAIN.
 enum class Arrival { Maybe, Later };
 
+/// For a loop that reads a stream over and over (HTTP/2's read loops): a read that did not
+/// fill its buffer took all the socket had, so the next one would most likely only learn
+/// EAGAIN and waits first (what OpenSSL still holds is read at once).
+inline Arrival arrival_after(size_t got, size_t asked) {
+    return got < asked ? Arrival::Later : Arrival::Maybe;
+}
+
 /// s.async_read_some.
 template <class Stream, class MutableBuffers>
 awaitable<std::tuple<error_code, size_t>> read_some(Stream& s, const MutableBuffers& bufs,

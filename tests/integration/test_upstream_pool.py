@@ -1,0 +1,146 @@
+"""egressd's pool of keep-alive upstream connections: which pooled connection a request may
+take without asking the kernel first (UpstreamPool::acquire, kFreshIdle), the retry when the
+upstream had closed it, and how a connection is registered with egressd's event loop."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import helpers
+from clients import run_ca
+
+
+def _await_upstream_close(pid: int, port: int, timeout: float = 10.0) -> None:
+    """Until each of egressd's connections to `port` has the upstream's FIN (CLOSE_WAIT)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = _tcp_to_port(port)
+        ours = [states[i] for i in _socket_inodes(pid) if i in states]
+        if ours and all(st == "08" for st in ours):  # 08: TCP_CLOSE_WAIT
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the upstream did not close egressd's connections to port {port}")
+
+
+def _after_a_drop(world, e, marker, drop: str, method: str, body: bytes | None,
+                  wait_close: bool):
+    """A request that the upstream answers and then closes its connection (/drop), and the
+    next request on the same tunnel, which egressd would send on that pooled connection: at
+    once, or once the upstream's close has reached egressd's socket. Returns the second
+    response and what the upstream saw of it."""
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"{drop}{'&' if '?' in drop else '?'}{marker}-1",
+                            f"api.test:{world.U}")
+        assert r.status == 200, (r.status, r.egress_reason)
+        if wait_close:
+            _await_upstream_close(e.proc.pid, world.U)
+        r = helpers.request(c, method, f"/echo/{marker}-2", f"api.test:{world.U}", body=body)
+    finally:
+        c.close()
+    return r, world.upstream.find(f"{marker}-2")
+
+
+def test_a_pooled_connection_the_upstream_closed_fails_a_get_that_is_retried(world, factory, marker):
+    """A GET right after the upstream closed its pooled connection is sent on it without a
+    peek (UpstreamPool::kFreshIdle: a fresh connection saves the system call) and, failing
+    before any response byte, is sent again on a fresh connection: the client gets the answer
+    and the upstream sees the request once."""
+    e = factory.start()
+    r, seen = _after_a_drop(world, e, marker, "/drop/0", "GET", None, wait_close=False)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["method"] == "GET"
+    assert len(seen) == 1
+
+
+def test_a_pooled_connection_the_upstream_closed_is_not_used_for_a_request_with_a_body(
+        world, factory, marker):
+    """A request with a body cannot be sent twice: a pooled connection is checked (peeked)
+    before it carries one, however recently it was given back, and one the upstream closed is
+    not used. Without the peek this POST would go out on the closed connection and fail 502."""
+    e = factory.start()
+    r, seen = _after_a_drop(world, e, marker, "/drop/0", "POST", b"x" * 1000, wait_close=True)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["body_length"] == 1000
+    assert len(seen) == 1
+
+
+def test_an_unsolicited_408_on_an_idle_pooled_connection_is_not_the_next_answer(
+        world, factory, marker):
+    """Some servers write a 408 before they close a connection at their idle timeout. A pooled
+    connection idle longer than kFreshIdle is peeked before use, so the next GET is answered
+    by its own response on a fresh connection, not by that 408."""
+    e = factory.start()
+    r, seen = _after_a_drop(world, e, marker, "/drop/300?say=408", "GET", None,
+                            wait_close=True)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["method"] == "GET"
+    assert len(seen) == 1
+
+
+def _epoll_masks(pid: int) -> dict[int, int]:
+    """fd -> the event mask egressd's epoll instances hold for it (/proc/PID/fdinfo)."""
+    masks = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                for line in f:
+                    if line.startswith("tfd:"):
+                        parts = line.split()
+                        masks[int(parts[1])] = int(parts[3], 16)
+        except FileNotFoundError:
+            continue
+    return masks
+
+
+def _socket_inodes(pid: int) -> dict[str, int]:
+    """socket inode -> egressd's descriptor for it."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:["):
+            out[link[8:-1]] = int(fd)
+    return out
+
+
+def _tcp_to_port(port: int) -> dict[str, str]:
+    """socket inode -> TCP state (hex, /proc/net/tcp) of the IPv4 connections to `port`."""
+    states = {}
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if int(cols[2].split(":")[1], 16) == port:
+                states[cols[9]] = cols[3]
+    return states
+
+
+def _sockets_to_port(pid: int, port: int) -> list[int]:
+    """egressd's descriptors of TCP connections whose remote port is `port` (IPv4 loopback)."""
+    to_port = _tcp_to_port(port)
+    return [fd for inode, fd in _socket_inodes(pid).items() if inode in to_port]
+
+
+def test_a_pooled_upstream_connection_is_registered_for_reads_only(world, factory, marker):
+    """Asio registers a dialed socket for writability to wait for its connect and never takes
+    that away, so every later wait would also report it writable: a spurious event per read
+    wait. egressd registers the connected descriptor again, for reads only (EPOLLOUT = 0x4)."""
+    e = factory.start()
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}")
+        assert r.status == 200
+        fds = _sockets_to_port(e.proc.pid, world.U)
+        assert fds, "no upstream connection from egressd"
+        masks = _epoll_masks(e.proc.pid)
+        for fd in fds:
+            assert fd in masks, f"upstream descriptor {fd} is not registered with epoll"
+            assert masks[fd] & 0x4 == 0, f"upstream descriptor {fd}: events {masks[fd]:#x}"
+            assert masks[fd] & 0x1, f"upstream descriptor {fd}: events {masks[fd]:#x}"
+    finally:
+        c.close()
