@@ -26,6 +26,13 @@
 #                    processes side by side, same config: an A/B of two builds in one run, whose
 #                    per-pair ratios do not drift with the machine's load as separate runs do.
 #                    The CPU and RSS figures printed after it are A's.
+#   SPLIT=1          where a request's CPU goes, instead of the --compare run: PAIRS rounds of
+#                    one client run each direct, through egressd and (when haproxy is installed)
+#                    through HAProxy terminating and re-encrypting TLS to the same upstream (no
+#                    CONNECT, as in bench/peers.sh); per request: the client's CPU (its rusage)
+#                    and context switches, the upstream's, the proxy's, and the machine's idle
+#                    time (/proc/stat). Medians over the rounds; each ratio is to the direct run
+#                    of its own round. Shows what a proxy costs the processes around it.
 # Prints the comparison, egressd's CPU µs per request and its peak RSS.
 set -euo pipefail
 PROTO=${1:?usage: compare.sh h1|h2 [BUILD_DIR] ...}
@@ -39,7 +46,7 @@ fi
 BUILD=$(cd "$BUILD" && pwd)
 W=$(mktemp -d "/tmp/egress-${PROTO}bench.XXXXXX")
 chmod 755 "$W"  # nginx workers (user www-data) read the 64k file from here
-cleanup() { kill "${UP_PID:-}" "${EG_PID:-}" "${EG2_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
+cleanup() { kill "${UP_PID:-}" "${EG_PID:-}" "${EG2_PID:-}" "${HA_PID:-}" 2>/dev/null || true; wait 2>/dev/null || true; }
 trap cleanup EXIT
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -154,6 +161,96 @@ if [ -n "${COMPARE_DURABLE:-}${COMPARE_WITH:-}" ]; then
   else
     echo "A = egressd, audit.durable false; B = egressd, audit.durable true"
   fi
+fi
+
+if [ -n "${SPLIT:-}" ]; then
+  ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo "$t"; }
+  idle_ticks() { awk 'NR == 1 {print $5 + $6}' /proc/stat; }
+  UP_PIDS="$UP_PID $(pgrep -P "$UP_PID" | tr '\n' ' ')"  # nginx's master and worker
+  MODES="direct egressd"
+  if command -v haproxy >/dev/null; then
+    HA=$(free_port); HA_ALPN=http/1.1; [ "$PROTO" = h2 ] && HA_ALPN=h2
+    cat "$W/up.pem" "$W/up.key" > "$W/up-full.pem"
+    cat > "$W/haproxy.cfg" <<HAPROXY
+global
+  maxconn 4096
+  ssl-server-verify required
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+  http-reuse always
+frontend fe
+  bind 127.0.0.1:$HA ssl crt $W/up-full.pem alpn h2,http/1.1
+  http-request set-header Authorization "Bearer $(cat "$W/secret")"
+  default_backend be
+backend be
+  server up 127.0.0.1:$UP ssl verify required ca-file $W/ca.pem alpn $HA_ALPN
+HAPROXY
+    haproxy -db -f "$W/haproxy.cfg" > "$W/haproxy.log" 2>&1 &
+    HA_PID=$!
+    for _ in $(seq 100); do
+      (exec 3<>"/dev/tcp/127.0.0.1/$HA") 2>/dev/null && break; sleep 0.1
+    done
+    MODES="$MODES haproxy"
+  else
+    echo "haproxy is not installed: no reference proxy in this split (apt-get install -y haproxy)"
+  fi
+  URL_PATH=${PATH_SUFFIX:-$DEFAULT_PATH}
+  : > "$W/split.tsv"
+  for round in $(seq "$PAIRS"); do
+    for mode in $MODES; do
+      URL="https://127.0.0.1:$UP/$URL_PATH"; ARGS=''; PX_PID=''
+      case $mode in
+        egressd) ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX"; PX_PID=$EG_PID ;;
+        haproxy) URL="https://127.0.0.1:$HA/$URL_PATH"; PX_PID=$HA_PID ;;
+      esac
+      u0=$(ticks $UP_PIDS); p0=$(ticks ${PX_PID:-$UP_PID}); i0=$(idle_ticks)
+      # The client's CPU and context switches: its rusage, read by its parent.
+      # shellcheck disable=SC2086  # PROTO_ARGS, BENCH_ARGS and ARGS are lists of options
+      rusage=$(/usr/bin/python3 -c '
+import resource, subprocess, sys
+with open(sys.argv[1], "w") as out:
+    rc = subprocess.call(sys.argv[2:], stdout=out)
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(r.ru_utime + r.ru_stime, r.ru_nvcsw + r.ru_nivcsw)
+sys.exit(rc)' "$W/one.json" "${BENCH_BIN:-$BUILD/bench/egress-bench}" $PROTO_ARGS ${BENCH_ARGS:-} \
+        --cacert "$W/both.pem" --connections "$CONNS" --duration "$DUR" --warmup 0s $ARGS --json "$URL")
+      u1=$(ticks $UP_PIDS); p1=$(ticks ${PX_PID:-$UP_PID}); i1=$(idle_ticks)
+      [ -z "$PX_PID" ] && p1=$p0
+      printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$round" "$mode" "$rusage" $((u1 - u0)) $((p1 - p0)) \
+        $((i1 - i0)) "$(tr -d '\n' < "$W/one.json")" >> "$W/split.tsv"
+    done
+  done
+  /usr/bin/python3 - "$W/split.tsv" "$(getconf CLK_TCK)" <<'PY'
+import json, statistics, sys
+hz = int(sys.argv[2])
+rounds = {}
+for line in open(sys.argv[1]):
+    rnd, mode, rusage, up, px, idle, js = line.rstrip("\n").split("\t")
+    cpu, switches = rusage.split()
+    j = json.loads(js)
+    n = max(j["requests"]["ok"], 1)
+    us = lambda ticks: int(ticks) * 1e6 / hz / n
+    rounds.setdefault(rnd, {})[mode] = dict(
+        rps=j["rps"], errors=j["requests"]["errors"], client=float(cpu) * 1e6 / n,
+        switches=int(switches) / n, upstream=us(up), proxy=us(px), idle=us(idle))
+modes = list(next(iter(rounds.values())))
+print("per request, medians of %d rounds (µs of CPU; idle: the machine's idle time)" % len(rounds))
+print("%-8s %10s %6s %8s %8s %8s %8s %8s %10s" % ("", "req/s", "ratio", "client", "upstream",
+                                                   "proxy", "idle", "all", "client cs"))
+for m in modes:
+    rs = [r[m] for r in rounds.values() if m in r]
+    med = lambda k: statistics.median(x[k] for x in rs)
+    ratio = statistics.median(r[m]["rps"] / r["direct"]["rps"] for r in rounds.values() if m in r)
+    total = med("client") + med("upstream") + med("proxy") + med("idle")
+    errors = sum(x["errors"] for x in rs)
+    print("%-8s %10.0f %6.3f %8.1f %8.1f %8.1f %8.1f %8.1f %10.2f%s" % (
+        m, med("rps"), ratio, med("client"), med("upstream"), med("proxy"), med("idle"), total,
+        med("switches"), "  (%d errors)" % errors if errors else ""))
+PY
+  exit 0
 fi
 
 cpu_ticks() { awk '{print $14+$15}' "/proc/$EG_PID/stat"; }
