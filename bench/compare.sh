@@ -165,7 +165,8 @@ fi
 
 if [ -n "${SPLIT:-}" ]; then
   ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo "$t"; }
-  idle_ticks() { awk 'NR == 1 {print $5 + $6}' /proc/stat; }
+  idle_ticks() { awk 'NR == 1 {print $5 + $6}' /proc/stat; }  # idle + iowait
+  px_ticks() { if [ -n "$PX_PID" ]; then ticks "$PX_PID"; else echo 0; fi; }
   UP_PIDS="$UP_PID $(pgrep -P "$UP_PID" | tr '\n' ' ')"  # nginx's master and worker
   MODES="direct egressd"
   if command -v haproxy >/dev/null; then
@@ -206,7 +207,7 @@ HAPROXY
         egressd) ARGS="--proxy http://bench:benchtoken@127.0.0.1:$PX"; PX_PID=$EG_PID ;;
         haproxy) URL="https://127.0.0.1:$HA/$URL_PATH"; PX_PID=$HA_PID ;;
       esac
-      u0=$(ticks $UP_PIDS); p0=$(ticks ${PX_PID:-$UP_PID}); i0=$(idle_ticks)
+      u0=$(ticks $UP_PIDS); p0=$(px_ticks); i0=$(idle_ticks)
       # The client's CPU and context switches: its rusage, read by its parent.
       # shellcheck disable=SC2086  # PROTO_ARGS, BENCH_ARGS and ARGS are lists of options
       rusage=$(/usr/bin/python3 -c '
@@ -217,8 +218,7 @@ r = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(r.ru_utime + r.ru_stime, r.ru_nvcsw + r.ru_nivcsw)
 sys.exit(rc)' "$W/one.json" "${BENCH_BIN:-$BUILD/bench/egress-bench}" $PROTO_ARGS ${BENCH_ARGS:-} \
         --cacert "$W/both.pem" --connections "$CONNS" --duration "$DUR" --warmup 0s $ARGS --json "$URL")
-      u1=$(ticks $UP_PIDS); p1=$(ticks ${PX_PID:-$UP_PID}); i1=$(idle_ticks)
-      [ -z "$PX_PID" ] && p1=$p0
+      u1=$(ticks $UP_PIDS); p1=$(px_ticks); i1=$(idle_ticks)
       printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$round" "$mode" "$rusage" $((u1 - u0)) $((p1 - p0)) \
         $((i1 - i0)) "$(tr -d '\n' < "$W/one.json")" >> "$W/split.tsv"
     done
