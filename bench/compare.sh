@@ -167,7 +167,7 @@ if [ -n "${SPLIT:-}" ]; then
   ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14+$15}' "/proc/$p/stat"))); done; echo "$t"; }
   idle_ticks() { awk 'NR == 1 {print $5 + $6}' /proc/stat; }  # idle + iowait
   px_ticks() { if [ -n "$PX_PID" ]; then ticks "$PX_PID"; else echo 0; fi; }
-  UP_PIDS="$UP_PID $(pgrep -P "$UP_PID" | tr '\n' ' ')"  # nginx's master and worker
+  UP_PIDS="$UP_PID $( (pgrep -P "$UP_PID" || true) | tr "\n" " ")"  # nginx: master and worker
   MODES="direct egressd"
   if command -v haproxy >/dev/null; then
     HA=$(free_port); HA_ALPN=http/1.1; [ "$PROTO" = h2 ] && HA_ALPN=h2
