@@ -28,8 +28,8 @@
 #                    The CPU and RSS figures printed after it are A's.
 #   SPLIT=1          where a request's CPU goes, instead of the --compare run: PAIRS rounds of
 #                    one client run each direct, through egressd and (when haproxy is installed)
-#                    through HAProxy terminating and re-encrypting TLS to the same upstream (no
-#                    CONNECT, as in bench/peers.sh); per request: the client's CPU (its rusage)
+#                    through HAProxy terminating and re-encrypting TLS to the same upstream
+#                    (bench/peers.sh's configuration, no CONNECT); per request: the client's CPU (its rusage)
 #                    and context switches, the upstream's, the proxy's, and the machine's idle
 #                    time (/proc/stat). Medians over the rounds; each ratio is to the direct run
 #                    of its own round. Shows what a proxy costs the processes around it.
@@ -170,25 +170,15 @@ if [ -n "${SPLIT:-}" ]; then
   UP_PIDS="$UP_PID $( (pgrep -P "$UP_PID" || true) | tr "\n" " ")"  # nginx: master and worker
   MODES="direct egressd"
   if command -v haproxy >/dev/null; then
-    HA=$(free_port); HA_ALPN=http/1.1; [ "$PROTO" = h2 ] && HA_ALPN=h2
-    cat "$W/up.pem" "$W/up.key" > "$W/up-full.pem"
-    cat > "$W/haproxy.cfg" <<HAPROXY
-global
-  maxconn 4096
-  ssl-server-verify required
-defaults
-  mode http
-  timeout connect 5s
-  timeout client 60s
-  timeout server 60s
-  http-reuse always
-frontend fe
-  bind 127.0.0.1:$HA ssl crt $W/up-full.pem alpn h2,http/1.1
-  http-request set-header Authorization "Bearer $(cat "$W/secret")"
-  default_backend be
-backend be
-  server up 127.0.0.1:$UP ssl verify required ca-file $W/ca.pem alpn $HA_ALPN
-HAPROXY
+    # peers.sh's HAProxy (bench/peers/haproxy.cfg.in), both frontends on this upstream: the
+    # h1 pair for an h1 load, the h2 pair for h2. The upstream certificate names localhost.
+    HA_H1=$(free_port); HA_H2=$(free_port); HA=$HA_H1; [ "$PROTO" = h2 ] && HA=$HA_H2
+    mkdir -p "$W/pki" "$W/haproxy"
+    cat "$W/up.pem" "$W/up.key" > "$W/pki/up-full.pem"
+    cp "$W/ca.pem" "$W/pki/ca.pem"
+    sed -e "s|@W@|$W|g" -e "s|@HOST@|localhost|g" -e "s|@SECRET@|$(cat "$W/secret")|g" \
+        -e "s|@UP_H1@|$UP|g" -e "s|@UP_H2@|$UP|g" -e "s|@HA_H1@|$HA_H1|g" -e "s|@HA_H2@|$HA_H2|g" \
+        "$(dirname "$0")/peers/haproxy.cfg.in" > "$W/haproxy.cfg"
     haproxy -db -f "$W/haproxy.cfg" > "$W/haproxy.log" 2>&1 &
     HA_PID=$!
     for _ in $(seq 100); do
