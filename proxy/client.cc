@@ -150,7 +150,7 @@ awaitable<bool> announce_established(TcpStream& client) {
 awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
                            Clock::time_point started, bool announce) {
     Worker& w = *scope.worker;
-    InflightGuard inflight(w.shared);
+    InflightGuard inflight(w);
     const Runtime& rt = *scope.runtime;
     auto dialed = co_await dial_upstream(w, rt, scope.target);
     if (auto* r = std::get_if<Refusal>(&dialed)) {
@@ -194,7 +194,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     rec.proto_in = "tunnel";
     rec.proto_out = "tunnel";
     w.audit(rec);
-    w.shared.metrics.request("allow", "tunnel", rec.duration_ms / 1000.0);
+    w.metrics.request("allow", "tunnel", rec.duration_ms / 1000.0);
 }
 
 /// TLS interception of a pinned (or intercepted) host with a leaf minted by the run CA.
@@ -285,7 +285,7 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     socket.set_option(tcp::no_delay(true), ignored);
     TcpStream stream(std::move(socket));
     beast::flat_buffer buf;
-    auto rt = shared.runtime.load();
+    auto rt = w.runtime();
     const auto& limits = rt->config->limits;
     Scope scope;
     scope.worker = &w;
@@ -538,7 +538,7 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
     const auto started = Clock::now();
     error_code ec;
     socket.set_option(tcp::no_delay(true), ec);
-    auto rt = shared.runtime.load();
+    auto rt = w.runtime();
     const auto& limits = rt->config->limits;
     Scope scope;
     scope.worker = &w;

@@ -204,7 +204,7 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
     auto& shared = scope.worker->shared;
     scope.worker->audit(rec);
     shared.metrics.denied(rec.reason);
-    shared.metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
+    scope.worker->metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
     if (spdlog::should_log(spdlog::level::info)) {  // the arguments cost even when it is off
         spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id, rec.req_id, rec.run,
                      rec.method, scope.target.authority(), rec.path, rec.status, rec.reason);
@@ -215,7 +215,6 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
 
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
                    const std::string& reason, Clock::time_point started) {
-    auto& shared = scope.worker->shared;
     AuditRecord rec;
     rec.run = scope.run ? scope.run->policy.id : "";
     rec.method = method;
@@ -228,7 +227,7 @@ void audit_refusal(Scope& scope, const std::string& method, const std::string& p
     rec.reason = reason;
     rec.duration_ms = ms_since(started);
     rec.proto_in = scope.proto_in;
-    rec.req_id = shared.next_req_id.fetch_add(1);
+    rec.req_id = scope.worker->next_req_id();
     record_denial(scope, rec);
 }
 
@@ -236,23 +235,29 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                                Clock::time_point started) {
     Worker& w = *scope.worker;
     Shared& shared = w.shared;
-    InflightGuard inflight(shared);
+    InflightGuard inflight(w);
     const BodyInfo req_body = down.request_body();
     const bool client_ka = down.client_keep_alive();
     // Every request sees the current control-plane state: a rotated secret applies to the
     // next request, and a revoked or expired run is refused even on an open connection.
     {
-        auto current = shared.runtime.load();
-        auto fresh = current->find(scope.run->policy.id);
-        if (!fresh) {
+        // References, copied into the scope only when they changed: no reference count (a
+        // line the other workers write) is touched by a request on an unchanged runtime.
+        const std::shared_ptr<const Runtime>& current = w.runtime();
+        const std::shared_ptr<Run>* fresh = current->lookup(scope.run->policy.id);
+        if (fresh == nullptr) {
             bool expired = scope.run->policy.expires_at <= policy::Clock::now();
             const char* reason = expired ? "run_expired" : "run_revoked";
             co_await down.refuse(403, reason, false);
             audit_refusal(scope, head.method, head.path, 403, reason, started);
             co_return false;
         }
-        scope.run = std::move(fresh);
-        scope.runtime = std::move(current);
+        if (scope.run != *fresh) {
+            scope.run = *fresh;
+        }
+        if (scope.runtime != current) {
+            scope.runtime = current;
+        }
     }
     const Runtime& rt = *scope.runtime;
     const std::string method = head.method;
@@ -318,7 +323,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         rec.secret = decision.pin->secret_name;
     }
     rec.reason = decision.reason;
-    rec.req_id = shared.next_req_id.fetch_add(1);
+    rec.req_id = w.next_req_id();
 
     if (shared.audit->durable()) {
         // audit.durable: the decision is on disk before the request (and its credential)
@@ -344,7 +349,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             shared.metrics.upstream_error(kind);
         }
         w.audit(rec);
-        shared.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
+        w.metrics.request(rec.decision, scope.proto_in, rec.duration_ms / 1000.0);
         if (spdlog::should_log(spdlog::level::info)) {  // authority() and value_or copy strings
             spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
                          scope.conn_id, rec.req_id, rec.run, method, scope.target.authority(),

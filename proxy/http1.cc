@@ -528,7 +528,7 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
 std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> conn, bool reused,
                                            std::string host_header) {
     auto peer = conn->peer;
-    auto rt = w.shared.runtime.load();
+    const auto& rt = w.runtime();
     auto up = std::make_unique<H1Upstream<TlsStream>>(&w, std::move(conn), nullptr, peer, reused,
                                                       std::move(host_header),
                                                       rt->config->limits.idle_timeout);

@@ -1,12 +1,22 @@
 #include "proxy/metrics.h"
 
+#include <algorithm>
 #include <sstream>
 
 namespace egress::proxy {
 
-void Metrics::request(const std::string& decision, const std::string& protocol, double seconds) {
+void Metrics::Shard::request(std::string_view decision, std::string_view protocol,
+                             double seconds) {
+    static_assert(std::tuple_size_v<decltype(bucket_counts_)> == kBuckets.size());
     std::lock_guard lock(mu_);
-    ++requests_[{decision, protocol}];
+    // Looked up without building a key: the pair of strings is made once per new label set.
+    auto it = std::find_if(requests_.begin(), requests_.end(), [&](const auto& kv) {
+        return kv.first.first == decision && kv.first.second == protocol;
+    });
+    if (it == requests_.end()) {
+        it = requests_.emplace(std::pair{std::string(decision), std::string(protocol)}, 0).first;
+    }
+    ++it->second;
     for (size_t i = 0; i < kBuckets.size(); ++i) {
         if (seconds <= kBuckets[i]) {
             ++bucket_counts_[i];
@@ -14,6 +24,18 @@ void Metrics::request(const std::string& decision, const std::string& protocol, 
     }
     ++duration_count_;
     duration_sum_ += seconds;
+}
+
+Metrics::Metrics() { shards_.push_back(std::make_unique<Shard>()); }
+
+Metrics::Shard& Metrics::add_shard() {
+    std::lock_guard lock(mu_);
+    shards_.push_back(std::make_unique<Shard>());
+    return *shards_.back();
+}
+
+void Metrics::request(std::string_view decision, std::string_view protocol, double seconds) {
+    shards_.front()->request(decision, protocol, seconds);  // [0] is never moved or removed
 }
 
 void Metrics::denied(const std::string& reason) {
@@ -29,9 +51,24 @@ void Metrics::upstream_error(const std::string& kind) {
 std::string Metrics::render() const {
     std::ostringstream o;
     std::lock_guard lock(mu_);
+    std::map<std::pair<std::string, std::string>, uint64_t> requests;
+    std::array<uint64_t, kBuckets.size()> buckets{};
+    uint64_t count = 0;
+    double sum = 0;
+    for (const auto& shard : shards_) {
+        std::lock_guard shard_lock(shard->mu_);
+        for (const auto& [k, v] : shard->requests_) {
+            requests[k] += v;
+        }
+        for (size_t i = 0; i < kBuckets.size(); ++i) {
+            buckets[i] += shard->bucket_counts_[i];
+        }
+        count += shard->duration_count_;
+        sum += shard->duration_sum_;
+    }
     o << "# HELP egressd_requests_total Requests by decision and protocol.\n"
          "# TYPE egressd_requests_total counter\n";
-    for (const auto& [k, v] : requests_) {
+    for (const auto& [k, v] : requests) {
         o << "egressd_requests_total{decision=\"" << k.first << "\",protocol=\"" << k.second
           << "\"} " << v << "\n";
     }
@@ -39,11 +76,11 @@ std::string Metrics::render() const {
          "# TYPE egressd_request_duration_seconds histogram\n";
     for (size_t i = 0; i < kBuckets.size(); ++i) {
         o << "egressd_request_duration_seconds_bucket{le=\"" << kBuckets[i] << "\"} "
-          << bucket_counts_[i] << "\n";
+          << buckets[i] << "\n";
     }
-    o << "egressd_request_duration_seconds_bucket{le=\"+Inf\"} " << duration_count_ << "\n"
-      << "egressd_request_duration_seconds_sum " << duration_sum_ << "\n"
-      << "egressd_request_duration_seconds_count " << duration_count_ << "\n";
+    o << "egressd_request_duration_seconds_bucket{le=\"+Inf\"} " << count << "\n"
+      << "egressd_request_duration_seconds_sum " << sum << "\n"
+      << "egressd_request_duration_seconds_count " << count << "\n";
     o << "# TYPE egressd_active_connections gauge\negressd_active_connections "
       << active_connections.load() << "\n";
     o << "# TYPE egressd_runs_active gauge\negressd_runs_active " << runs_active.load() << "\n";

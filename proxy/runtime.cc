@@ -42,8 +42,13 @@ Result<bool> write_file_atomic(const std::string& path, const std::string& conte
 }  // namespace
 
 std::shared_ptr<Run> Runtime::find(const std::string& id) const {
+    const std::shared_ptr<Run>* run = lookup(id);
+    return run != nullptr ? *run : nullptr;
+}
+
+const std::shared_ptr<Run>* Runtime::lookup(const std::string& id) const {
     auto it = runs.find(id);
-    return it == runs.end() ? nullptr : it->second;
+    return it == runs.end() ? nullptr : &it->second;
 }
 
 std::shared_ptr<Run> Runtime::find_by_source(const policy::IpAddress& client) const {

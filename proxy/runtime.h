@@ -47,6 +47,8 @@ struct Runtime {
     std::map<std::string, std::pair<std::string, std::string>> ended;
 
     std::shared_ptr<Run> find(const std::string& id) const;
+    /// The same without a copy: the map's own pointer (valid while this Runtime lives), or null.
+    const std::shared_ptr<Run>* lookup(const std::string& id) const;
     /// Transparent mode: the run whose `sources` hold `client` (longest prefix wins; two runs
     /// tied on the longest prefix: none, the binding is ambiguous), else the anonymous run
     /// if it has no sources of its own.

@@ -12,8 +12,8 @@
 
 namespace egress::proxy {
 
-Worker::Worker(Shared& s) : shared(s) {
-    auto rt = s.runtime.load();
+Worker::Worker(Shared& s) : metrics(s.metrics.add_shard()), shared(s) {
+    const auto& rt = runtime();
     const auto& cfg = *rt->config;
     resolver = std::make_unique<Resolver>(ioc, cfg.resolver_servers, cfg.resolver_overrides,
                                           cfg.limits.dns_timeout);
@@ -103,7 +103,10 @@ struct Server::Impl {
             spdlog::error("runtime rebuild failed: {}", next.error());
             return;
         }
-        auto prev = shared.runtime.exchange(*next);
+        auto prev = shared.publish(*next);
+        for (auto& w : workers) {  // an idle worker lets go of the runs this one replaced now
+            net::post(w->ioc, [w = w.get()] { w->runtime(); });
+        }
         for (const auto& [id, run] : prev->runs) {
             if ((*next)->runs.count(id) == 0) {
                 size_t n = shared.connections.close_run(id);
@@ -236,7 +239,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     : impl_(std::make_unique<Impl>()) {
     impl_->config_path = std::move(config_path);
     auto& s = impl_->shared;
-    s.runtime.store(runtime);
+    s.publish(runtime);
     const auto& cfg = *runtime->config;
     auto audit = AuditLog::open(cfg.audit.path, cfg.audit.durable);
     if (!audit) {
@@ -373,12 +376,19 @@ int Server::run() {
             [this, &s, rt]() -> awaitable<void> {
                 auto deadline = std::chrono::steady_clock::now() + rt->config->limits.drain_timeout;
                 net::steady_timer t(co_await net::this_coro::executor);
-                while (s.inflight.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+                auto inflight = [this] {
+                    int64_t n = 0;
+                    for (const auto& w : impl_->workers) {
+                        n += w->inflight.load(std::memory_order_relaxed);
+                    }
+                    return n;
+                };
+                while (inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
                     t.expires_after(std::chrono::milliseconds(20));
                     co_await t.async_wait(use_nothrow);
                 }
-                if (s.inflight.load() > 0) {
-                    spdlog::warn("drain timeout: closing {} in-flight requests", s.inflight.load());
+                if (const int64_t n = inflight(); n > 0) {
+                    spdlog::warn("drain timeout: closing {} in-flight requests", n);
                 }
                 for (auto& w : impl_->workers) {
                     w->ioc.stop();

@@ -45,9 +45,19 @@ private:
     std::map<std::string, std::map<uint64_t, Entry>> by_run_;
 };
 
-/// Process-wide state, shared read-mostly by every worker.
+/// Process-wide state, shared read-mostly by every worker. What a request writes per request
+/// (its id, the in-flight count, metrics) is kept per worker (Worker below): a line every core
+/// writes costs each request a cache miss and a locked instruction on a contended line.
 struct Shared {
     std::atomic<std::shared_ptr<const Runtime>> runtime;
+    /// Bumped after each store to `runtime`: workers reload their copy only when it moved.
+    std::atomic<uint64_t> runtime_gen{0};
+    /// Stores `next` as the runtime and returns the one it replaces.
+    std::shared_ptr<const Runtime> publish(std::shared_ptr<const Runtime> next) {
+        auto prev = runtime.exchange(std::move(next));
+        runtime_gen.fetch_add(1, std::memory_order_release);
+        return prev;
+    }
     std::unique_ptr<AuditLog> audit;
     Metrics metrics;
     // asio's ssl::context adopts an SSL_CTX made by tls/ (and frees it).
@@ -56,29 +66,44 @@ struct Shared {
     policy::RequestPipeline pipeline;
     std::vector<tcp::endpoint> own_listeners;  // for the self-connection check
     std::atomic<bool> draining{false};
-    std::atomic<int64_t> inflight{0};  // requests and tunnels in progress (drain waits on it)
     std::atomic<uint64_t> next_conn_id{1};
-    std::atomic<uint64_t> next_req_id{1};
+    std::atomic<uint64_t> next_req_id{1};  // workers take request ids from here in blocks
     ConnectionRegistry connections;
     ControlPlane* control = nullptr;  // set when the admin API is enabled
-};
-
-/// Counts one request or tunnel in flight for the drain on SIGTERM.
-class InflightGuard {
-public:
-    explicit InflightGuard(Shared& s) : s_(s) { s_.inflight.fetch_add(1); }
-    ~InflightGuard() { s_.inflight.fetch_sub(1); }
-    InflightGuard(const InflightGuard&) = delete;
-    InflightGuard& operator=(const InflightGuard&) = delete;
-
-private:
-    Shared& s_;
 };
 
 /// One event loop on one thread. Everything on it runs without locks.
 struct Worker {
     explicit Worker(Shared& s);
     ~Worker();
+
+    /// The current runtime as this worker last loaded it, reloaded only when the control
+    /// plane published another (Shared::runtime_gen): a load of the atomic shared_ptr takes
+    /// its lock bit and a reference on lines every core writes, per request. A request still
+    /// sees every change published before it starts.
+    const std::shared_ptr<const Runtime>& runtime() {
+        const uint64_t gen = shared.runtime_gen.load(std::memory_order_acquire);
+        if (gen != runtime_gen_ || !runtime_) {
+            runtime_ = shared.runtime.load();
+            runtime_gen_ = gen;
+        }
+        return runtime_;
+    }
+    /// A request id, unique in the process: taken from Shared::next_req_id kReqIdBlock at a
+    /// time, so ids of different workers interleave in blocks rather than in time order.
+    uint64_t next_req_id() {
+        if (req_id_next_ == req_id_end_) {
+            req_id_next_ = shared.next_req_id.fetch_add(kReqIdBlock);
+            req_id_end_ = req_id_next_ + kReqIdBlock;
+        }
+        return req_id_next_++;
+    }
+    static constexpr uint64_t kReqIdBlock = 64;
+    /// Requests and tunnels in progress on this worker (the drain on SIGTERM waits for every
+    /// worker's to reach 0). Written by this worker's thread only, read by the drain.
+    std::atomic<int64_t> inflight{0};
+    /// This worker's request counters (Metrics::Shard).
+    Metrics::Shard& metrics;
     /// Upstream TLS sessions (tickets) by pool key, for resumption. Declared before ioc so
     /// it outlives every connection (and SSL) the loop's coroutines hold. Null when
     /// limits.upstream_tls_sessions is 0.
@@ -103,6 +128,26 @@ struct Worker {
     std::string audit_pending;
     static constexpr size_t kAuditFlushBytes = 64 * 1024;
     static constexpr size_t kIdleEvery = 256;
+
+private:
+    std::shared_ptr<const Runtime> runtime_;
+    uint64_t runtime_gen_ = 0;
+    uint64_t req_id_next_ = 0;
+    uint64_t req_id_end_ = 0;
+};
+
+/// Counts one request or tunnel in flight on its worker for the drain on SIGTERM. Only the
+/// worker's own thread writes the count: a plain load and store, no locked instruction.
+class InflightGuard {
+public:
+    explicit InflightGuard(Worker& w) : n_(w.inflight) { add(1); }
+    ~InflightGuard() { add(-1); }
+    InflightGuard(const InflightGuard&) = delete;
+    InflightGuard& operator=(const InflightGuard&) = delete;
+
+private:
+    void add(int64_t d) { n_.store(n_.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+    std::atomic<int64_t>& n_;
 };
 
 /// Serves one client connection on the forward-proxy port (CONNECT and absolute-form).
