@@ -451,6 +451,26 @@ private:
     std::shared_ptr<ServerStream> st_;
 };
 
+/// A stream's own copy of its connection's scope (serve_exchange refreshes the run and the
+/// runtime in it), whose run and runtime are non-owning aliases of the connection's: the
+/// connection (which the stream's handler holds) outlives the copy, and nothing on a stream's
+/// path keeps a copy of them beyond it. An owning copy per stream took and dropped two
+/// references on control blocks every worker writes; serve_exchange stores owning pointers
+/// when the runtime has changed since the connection began.
+Scope stream_scope(Scope& conn) {
+    // The pointers are moved out around the copy (one thread, no suspension), so the copy
+    // gets every other member, present and future, without touching their counts.
+    std::shared_ptr<const Runtime> runtime = std::move(conn.runtime);
+    std::shared_ptr<Run> run = std::move(conn.run);
+    Scope copy = conn;
+    conn.runtime = std::move(runtime);
+    conn.run = std::move(run);
+    copy.runtime = std::shared_ptr<const Runtime>(std::shared_ptr<const Runtime>(),  // aliasing,
+                                                  conn.runtime.get());              // no owner
+    copy.run = std::shared_ptr<Run>(std::shared_ptr<Run>(), conn.run.get());
+    return copy;
+}
+
 awaitable<void> serve_stream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStream> st) {
     struct Count {
         Conn& c;
@@ -464,7 +484,7 @@ awaitable<void> serve_stream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStre
     if (st->closed || c->io.dead) {
         co_return;  // reset before we got to it (rapid reset): nothing forwarded
     }
-    Scope scope = c->scope;
+    Scope scope = stream_scope(c->scope);
     scope.proto_in = "h2";
     H2Downstream down(c, st);
     auto& head = st->head;

@@ -444,6 +444,32 @@ def test_rotated_secret_applies_to_next_request_on_same_connection(cp, world):
     assert lst[("rot_tok", json.dumps({"org": "acme"}))]["version"] == 3
 
 
+def test_rotated_secret_applies_to_next_h2_stream_on_same_connection(cp, world):
+    # Each h2 stream refreshes its run from its worker's copy of the runtime, which follows the
+    # control plane's publish (Shared::runtime_gen); streams start from the connection's run.
+    import types
+    from h2_helpers import H2Client
+    v1, v2 = sval("rh2a"), sval("rh2b")
+    put_secret(cp, "rot_h2", v1, org="acme")
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), "rot_h2")])
+    c = H2Client(cp, types.SimpleNamespace(auth=lambda _run: run.auth), "api.test", world.U,
+                 ca=run.ca_file)
+    try:
+        m1 = "m-rh2a-" + pysecrets.token_hex(3)
+        r = c.request(f"/echo/{m1}")
+        assert r.get("status") == 200, r
+        expect(seen_auth(world.upstream, m1) == [f"Bearer {v1}"], "first h2 stream: not v1")
+        rotate_secret(cp, "rot_h2", v2, org="acme")
+        for i in range(3):  # every later stream of the same connection, not just the next
+            m = f"m-rh2b{i}-" + pysecrets.token_hex(3)
+            r = c.request(f"/echo/{m}")
+            assert r.get("status") == 200, r
+            expect(seen_auth(world.upstream, m) == [f"Bearer {v2}"],
+                   f"h2 stream {i} after PUT on the same connection did not use the new value")
+    finally:
+        c.close()
+
+
 def test_pins_sharing_a_secret_follow_its_rotation(cp, world):
     """Pins that inject one secret the same way share one injection (policy::InjectionCache),
     and a rebuild keeps unchanged pins' injections: a rotation, and a pin added later, must
