@@ -85,7 +85,12 @@ void inject(RequestHead& head, const Pin& pin, Decision& d) {
     }
     d.pin = &pin;
     d.injected_header = inj.header;
-    d.scrub = inj.scrub;
+    // A prepared injection lives as long as the pin (which the Decision already points to, and
+    // which the caller's run keeps): the plan is then borrowed, not shared. Taking a reference
+    // on the plan wrote, per request, a control block every worker's requests write.
+    d.scrub = made ? inj.scrub
+                   : std::shared_ptr<const ScrubPlan>(std::shared_ptr<const ScrubPlan>(),
+                                                      inj.scrub.get());
     d.reason = "injected";
 }
 

@@ -29,8 +29,9 @@ struct Decision {
     const Pin* pin = nullptr;        // the pin whose credential was injected, if any
     std::string injected_header;     // lowercase header name, if injected
     /// What must not reach the sandbox in the response (the secret and the injected header
-    /// value), the pin's shared plan; null when nothing was injected. WARNING: secret bytes;
-    /// feed to a Scrubber only.
+    /// value), the pin's shared plan; null when nothing was injected. Like `pin`, valid while
+    /// the run policy it was decided with lives (a pin's prepared plan is borrowed, not
+    /// owned). WARNING: secret bytes; feed to a Scrubber only.
     std::shared_ptr<const ScrubPlan> scrub;
 
     bool forward() const { return status == 0; }
