@@ -26,8 +26,6 @@ void Metrics::Shard::request(std::string_view decision, std::string_view protoco
     duration_sum_ += seconds;
 }
 
-Metrics::Metrics() { shards_.push_back(std::make_unique<Shard>()); }
-
 Metrics::Shard& Metrics::add_shard() {
     std::lock_guard lock(mu_);
     shards_.push_back(std::make_unique<Shard>());
@@ -35,7 +33,7 @@ Metrics::Shard& Metrics::add_shard() {
 }
 
 void Metrics::request(std::string_view decision, std::string_view protocol, double seconds) {
-    shards_.front()->request(decision, protocol, seconds);  // [0] is never moved or removed
+    common_.request(decision, protocol, seconds);
 }
 
 void Metrics::denied(const std::string& reason) {
@@ -55,7 +53,11 @@ std::string Metrics::render() const {
     std::array<uint64_t, kBuckets.size()> buckets{};
     uint64_t count = 0;
     double sum = 0;
+    std::vector<const Shard*> all{&common_};
     for (const auto& shard : shards_) {
+        all.push_back(shard.get());
+    }
+    for (const Shard* shard : all) {
         std::lock_guard shard_lock(shard->mu_);
         for (const auto& [k, v] : shard->requests_) {
             requests[k] += v;

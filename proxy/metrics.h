@@ -25,13 +25,12 @@ public:
     private:
         friend class Metrics;
         mutable std::mutex mu_;
-        std::map<std::pair<std::string, std::string>, uint64_t, std::less<>> requests_;
+        std::map<std::pair<std::string, std::string>, uint64_t> requests_;
         std::array<uint64_t, 12> bucket_counts_{};
         uint64_t duration_count_ = 0;
         double duration_sum_ = 0;
     };
 
-    Metrics();
     /// A new shard for one writer; it lives as long as this Metrics.
     Shard& add_shard();
 
@@ -50,8 +49,9 @@ public:
 private:
     static constexpr std::array<double, 12> kBuckets{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                                                      0.1,   0.25,   0.5,   1,    2.5,   10};
+    Shard common_;  // request() of callers that are not a worker
     mutable std::mutex mu_;  // denied_, upstream_errors_ and the list of shards
-    std::vector<std::unique_ptr<Shard>> shards_;  // [0]: the shared one
+    std::vector<std::unique_ptr<Shard>> shards_;
     std::map<std::string, uint64_t> denied_;
     std::map<std::string, uint64_t> upstream_errors_;
 };
