@@ -12,7 +12,7 @@ Resolver::~Resolver() = default;
 UpstreamPool::~UpstreamPool() = default;
 void UpstreamPool::release(std::unique_ptr<TlsConn>) {}
 
-Worker::Worker(Shared& s) : shared(s) {}
+Worker::Worker(Shared& s) : metrics(s.metrics.add_shard()), shared(s) {}
 Worker::~Worker() = default;
 
 void audit_refusal(Scope&, const std::string&, const std::string&, int status,
