@@ -373,7 +373,7 @@ int Server::run() {
         // Wait for in-flight requests and tunnels, bounded by drain_timeout.
         net::co_spawn(
             impl_->workers[0]->ioc,
-            [this, &s, rt]() -> awaitable<void> {
+            [this, rt]() -> awaitable<void> {
                 auto deadline = std::chrono::steady_clock::now() + rt->config->limits.drain_timeout;
                 net::steady_timer t(co_await net::this_coro::executor);
                 auto inflight = [this] {

@@ -146,7 +146,9 @@ public:
     InflightGuard& operator=(const InflightGuard&) = delete;
 
 private:
-    void add(int64_t d) { n_.store(n_.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+    void add(int64_t d) {
+        n_.store(n_.load(std::memory_order_relaxed) + d, std::memory_order_relaxed);
+    }
     std::atomic<int64_t>& n_;
 };
 
