@@ -362,7 +362,9 @@ T_END=$(date +%s)
 
 # ---------------------------------------------------------------- report
 ver() { dpkg-query -W -f '${Version}' "$1" 2>/dev/null || echo "not installed"; }
-NGINX_PKG=nginx-light; dpkg-query -W nginx-light >/dev/null 2>&1 || NGINX_PKG=nginx
+# dpkg-query -W also answers for a package it knows of but is not installed: ask for the status.
+NGINX_PKG=nginx-light
+[ "$(dpkg-query -W -f '${Status}' nginx-light 2>/dev/null)" = "install ok installed" ] || NGINX_PKG=nginx
 PEERS_W=$W PEERS_SECRET=$SECRET PEERS_TOKEN=$PROXY_TOKEN PEERS_DUR=$DUR PEERS_PAIRS_N=$PAIRS \
   PEERS_LIST="$PEERS" PEERS_LOADS_LIST="$LOADS" PEERS_WARM=$WARM \
   M_NPROC=$(nproc) M_CPU="$(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)" \
