@@ -361,10 +361,11 @@ LOADAVG_END=$(cut -d' ' -f1-3 /proc/loadavg)
 T_END=$(date +%s)
 
 # ---------------------------------------------------------------- report
-ver() { dpkg-query -W -f '${Version}' "$1" 2>/dev/null || echo "not installed"; }
-# dpkg-query -W also answers for a package it knows of but is not installed: ask for the status.
-NGINX_PKG=nginx-light
-[ "$(dpkg-query -W -f '${Status}' nginx-light 2>/dev/null)" = "install ok installed" ] || NGINX_PKG=nginx
+# dpkg-query -W also answers (empty, status 0) for a package it knows of but is not installed:
+# ask for the status.
+installed() { [ "$(dpkg-query -W -f '${Status}' "$1" 2>/dev/null)" = "install ok installed" ]; }
+ver() { if installed "$1"; then dpkg-query -W -f '${Version}' "$1"; else echo "not installed"; fi; }
+NGINX_PKG=nginx-light; installed nginx-light || NGINX_PKG=nginx
 PEERS_W=$W PEERS_SECRET=$SECRET PEERS_TOKEN=$PROXY_TOKEN PEERS_DUR=$DUR PEERS_PAIRS_N=$PAIRS \
   PEERS_LIST="$PEERS" PEERS_LOADS_LIST="$LOADS" PEERS_WARM=$WARM \
   M_NPROC=$(nproc) M_CPU="$(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)" \
