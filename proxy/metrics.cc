@@ -7,7 +7,6 @@ namespace egress::proxy {
 
 void Metrics::Shard::request(std::string_view decision, std::string_view protocol,
                              double seconds) {
-    static_assert(std::tuple_size_v<decltype(bucket_counts_)> == kBuckets.size());
     std::lock_guard lock(mu_);
     // Looked up without building a key: the pair of strings is made once per new label set.
     auto it = std::find_if(requests_.begin(), requests_.end(), [&](const auto& kv) {
