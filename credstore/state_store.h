@@ -1,9 +1,8 @@
 #pragma once
-// Control-plane state: sealed secrets, runs and their pins. The data path reads immutable
-// snapshots without locks (atomic shared_ptr); updates are applied atomically and durably.
+// Control-plane state: sealed secrets, runs and their pins. Readers take immutable snapshots
+// (common/published.h); updates are applied atomically and durably.
 // Backends: FileStateStore (embedded default, state.path); an etcd backend implements the
 // same interface later.
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -13,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/published.h"
 #include "common/result.h"
 #include "credstore/envelope.h"
 #include "credstore/scope.h"
@@ -96,7 +96,8 @@ Result<StateSnapshot> snapshot_from_json(const std::string& text);
 
 /// File backend: the whole state in `<dir>/state.json`, rewritten on every apply with
 /// write-temp, fsync, rename, fsync-dir, so a kill -9 at any moment leaves either the old or
-/// the new state. Writes are serialized by a mutex; reads are lock-free snapshots.
+/// the new state. Writes are serialized by a mutex; a read takes the current snapshot (a
+/// shared_ptr copy under a short lock of its own) and never waits for a write.
 class FileStateStore final : public StateStore {
 public:
     static Result<std::unique_ptr<FileStateStore>> open(const std::string& dir);
@@ -107,7 +108,7 @@ public:
 private:
     std::string dir_;
     std::mutex write_mu_;
-    std::atomic<std::shared_ptr<const StateSnapshot>> current_;
+    Published<const StateSnapshot> current_;
     std::vector<std::function<void(std::shared_ptr<const StateSnapshot>)>> listeners_;
 };
 

@@ -10,6 +10,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/published.h"
 #include "policy/pipeline.h"
 #include "proxy/audit.h"
 #include "proxy/metrics.h"
@@ -49,7 +50,7 @@ private:
 /// (its id, the in-flight count, metrics) is kept per worker (Worker below): a line every core
 /// writes costs each request a cache miss and a locked instruction on a contended line.
 struct Shared {
-    std::atomic<std::shared_ptr<const Runtime>> runtime;
+    Published<const Runtime> runtime;
     /// Bumped after each store to `runtime`: workers reload their copy only when it moved.
     std::atomic<uint64_t> runtime_gen{0};
     /// Stores `next` as the runtime and returns the one it replaces.
@@ -78,8 +79,8 @@ struct Worker {
     ~Worker();
 
     /// The current runtime as this worker last loaded it, reloaded only when the control
-    /// plane published another (Shared::runtime_gen): a load of the atomic shared_ptr takes
-    /// its lock bit and a reference on lines every core writes, per request. A request still
+    /// plane published another (Shared::runtime_gen): a load takes a lock and a reference on
+    /// lines every core writes, per request. A request still
     /// sees every change published before it starts.
     const std::shared_ptr<const Runtime>& runtime() {
         const uint64_t gen = shared.runtime_gen.load(std::memory_order_acquire);
