@@ -10,6 +10,7 @@
 #include <boost/beast/http.hpp>
 
 #include "bench/driver.h"
+#include "tls/trust_store.h"
 
 namespace egress::bench {
 namespace http = boost::beast::http;
@@ -96,6 +97,7 @@ std::string TransportSetup::init_tls(const std::vector<std::string>& alpn) {
       }
     }
     ctx_.set_verify_mode(ssl::verify_peer);
+    tls::settle_certificates(SSL_CTX_get_cert_store(ctx));  // before --threads handshake
   }
   std::string wire;
   for (const auto& p : alpn) {

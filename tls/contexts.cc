@@ -4,6 +4,7 @@
 #include <openssl/x509v3.h>
 
 #include "tls/session_cache.h"
+#include "tls/trust_store.h"
 
 namespace egress::tls {
 namespace {
@@ -64,17 +65,6 @@ int select_alpn(SSL* /*ssl*/, const unsigned char** out, unsigned char* outlen,
         }
     }
     return SSL_TLSEXT_ERR_NOACK;
-}
-
-size_t count_certificates(X509_STORE* store) {
-    size_t n = 0;
-    STACK_OF(X509_OBJECT)* objs = X509_STORE_get0_objects(store);
-    for (int i = 0; i < sk_X509_OBJECT_num(objs); ++i) {
-        if (X509_OBJECT_get_type(sk_X509_OBJECT_value(objs, i)) == X509_LU_X509) {
-            ++n;
-        }
-    }
-    return n;
 }
 
 bool is_ip_literal(const std::string& host) {
@@ -153,6 +143,8 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
         if (SSL_CTX_set_default_verify_paths(ctx.get()) != 1) {
             return ssl_error("loading the system CA store failed");
         }
+        // The bundle's certificates; those of a hashed directory are loaded when looked up.
+        settle_certificates(SSL_CTX_get_cert_store(ctx.get()));
     } else {
         if (ca_file.empty()) {
             return make_error("upstream CA file is empty (use \"system\" for the system store)");
@@ -160,7 +152,7 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
         if (SSL_CTX_load_verify_locations(ctx.get(), ca_file.c_str(), nullptr) != 1) {
             return ssl_error("cannot load upstream CA file '" + ca_file + "'");
         }
-        if (count_certificates(SSL_CTX_get_cert_store(ctx.get())) == 0) {
+        if (settle_certificates(SSL_CTX_get_cert_store(ctx.get())) == 0) {
             ERR_clear_error();
             return make_error("upstream CA file '" + ca_file + "' contains no certificate");
         }
