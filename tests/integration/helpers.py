@@ -15,6 +15,11 @@ import yaml
 
 DEADLINE_READY_S = 10.0
 
+# "address" or "thread" when egressd was built with EGRESS_SANITIZE (tests/CMakeLists.txt passes
+# it on). A sanitizer multiplies memory (ASan's quarantine and shadow, TSan's shadow), so a
+# bound on egressd's footprint says nothing there and is not checked; everything else is.
+SANITIZER = os.environ.get("EGRESS_SANITIZE", "")
+
 
 def poll(pred, timeout: float, what: str, interval: float = 0.02):
     """Calls pred() until it returns a truthy value or `timeout` seconds pass (then fails)."""
@@ -162,6 +167,14 @@ class Egressd:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1])
         raise AssertionError("no VmHWM in /proc/PID/status")
+
+    def check_peak_rss(self, limit_kib: int) -> int:
+        """Asserts that egressd's peak RSS is under `limit_kib` (not under a sanitizer: see
+        SANITIZER) and returns it."""
+        hwm = self.vm_hwm_kib()
+        if not SANITIZER:
+            assert hwm < limit_kib, f"egressd peak RSS {hwm} KiB >= {limit_kib} KiB"
+        return hwm
 
     def audit_records(self) -> list[dict]:
         try:
