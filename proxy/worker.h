@@ -80,8 +80,8 @@ struct Worker {
 
     /// The current runtime as this worker last loaded it, reloaded only when the control
     /// plane published another (Shared::runtime_gen): a load takes a lock and a reference on
-    /// lines every core writes, per request. A request still
-    /// sees every change published before it starts.
+    /// lines every core writes, per request. A request still sees every change published
+    /// before it starts.
     const std::shared_ptr<const Runtime>& runtime() {
         const uint64_t gen = shared.runtime_gen.load(std::memory_order_acquire);
         if (gen != runtime_gen_ || !runtime_) {
