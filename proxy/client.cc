@@ -202,6 +202,14 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
 awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
                               Clock::time_point started, bool announce) {
     Worker& w = *scope.worker;
+    if (buf.size() > 0) {
+        // A client that pipelines its ClientHello behind CONNECT before the 200: the bytes
+        // are already in our buffer and cannot be handed to OpenSSL's socket BIO. Refused
+        // before the 200, so the client reads the refusal as the answer to its CONNECT.
+        co_await write_refusal(client, 400, "data_before_connect_response", false);
+        audit_refusal(scope, scope.method, "", 400, "data_before_connect_response", started);
+        co_return;
+    }
     auto& leaves = *scope.run->leaves;
     auto misses_before = leaves.misses();
     auto leaf = leaves.get(scope.target.host);
@@ -230,16 +238,10 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     if (announce && !co_await announce_established(client)) {
         co_return;
     }
-    if (buf.size() > 0) {
-        // A client that pipelines its ClientHello behind CONNECT before the 200: the bytes
-        // are already in our buffer and cannot be handed to OpenSSL's socket BIO.
-        co_await write_refusal(client, 400, "data_before_connect_response", false);
-        audit_refusal(scope, scope.method, "", 400, "data_before_connect_response", started);
-        co_return;
-    }
     TlsStream tls(std::move(client), *w.shared.server_ctx);
     if (auto ok = tls::use_leaf(tls.native_handle(), **leaf); !ok) {
         spdlog::error("conn={} use_leaf: {}", scope.conn_id, ok.error());
+        audit_refusal(scope, scope.method, "", 0, "leaf_mint_failed", started);
         co_return;
     }
     const auto& limits = scope.runtime->config->limits;
@@ -266,6 +268,14 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     co_await serve_intercepted_http1(tls, tls_buf, scope);
 }
 
+/// Called right after a connection was registered for its run (RunAdmission::admit): the
+/// identity was checked against a runtime that a revoke may have replaced before the
+/// registration, when closing the run's connections could not see this one yet. Registered
+/// first and checked second, a revoke either finds the connection or is seen here.
+bool still_live(Worker& w, const Run& run) {
+    return w.runtime()->lookup(run.policy.id) != nullptr;
+}
+
 bool secret_unavailable(const Run& run, const policy::HostPort& dest) {
     for (const auto& p : run.unavailable_pins) {
         if (p.matches(dest)) {
@@ -285,19 +295,29 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     socket.set_option(tcp::no_delay(true), ignored);
     TcpStream stream(std::move(socket));
     beast::flat_buffer buf;
-    auto rt = w.runtime();
-    const auto& limits = rt->config->limits;
     Scope scope;
     scope.worker = &w;
-    scope.runtime = rt;
     scope.conn_id = shared.next_conn_id.fetch_add(1);
     RunAdmission admission(shared);
     bool first = true;
 
+    // The runtime as it is now; assigned only when it changed (no reference count per request).
+    auto refresh = [&scope, &w] {
+        if (scope.runtime != w.runtime()) {
+            scope.runtime = w.runtime();
+        }
+    };
     for (;;) {
         const auto started = Clock::now();
+        refresh();
         H1RequestParser parser;
-        auto got = co_await read_request_head(stream, buf, parser, first, limits);
+        auto got = co_await read_request_head(stream, buf, parser, first,
+                                              scope.runtime->config->limits);
+        // The identity is checked against the runtime of this head, not of the accept or of
+        // the previous request: a head may come seconds later, after a revoke.
+        refresh();
+        const auto& rt = scope.runtime;
+        const auto& limits = rt->config->limits;
         first = false;
         if (got != HeadRead::Ok) {
             co_await refuse_head(stream, got, scope, started);
@@ -317,6 +337,12 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
             if (!admission.admit(id.run, limits.connections_per_run, stream.socket())) {
                 co_await write_refusal(stream, 429, "too_many_connections", false);
                 audit_refusal(scope, method, "", 429, "too_many_connections", started);
+                co_return;
+            }
+            if (!still_live(w, *id.run)) {
+                const char* reason = run_end_reason(*id.run);
+                co_await write_refusal(stream, 403, reason, false);
+                audit_refusal(scope, method, "", 403, reason, started);
                 co_return;
             }
         } else if (scope.run->policy.id != id.run->policy.id) {
@@ -501,14 +527,16 @@ awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t
         auto dest = host == nullptr ? Result<policy::HostPort>(make_error("no Host"))
                                     : policy::parse_authority(*host, 80);
         std::string reason;
+        int status = 400;
         if (!dest) {
             reason = "bad_host";
         } else if (dest->port != port) {
+            status = 421;  // as every other host_mismatch
             reason = "host_mismatch";  // Host names another port than the one dialled
         }
         if (!reason.empty()) {
-            co_await write_refusal(stream, 400, reason, false);
-            audit_refusal(scope, method, std::string(parser.target()), 400, reason, started);
+            co_await write_refusal(stream, status, reason, false);
+            audit_refusal(scope, method, std::string(parser.target()), status, reason, started);
             co_return;
         }
         scope.target = *dest;
@@ -568,6 +596,10 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
     RunAdmission admission(shared);
     if (!admission.admit(scope.run, limits.connections_per_run, socket)) {
         audit_refusal(scope, "", "", 429, "too_many_connections", started);
+        co_return;
+    }
+    if (!still_live(w, *scope.run)) {
+        audit_refusal(scope, "", "", 403, run_end_reason(*scope.run), started);
         co_return;
     }
 

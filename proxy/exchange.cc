@@ -84,6 +84,13 @@ public:
             rh.headers.push_back(std::move(h));
         }
         policy::strip_hop_by_hop(rh.headers);
+        if (r.end_stream && !head_request && !rh.body.length && r.status != 204 &&
+            r.status != 304) {
+            // An h2 response ended on its HEADERS frame need not say its length; an HTTP/1.1
+            // client must be told, or it would read a body until the connection closes.
+            rh.body.length = 0;
+            rh.headers.push_back({"content-length", "0"});
+        }
         co_return rh;
     }
     awaitable<BodyChunk> read_body() override {
@@ -126,8 +133,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
         if (auto* r = std::get_if<Refusal>(&dialed)) {
             co_return *r;
         }
-        co_return make_h1_plain_upstream(std::move(std::get<Dialed>(dialed)), authority,
-                                         limits.idle_timeout);
+        co_return make_h1_plain_upstream(std::move(std::get<Dialed>(dialed)), authority, limits);
     }
     auto key = UpstreamPool::key(scope.run->policy.id, scope.target);
     auto ex = w.ioc.get_executor();
@@ -199,6 +205,53 @@ std::string endpoint_text(const tcp::endpoint& ep) {
 
 namespace {
 
+/// A response whose body is not in the identity coding (Content-Encoding other than
+/// "identity").
+bool encoded(const ResponseHead& rh) {
+    for (const auto& h : rh.headers) {
+        if (policy::iequals(h.name, "content-encoding") &&
+            !policy::iequals(policy::trim_ows(h.value), "identity") &&
+            !policy::trim_ows(h.value).empty()) {
+            return true;
+        }
+    }
+    return false;
+}
+
+/// The path as log lines show it: without the query, as the audit record has it (a query
+/// may carry tokens: OAuth codes, pre-signed URLs).
+std::string_view without_query(std::string_view path) {
+    return path.substr(0, path.find('?'));
+}
+
+/// Drops the request trailer fields the head's rules govern. RFC 9110 6.5.1: a trailer may
+/// not carry framing, routing, authentication or request controls, and an upstream that
+/// merges trailers into the header section would otherwise see a field the pipeline refuses
+/// (x-egress-*), removes (proxy-*, hop-by-hop) or owns (the injected credential and the
+/// pin's headers) in the head, chosen by the sandbox.
+void drop_governed_trailers(Headers& trailers, const policy::Decision& d) {
+    std::erase_if(trailers, [&d](const policy::Header& h) {
+        if (policy::is_hop_by_hop(h.name) || policy::is_transport_header(h.name)) {
+            return true;
+        }
+        for (std::string_view n : {"authorization", "cookie", "accept-encoding",
+                                   "content-encoding", "content-type", "content-range",
+                                   "cache-control", "max-forwards", "expect", "range"}) {
+            if (policy::iequals(h.name, n)) {
+                return true;
+            }
+        }
+        if (d.pin == nullptr) {
+            return false;
+        }
+        if (policy::iequals(h.name, d.injected_header)) {
+            return true;
+        }
+        return std::any_of(d.pin->extra_headers.begin(), d.pin->extra_headers.end(),
+                           [&h](const policy::Header& x) { return policy::iequals(h.name, x.name); });
+    });
+}
+
 /// The one audit record, metrics and log line of a refused request (`rec` complete).
 void record_denial(Scope& scope, const AuditRecord& rec) {
     auto& shared = scope.worker->shared;
@@ -207,7 +260,8 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
     scope.worker->metrics.request("deny", scope.proto_in, rec.duration_ms / 1000.0);
     if (spdlog::should_log(spdlog::level::info)) {  // the arguments cost even when it is off
         spdlog::info("conn={} req={} run={} {} {}{} -> {} {}", scope.conn_id, rec.req_id, rec.run,
-                     rec.method, scope.target.authority(), rec.path, rec.status, rec.reason);
+                     rec.method, scope.target.authority(), without_query(rec.path), rec.status,
+                     rec.reason);
     }
 }
 
@@ -246,8 +300,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         const std::shared_ptr<const Runtime>& current = w.runtime();
         const std::shared_ptr<Run>* fresh = current->lookup(scope.run->policy.id);
         if (fresh == nullptr) {
-            bool expired = scope.run->policy.expires_at <= policy::Clock::now();
-            const char* reason = expired ? "run_expired" : "run_revoked";
+            const char* reason = run_end_reason(*scope.run);
             co_await down.refuse(403, reason, false);
             audit_refusal(scope, head.method, head.path, 403, reason, started);
             co_return false;
@@ -353,7 +406,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         if (spdlog::should_log(spdlog::level::info)) {  // authority() and value_or copy strings
             spdlog::info("conn={} req={} run={} {} {}{} -> {} pin={} in={} out={} {} {:.1f}ms",
                          scope.conn_id, rec.req_id, rec.run, method, scope.target.authority(),
-                         rec.path, status, rec.pin.value_or("-"), rec.bytes_in, rec.bytes_out,
+                         without_query(rec.path), status, rec.pin.value_or("-"), rec.bytes_in,
+                         rec.bytes_out,
                          rec.proto_out, rec.duration_ms);
         }
     };
@@ -382,6 +436,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 Headers trailers;
                 if (chunk.last) {
                     trailers = down.request_trailers();
+                    drop_governed_trailers(trailers, decision);
                 }
                 if (!co_await up->send_body(chunk.view(), chunk.last,
                                             trailers.empty() ? nullptr : &trailers)) {
@@ -447,10 +502,18 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         rec.proto_out = up->proto();
     }
 
-    // Response: headers scrubbed, body streamed (scrubbed), trailers passed through.
+    // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
     if (scrubber.active()) {
+        scrubber.scrub_in_place(resp->reason);  // an h1 reason phrase is upstream text too
         for (auto& h : resp->headers) {
             scrubber.scrub_in_place(h.value);
+        }
+        if (!resp->body.none && encoded(*resp)) {
+            // The request asked for identity; a body encoded anyway (gzip...) would carry an
+            // echoed credential past the scrubber, which sees only the encoded bytes.
+            co_await down.refuse(502, "upstream_encoded_response", false);
+            finish(502, "upstream_encoded_response", "response");
+            co_return false;
         }
     }
     if (!co_await down.send_head(*resp)) {
@@ -492,7 +555,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     }
     finish(resp->status, "", "");
     up->finish();
-    co_return client_ka;
+    co_return down.client_keep_alive();  // as the response head said (a drain may have begun)
 }
 
 }  // namespace egress::proxy

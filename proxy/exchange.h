@@ -19,6 +19,12 @@
 
 namespace egress::proxy {
 
+/// Why a run found missing from the current runtime is gone: its expiry passed, or it was
+/// revoked (the 403 reason a client holding its token gets).
+inline const char* run_end_reason(const Run& run) {
+    return run.policy.expires_at <= policy::Clock::now() ? "run_expired" : "run_revoked";
+}
+
 /// Identity and destination of one client connection (or, for absolute-form, one request).
 struct Scope {
     Worker* worker = nullptr;
@@ -127,7 +133,7 @@ void audit_refusal(Scope& scope, const std::string& method, const std::string& p
 std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> conn, bool reused,
                                            std::string host_header);
 std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_header,
-                                                 std::chrono::milliseconds timeout);
+                                                 const Limits& limits);
 
 /// Serves HTTP/2 on an intercepted TLS connection (ALPN "h2") until it closes.
 awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope);

@@ -137,11 +137,33 @@ private:
     TlsStream& s_;
 };
 
+/// Caps a connection buffer's growth for one parse. Beast keeps reading while a chunk-size
+/// line, its extensions or the trailer section have no end yet, and limits none of them
+/// (the parser's header limit is the head's): without a cap a client could fill memory
+/// until the idle timeout. Over the cap Beast fails with http::error::buffer_overflow.
+class GrowthCap {
+public:
+    GrowthCap(beast::flat_buffer& b, size_t cap)
+        : b_(b), saved_(b.max_size()) {
+        b_.max_size(std::max(cap, b_.size() + 1));
+    }
+    ~GrowthCap() { b_.max_size(saved_); }
+    GrowthCap(const GrowthCap&) = delete;
+    GrowthCap& operator=(const GrowthCap&) = delete;
+
+private:
+    beast::flat_buffer& b_;
+    size_t saved_;
+};
+
 /// Reads the next body piece of a Beast parser into `buf` (64 KiB): nothing is buffered
-/// whole. Returns an empty non-last chunk when only framing was parsed.
+/// whole. Returns an empty non-last chunk when only framing was parsed. A chunk-size line
+/// with its extensions, or a trailer section, longer than `framing_limit`
+/// (limits.max_header_bytes) fails as Framing.
 template <bool isRequest, class Stream>
 awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser<isRequest>& p,
-                                  char* buf, std::chrono::milliseconds timeout) {
+                                  char* buf, std::chrono::milliseconds timeout,
+                                  size_t framing_limit) {
     if (p.is_done()) {
         co_return BodyChunk{{}, true, true};
     }
@@ -169,10 +191,13 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
     }
     // Chunked, or delimited by the connection's close: Beast's parser takes the framing.
     p.body_buffer(buf, kRelayBufferBytes);
+    // Unparsed framing plus one read: chunk data goes to `buf` as it is parsed, so the buffer
+    // holds at most one read's worth of it besides an unfinished chunk line or trailers.
+    GrowthCap cap(inbuf, framing_limit + kBodyReadBytes);
     // Beast reads max(512, free capacity) bytes per call: without room for a whole TLS record
     // a body would be relayed (and re-encrypted, and sent) in 512-byte pieces.
     if (inbuf.capacity() - inbuf.size() < kBodyReadBytes) {
-        inbuf.reserve(inbuf.size() + kBodyReadBytes);
+        inbuf.reserve(std::min(inbuf.size() + kBodyReadBytes, inbuf.max_size()));
     }
     ReadDeadline deadline(s, timeout);
     // Beast's operation, not proxy/net.h's tries: a piece already buffered is posted (one
@@ -188,7 +213,8 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
             failure = BodyFailure::Timeout;
         } else if (ec.category() == http::make_error_code(http::error::bad_chunk).category() &&
                    ec != http::error::end_of_stream && ec != http::error::partial_message) {
-            failure = BodyFailure::Framing;  // bad chunk size, extension, body overrun...
+            failure = BodyFailure::Framing;  // bad chunk size, extension, body overrun,
+                                             // framing over the cap (buffer_overflow)...
         }
         co_return BodyChunk{{}, false, false, failure};
     }
@@ -310,13 +336,18 @@ template <class Stream>
 class H1Downstream final : public Downstream {
 public:
     H1Downstream(Stream& s, beast::flat_buffer& buf, H1RequestParser& p,
-                 std::chrono::milliseconds timeout)
-        : s_(s), buf_(buf), p_(p), timeout_(timeout) {
+                 std::chrono::milliseconds timeout, size_t framing_limit,
+                 const std::atomic<bool>& draining)
+        : s_(s), buf_(buf), p_(p), timeout_(timeout), framing_limit_(framing_limit),
+          draining_(draining), http10_(p.version() < 11) {
         body_.none = p.is_done();
         if (auto cl = p.content_length()) {
             body_.length = *cl;
         }
         keep_alive_ = p.keep_alive();
+        if (http10_ && p.chunked()) {
+            keep_alive_ = false;  // RFC 9112 6.1: an HTTP/1.0 message with TE is faulty framing
+        }
     }
     const char* proto() const override { return "http/1.1"; }
     BodyInfo request_body() const override { return body_; }
@@ -326,11 +357,14 @@ public:
         if (!rbuf_) {
             rbuf_ = acquire_relay_buffer();
         }
-        co_return co_await h1_read_body(s_, buf_, p_, rbuf_.get(), timeout_);
+        co_return co_await h1_read_body(s_, buf_, p_, rbuf_.get(), timeout_, framing_limit_);
     }
     Headers request_trailers() override { return std::move(p_.trailers()); }
 
     awaitable<void> send_continue() override {
+        if (http10_) {
+            co_return;  // RFC 9110 10.1.1: an HTTP/1.0 client's 100-continue is ignored
+        }
         static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
         lowest(s_).expires_after(timeout_);
         co_await write_all(s_, net::buffer(kContinue));
@@ -345,6 +379,13 @@ public:
         }
         none_ = rh.body.none;
         chunked_ = !none_ && !rh.body.length;  // close-delimited or h2 bodies are re-framed
+        if (chunked_ && http10_) {
+            chunked_ = false;  // an HTTP/1.0 client knows no chunked coding: the close ends it
+            keep_alive_ = false;
+        }
+        if (draining_.load(std::memory_order_relaxed)) {
+            keep_alive_ = false;  // say so now: the connection closes after this response
+        }
         std::string head;
         const std::string_view reason =
             rh.reason.empty() ? std::string_view(http::obsolete_reason(static_cast<http::status>(rh.status)))
@@ -371,7 +412,7 @@ public:
             }
             c.lit("\r\n");
         });
-        if (!none_ && !chunked_ && *rh.body.length <= kCoalesceBodyBytes) {
+        if (!none_ && rh.body.length && *rh.body.length <= kCoalesceBodyBytes) {
             // A small fixed-length body: hold the head back and send it with the body in one
             // write (one TLS record, one syscall instead of two per response).
             held_head_ = std::move(head);
@@ -396,6 +437,9 @@ private:
     beast::flat_buffer& buf_;
     H1RequestParser& p_;
     std::chrono::milliseconds timeout_;
+    size_t framing_limit_;
+    const std::atomic<bool>& draining_;
+    bool http10_;
     RelayBuffer rbuf_;
     BodyInfo body_;
     bool keep_alive_ = false;
@@ -470,7 +514,8 @@ public:
         if (!rbuf_) {
             rbuf_ = acquire_relay_buffer();
         }
-        co_return co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get(), timeout_);
+        co_return co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get(), timeout_,
+                                        max_header_bytes_);
     }
     Headers response_trailers() override { return std::move(rp_->trailers()); }
     void finish() override {
@@ -511,7 +556,8 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
                                H1RequestParser& parser, Scope& scope, bool absolute_form) {
     const auto started = Clock::now();
     const auto& limits = scope.runtime->config->limits;
-    H1Downstream<ClientStream> down(client, cbuf, parser, limits.idle_timeout);
+    H1Downstream<ClientStream> down(client, cbuf, parser, limits.idle_timeout,
+                                    limits.max_header_bytes, scope.worker->shared.draining);
     auto head_or = to_request_head(parser, scope.tls, absolute_form);
     if (auto* r = std::get_if<Refusal>(&head_or)) {
         co_await write_refusal(client, r->status, r->reason, false);
@@ -537,9 +583,12 @@ std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> c
 }
 
 std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_header,
-                                                 std::chrono::milliseconds timeout) {
-    return std::make_unique<H1Upstream<TcpStream>>(nullptr, nullptr, std::move(d.stream), d.peer,
-                                                   false, std::move(host_header), timeout);
+                                                 const Limits& limits) {
+    auto up = std::make_unique<H1Upstream<TcpStream>>(nullptr, nullptr, std::move(d.stream),
+                                                      d.peer, false, std::move(host_header),
+                                                      limits.idle_timeout);
+    up->max_header_bytes_ = limits.max_header_bytes;
+    return up;
 }
 
 template <class Stream>

@@ -190,6 +190,9 @@ class H2Upstream:
             self._send(conn, st, 200, [("content-type", "text/plain"), ("x-seen", value)], body)
         elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():
             self._send(conn, st, int(parts[2]), [("content-length", "0")], b"")
+        elif len(parts) == 3 and parts[1] == "empty" and parts[2].isdigit():
+            # ended on the HEADERS frame without a content-length, as h2 servers may
+            self._send(conn, st, int(parts[2]), [("content-type", "text/plain")], b"")
         else:
             self._send(conn, st, 404, [("content-type", "text/plain")], b"not found\n")
 

@@ -10,6 +10,7 @@ import json
 import os
 import secrets as pysecrets
 import shlex
+import socket
 import ssl
 import stat
 import subprocess
@@ -607,6 +608,22 @@ def test_revocation_closes_open_connections_and_refuses_new_ones(cp, world, api_
     # no pins can be added to a revoked run
     r = api(cp, "POST", f"/v1/runs/{run.id}/pins", bearer_pin("other.test", "api_tok"))
     assert r.status == 409
+
+
+def test_connection_accepted_before_a_revoke_is_refused_at_its_first_head(cp, world):
+    # The connection is accepted while the run is live and its CONNECT arrives after the
+    # revoke: the identity is checked against the runtime of the head, not of the accept
+    # (and a revoke racing the connection's registration is seen either way).
+    run = create_run(cp, world, {"org": "acme"}, [], allow=["tunnel.test"])
+    s = socket.create_connection(("127.0.0.1", run.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    time.sleep(0.3)  # egressd has accepted it (and read its runtime) before the revoke
+    api_ok(cp, "DELETE", f"/v1/runs/{run.id}")
+    c.send(f"CONNECT tunnel.test:{world.U} HTTP/1.1\r\nHost: tunnel.test:{world.U}\r\n"
+           f"Proxy-Authorization: {run.auth}\r\n\r\n".encode())
+    r = helpers.read_response(c, connect=True)
+    c.close()
+    assert (r.status, r.egress_reason) == (403, "run_revoked")
 
 
 def test_added_pin_applies_to_running_run(cp, world, api_secret):

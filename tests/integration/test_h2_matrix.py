@@ -266,6 +266,22 @@ def test_h1h2_response_trailers_over_chunked(world, e2, h2up, marker):
     assert b"\r\n0\r\n" in body and b"grpc-status: 0\r\n" in body.lower()
 
 
+@pytest.mark.parametrize("status", [200, 201])
+def test_h1h2_empty_response_without_length_is_framed_for_the_h1_client(world, e2, h2up, marker,
+                                                                        status):
+    """An h2 response ended on HEADERS with no content-length reaches an HTTP/1.1 client with
+    Content-Length: 0, and the keep-alive connection serves the next request."""
+    conn = helpers.tunnel(e2.proxy_port, "api.test", h2up.port, world.auth(), run_ca(e2, "r1"))
+    try:
+        r = helpers.request(conn, "GET", f"/empty/{status}?{marker}", f"api.test:{h2up.port}")
+        assert r.status == status and r.header("Content-Length") == "0", r.raw_head()
+        assert r.body == b""
+        r = helpers.request(conn, "GET", f"/echo/{marker}", f"api.test:{h2up.port}")
+        assert r.status == 200
+    finally:
+        conn.close()
+
+
 def test_h2_streams_multiplexed_slow_reader_does_not_stall_others(world, e2, h2up, marker):
     """One stream's 8 MiB response is never acknowledged (its stream window stays closed, the
     connection window is large); other streams on the same connection still complete, and

@@ -2,7 +2,10 @@
 egressd enforces it with a clear refusal while other clients keep being served."""
 from __future__ import annotations
 
+import socket
 import time
+
+import pytest
 
 import helpers
 from clients import run_ca
@@ -114,3 +117,34 @@ def test_upstream_tls_sessions_zero_never_resumes(world, factory, marker):
     e = factory.start(mutate=_limits(max_upstream_idle_per_host=0, upstream_tls_sessions=0))
     seen = _three_requests_on_one_tunnel(world, e, marker)
     assert [s[0].resumed for s in seen] == [False, False, False]
+
+
+@pytest.mark.parametrize("framing", ["chunk_extension", "trailer"])
+def test_max_header_bytes_bounds_chunk_lines_and_trailers(world, factory, marker, framing):
+    # Beast limits neither a chunk-size line (with its extensions) nor the trailer section:
+    # without a bound a client could have egressd buffer an endless one until the idle timeout.
+    e = factory.start(mutate=_limits(max_header_bytes=4096))
+    P = world.plain.port
+    s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    c.send((f"POST http://plain.test:{P}/echo/{marker} HTTP/1.1\r\nHost: plain.test:{P}\r\n"
+            f"Proxy-Authorization: {world.auth()}\r\nTransfer-Encoding: chunked\r\n\r\n").encode())
+    c.send(b"5;x=" if framing == "chunk_extension" else b"5\r\nhello\r\n0\r\nX-T: ")
+    try:  # 512 KiB of a line that never ends: egressd stops reading after ~68 KiB
+        for _ in range(8):
+            c.send(b"a" * 65536)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    r = helpers.read_response(c)
+    c.close()
+    assert (r.status, r.egress_reason) == (400, "bad_framing")
+    assert e.wait_audit(lambda a: a.get("reason") == "bad_framing" and marker in a.get("path", ""))
+    # a chunk line and trailers under the limit are served
+    s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    c.send((f"POST http://plain.test:{P}/echo/{marker} HTTP/1.1\r\nHost: plain.test:{P}\r\n"
+            f"Proxy-Authorization: {world.auth()}\r\nTransfer-Encoding: chunked\r\n\r\n"
+            f"5;x={'a' * 1000}\r\nhello\r\n0\r\nX-T: {'b' * 1000}\r\n\r\n").encode())
+    r = helpers.read_response(c)
+    c.close()
+    assert r.status == 200

@@ -256,6 +256,19 @@ def test_bad_request_400(world, egressd):
     audited(egressd, "bad_request", 400)
 
 
+def test_data_before_connect_response_is_the_answer_to_the_connect(world, egressd):
+    # A ClientHello pipelined behind a CONNECT to an intercepted host cannot be handed to TLS:
+    # the refusal answers the CONNECT itself (after a 200 the client would only see a TLS error).
+    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    c.send(f"CONNECT api.test:{world.U} HTTP/1.1\r\nHost: api.test:{world.U}\r\n"
+           f"Proxy-Authorization: {world.auth()}\r\n\r\n".encode() + b"\x16\x03\x01\x00\x05hello")
+    r = helpers.read_response(c)
+    c.close()
+    assert_refusal(r, 400, "data_before_connect_response")
+    audited(egressd, "data_before_connect_response", 400)
+
+
 def test_oversized_header_refused(world, egressd, marker):
     r = in_tunnel(egressd, world, "api.test", world.U, path=f"/echo/{marker}",
                   headers=[("X-Big", "a" * 70000)])

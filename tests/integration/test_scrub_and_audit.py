@@ -130,6 +130,52 @@ def test_unrelated_bytes_are_not_scrubbed(world, egressd, marker):
     assert ["x-note", "Bearer not-the-secret"] in [[k.lower(), v] for k, v in r.json()["headers"]]
 
 
+def test_reason_phrase_echoing_the_credential_is_scrubbed(world, egressd, marker):
+    value, secret = injected_value(world, "api.test")
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/reflect-reason/{marker}", f"api.test:{world.U}")
+    finally:
+        c.close()
+    assert r.status == 401 and r.reason.startswith("Rejected ")
+    assert_scrubbed(value, r.reason, secret)
+
+
+def test_encoded_response_to_an_injected_request_is_refused(world, egressd, marker):
+    """The scrubber reads only identity-coded bodies: an upstream that encodes anyway (here
+    gzip, though the request egressd sent asked for identity) gets the response refused."""
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/reflect-gzip/{marker}", f"api.test:{world.U}",
+                            headers=[("Accept-Encoding", "gzip")])
+    finally:
+        c.close()
+    assert (r.status, r.egress_reason) == (502, "upstream_encoded_response")
+    assert world.secrets["api_token"].encode() not in r.body
+    [seen] = world.upstream.find(marker)
+    assert seen.header("Accept-Encoding") == ["identity"]
+    egressd.wait_audit(lambda a: marker in (a.get("path") or "")
+                       and a.get("reason") == "upstream_encoded_response" and a["status"] == 502)
+
+
+def test_request_trailers_cannot_carry_what_the_head_may_not(world, egressd, marker):
+    """Trailer fields the head's rules govern (the proxy's namespace, credentials, routing,
+    framing) never reach the upstream; others do."""
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        c.send((f"POST /upload/{marker} HTTP/1.1\r\nHost: api.test:{world.U}\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+                "X-Egress-Run: forged\r\nAuthorization: Bearer client-value\r\n"
+                "Host: evil.test\r\nCookie: a=b\r\nProxy-Authorization: Basic eA==\r\n"
+                "X-Checksum: 900150983cd24fb0\r\n\r\n").encode())
+        r = helpers.read_response(c)
+    finally:
+        c.close()
+    assert r.status == 200 and json.loads(r.body)["length"] == 3
+    [seen] = world.upstream.find(marker)
+    assert seen.trailers == [("x-checksum", "900150983cd24fb0")]
+
+
 # ---------------------------------------------------------------------------------------------
 # audit
 
@@ -208,6 +254,11 @@ def test_audit_one_json_line_per_request(world, factory, marker):
     assert noid["method"] == "CONNECT"
     t = e.wait_audit(lambda a: a.get("host") == "tunnel.test")
     assert len(t) == 1 and t[0]["method"] == "CONNECT" and t[0]["decision"] == "allow"
+
+    # the log lines leave the query out as the record does (it may carry tokens)
+    log = e.stderr_text()
+    assert f"/echo/{marker}/0 -> 200" in log
+    assert "token=abc" not in log
 
     # every line of the file is one JSON object
     with open(e.audit_path, "rb") as f:

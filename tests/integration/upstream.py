@@ -16,10 +16,13 @@
                      (?split=1: one byte per chunk; ?cl=1: a Content-Length body instead)
     /redirect?to=U   302 to U
     /status/N        an empty response with status N
+    /reflect-reason  401 whose reason phrase carries the request's Authorization value
+    /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
 * ``SilentListener``: accepts TCP connections and never sends a byte.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import http.server
 import json
@@ -134,6 +137,7 @@ class Seen:
     body_len: int = 0
     sni: str | None = None
     resumed: bool | None = None  # TLS: the connection resumed a session (None: cleartext)
+    trailers: list[tuple[str, str]] = field(default_factory=list)  # a chunked body's trailers
 
     def header(self, name: str) -> list[str]:
         return [v for k, v in self.headers if k.lower() == name.lower()]
@@ -165,6 +169,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         t = self.rfile.readline(65536)
                         if t in (b"\r\n", b"\n", b""):
                             break
+                        k, _, v = t.decode("latin-1").partition(":")
+                        self.trailers.append((k.strip(), v.strip()))
                     return
                 left = size
                 while left:
@@ -210,9 +216,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         q = dict(urllib.parse.parse_qsl(url.query))
         parts = url.path.split("/")
         base = "/" + parts[1] if len(parts) > 1 else "/"  # "/echo/<marker>" routes like "/echo"
+        self.trailers = []
         seen = Seen(self.command, self.path, [(k, v) for k, v in self.headers.items()],
                     sni=getattr(self.connection, "egress_sni", None),
-                    resumed=getattr(self.connection, "session_reused", None))
+                    resumed=getattr(self.connection, "session_reused", None),
+                    trailers=self.trailers)
         if base == "/upload":
             self.server.record(seen)
             n, digest = self._consume_body()
@@ -254,6 +262,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     time.sleep(min(int(q["pace"]), 1000) / 1000)
             if parts[1] == "chunked":
                 self.wfile.write(b"0\r\n\r\n")
+        elif base == "/reflect-reason":
+            value = self.headers.get("Authorization") or ""
+            self.send_response(401, "Rejected " + value)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"no")
+        elif base == "/reflect-gzip":
+            value = self.headers.get("Authorization") or ""
+            body = gzip.compress(b"seen=" + value.encode("latin-1") + b";end\n")
+            self._send(200, body, "text/plain", extra=[("Content-Encoding", "gzip")])
         elif base == "/reflect":
             value = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
             pad = b"a" * int(q.get("pad", "0"))  # filler before the echoed value
