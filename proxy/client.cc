@@ -241,7 +241,7 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     TlsStream tls(std::move(client), *w.shared.server_ctx);
     if (auto ok = tls::use_leaf(tls.native_handle(), **leaf); !ok) {
         spdlog::error("conn={} use_leaf: {}", scope.conn_id, ok.error());
-        audit_refusal(scope, scope.method, "", 0, "leaf_mint_failed", started);
+        audit_refusal(scope, scope.method, "", 0, "leaf_install_failed", started);
         co_return;
     }
     const auto& limits = scope.runtime->config->limits;
