@@ -95,9 +95,10 @@ void BM_DecideDestinationMiss(benchmark::State& state) {
 void BM_MatchPinLastPin(benchmark::State& state) {
     const bool wildcard = state.range(1) != 0;
     const RunPolicy run = make_run(state.range(0), wildcard);
+    const GlobalPolicy global;
     const HostPort dest = last_host(state.range(0), wildcard);
     for (auto _ : state) {
-        const Pin* pin = match_pin(run, dest, "GET", "/v1/items/42?x=1", kNow);
+        const Pin* pin = match_pin(global, run, dest, "GET", "/v1/items/42?x=1", kNow);
         if (pin != &run.pins.back()) state.SkipWithError("expected the last pin");
         benchmark::DoNotOptimize(pin);
     }
@@ -106,8 +107,9 @@ void BM_MatchPinLastPin(benchmark::State& state) {
 
 void BM_MatchPinMiss(benchmark::State& state) {
     const RunPolicy run = make_run(state.range(0), state.range(1) != 0);
+    const GlobalPolicy global;
     for (auto _ : state) {
-        const Pin* pin = match_pin(run, kMiss, "GET", "/v1/items/42", kNow);
+        const Pin* pin = match_pin(global, run, kMiss, "GET", "/v1/items/42", kNow);
         if (pin != nullptr) state.SkipWithError("expected no pin");
         benchmark::DoNotOptimize(pin);
     }

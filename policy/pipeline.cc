@@ -59,12 +59,14 @@ std::optional<Decision> check_host_agreement(RequestHead& head, const RequestCon
 
 // Step 2: hop-by-hop and proxy headers go; the proxy's namespace and broken fields are refused.
 std::optional<Decision> check_hygiene(RequestHead& head, const RequestContext& ctx) {
-    strip_hop_by_hop(head, ctx.upstream_h2);
+    // Before stripping: a forged header named in Connection would otherwise be dropped
+    // silently instead of refused and counted.
     for (const Header& h : head.headers) {
         if (is_egress_namespace(h.name)) {
             return refuse(403, "forged_egress_header");
         }
     }
+    strip_hop_by_hop(head, ctx.upstream_h2);
     for (const Header& h : head.headers) {
         if (!valid_header_name(h.name) || !valid_header_value(h.value)) {
             return refuse(400, "bad_header");
@@ -126,9 +128,9 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
     }
 
     Decision d;
-    const Pin* pin = match_pin(run, ctx.target, head.method, head.path, ctx.now);
+    const Pin* pin = match_pin(global, run, ctx.target, head.method, head.path, ctx.now);
     if (!ctx.tls) {
-        if (pin != nullptr || host_pinned(run, ctx.target, ctx.now)) {
+        if (pin != nullptr || host_pinned(global, run, ctx.target, ctx.now)) {
             d.reason = "cleartext_no_credential";
         } else {
             d.reason = "allowed";
@@ -142,7 +144,7 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
         inject(head, *pin, d);
         return d;
     }
-    if (host_pinned(run, ctx.target, ctx.now)) {
+    if (host_pinned(global, run, ctx.target, ctx.now)) {
         if (!host_allowed(global, run, ctx.target)) {
             return refuse(403, "no_matching_pin");
         }

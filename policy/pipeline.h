@@ -42,14 +42,15 @@ struct Decision {
 ///     "missing_host", unparsable → 400 "bad_host") must equal ctx.target (host and port,
 ///     default port from the scheme), and ctx.sni, when set, must equal ctx.target.host;
 ///     else 421 "host_mismatch" / "sni_mismatch".
-///  2. hygiene: strip hop-by-hop and proxy-* headers; any x-egress-* header from the
-///     sandbox → 403 "forged_egress_header"; a name or value with CR/LF/NUL → 400
-///     "bad_header".
-///  3. pin match (only when ctx.tls): the matching pin's credential replaces every value the
-///     client sent for that header, and accept-encoding is set to "identity" so the scrubber
-///     can see the body. No pin matches but the host has pins → forwarded without a credential
-///     if the host is also allowed, else 403 "no_matching_pin". Over cleartext nothing is
-///     injected (reason "cleartext_no_credential" is recorded while forwarding).
+///  2. hygiene: any x-egress-* header from the sandbox → 403 "forged_egress_header" (checked
+///     before stripping, so naming it in Connection does not hide it); strip hop-by-hop and
+///     proxy-* headers; a name or value with CR/LF/NUL → 400 "bad_header".
+///  3. pin match (only when ctx.tls; ports under decide_destination's rule): the matching
+///     pin's credential replaces every value the client sent for that header, and
+///     accept-encoding is set to "identity" so the scrubber can see the body. No pin matches
+///     but the host has pins → forwarded without a credential if the host is also allowed,
+///     else 403 "no_matching_pin". Over cleartext nothing is injected (reason
+///     "cleartext_no_credential" is recorded while forwarding).
 ///  4. expiry: an expired or revoked run → 403 "run_expired" / "run_revoked".
 class RequestPipeline {
 public:

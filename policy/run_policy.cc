@@ -322,6 +322,20 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
 }
 
 
+const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
+                     std::string_view method, std::string_view path, TimePoint now) {
+    if (!run_live(run, now)) {
+        return nullptr;
+    }
+    const std::string_view path_only = path.substr(0, path.find('?'));
+    // The port rule of decide_destination: a pin without a port must not take over a port
+    // that another pin names (or that only an allow pattern admits) and inject there.
+    return find_pin(run, dest.host, [&](const Pin& pin) {
+        return pin_live(pin, now) && pattern_allows(pin.host, dest, global) &&
+               method_matches(pin, method) && path_matches(pin, path_only);
+    });
+}
+
 const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
                      std::string_view path, TimePoint now) {
     if (!run_live(run, now)) {
@@ -334,12 +348,13 @@ const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_vie
     });
 }
 
-bool host_pinned(const RunPolicy& run, const HostPort& dest, TimePoint now) {
+bool host_pinned(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
+                 TimePoint now) {
     if (!run_live(run, now)) {
         return false;
     }
     return find_pin(run, dest.host, [&](const Pin& pin) {
-               return pin_live(pin, now) && pin.host.matches(dest);
+               return pin_live(pin, now) && pattern_allows(pin.host, dest, global);
            }) != nullptr;
 }
 

@@ -159,14 +159,22 @@ DestinationDecision decide_destination(const GlobalPolicy& global, const RunPoli
 /// True if any allow pattern (run or global) matches dest under the port rule above.
 bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest);
 
-/// The first live pin matching host, port, method (exact, case-sensitive, uppercase) and path
-/// prefix. `path` is the origin-form path (query ignored). Paths containing dot segments
-/// ("/./", "/../", trailing "/.." ), encoded dots or slashes ("%2e", "%2f", case-insensitive)
-/// or backslashes never match a pin that has path prefixes, so a prefix cannot be escaped.
+/// The first live pin matching host, port (under decide_destination's port rule), method
+/// (exact, case-sensitive, uppercase) and path prefix. `path` is the origin-form path (query
+/// ignored). Paths containing dot segments ("/./", "/../", trailing "/.." ), encoded dots or
+/// slashes ("%2e", "%2f", case-insensitive) or backslashes never match a pin that has path
+/// prefixes, so a prefix cannot be escaped.
+const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
+                     std::string_view method, std::string_view path, TimePoint now);
+
+/// WARNING: transitional, for the admin API's explain until it passes the global policy: a pin
+/// without a port matches here on any port, so it can name a pin the proxy would not use.
+/// Use the overload above.
 const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
                      std::string_view path, TimePoint now);
 
-/// True if a live pin matches host and port (ignoring path and method).
-bool host_pinned(const RunPolicy& run, const HostPort& dest, TimePoint now);
+/// True if a live pin matches host and port (port rule above; path and method ignored).
+bool host_pinned(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
+                 TimePoint now);
 
 }  // namespace egress::policy

@@ -87,8 +87,10 @@ void check_pin_index(const policy::HostPattern& p, const policy::HostPort& hp) {
     linear.pin_index.reset();
     policy::index_pins(run);
     for (std::string_view method : {"GET", "POST"}) {
-        const policy::Pin* a = policy::match_pin(run, hp, method, "/repos/acme/x", f.now);
-        const policy::Pin* b = policy::match_pin(linear, hp, method, "/repos/acme/x", f.now);
+        const policy::Pin* a =
+            policy::match_pin(f.global, run, hp, method, "/repos/acme/x", f.now);
+        const policy::Pin* b =
+            policy::match_pin(f.global, linear, hp, method, "/repos/acme/x", f.now);
         FUZZ_CHECK((a == nullptr) == (b == nullptr) && (!a || a->id == b->id),
                    "pin index disagrees with the linear scan for " + hp.authority());
     }
@@ -96,7 +98,8 @@ void check_pin_index(const policy::HostPattern& p, const policy::HostPort& hp) {
     auto db = policy::decide_destination(f.global, linear, hp, f.now);
     FUZZ_CHECK(da.carry == db.carry && da.reason == db.reason && da.pinned == db.pinned,
                "decide_destination differs with the pin index for " + hp.authority());
-    FUZZ_CHECK(policy::host_pinned(run, hp, f.now) == policy::host_pinned(linear, hp, f.now),
+    FUZZ_CHECK(policy::host_pinned(f.global, run, hp, f.now) ==
+                   policy::host_pinned(f.global, linear, hp, f.now),
                "host_pinned differs with the pin index");
 }
 

@@ -244,7 +244,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 return 0;
             }
             FUZZ_CHECK(policy::host_allowed(f.global, f.run, *hp) ||
-                           policy::host_pinned(f.run, *hp, f.now),
+                           policy::host_pinned(f.global, f.run, *hp, f.now),
                        "CONNECT allowed to a host nobody named: " + hp->authority());
             if (dd.carry == policy::Carry::Intercept) {
                 serve_intercepted(in, *hp);

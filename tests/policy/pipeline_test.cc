@@ -263,6 +263,12 @@ INSTANTIATE_TEST_SUITE_P(
         RefusalCase{"forged_egress",
                     [](auto& h, auto&, auto&) { h.headers.push_back({"X-Egress-Run", "r"}); },
                     403, "forged_egress_header"},
+        RefusalCase{"forged_egress_named_in_connection",  // stripping must not hide it
+                    [](auto& h, auto&, auto&) {
+                        h.headers.push_back({"connection", "X-Egress-Run"});
+                        h.headers.push_back({"X-Egress-Run", "r"});
+                    },
+                    403, "forged_egress_header"},
         RefusalCase{"bad_header_value",
                     [](auto& h, auto&, auto&) { h.headers.push_back({"x-a", "1\r\nx-b: 2"}); },
                     400, "bad_header"},

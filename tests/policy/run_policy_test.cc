@@ -210,7 +210,8 @@ TEST_P(MatchPinTest, Matches) {
     live.expires_at = kNow + std::chrono::seconds(1);
     run.pins.push_back(live);
 
-    const Pin* pin = match_pin(run, HostPort{c.host, c.port}, c.method, c.path, kNow);
+    const Pin* pin =
+        match_pin(GlobalPolicy{}, run, HostPort{c.host, c.port}, c.method, c.path, kNow);
     EXPECT_EQ(pin == nullptr ? "" : pin->id, c.want) << c.name;
 }
 
@@ -226,7 +227,8 @@ INSTANTIATE_TEST_SUITE_P(
         PinCase{"method_case", "api.github.com", 443, "get", "/repos/acme/x", ""},
         PinCase{"second_pin", "api.github.com", 443, "POST", "/user/keys", "later"},
         PinCase{"any_path", "uploads.github.com", 443, "PUT", "/whatever/../x", "any"},
-        PinCase{"any_port", "uploads.github.com", 8443, "GET", "/", "any"},
+        // A pin without a port covers allowed_ports only, as in decide_destination.
+        PinCase{"portless_outside_allowed_ports", "uploads.github.com", 8443, "GET", "/", ""},
         PinCase{"dotdot", "api.github.com", 443, "GET", "/repos/acme/../evil/x", ""},
         PinCase{"dot", "api.github.com", 443, "GET", "/repos/acme/./x", ""},
         PinCase{"trailing_dotdot", "api.github.com", 443, "GET", "/repos/acme/x/..", ""},
@@ -252,22 +254,59 @@ TEST(MatchPin, ExpiryAndRunState) {
     run.pins = {make_pin("p", "a.test")};
     run.pins[0].expires_at = kNow + minutes(5);
     const HostPort dest{"a.test", 443};
-    EXPECT_NE(match_pin(run, dest, "GET", "/", kNow), nullptr);
-    EXPECT_TRUE(host_pinned(run, dest, kNow));
-    EXPECT_EQ(match_pin(run, dest, "GET", "/", kNow + minutes(5)), nullptr);
-    EXPECT_FALSE(host_pinned(run, dest, kNow + minutes(5)));
+    const GlobalPolicy global;
+    EXPECT_NE(match_pin(global, run, dest, "GET", "/", kNow), nullptr);
+    EXPECT_TRUE(host_pinned(global, run, dest, kNow));
+    EXPECT_EQ(match_pin(global, run, dest, "GET", "/", kNow + minutes(5)), nullptr);
+    EXPECT_FALSE(host_pinned(global, run, dest, kNow + minutes(5)));
 
     run.revoked = true;
-    EXPECT_EQ(match_pin(run, dest, "GET", "/", kNow), nullptr);
-    EXPECT_FALSE(host_pinned(run, dest, kNow));
+    EXPECT_EQ(match_pin(global, run, dest, "GET", "/", kNow), nullptr);
+    EXPECT_FALSE(host_pinned(global, run, dest, kNow));
 }
 
 TEST(HostPinned, IgnoresPathAndMethod) {
     RunPolicy run;
     run.pins = {make_pin("p", "a.test:8443", {"/only/"}, {"GET"})};
-    EXPECT_TRUE(host_pinned(run, HostPort{"a.test", 8443}, kNow));
-    EXPECT_FALSE(host_pinned(run, HostPort{"a.test", 443}, kNow));
-    EXPECT_FALSE(host_pinned(run, HostPort{"b.test", 8443}, kNow));
+    const GlobalPolicy global;
+    EXPECT_TRUE(host_pinned(global, run, HostPort{"a.test", 8443}, kNow));
+    EXPECT_FALSE(host_pinned(global, run, HostPort{"a.test", 443}, kNow));
+    EXPECT_FALSE(host_pinned(global, run, HostPort{"b.test", 8443}, kNow));
+}
+
+// A pin without a port covers allowed_ports only, so on another port the pin that names that
+// port applies (not the first pin for the host), and on a port only an allow pattern admits
+// no pin applies at all: the same port rule as decide_destination.
+TEST(MatchPin, PortlessPinCoversAllowedPortsOnly) {
+    RunPolicy run;
+    run.expires_at = kNow + minutes(30);
+    run.pins = {make_pin("portless", "other.test"), make_pin("own_port", "other.test:9000")};
+    GlobalPolicy global;  // allowed_ports {443}
+    const HostPort p443{"other.test", 443};
+    const HostPort p9000{"other.test", 9000};
+    const HostPort p8443{"other.test", 8443};
+    for (bool indexed : {false, true}) {
+        if (indexed) {
+            index_pins(run);
+        }
+        const Pin* pin = match_pin(global, run, p443, "GET", "/", kNow);
+        EXPECT_EQ(pin ? pin->id : "-", "portless");
+        pin = match_pin(global, run, p9000, "GET", "/", kNow);
+        EXPECT_EQ(pin ? pin->id : "-", "own_port");
+        EXPECT_EQ(match_pin(global, run, p8443, "GET", "/", kNow), nullptr);
+        EXPECT_FALSE(host_pinned(global, run, p8443, kNow));
+        EXPECT_FALSE(decide_destination(global, run, p8443, kNow).pinned);
+    }
+    // Once 9000 is an allowed port both pins cover it, and the first in order applies.
+    global.allowed_ports = {443, 9000};
+    const Pin* pin = match_pin(global, run, p9000, "GET", "/", kNow);
+    EXPECT_EQ(pin ? pin->id : "-", "portless");
+
+    // Allowed but unpinned on 8443: no pin's credential may be injected there.
+    global.allow_hosts = {pattern("other.test:8443")};
+    EXPECT_EQ(decide_destination(global, run, p8443, kNow).carry, Carry::Tunnel);
+    EXPECT_EQ(match_pin(global, run, p8443, "GET", "/", kNow), nullptr);
+    EXPECT_FALSE(host_pinned(global, run, p8443, kNow));
 }
 
 }  // namespace
@@ -307,12 +346,13 @@ TEST(PinIndex, SameAnswersAsTheLinearScan) {
             HostPort hp{q, port};
             for (const char* m : {"GET", "POST"}) {
                 for (const char* path : {"/v1/x", "/v2/x"}) {
-                    const Pin* a = match_pin(run, hp, m, path, now);
-                    const Pin* b = match_pin(indexed, hp, m, path, now);
+                    const Pin* a = match_pin(global, run, hp, m, path, now);
+                    const Pin* b = match_pin(global, indexed, hp, m, path, now);
                     EXPECT_EQ(a ? a->id : "-", b ? b->id : "-") << q << ":" << port << m << path;
                 }
             }
-            EXPECT_EQ(host_pinned(run, hp, now), host_pinned(indexed, hp, now)) << q;
+            EXPECT_EQ(host_pinned(global, run, hp, now), host_pinned(global, indexed, hp, now))
+                << q;
             auto da = decide_destination(global, run, hp, now);
             auto db = decide_destination(global, indexed, hp, now);
             EXPECT_EQ(da.carry, db.carry) << q << ":" << port;
@@ -321,7 +361,7 @@ TEST(PinIndex, SameAnswersAsTheLinearScan) {
     }
     // A stale index (pins changed after indexing) is ignored, not trusted.
     indexed.pins.pop_back();
-    EXPECT_EQ(match_pin(indexed, HostPort{"10.0.0.1", 443}, "GET", "/", now), nullptr);
+    EXPECT_EQ(match_pin(global, indexed, HostPort{"10.0.0.1", 443}, "GET", "/", now), nullptr);
 }
 
 }  // namespace
