@@ -13,23 +13,16 @@ namespace {
 
 using AddrList = std::vector<policy::IpAddress>;
 
-/// One pending lookup; owns the awaiting coroutine's completion handler (type-erased).
-struct Pending {
-    virtual ~Pending() = default;
-    virtual void complete(int status, AddrList addrs) = 0;
-};
-
-template <class Handler>
-struct PendingImpl final : Pending {
-    explicit PendingImpl(Handler h) : handler(std::move(h)) {}
-    void complete(int status, AddrList addrs) override {
-        auto ex = net::get_associated_executor(handler);
-        // Post: never resume the coroutine from inside a c-ares callback.
-        net::post(ex, [h = std::move(handler), status, a = std::move(addrs)]() mutable {
-            std::move(h)(status, std::move(a));
-        });
-    }
-    Handler handler;
+/// One lookup, shared by the coroutine awaiting it and c-ares (which holds a reference until
+/// its callback runs). The coroutine may stop waiting at the deadline while c-ares is still
+/// retrying; the late callback then writes into this object, which nobody reads any more.
+/// (ares_cancel is no way out: it fails every query on the worker's shared channel.)
+struct Lookup {
+    explicit Lookup(net::io_context& ioc) : done(ioc) {}
+    net::steady_timer done;  // expires at the deadline; cancelled when the answer arrives
+    bool answered = false;
+    int status = ARES_ETIMEOUT;
+    AddrList addrs;
 };
 
 }  // namespace
@@ -48,11 +41,12 @@ struct Resolver::Impl {
     net::steady_timer timer;
     uint64_t next_gen = 1;
     std::map<std::string, AddrList> overrides;
+    std::chrono::milliseconds timeout;  // the whole lookup's budget (limits.dns_timeout)
     bool init_ok = false;
     std::string init_error;
 
-    Impl(net::io_context& io, std::map<std::string, AddrList> ov)
-        : ioc(io), timer(io), overrides(std::move(ov)) {}
+    Impl(net::io_context& io, std::map<std::string, AddrList> ov, std::chrono::milliseconds t)
+        : ioc(io), timer(io), overrides(std::move(ov)), timeout(t) {}
 
     ~Impl() {
         if (channel != nullptr) {
@@ -141,7 +135,8 @@ struct Resolver::Impl {
     }
 
     static void on_addrinfo(void* arg, int status, int /*timeouts*/, ares_addrinfo* res) {
-        std::unique_ptr<Pending> pending(static_cast<Pending*>(arg));
+        using Ref = std::shared_ptr<Lookup>;
+        std::unique_ptr<Ref> lookup(static_cast<Ref*>(arg));
         AddrList out;
         if (status == ARES_SUCCESS && res != nullptr) {
             for (auto* n = res->nodes; n != nullptr; n = n->ai_next) {
@@ -165,13 +160,18 @@ struct Resolver::Impl {
         if (res != nullptr) {
             ares_freeaddrinfo(res);
         }
-        pending->complete(status, std::move(out));
+        Lookup& l = **lookup;
+        l.answered = true;
+        l.status = status;
+        l.addrs = std::move(out);
+        // Cancelling posts the waiter's resumption: never resumed inside a c-ares callback.
+        l.done.cancel();
     }
 };
 
 Resolver::Resolver(net::io_context& ioc, std::vector<std::string> servers,
                    std::map<std::string, AddrList> overrides, std::chrono::milliseconds timeout)
-    : impl_(std::make_unique<Impl>(ioc, std::move(overrides))) {
+    : impl_(std::make_unique<Impl>(ioc, std::move(overrides), timeout)) {
     static const int lib_init = ares_library_init(ARES_LIB_INIT_ALL);
     (void)lib_init;
     ares_options opts{};
@@ -212,23 +212,27 @@ net::awaitable<Result<AddrList>> Resolver::resolve(std::string host) {
     if (!impl_->init_ok) {
         co_return make_error("dns_failure: resolver unavailable: " + impl_->init_error);
     }
-    Impl* impl = impl_.get();
-    auto [status, addrs] = co_await net::async_initiate<decltype(net::use_awaitable),
-                                                        void(int, AddrList)>(
-        [impl, &host](auto handler) {
-            using H = decltype(handler);
-            auto* pending = new PendingImpl<H>(std::move(handler));
-            ares_addrinfo_hints hints{};
-            hints.ai_family = AF_UNSPEC;
-            hints.ai_socktype = SOCK_STREAM;
-            ares_getaddrinfo(impl->channel, host.c_str(), nullptr, &hints, &Impl::on_addrinfo,
-                             pending);
-            impl->rearm_timer();
-        },
-        net::use_awaitable);
-    if (status != ARES_SUCCESS) {
-        co_return make_error(std::string("dns_failure: ") + ares_strerror(status));
+    // c-ares' own timeout and tries bound one query per server, not the lookup: with several
+    // servers and retries it runs for several times dns_timeout. The deadline is ours.
+    auto lookup = std::make_shared<Lookup>(impl_->ioc);
+    lookup->done.expires_after(impl_->timeout);
+    ares_addrinfo_hints hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    ares_getaddrinfo(impl_->channel, host.c_str(), nullptr, &hints, &Impl::on_addrinfo,
+                     new std::shared_ptr<Lookup>(lookup));
+    impl_->rearm_timer();
+    if (!lookup->answered) {  // c-ares may answer at once (hosts file, a bad name)
+        co_await lookup->done.async_wait(use_nothrow);
     }
+    if (!lookup->answered) {
+        co_return make_error("dns_failure: no answer within " +
+                             std::to_string(impl_->timeout.count()) + "ms");
+    }
+    if (lookup->status != ARES_SUCCESS) {
+        co_return make_error(std::string("dns_failure: ") + ares_strerror(lookup->status));
+    }
+    AddrList& addrs = lookup->addrs;
     if (addrs.empty()) {
         co_return make_error("dns_failure: no addresses");
     }

@@ -19,6 +19,7 @@ class Resolver {
 public:
     /// `servers`: "ip[:port]" list overriding /etc/resolv.conf (test-only DNS servers).
     /// `overrides`: normalized host → addresses, consulted before DNS (like curl --resolve).
+    /// `timeout`: the budget of one whole lookup (limits.dns_timeout), whatever c-ares' retries.
     Resolver(boost::asio::io_context& ioc, std::vector<std::string> servers,
              std::map<std::string, std::vector<policy::IpAddress>> overrides,
              std::chrono::milliseconds timeout);
@@ -26,8 +27,9 @@ public:
     Resolver(const Resolver&) = delete;
     Resolver& operator=(const Resolver&) = delete;
 
-    /// Every address of `host` (A and AAAA), or an error ("dns_failure: ..."). IP literals
-    /// resolve to themselves without a query. Must be awaited on this resolver's io_context.
+    /// Every address of `host` (A and AAAA), or an error ("dns_failure: ...", also when no
+    /// answer came within the timeout). IP literals resolve to themselves without a query.
+    /// Must be awaited on this resolver's io_context.
     boost::asio::awaitable<Result<std::vector<policy::IpAddress>>> resolve(std::string host);
 
 private:

@@ -1,6 +1,13 @@
 """Policy review fixes, end to end: a pin without a port covers `allowed_ports` only (as the
-destination decision does), and an X-Egress-* header named in Connection is still refused."""
+destination decision does), an X-Egress-* header named in Connection is still refused, and
+`limits.dns_timeout` bounds a whole lookup however many servers and retries c-ares makes."""
 from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import dnslib
 
 import helpers
 from clients import run_ca
@@ -95,3 +102,110 @@ def test_forged_egress_header_named_in_connection_is_refused(world, egressd, mar
     assert world.upstream.find(marker) == []
     egressd.wait_audit(lambda a: a.get("reason") == "forged_egress_header"
                        and marker in (a.get("path") or ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# limits.dns_timeout is the budget of the whole lookup
+
+
+def _dns_limits(cfg, servers, name, timeout):
+    cfg["resolver"]["servers"] = servers
+    cfg["policy"]["allow_hosts"].append(name)
+    cfg["limits"]["dns_timeout"] = timeout
+    cfg["limits"]["worker_threads"] = 1  # the late answer below reaches the worker that asked
+
+
+def test_dns_timeout_bounds_a_lookup_over_several_silent_servers(world, factory):
+    # Bound UDP sockets nobody reads: DNS servers that never answer. c-ares alone tries each
+    # one twice (timeout doubled the second round): 4.5 x dns_timeout for three servers.
+    silent = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    try:
+        for s in silent:
+            s.bind(("127.0.0.1", 0))
+        servers = [f"127.0.0.1:{s.getsockname()[1]}" for s in silent]
+        e = factory.start(lambda c: _dns_limits(c, servers, "nx.budget.test", "2s"))
+        t0 = time.monotonic()
+        c, r = helpers.proxy_connect(e.proxy_port, f"nx.budget.test:{world.U}", world.auth(),
+                                     timeout=30)
+        elapsed = time.monotonic() - t0
+        c.close()
+        assert (r.status, r.egress_reason) == (502, "dns_failure")
+        # Loose bound: the 2 s budget plus a wide margin for a loaded machine (was 9 s).
+        assert 1.0 <= elapsed < 5.0, f"refused after {elapsed:.2f}s with dns_timeout 2s"
+        # The proxy keeps serving.
+        c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+        c.close()
+        assert r.status == 200
+    finally:
+        for s in silent:
+            s.close()
+
+
+class LateDns:
+    """A DNS server on 127.0.0.1 that answers every query `delay` seconds late:
+    A -> 127.0.0.1, anything else an empty answer."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answered = threading.Event()
+        self._stop = threading.Event()
+        self._timers: list[threading.Timer] = []
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.is_set() and len(self._timers) < 64:
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            q = dnslib.DNSRecord.parse(data)
+            reply = q.reply()
+            if q.q.qtype == dnslib.QTYPE.A:
+                reply.add_answer(dnslib.RR(q.q.qname, dnslib.QTYPE.A,
+                                           rdata=dnslib.A("127.0.0.1"), ttl=0))
+            timer = threading.Timer(self.delay, self._send, (reply.pack(), peer))
+            timer.daemon = True
+            self._timers.append(timer)
+            timer.start()
+
+    def _send(self, packet: bytes, peer):
+        try:
+            self.sock.sendto(packet, peer)
+        except OSError:
+            return
+        self.answered.set()
+
+    def close(self):
+        self._stop.set()
+        for t in self._timers:
+            t.cancel()
+        self._thread.join(timeout=2)
+        self.sock.close()
+
+
+def test_dns_answer_after_the_deadline_is_ignored(world, factory):
+    # dns_timeout 2s: c-ares waits 1 s, retries and waits 2 s more, so an answer at 2.6 s still
+    # completes its lookup, after egressd stopped waiting for it. That late completion must be
+    # dropped harmlessly: refused in time, and the worker keeps serving.
+    dns = LateDns(delay=2.6)
+    try:
+        e = factory.start(lambda c: _dns_limits(c, [dns.address], "late.budget.test", "2s"))
+        c, r = helpers.proxy_connect(e.proxy_port, f"late.budget.test:{world.U}", world.auth(),
+                                     timeout=30)
+        c.close()
+        assert (r.status, r.egress_reason) == (502, "dns_failure")
+        assert dns.answered.wait(timeout=10), "the late DNS server never answered"
+        for _ in range(3):  # the worker that got the late answer still serves
+            c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+            c.close()
+            assert r.status == 200
+        assert e.alive()
+    finally:
+        dns.close()

@@ -1,0 +1,95 @@
+// The resolver's deadline: limits.dns_timeout bounds a whole lookup, and what c-ares reports
+// after it is dropped without touching the coroutine that stopped waiting.
+#include "proxy/resolver.h"
+
+#include <gtest/gtest.h>
+
+#include <boost/asio.hpp>
+#include <chrono>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace egress::proxy {
+namespace {
+
+namespace net = boost::asio;
+using namespace std::chrono_literals;
+using Answer = Result<std::vector<policy::IpAddress>>;
+
+/// Runs resolve(host) on ioc until it returns (at most `limit` of loop time).
+std::optional<Answer> resolve_on(net::io_context& ioc, Resolver& r, std::string host,
+                                 std::chrono::seconds limit = 10s) {
+    std::optional<Answer> out;
+    net::co_spawn(
+        ioc, [&]() -> net::awaitable<void> { out = co_await r.resolve(host); }, net::detached);
+    const auto end = std::chrono::steady_clock::now() + limit;
+    while (!out && std::chrono::steady_clock::now() < end) {
+        if (ioc.stopped()) {
+            ioc.restart();
+        }
+        ioc.run_one_for(100ms);
+    }
+    return out;
+}
+
+TEST(Resolver, DeadlineEndsTheLookupNotCAres) {
+    net::io_context ioc;
+    // Three servers that never answer (bound, never read): c-ares alone would try each twice,
+    // for 4.5 x the timeout; the lookup must end at the resolver's own deadline instead.
+    std::vector<net::ip::udp::socket> silent;
+    std::vector<std::string> servers;
+    for (int i = 0; i < 3; ++i) {
+        silent.emplace_back(ioc, net::ip::udp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+        servers.push_back("127.0.0.1:" + std::to_string(silent.back().local_endpoint().port()));
+    }
+    Resolver r(ioc, servers, {}, 300ms);
+    std::optional<Answer> out = resolve_on(ioc, r, "nx.resolver-test.invalid");
+    ASSERT_TRUE(out.has_value());
+    ASSERT_FALSE(out->ok());
+    // Our deadline's message, not c-ares' own "Timeout while contacting DNS servers".
+    EXPECT_EQ(out->error(), "dns_failure: no answer within 300ms");
+
+    // c-ares keeps retrying, then completes the abandoned lookup; the loop then runs out of
+    // work (every socket and timer released), with nothing resumed twice.
+    ioc.restart();
+    ioc.run_for(10s);
+    EXPECT_TRUE(ioc.stopped());
+
+    // The channel is still usable afterwards.
+    out = resolve_on(ioc, r, "nx2.resolver-test.invalid");
+    ASSERT_TRUE(out.has_value());
+    EXPECT_FALSE(out->ok());
+}
+
+TEST(Resolver, AnswerGivenAtOnceIsNotWaitedFor) {
+    net::io_context ioc;
+    net::ip::udp::socket silent(ioc,
+                                net::ip::udp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+    // c-ares answers "localhost" from the hosts file inside ares_getaddrinfo, before the
+    // resolver starts waiting: that answer must be taken, not the deadline's failure.
+    Resolver r(ioc, {"127.0.0.1:" + std::to_string(silent.local_endpoint().port())}, {}, 30s);
+    std::optional<Answer> out = resolve_on(ioc, r, "localhost");
+    ASSERT_TRUE(out.has_value());
+    ASSERT_TRUE(out->ok()) << out->error();
+    ASSERT_FALSE((*out)->empty());
+    const std::string first = (*out)->front().to_string();
+    EXPECT_TRUE(first == "127.0.0.1" || first == "::1") << first;
+}
+
+TEST(Resolver, LiteralsAndOverridesNeedNoQuery) {
+    net::io_context ioc;
+    std::map<std::string, std::vector<policy::IpAddress>> overrides{
+        {"api.test", {*policy::IpAddress::parse("10.1.2.3")}}};
+    Resolver r(ioc, {"127.0.0.1:9"}, overrides, 1s);
+    std::optional<Answer> out = resolve_on(ioc, r, "192.0.2.7");
+    ASSERT_TRUE(out && out->ok());
+    EXPECT_EQ((*out)->front().to_string(), "192.0.2.7");
+    out = resolve_on(ioc, r, "api.test");
+    ASSERT_TRUE(out && out->ok());
+    EXPECT_EQ((*out)->front().to_string(), "10.1.2.3");
+}
+
+}  // namespace
+}  // namespace egress::proxy
