@@ -256,8 +256,9 @@ struct H2Io {
 /// bodies): queues `data` for nghttp2's data callback and, with the last piece, the trailers
 /// (names lowercased; fields HTTP/2 forbids, te and content-length dropped), resumes a deferred
 /// stream, wakes the writer, then waits while more than `window` bytes are queued, so a slow
-/// reader holds only this stream's handler. False when the stream or connection is gone, or
-/// the body was already complete.
+/// reader holds only this stream's handler; after the last piece, until nothing is queued, so
+/// the handler (and the request, in flight for a SIGTERM drain) ends when nghttp2 has the
+/// whole body. False when the stream or connection is gone, or the body was already complete.
 template <class Stream>
 awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool last,
                              const std::vector<policy::Header>* trailers, size_t window,
@@ -285,7 +286,7 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
         nghttp2_session_resume_data(io.session, st.id);
     }
     io.wsig.notify();
-    while (st.out_bytes > window) {
+    while (st.out_bytes > (last ? 0 : window)) {
         if (st.closed || io.dead) {
             co_return false;
         }

@@ -318,7 +318,7 @@ public:
         if (c_->io.dead) {
             return;
         }
-        if (!st.closed && !st.out_last) {
+        if (!st.closed && (!st.out_last || !st.out.empty())) {
             // The core gave up (client or upstream failure): the response is incomplete.
             nghttp2_submit_rst_stream(c_->session.get(), NGHTTP2_FLAG_NONE, st.id,
                                       st.response_started ? NGHTTP2_INTERNAL_ERROR : NGHTTP2_CANCEL);
@@ -554,7 +554,7 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
             c->io.wsig.notify();
             break;
         }
-        if (c->calm && !c->goaway_sent) {
+        if (c->calm) {
             spdlog::info("conn={} h2: misbehaving client (resets/control flood): GOAWAY",
                          c->scope.conn_id);
             c->goaway_sent = true;
@@ -573,7 +573,11 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
         }
         c->ready.clear();
         c->io.wsig.notify();
-        if (c->goaway_sent || !nghttp2_session_want_read(c->session.get())) {
+        // Only a misbehaving client stops the reading. The drain's graceful GOAWAY (the
+        // watchdog's goaway_sent) does not: streams in flight still need the client's
+        // WINDOW_UPDATEs and request DATA. nghttp2 stops wanting to read once they are done,
+        // and the watchdog closes the idle connection.
+        if (c->calm || !nghttp2_session_want_read(c->session.get())) {
             break;
         }
     }

@@ -204,7 +204,8 @@ class RawH2:
         sid = self.next_sid
         self.next_sid += 2
         flags = ["END_HEADERS"] + (["END_STREAM"] if end_stream else [])
-        self.streams[sid] = {"status": None, "reset": None, "ended": False, "headers": []}
+        self.streams[sid] = {"status": None, "reset": None, "ended": False, "headers": [],
+                             "body": b""}
         self.c.send_raw(HeadersFrame(sid, data=self.enc.encode(hdrs), flags=flags).serialize())
         return sid
 
@@ -248,6 +249,8 @@ class RawH2:
                                 st["headers"].append((k, v))
                 if isinstance(f, (HeadersFrame, DataFrame)) and "END_STREAM" in f.flags and st:
                     st["ended"] = True
+                if isinstance(f, DataFrame) and st is not None:
+                    st["body"] += f.data
                 if isinstance(f, DataFrame) and f.flow_controlled_length:
                     self.c.send_raw(WindowUpdateFrame(0, window_increment=f.flow_controlled_length)
                                     .serialize())

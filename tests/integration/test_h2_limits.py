@@ -1,0 +1,80 @@
+"""HTTP/2 client leg under stress: a SIGTERM drain lets streams in flight finish while their
+client keeps sending frames; slow or non-reading clients neither stall the pooled upstream
+session nor pin unbounded memory; unfinished heads time out; an over-limit header block gets
+its 431; a client reset stops the stream's upstream work."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+
+from hyperframe.frame import HeadersFrame, RstStreamFrame
+
+from clients import proxy_env, run_ca
+from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
+from helpers import SANITIZER
+from upstream import payload_sha256
+
+MiB = 1 << 20
+
+
+def _poll(cond, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigterm_drain_finishes_h2_upload_and_download(world, factory, marker, tmp_path):
+    """Both clients send frames after the drain's GOAWAY: curl its upload DATA, the raw client
+    a connection WINDOW_UPDATE for every DATA frame it reads (its connection window is 64 KiB).
+    Both finish intact. (python-h2 itself refuses frames after a GOAWAY: hence raw frames.)"""
+    e = factory.start(mutate=lambda c: c["limits"].update({"drain_timeout": "30s"}))
+    upload = tmp_path / "up.bin"
+    data = os.urandom(3 * MiB)
+    upload.write_bytes(data)
+    curl = subprocess.Popen(
+        ["curl", "-sS", "-f", "--http2", "--max-time", "60", "--cacert", run_ca(e, "r1"),
+         "--limit-rate", "1M", "-T", str(upload),
+         f"https://api.test:{world.U}/upload/{marker}-up"],
+        env=proxy_env(e, "r1", world.tokens["r1"]), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    try:
+        n = 2 * MiB
+        c = H2Client(e, world, "api.test", world.U, timeout=30, settings={4: 16 * MiB})
+        raw = RawH2(c)
+        sid = raw.send_headers([(":method", "GET"), (":scheme", "https"),
+                                (":authority", f"api.test:{world.U}"),
+                                (":path", f"/bytes/{n}?pace=100&id={marker}-dl")])
+        # The download is mid-body at the upstream, the upload has reached it.
+        raw.pump(until=lambda: world.upstream.progress(f"{marker}-dl") >= 512 * 1024, timeout=20)
+        _poll(lambda: world.upstream.find(f"{marker}-up"), 20, "the upload upstream")
+        assert world.upstream.progress(f"{marker}-dl") < n
+        e.proc.send_signal(signal.SIGTERM)
+        st = raw.streams[sid]
+        raw.pump(until=lambda: st["ended"] or st["reset"] is not None, timeout=40)
+        assert st["status"] == 200 and st["reset"] is None and st["ended"], \
+            (st["status"], st["reset"], len(st["body"]), raw.closed, raw.goaway)
+        assert raw.goaway == 0  # the drain's GOAWAY came
+        assert len(st["body"]) == n
+        assert hashlib.sha256(st["body"]).hexdigest() == payload_sha256(n)
+        out, err = curl.communicate(timeout=60)
+        assert curl.returncode == 0, err.decode(errors="replace")
+        got = json.loads(out)
+        assert got == {"length": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        raw.pump(until=lambda: raw.closed, timeout=10)  # then egressd closes the connection
+        assert raw.closed
+        c.close()
+        assert e.proc.wait(timeout=30) == 0
+    finally:
+        if curl.poll() is None:
+            curl.kill()
+    recs = {r["path"]: r for r in e.audit_records()}
+    assert recs[f"/upload/{marker}-up"]["status"] == 200
+    assert recs[f"/upload/{marker}-up"]["bytes_in"] == len(data)
+    assert recs[f"/bytes/{n}"]["status"] == 200 and recs[f"/bytes/{n}"]["bytes_out"] == n
