@@ -158,9 +158,14 @@ int on_frame_recv(nghttp2_session*, const nghttp2_frame* frame, void* user_data)
 int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const uint8_t* data,
                   size_t len, void* user_data) {
     auto* im = static_cast<Impl*>(user_data);
+    // The connection window is given back on receipt, the stream's only once the bytes are
+    // forwarded: per-stream windows bound what is buffered, and a stream whose client does
+    // not read cannot starve the other streams of this pooled session (a few such streams
+    // used to hold the whole connection window).
+    nghttp2_session_consume_connection(session, len);
     auto* st = im->find(stream_id);
     if (st == nullptr || st->abandoned) {
-        nghttp2_session_consume(session, stream_id, len);  // nobody will forward it
+        nghttp2_session_consume_stream(session, stream_id, len);  // nobody will forward it
         return 0;
     }
     st->in.emplace_back(reinterpret_cast<const char*>(data), len);
@@ -376,7 +381,7 @@ void H2ClientStream::reset() {
     }
     st.in.clear();
     if (left > 0) {
-        nghttp2_session_consume(im.session.get(), st.id, left);
+        nghttp2_session_consume_stream(im.session.get(), st.id, left);  // connection: on receipt
     }
     im.io.wsig.notify();
 }
@@ -410,12 +415,13 @@ awaitable<H2ClientStream::Piece> H2ClientStream::read() {
     auto& st = *state_;
     auto& im = *session_->impl_;
     if (st.front_out) {
-        // The previous piece has been forwarded: give its bytes back to the server.
+        // The previous piece has been forwarded: give its bytes back to the server (the
+        // stream's window; the connection's was given back on receipt).
         st.front_out = false;
         size_t n = st.in.front().size();
         st.in.pop_front();
         if (!im.io.dead) {
-            nghttp2_session_consume(im.session.get(), st.id, n);
+            nghttp2_session_consume_stream(im.session.get(), st.id, n);
             im.io.wsig.notify();
         }
     }

@@ -8,9 +8,11 @@
 // from another thread. The session owns one reader and one writer coroutine (one writer per
 // connection); nghttp2 is never re-entered from its callbacks.
 //
-// Flow control: automatic window updates are off. Response DATA is acknowledged to the server
-// (nghttp2_session_consume) only when the caller asks for the next piece, i.e. after it has
-// forwarded the previous one; at most `stream_window` bytes are buffered per stream.
+// Flow control: automatic window updates are off. Response DATA is acknowledged to the
+// server on the stream (nghttp2_session_consume_stream) only when the caller asks for the next
+// piece, i.e. after it has forwarded the previous one, so at most `stream_window` bytes are
+// buffered per stream; on the connection it is acknowledged on receipt, so a stream whose
+// caller stops reading never holds back the session's other streams.
 #include <chrono>
 #include <cstdint>
 #include <memory>

@@ -78,3 +78,30 @@ def test_sigterm_drain_finishes_h2_upload_and_download(world, factory, marker, t
     assert recs[f"/upload/{marker}-up"]["status"] == 200
     assert recs[f"/upload/{marker}-up"]["bytes_in"] == len(data)
     assert recs[f"/bytes/{n}"]["status"] == 200 and recs[f"/bytes/{n}"]["bytes_out"] == n
+
+
+def test_non_reading_streams_do_not_stall_pooled_upstream_session(world, factory, h2up, marker):
+    """Client A opens five 8 MiB downloads and reads none of them (its windows are 0); client
+    B, another connection of the same run on the same (single) worker, so on the same pooled
+    upstream h2 session, still gets its 2 MiB. Each of A's streams holds a stream window of
+    upstream data; together they used to hold the whole upstream connection window."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"worker_threads": 1}))
+    upstream_conns = h2up.connections
+    a = H2Client(e, world, "api.test", h2up.port, timeout=30, settings={4: 0})
+    b = None
+    try:
+        a.pump(timeout=0.3)
+        for i in range(5):
+            a.headers(f"/bytes/{8 * MiB}?{marker}-slow-{i}")
+        a.flush()
+        _poll(lambda: len(h2up.find(f"{marker}-slow")) == 5, 10, "the slow streams upstream")
+        a.pump(timeout=1.0)  # their heads come back; the upstream fills their windows
+        b = H2Client(e, world, "api.test", h2up.port, timeout=30)
+        r = b.request(f"/bytes/{2 * MiB}?{marker}-b", timeout=20)
+        assert r["status"] == 200 and r["ended"], (r["status"], len(r["body"]), r["reset"])
+        assert len(r["body"]) == 2 * MiB
+        assert h2up.connections - upstream_conns == 1  # both clients on one pooled session
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
