@@ -78,7 +78,8 @@ ssize_t read_request_body(nghttp2_session* session, int32_t stream_id, uint8_t* 
                           size_t length, uint32_t* data_flags, nghttp2_data_source* source,
                           void* user_data) {
     return read_outbound(session, stream_id, buf, length, data_flags,
-                         static_cast<H2ClientStreamState*>(source->ptr));
+                         static_cast<H2ClientStreamState*>(source->ptr),
+                         static_cast<H2ClientSession::Impl*>(user_data)->io);
 }
 
 int on_begin_headers(nghttp2_session*, const nghttp2_frame* frame, void* user_data) {
@@ -183,6 +184,10 @@ int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, vo
     st.closed = true;
     st.error = error_code;
     st.signal.notify();
+    im->io.dequeued(st.out_bytes);  // never sent now
+    st.out.clear();
+    st.out_bytes = 0;
+    st.out_off = 0;
     im->streams.erase(it);  // the owner keeps its shared_ptr
     return 0;
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -97,13 +98,14 @@ bool within_header_budget(Stream* st, size_t namelen, size_t valuelen, size_t ma
 }
 
 /// The data-provider body shared by both sides: copies queued pieces of `st->out` into
-/// nghttp2's buffer, wakes the producer when room frees up, ends the stream (with trailers
-/// when there are any) after the last piece, and defers when nothing is queued yet (the
-/// producer calls nghttp2_session_resume_data). `Stream` has out, out_off, out_bytes,
-/// out_last, out_trailers, deferred and signal members.
-template <class Stream>
+/// nghttp2's buffer, wakes the producer when room frees up (and, through `io` (an H2Io), the
+/// producers waiting for the connection's budget), ends the stream (with trailers when there
+/// are any) after the last piece, and defers when nothing is queued yet (the producer calls
+/// nghttp2_session_resume_data). `Stream` has out, out_off, out_bytes, out_last, out_trailers,
+/// deferred and signal members.
+template <class Stream, class Io>
 ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf, size_t length,
-                      uint32_t* data_flags, Stream* st) {
+                      uint32_t* data_flags, Stream* st, Io& io) {
     size_t copied = 0;
     while (copied < length && !st->out.empty()) {
         auto& front = st->out.front();
@@ -118,6 +120,7 @@ ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
         }
     }
     if (copied > 0) {
+        io.dequeued(copied);
         st->signal.notify();  // room for the producer's next piece
     }
     if (st->out.empty() && st->out_last) {
@@ -182,6 +185,22 @@ struct H2Io {
     bool wipe_written = false;  // frames may carry a secret: zero each buffer once written
     std::chrono::steady_clock::time_point write_started{};
     std::chrono::steady_clock::time_point last_activity = std::chrono::steady_clock::now();
+    /// Body bytes queued for nghttp2 on all streams, and how many may be: past the budget a
+    /// producer waits before queuing (h2_send_body), so a peer that reads nothing pins at most
+    /// the budget per connection, not its streams times their windows.
+    size_t queued = 0;
+    size_t queue_budget = std::numeric_limits<size_t>::max();
+    std::vector<Signal*> room_waiters;  // producers waiting for queued < queue_budget
+
+    /// `n` queued bytes left (sent, or their stream closed): wakes the waiting producers.
+    void dequeued(size_t n) {
+        queued -= n;
+        if (queued < queue_budget) {
+            for (Signal* s : room_waiters) {
+                s->notify();
+            }
+        }
+    }
 
     void close_socket() {
         error_code ignored;
@@ -253,8 +272,9 @@ struct H2Io {
 };
 
 /// One stream's outgoing body, for both codecs (the server's responses, the client's request
-/// bodies): queues `data` for nghttp2's data callback and, with the last piece, the trailers
-/// (names lowercased; fields HTTP/2 forbids, te and content-length dropped), resumes a deferred
+/// bodies): waits while the connection's queue is over its budget (io.queue_budget), queues
+/// `data` for nghttp2's data callback and, with the last piece, the trailers (names
+/// lowercased; fields HTTP/2 forbids, te and content-length dropped), resumes a deferred
 /// stream, wakes the writer, then waits while more than `window` bytes are queued, so a slow
 /// reader holds only this stream's handler; after the last piece, until nothing is queued, so
 /// the handler (and the request, in flight for a SIGTERM drain) ends when nghttp2 has the
@@ -267,8 +287,28 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
         co_return false;
     }
     if (!data.empty()) {
+        // Over the connection's budget the piece waits in its producer's buffer: it is copied
+        // into the queue only once the peer has taken enough of the connection's others.
+        for (;;) {
+            if (st.closed || io.dead) {
+                co_return false;
+            }
+            if (io.queued < io.queue_budget) {
+                break;
+            }
+            io.room_waiters.push_back(&st.signal);
+            struct Leave {
+                std::vector<Signal*>& waiters;
+                Signal* s;
+                ~Leave() { std::erase(waiters, s); }
+            } leave{io.room_waiters, &st.signal};
+            if (!co_await st.signal.wait(timeout)) {
+                co_return false;
+            }
+        }
         st.out.emplace_back(data);
         st.out_bytes += data.size();
+        io.queued += data.size();
     }
     if (last) {
         st.out_last = true;

@@ -279,6 +279,11 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
     st->closed = true;
     st->error = error_code;
     st->signal.notify();
+    // What nghttp2 will not send any more leaves the connection's queue budget.
+    c->io.dequeued(st->out_bytes);
+    st->out.clear();
+    st->out_bytes = 0;
+    st->out_off = 0;
     if (!st->handled && !st->refusal.empty()) {
         // Reset before a handler took it: this is the request's one audit record.
         int status = st->refusal == "header_too_large" ? 431 : 400;
@@ -301,9 +306,9 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
 
 ssize_t read_response_body(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
                            size_t length, uint32_t* data_flags, nghttp2_data_source* source,
-                           void*) {
+                           void* user_data) {
     return read_outbound(session, stream_id, buf, length, data_flags,
-                         static_cast<ServerStream*>(source->ptr));
+                         static_cast<ServerStream*>(source->ptr), static_cast<Conn*>(user_data)->io);
 }
 
 // --- the stream as the core's Downstream ------------------------------------------------
@@ -678,6 +683,9 @@ bool start_session(Conn& c) {
 awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     auto c = std::make_shared<Conn>(client, scope);
     c->limits = scope.runtime->config->limits;
+    // Response bytes queued per connection, as the inbound direction's connection window:
+    // a client that reads none of its streams pins this much, not streams x h2_stream_window.
+    c->io.queue_budget = c->limits.h2_stream_window * 4;
     if (!start_session(*c)) {
         co_return;
     }

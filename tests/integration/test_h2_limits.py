@@ -105,3 +105,34 @@ def test_non_reading_streams_do_not_stall_pooled_upstream_session(world, factory
         a.close()
         if b is not None:
             b.close()
+
+
+def test_non_reading_client_pins_bounded_response_bytes(world, factory, marker):
+    """Two connections each open 100 downloads of 4 MiB with a stream window of 0 and read
+    nothing. The responses queued for them are bounded per connection (4 x h2_stream_window),
+    not 100 streams x h2_stream_window each (which took peak RSS up by ~60 MiB)."""
+    e = factory.start()
+    clients = []
+    try:
+        base = e.vm_hwm_kib()
+        for k in range(2):
+            c = H2Client(e, world, "api.test", world.U, timeout=30, settings={4: 0})
+            c.pump(timeout=0.3)
+            for i in range(100):
+                c.headers(f"/bytes/{4 * MiB}?id={marker}-{k}-{i}")
+            c.flush()
+            clients.append(c)
+        ids = [f"{marker}-{k}-{i}" for k in range(2) for i in range(100)]
+        _poll(lambda: all(world.upstream.progress(i) > 0 for i in ids), 30, "200 downloads upstream")
+        for c in clients:  # the heads come back (HEADERS are not flow-controlled)
+            c.pump(until=lambda c=c: sum(r["status"] == 200 for r in c.responses.values()) == 100,
+                   timeout=20)
+        time.sleep(1.0)  # every handler has read what it can of its upstream
+        grown = e.vm_hwm_kib() - base
+        print(f"peak RSS grew {grown} KiB")
+        assert e.alive()
+        if not SANITIZER:
+            assert grown < 32 * 1024, f"peak RSS grew {grown} KiB"
+    finally:
+        for c in clients:
+            c.close()
