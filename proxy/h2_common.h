@@ -252,6 +252,7 @@ struct H2Io {
                 write_started = std::chrono::steady_clock::now();
                 auto [ec, n] = co_await write_all(*stream, net::buffer(wbuf));
                 writing = false;
+                last_activity = std::chrono::steady_clock::now();  // the peer is reading
                 if (wipe_written) {
                     egress::secure_zero(wbuf.data(), wbuf.size());
                 }

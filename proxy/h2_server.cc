@@ -237,6 +237,21 @@ int on_frame_recv(nghttp2_session* session, const nghttp2_frame* frame, void* us
     return 0;
 }
 
+/// A complete response went out while the client has not finished its request (an early
+/// answer: a refusal, a body timeout): RST_STREAM(NO_ERROR) asks it to stop sending (RFC 9113
+/// 8.1) and closes the stream, which would otherwise stay half-open, and its connection busy,
+/// for as long as the client likes.
+int on_frame_send(nghttp2_session* session, const nghttp2_frame* frame, void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    if ((frame->hd.type == NGHTTP2_HEADERS || frame->hd.type == NGHTTP2_DATA) &&
+        (frame->hd.flags & NGHTTP2_FLAG_END_STREAM) != 0) {
+        if (auto* st = c->find(frame->hd.stream_id); st != nullptr && !st->req_end) {
+            nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, st->id, NGHTTP2_NO_ERROR);
+        }
+    }
+    return 0;
+}
+
 int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const uint8_t* data,
                   size_t len, void* user_data) {
     auto* c = static_cast<Conn*>(user_data);
@@ -618,11 +633,35 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
                                   NGHTTP2_NO_ERROR, nullptr, 0);
             c->io.wsig.notify();
         }
+        // A stream without a handler whose head began header_timeout ago has an unfinished
+        // header block (complete heads get their handler at once). HTTP/2 cannot abandon it:
+        // nothing else may come between its frames, so the connection goes (GOAWAY).
+        bool heads_pending = false;
+        for (const auto& [id, st] : c->streams) {
+            if (st->handled) {
+                continue;
+            }
+            heads_pending = true;
+            if (now - st->began > c->limits.header_timeout) {
+                spdlog::info("conn={} h2 stream {}: header block unfinished after {} ms: GOAWAY",
+                             c->scope.conn_id, id, c->limits.header_timeout.count());
+                audit_refusal(c->scope, st->head.method, st->head.path, 0, "header_timeout",
+                              st->began);  // status 0: no response, the connection is closed
+                nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
+                c->io.wsig.notify();
+                co_return;
+            }
+        }
         bool idle = c->streams.empty() && c->handlers == 0;
         if (idle) {
             c->pool.trim();  // an idle connection holds no spare blocks
         }
-        if (idle && (c->goaway_sent || now - c->io.last_activity > c->limits.idle_timeout)) {
+        // Without handlers and heads under way, what streams are left only wait for the client
+        // to take their responses: a client that neither sends nor reads for idle_timeout
+        // loses them.
+        bool quiet = c->handlers == 0 && !heads_pending;
+        if ((idle && c->goaway_sent) ||
+            (quiet && now - c->io.last_activity > c->limits.idle_timeout)) {
             nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
             c->io.wsig.notify();
             break;
@@ -645,6 +684,7 @@ bool start_session(Conn& c) {
     nghttp2_session_callbacks_set_on_frame_recv_callback(cbs.get(), on_frame_recv);
     nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
     nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
+    nghttp2_session_callbacks_set_on_frame_send_callback(cbs.get(), on_frame_send);
     nghttp2_session_callbacks_set_on_invalid_frame_recv_callback(cbs.get(), on_invalid_frame_recv);
     nghttp2_option* opt_raw = nullptr;
     nghttp2_option_new(&opt_raw);

@@ -136,3 +136,51 @@ def test_non_reading_client_pins_bounded_response_bytes(world, factory, marker):
     finally:
         for c in clients:
             c.close()
+
+
+def _raw_client(e, world, h2up, **kw):
+    c = H2Client(e, world, "api.test", h2up.port, timeout=30, **kw)
+    return c, RawH2(c)
+
+
+def test_unfinished_header_block_times_out(world, factory, h2up, marker):
+    """A HEADERS frame without END_HEADERS and then nothing: after header_timeout the
+    connection is closed (a header block cannot be abandoned) and audited header_timeout."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"header_timeout": "1s",
+                                                       "idle_timeout": "30s"}))
+    c, raw = _raw_client(e, world, h2up)
+    try:
+        block = raw.enc.encode([(":method", "GET"), (":scheme", "https"),
+                                (":authority", f"api.test:{h2up.port}"),
+                                (":path", f"/echo/{marker}")])
+        raw.streams[1] = {"status": None, "reset": None, "ended": False, "headers": []}
+        raw.send(HeadersFrame(1, data=block, flags=["END_STREAM"]).serialize())  # no END_HEADERS
+        t0 = time.monotonic()
+        raw.pump(until=lambda: raw.closed, timeout=15)
+        assert raw.closed and time.monotonic() - t0 < 10, (raw.closed, raw.goaway)
+    finally:
+        c.close()
+    assert h2up.find(marker) == []
+    _poll(lambda: any(r.get("reason") == "header_timeout" for r in e.audit_records()), 5,
+          "a header_timeout audit record")
+
+
+def test_half_open_stream_after_early_response_is_closed(world, factory, h2up, marker):
+    """A POST whose body never comes is answered 408 after idle_timeout; the stream is then
+    reset with NO_ERROR (not left half-open), and the connection closes once idle."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"header_timeout": "1s",
+                                                       "idle_timeout": "2s"}))
+    c, raw = _raw_client(e, world, h2up)
+    try:
+        sid = raw.send_headers([(":method", "POST"), (":scheme", "https"),
+                                (":authority", f"api.test:{h2up.port}"),
+                                (":path", f"/echo/{marker}")], end_stream=False)
+        raw.pump(until=lambda: raw.streams[sid]["reset"] is not None, timeout=10)
+        st = raw.streams[sid]
+        assert st["status"] == 408 and st["ended"], st
+        assert dict(st["headers"]).get("x-egress-reason") == "body_timeout"
+        assert st["reset"] == 0  # NO_ERROR: the response was complete
+        raw.pump(until=lambda: raw.closed, timeout=10)
+        assert raw.closed
+    finally:
+        c.close()
