@@ -135,10 +135,18 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     if (st == nullptr) {
         return 0;
     }
-    if (!within_header_budget(st, namelen, valuelen, c->limits.h2_max_header_fields,
-                              c->limits.h2_max_header_list_bytes)) {
+    const bool within = within_header_budget(st, namelen, valuelen, c->limits.h2_max_header_fields,
+                                             c->limits.h2_max_header_list_bytes);
+    if (!within && st->in_trailers) {
         st->refusal = "header_too_large";
-        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // RST_STREAM on this stream only
+        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // the head went out: RST this stream only
+    }
+    if (!within || st->refusal == "header_too_large") {
+        // A request head over the budget: the rest of the block is decoded (HPACK state must
+        // stay in sync; h2_max_continuations bounds it) but not kept, and serve_stream answers
+        // 431 with its reason, as the HTTP/1.1 leg does.
+        st->refusal = "header_too_large";
+        return 0;
     }
     auto n = sv(name, namelen);
     auto v = sv(value, valuelen);
@@ -519,6 +527,10 @@ awaitable<void> serve_stream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStre
         co_await down.refuse(status, reason, false);
         audit_refusal(scope, head.method, head.path, status, reason, started);
     };
+    if (st->refusal == "header_too_large") {
+        co_await refuse(431, "header_too_large");
+        co_return;
+    }
     if (head.method == "CONNECT") {
         co_await refuse(405, "connect_in_tunnel");
         co_return;

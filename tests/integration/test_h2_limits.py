@@ -184,3 +184,23 @@ def test_half_open_stream_after_early_response_is_closed(world, factory, h2up, m
         assert raw.closed
     finally:
         c.close()
+
+
+def test_over_limit_header_block_answers_431(world, factory, h2up, marker):
+    e = factory.start(add_h2_pins(world, h2up))
+    c = H2Client(e, world, "api.test", h2up.port)
+    try:
+        many = [(f"x-f{i}", "v") for i in range(150)]  # h2_max_header_fields: 100
+        r = c.request(f"/echo/{marker}-many", extra=many, timeout=5)
+        assert r["status"] == 431 and r["reset"] is None, r
+        assert dict(r["headers"]).get("x-egress-reason") == "header_too_large"
+        big = [("x-big", "a" * 8000)] * 10  # h2_max_header_list_bytes: 64 KiB
+        r = c.request(f"/echo/{marker}-big", extra=big, timeout=5)
+        assert r["status"] == 431, r
+        ok = c.request(f"/echo/{marker}-ok")  # the connection goes on
+        assert ok["status"] == 200, ok
+    finally:
+        c.close()
+    assert [x.path for x in h2up.find(marker)] == [f"/echo/{marker}-ok"]
+    recs = [r for r in e.audit_records() if r.get("reason") == "header_too_large"]
+    assert [r["status"] for r in recs] == [431, 431]
