@@ -309,7 +309,9 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
     st->out_off = 0;
     if (!st->handled && !st->refusal.empty()) {
         // Reset before a handler took it: this is the request's one audit record.
-        int status = st->refusal == "header_too_large" ? 431 : 400;
+        int status = st->refusal == "header_too_large"   ? 431
+                     : st->refusal == "too_many_streams" ? 429
+                                                         : 400;
         audit_refusal(c->scope, st->head.method, st->head.path, status, st->refusal, st->began);
     }
     if (!st->handled) {
@@ -597,6 +599,16 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
         for (int32_t id : c->ready) {
             auto it = c->streams.find(id);
             if (it == c->streams.end() || it->second->closed) {
+                continue;
+            }
+            if (c->handlers >= c->limits.h2_max_concurrent_streams) {
+                // nghttp2 frees a stream's slot when the client resets it, but its handler runs
+                // on until it notices (it may be waiting for the upstream): without this, a
+                // client resetting and reopening streams would keep any number of upstream
+                // requests in flight. REFUSED_STREAM: nothing was processed, it may retry.
+                it->second->refusal = "too_many_streams";
+                nghttp2_submit_rst_stream(c->session.get(), NGHTTP2_FLAG_NONE, id,
+                                          NGHTTP2_REFUSED_STREAM);
                 continue;
             }
             it->second->handled = true;

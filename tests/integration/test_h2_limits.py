@@ -204,3 +204,32 @@ def test_over_limit_header_block_answers_431(world, factory, h2up, marker):
     assert [x.path for x in h2up.find(marker)] == [f"/echo/{marker}-ok"]
     recs = [r for r in e.audit_records() if r.get("reason") == "header_too_large"]
     assert [r["status"] for r in recs] == [431, 431]
+
+
+def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, marker):
+    """Streams reset by the client while their handler waits for a slow upstream still count:
+    with h2_max_concurrent_streams 10, at most 10 of 20 such streams reach the upstream and the
+    others are refused (REFUSED_STREAM), though the client keeps few streams open."""
+    e = factory.start(mutate=lambda c: c["limits"].update({"h2_max_concurrent_streams": 10}))
+    c = H2Client(e, world, "api.test", world.U, timeout=30)
+    raw = RawH2(c)
+    A = f"api.test:{world.U}"
+    try:
+        sids = []
+        for i in range(20):  # ~2 s, shorter than one upstream answer (6 s)
+            sid = raw.send_headers([(":method", "GET"), (":scheme", "https"), (":authority", A),
+                                    (":path", f"/delay/6000?m={marker}-{i}")])
+            sids.append(sid)
+            raw.pump(until=lambda: raw.streams[sid]["reset"] is not None, timeout=0.1)
+            if raw.streams[sid]["reset"] is None:
+                raw.send(RstStreamFrame(sid, error_code=8).serialize())  # CANCEL
+        raw.pump(timeout=0.5)
+        reached = len(world.upstream.find(marker))
+        refused = sum(raw.streams[s]["reset"] == 7 for s in sids)
+        assert reached <= 10, reached  # 20 before: each reset freed a slot at once
+        assert refused >= 8, (reached, refused)
+        assert raw.goaway is None and not raw.closed
+    finally:
+        c.close()
+    _poll(lambda: sum(r.get("reason") == "too_many_streams" for r in e.audit_records()) ==
+          refused, 5, "an audit record per refused stream")
