@@ -250,7 +250,7 @@ class RawH2:
                 if isinstance(f, (HeadersFrame, DataFrame)) and "END_STREAM" in f.flags and st:
                     st["ended"] = True
                 if isinstance(f, DataFrame) and st is not None:
-                    st["body"] += f.data
+                    st["body"] = st.get("body", b"") + f.data  # callers may add streams
                 if isinstance(f, DataFrame) and f.flow_controlled_length:
                     self.c.send_raw(WindowUpdateFrame(0, window_increment=f.flow_controlled_length)
                                     .serialize())
