@@ -1109,7 +1109,7 @@ def cases_exhaustion() -> list[Case]:
         Case("h2-huge-header-block",
              h2case(lambda c: c.h2_base(f"/echo/{c.m}") +
                     [(f"x-big-{i}", "b" * 4000) for i in range(20)]),
-             None, "header_too_large", h2_reset=INTERNAL_ERROR),
+             431, "header_too_large"),  # answered on the stream, as on HTTP/1.1
         Case("connections-per-run-exhausted", hold_connections, 429, "too_many_connections",
              closed=True, retry_after=True),
         Case("mint-storm-refused-names", mint_storm_names, 403, "host_not_allowed",
