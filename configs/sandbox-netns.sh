@@ -4,7 +4,9 @@
 # transparent listener and everything else (other ports, UDP, the host's own services, the
 # transparent port dialled directly) is dropped. Names resolve only through the namespace's
 # hosts file (the --host names, pointing at the veth gateway); any other DNS query is refused
-# at once. Run as root.
+# at once. IPv6 is disabled on the veth pair and inside the namespace: the rules below are
+# iptables (IPv4) only, and with IPv6 on, both veth ends get fe80:: addresses through which
+# the sandbox could reach any host service bound to [::]. Run as root.
 #
 #   sandbox-netns.sh up NAME --proxy-port 3129 [--ports 80,443] [--subnet 10.250.0.0]
 #                            [--host api.github.com]...
@@ -56,6 +58,13 @@ up)
     ip netns add "$name"
     ip link add "$host_if" type veth peer name "$ns_if"
     ip link set "$ns_if" netns "$name"
+    if [ -d /proc/sys/net/ipv6 ]; then  # a kernel without IPv6 has nothing to disable
+        # No IPv6 on either veth end nor anywhere inside: no link-local route around the
+        # IPv4-only rules below. Both ends are still down, so no address was assigned yet.
+        sysctl -qw "net.ipv6.conf.$host_if.disable_ipv6=1"
+        ip netns exec "$name" sysctl -qw net.ipv6.conf.all.disable_ipv6=1 \
+            net.ipv6.conf.default.disable_ipv6=1 "net.ipv6.conf.$ns_if.disable_ipv6=1"
+    fi
     ip addr add "$gw/30" dev "$host_if"
     ip link set "$host_if" up
     ip netns exec "$name" ip link set lo up
