@@ -267,29 +267,63 @@ void append_audit_json(std::string& out, const AuditRecord& r) {
     });
 }
 
+namespace {
+
+/// The audit file at `path`, opened for appending ("-": standard output, not owned).
+Result<FILE*> open_append(const std::string& path) {
+    if (path == "-") {
+        return stdout;
+    }
+    std::error_code ec;
+    auto parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) {
+        std::filesystem::create_directories(parent, ec);
+    }
+    FILE* f = std::fopen(path.c_str(), "ae");
+    if (f == nullptr) {
+        return make_error("audit.path: cannot open " + path + ": " + std::strerror(errno));
+    }
+    return f;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<AuditLog>> AuditLog::open(const std::string& path, bool durable) {
     std::unique_ptr<AuditLog> log(new AuditLog());
     log->durable_ = durable;
-    if (path == "-") {
-        log->file_ = stdout;
-        log->fd_ = STDOUT_FILENO;
-    } else {
-        std::error_code ec;
-        auto parent = std::filesystem::path(path).parent_path();
-        if (!parent.empty()) {
-            std::filesystem::create_directories(parent, ec);
-        }
-        log->file_ = std::fopen(path.c_str(), "ae");
-        if (log->file_ == nullptr) {
-            return make_error("audit.path: cannot open " + path + ": " + std::strerror(errno));
-        }
-        log->owned_ = true;
-        log->fd_ = ::fileno(log->file_);
+    auto f = open_append(path);
+    if (!f) {
+        return make_error(f.error());
     }
+    log->file_ = *f;
+    log->owned_ = *f != stdout;
+    log->fd_ = ::fileno(*f);
     if (durable) {
         log->writer_ = std::thread([l = log.get()] { l->writer_loop(); });
     }
     return log;
+}
+
+Result<bool> AuditLog::reopen(const std::string& path) {
+    auto f = open_append(path);
+    if (!f) {
+        return make_error(f.error());
+    }
+    FILE* old = nullptr;
+    bool old_owned = false;
+    {
+        std::lock_guard io(io_mu_);
+        std::lock_guard lock(mu_);
+        old = file_;
+        old_owned = owned_;
+        file_ = *f;
+        owned_ = *f != stdout;
+        fd_ = ::fileno(*f);
+    }
+    if (old_owned && old != *f) {
+        std::fclose(old);
+    }
+    return true;
 }
 
 AuditLog::~AuditLog() {
@@ -376,10 +410,14 @@ void AuditLog::writer_loop() {
         for (const auto& p : batch) {
             bytes += p.line;
         }
-        bool ok = write_all(fd_, bytes);
-        if (ok && owned_) {
-            ok = ::fdatasync(fd_) == 0;
-            syncs_.fetch_add(1);
+        bool ok = false;
+        {
+            std::lock_guard io(io_mu_);
+            ok = write_all(fd_, bytes);
+            if (ok && owned_) {
+                ok = ::fdatasync(fd_) == 0;
+                syncs_.fetch_add(1);
+            }
         }
         if (!ok) {
             spdlog::error("audit.durable: writing the audit file failed: {}", std::strerror(errno));

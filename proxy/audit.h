@@ -66,6 +66,11 @@ public:
     /// fdatasync calls made so far (a measure of how well commits are grouped).
     uint64_t syncs() const { return syncs_.load(); }
 
+    /// SIGHUP: log rotation (the file was moved or removed: a new one is created at `path`)
+    /// or a changed audit.path. Opens `path` first and keeps the current file if that fails
+    /// (the error names audit.path); records already handed over go to the old file.
+    Result<bool> reopen(const std::string& path);
+
 private:
     AuditLog() = default;
     void writer_loop();
@@ -74,6 +79,9 @@ private:
         std::function<void(bool)> done;
     };
     std::mutex mu_;
+    /// Held by the durable writer while it writes and syncs outside mu_, and by reopen: the
+    /// file is never switched under a write. Taken before mu_ when both are held.
+    std::mutex io_mu_;
     FILE* file_ = nullptr;
     bool owned_ = false;
     bool durable_ = false;

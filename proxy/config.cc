@@ -547,6 +547,15 @@ public:
                        {"h2_max_settings", set_count(l.h2_max_settings, 7, 1000)},
                        {"h2_stream_window", set_count(l.h2_stream_window, 16384, (1u << 31) - 1)},
                        {"h2_settings_timeout", set_timeout(l.h2_settings_timeout)},
+                       {"static_ca_validity",
+                        [this, &l](const YAML::Node& v, const std::string& p) {
+                            auto d = duration(v, p);
+                            if (d && *d < std::chrono::seconds(1)) {
+                                error(p, "must be at least 1s");
+                            } else if (d) {
+                                l.static_ca_validity = *d;
+                            }
+                        }},
                        {"leaf_cache_size", set_count(l.leaf_cache_size, 1, kMaxCount)},
                        {"leaf_mints_per_minute",
                         set_count(l.leaf_mints_per_minute, 0, kMaxCount)},

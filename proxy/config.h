@@ -48,6 +48,13 @@ struct Limits {
     size_t h2_max_settings = 32;              // entries per SETTINGS frame
     size_t h2_stream_window = 262144;         // per-stream window = per-stream buffer bound
     std::chrono::milliseconds h2_settings_timeout{10'000};
+    // The CA of a static run with ttl: null (a run as long as the process; runs with a ttl
+    // get a CA valid for the ttl). Long on purpose: the CA key never leaves this process's
+    // memory, so the CA dies with the process whatever its dates; a short validity only made
+    // a long-lived sidecar fail every pinned host when it ran out (it was 24 h). A warning is
+    // logged before it ends (runtime.h ca_expiry); a restart, or a reload that changes this
+    // key, makes a new CA and rewrites ca_cert_out.
+    std::chrono::milliseconds static_ca_validity{std::chrono::hours(24 * 365)};
     size_t leaf_cache_size = 1024;     // per run
     size_t leaf_mints_per_minute = 600;  // per run (token bucket); 0 = unlimited
     size_t max_upstream_idle_per_host = 32;

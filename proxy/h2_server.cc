@@ -549,10 +549,9 @@ awaitable<void> serve_stream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStre
             co_return;
         }
     }
-    if (c->scope.worker->shared.draining.load()) {
-        co_await refuse(503, "draining");
-        co_return;
-    }
+    // A stream that arrives while draining, before our GOAWAY reached the client, is served
+    // (the drain waits for it) as HTTP/1.1 serves such a request with Connection: close: the
+    // client could not know, and a 503 is final. The GOAWAY (watch_loop) stops new ones.
     co_await serve_exchange(down, std::move(head), scope, started);
 }
 
@@ -753,6 +752,14 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     if (!start_session(*c)) {
         co_return;
     }
+
+    // SIGTERM cancels the watchdog (Server::run) so the GOAWAY goes out at once.
+    struct Registered {
+        std::set<net::steady_timer*>& set;
+        net::steady_timer* timer;
+        ~Registered() { set.erase(timer); }
+    } registered{scope.worker->h2_watchdogs, &c->watchdog};
+    registered.set.insert(registered.timer);
 
     using namespace net::experimental::awaitable_operators;
     co_await (read_loop(c) && c->io.write_loop() && watch_loop(c));

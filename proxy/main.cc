@@ -13,6 +13,7 @@
 #include "proxy/malloc_tuning.h"
 #include "proxy/runtime.h"
 #include "proxy/server.h"
+#include "tls/contexts.h"
 
 namespace {
 
@@ -21,6 +22,27 @@ constexpr const char* kUsage =
     "  --config FILE   YAML configuration (see configs/quickstart.yaml)\n"
     "  --check         validate the configuration and exit (non-zero with messages naming\n"
     "                  the bad keys)\n";
+
+/// What a start would refuse beyond the parse, checked without side effects (no listener,
+/// no file written, no store opened): the state backend, every static run (token and secret
+/// files, CA), the upstream CA bundle. Errors name the key, one per line.
+std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
+                         egress::proxy::BuildWarnings& warnings) {
+    std::string errors;
+    auto add = [&](const std::string& e) { errors += (errors.empty() ? "" : "\n") + e; };
+    if (config->state_backend != "file") {  // the same refusal as ControlPlane::open
+        add("state.backend: '" + config->state_backend +
+            "' is not available in this build (use file)");
+    }
+    if (auto rt = egress::proxy::build_runtime(config, warnings); !rt) {
+        add(rt.error());
+    }
+    auto ctx = egress::tls::make_client_context(config->upstream_ca_file, {"http/1.1"});
+    if (!ctx) {
+        add("upstream.ca_file: " + ctx.error());
+    }
+    return errors;
+}
 
 void harden_process() {
     // No core dumps: they would contain keys and secrets.
@@ -67,6 +89,17 @@ int main(int argc, char** argv) {
         return 1;
     }
     if (check) {
+        auto config = std::make_shared<const egress::proxy::Config>(std::move(*cfg));
+        egress::proxy::BuildWarnings warnings;
+        const std::string errors = start_errors(config, warnings);
+        for (const auto& w : warnings.lines) {
+            std::fprintf(stderr, "egressd: warning: %s\n", w.c_str());
+        }
+        if (!errors.empty()) {
+            std::fprintf(stderr, "egressd: %s cannot start:\n%s\n", config_path.c_str(),
+                         errors.c_str());
+            return 1;
+        }
         std::printf("egressd: %s is valid\n", config_path.c_str());
         return 0;
     }
@@ -84,6 +117,10 @@ int main(int argc, char** argv) {
     }
     if (!runtime) {
         spdlog::error("cannot start:\n{}", runtime.error());
+        return 1;
+    }
+    if (auto w = egress::proxy::write_ca_files(**runtime); !w) {
+        spdlog::error("cannot start:\n{}", w.error());
         return 1;
     }
     try {

@@ -3,6 +3,7 @@
 #include <openssl/evp.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -12,9 +13,8 @@ namespace egress::proxy {
 
 namespace {
 
-constexpr auto kProcessRunValidity = std::chrono::hours(24);
-
-Result<bool> write_file_atomic(const std::string& path, const std::string& content, mode_t mode) {
+/// Writes `content` to `path`.tmp (created with `mode`); the caller renames it into place.
+Result<bool> stage_file(const std::string& path, const std::string& content, mode_t mode) {
     std::error_code ec;
     auto parent = std::filesystem::path(path).parent_path();
     if (!parent.empty()) {
@@ -32,10 +32,6 @@ Result<bool> write_file_atomic(const std::string& path, const std::string& conte
         }
     }
     ::chmod(tmp.c_str(), mode);
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) {
-        return make_error("cannot rename " + tmp + ": " + ec.message());
-    }
     return true;
 }
 
@@ -92,7 +88,13 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
         run->policy.id = rc.id;
         run->policy.allow_hosts = rc.allow_hosts;
         run->sources = rc.sources;
-        auto validity = rc.ttl ? *rc.ttl : std::chrono::seconds(kProcessRunValidity);
+        // A run with a ttl ends with its CA. A run with ttl: null lives as long as the process,
+        // and its CA gets limits.static_ca_validity (see Limits): long, because the CA key
+        // exists only in this process's memory and dies with it.
+        const auto validity =
+            rc.ttl ? *rc.ttl
+                   : std::chrono::duration_cast<std::chrono::seconds>(
+                         config->limits.static_ca_validity);
         if (rc.ttl) {
             run->policy.expires_at = now + *rc.ttl;
         }
@@ -131,18 +133,20 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                 pin.secret = *s;
                 policy::prepare_injection(pin);
             } else {
-                // Named secrets come from the state store (control plane).
-                warnings.lines.push_back(pc.yaml_path + ".secret: store-backed secrets are not "
-                                         "available in static runs yet; pin disabled");
-                pin.secret_name = pc.secret;
-                run->unavailable_pins.push_back(pc.host);
+                // Named secrets live in the state store, which resolves them only for dynamic
+                // runs (control plane): refused here rather than a pin that is always off.
+                errors.push_back(pc.yaml_path + ".secret: store-backed secrets are not "
+                                 "supported in static runs; use secret_file, or create the "
+                                 "run through the admin API");
                 continue;
             }
             run->policy.pins.push_back(std::move(pin));
         }
         run->static_ttl = rc.ttl;
+        run->ca_validity = validity;
         std::shared_ptr<Run> old = previous != nullptr ? previous->find(rc.id) : nullptr;
-        if (old && !old->dynamic && old->static_ttl == rc.ttl && old->ca) {
+        if (old && !old->dynamic && old->static_ttl == rc.ttl && old->ca_validity == validity &&
+            old->ca) {
             run->ca = old->ca;
             run->leaves = old->leaves;
             run->policy.expires_at = old->policy.expires_at;
@@ -157,13 +161,6 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             }
             run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
             run->leaves = make_leaf_cache(run->ca, config->limits);
-        }
-        if (!rc.ca_cert_out.empty()) {
-            auto w = write_file_atomic(rc.ca_cert_out, run->ca->cert_pem(), 0644);
-            if (!w) {
-                errors.push_back(rc.yaml_path + ".ca_cert_out: " + w.error());
-                continue;
-            }
         }
         if (!run->token) {
             run->anonymous = true;
@@ -180,6 +177,65 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
         return make_error(msg);
     }
     return rt;
+}
+
+Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {
+    std::vector<const RunConfig*> staged;  // runs whose ca_cert_out.tmp is written
+    std::vector<std::string> errors;
+    for (const auto& rc : next.config->runs) {
+        auto run = next.find(rc.id);
+        if (rc.ca_cert_out.empty() || !run || !run->ca) {
+            continue;
+        }
+        if (previous != nullptr) {
+            auto old = previous->find(rc.id);
+            const auto& old_runs = previous->config->runs;
+            auto old_rc = std::find_if(old_runs.begin(), old_runs.end(),
+                                       [&](const RunConfig& o) { return o.id == rc.id; });
+            if (old && old->ca == run->ca && old_rc != old_runs.end() &&
+                old_rc->ca_cert_out == rc.ca_cert_out) {
+                continue;  // the kept CA, already in that file
+            }
+        }
+        auto w = stage_file(rc.ca_cert_out, run->ca->cert_pem(), 0644);
+        if (!w) {
+            errors.push_back(rc.yaml_path + ".ca_cert_out: " + w.error());
+            continue;
+        }
+        staged.push_back(&rc);
+    }
+    // Only when every file is staged does any reach its place: a refused start or reload
+    // leaves each ca_cert_out holding the CA that (still) serves.
+    for (const RunConfig* rc : staged) {
+        const std::string tmp = rc->ca_cert_out + ".tmp";
+        std::error_code ec;
+        if (!errors.empty()) {
+            std::filesystem::remove(tmp, ec);
+            continue;
+        }
+        std::filesystem::rename(tmp, rc->ca_cert_out, ec);
+        if (ec) {
+            errors.push_back(rc->yaml_path + ".ca_cert_out: cannot rename " + tmp + ": " +
+                             ec.message());
+        }
+    }
+    if (!errors.empty()) {
+        std::string msg;
+        for (const auto& e : errors) {
+            msg += (msg.empty() ? "" : "\n") + e;
+        }
+        return make_error(msg);
+    }
+    return true;
+}
+
+CaExpiry ca_expiry(std::chrono::system_clock::time_point not_after,
+                   std::chrono::seconds validity, std::chrono::system_clock::time_point now) {
+    if (now >= not_after) {
+        return CaExpiry::Expired;
+    }
+    const auto notice = std::min<std::chrono::system_clock::duration>(validity / 10, kCaNotice);
+    return not_after - now <= notice ? CaExpiry::Soon : CaExpiry::Fine;
 }
 
 std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,

@@ -23,6 +23,7 @@ namespace egress::proxy {
 struct Run {
     policy::RunPolicy policy;
     std::optional<std::chrono::seconds> static_ttl;  // static runs: the ttl they were built with
+    std::chrono::seconds ca_validity{0};  // static runs: what their CA was made with
     bool dynamic = false;        // created through the admin API (state store)
     credstore::SecretPtr token;  // static runs with token_file
     std::string token_sha256;    // dynamic runs: hex SHA-256 of the proxy token
@@ -59,14 +60,28 @@ struct BuildWarnings {
     std::vector<std::string> lines;
 };
 
-/// Reads token and secret files, creates each run's CA (writing its certificate to
-/// ca_cert_out), and returns the snapshot. Errors name the YAML path of the bad key.
-/// Secret files that do not exist yet produce a warning and an unavailable pin.
+/// Reads token and secret files, creates each run's CA, and returns the snapshot; it writes
+/// no file (write_ca_files does, once the snapshot is accepted). Errors name the YAML path of
+/// the bad key. Secret files that do not exist yet produce a warning and an unavailable pin.
 /// With `previous` (a reload), static runs whose id and ttl are unchanged keep their CA and
 /// leaf cache, so sandboxes that trust the old CA keep working.
 Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,
                                                BuildWarnings& warnings,
                                                const Runtime* previous = nullptr);
+
+/// Writes each static run's CA certificate to its ca_cert_out: call it only for a runtime
+/// that will serve (a start, or a reload that is applied). With `previous`, a run that keeps
+/// its CA and ca_cert_out is skipped. All files are written as .tmp first and renamed only if
+/// every one succeeded, so on an error (naming runs[i].ca_cert_out) no ca_cert_out changed.
+Result<bool> write_ca_files(const Runtime& next, const Runtime* previous = nullptr);
+
+/// How close a static run's CA is to its not_after (a run with ttl: null outlives it only if
+/// the process runs longer than limits.static_ca_validity): Soon once a tenth of `validity`
+/// (at most kCaNotice) is left, so the warning comes while there is time to restart.
+enum class CaExpiry { Fine, Soon, Expired };
+inline constexpr std::chrono::hours kCaNotice{24 * 7};
+CaExpiry ca_expiry(std::chrono::system_clock::time_point not_after,
+                   std::chrono::seconds validity, std::chrono::system_clock::time_point now);
 
 /// A leaf cache that owns a reference to its CA, sized and rate-limited by `limits`.
 std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,

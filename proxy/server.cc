@@ -1,8 +1,8 @@
 #include "proxy/server.h"
 
-#include <thread>
-
+#include <algorithm>
 #include <filesystem>
+#include <thread>
 
 #include "proxy/control_plane.h"
 #include "proxy/cpus.h"
@@ -30,7 +30,15 @@ Worker::~Worker() {
 }
 
 void Worker::audit(const AuditRecord& rec) {
-    append_audit_json(audit_pending, rec);
+    if (shared.drain_cut.load(std::memory_order_relaxed) && rec.decision == "allow") {
+        // Its connection was shut down at the drain deadline (Server::run): say so, whatever
+        // error path (client_aborted, a tunnel's end) the request or tunnel ended through.
+        AuditRecord cut = rec;
+        cut.reason = "drain_timeout";
+        append_audit_json(audit_pending, cut);
+    } else {
+        append_audit_json(audit_pending, rec);
+    }
     audit_pending.push_back('\n');
     if (audit_pending.size() >= kAuditFlushBytes) {
         flush_audit();  // a long busy stretch: do not let the buffer grow
@@ -64,7 +72,26 @@ void Worker::flush_audit() {
     }
 }
 
+size_t ConnectionRegistry::close_all() {
+    std::vector<std::string> runs;
+    {
+        std::lock_guard lock(mu_);
+        for (const auto& [run, conns] : by_run_) {
+            runs.push_back(run);
+        }
+    }
+    size_t n = 0;
+    for (const auto& run : runs) {
+        n += close_run(run);
+    }
+    return n;
+}
+
 namespace {
+
+/// After the drain deadline shut the connections down: how long their coroutines get to end
+/// through their error paths and write their audit records before the loops stop.
+constexpr auto kDrainCutGrace = std::chrono::seconds(1);
 
 tcp::endpoint endpoint_of(const ListenAddress& a) {
     return {net::ip::make_address(a.host), a.port};
@@ -117,6 +144,7 @@ struct Server::Impl {
     }
 
     /// SIGHUP: re-read the config; apply it atomically or refuse it and keep the old one.
+    /// Also reopens the audit file (log rotation, or a new audit.path).
     void reload() {
         auto cfg = load_config_file(config_path);
         if (!cfg) {
@@ -124,24 +152,7 @@ struct Server::Impl {
             return;
         }
         auto current = shared.runtime.load();
-        const Config& old = *current->config;
-        auto listen_text = [](const std::optional<ListenAddress>& a) {
-            return a ? a->to_string() : std::string();
-        };
-        if (cfg->proxy.to_string() != old.proxy.to_string() ||
-            listen_text(cfg->transparent) != listen_text(old.transparent) ||
-            cfg->admin.to_string() != old.admin.to_string() ||
-            cfg->upstream_ca_file != old.upstream_ca_file ||
-            cfg->state_path != old.state_path || cfg->master_key_file != old.master_key_file ||
-            cfg->resolver_overrides != old.resolver_overrides ||
-            cfg->limits.max_upstream_idle_per_host != old.limits.max_upstream_idle_per_host ||
-            cfg->limits.upstream_tls_sessions != old.limits.upstream_tls_sessions ||
-            cfg->limits.worker_threads != old.limits.worker_threads) {
-            spdlog::warn("reload: listen.*, upstream.ca_file, state.*, keys.*, "
-                         "resolver.overrides, limits.max_upstream_idle_per_host, "
-                         "limits.upstream_tls_sessions and limits.worker_threads changes take "
-                         "effect after a restart");
-        }
+        const std::string needs_restart = restart_keys(*current->config, *cfg);
         auto config = std::make_shared<const Config>(std::move(*cfg));
         BuildWarnings warnings;
         auto statics = build_runtime(config, warnings, current.get());
@@ -153,11 +164,125 @@ struct Server::Impl {
                           statics.error());
             return;
         }
+        // The CA files only now: a refused reload must leave them naming the serving CAs.
+        if (auto w = write_ca_files(**statics, current.get()); !w) {
+            spdlog::error("reload refused, keeping the running configuration: {}", w.error());
+            return;
+        }
+        if (auto a = shared.audit->reopen(config->audit.path); !a) {
+            spdlog::error("reload: {}; audit records keep going to the file opened before",
+                          a.error());
+        }
         spdlog::set_level(spdlog::level::from_str(config->log_level));
         control->set_statics(*statics);
         publish_runtime();
+        log_static_cas(**statics);
+        if (!needs_restart.empty()) {
+            spdlog::warn("reload: changed, but needs a restart to take effect: {}",
+                         needs_restart);
+        }
         spdlog::info("reloaded {}", config_path);
     }
+
+    /// The keys that differ between `old` and `next` and are fixed at start (listeners, the
+    /// store, per-worker resolver and pools, the audit mode...), joined by ", ". A reload
+    /// applies everything else.
+    std::string restart_keys(const Config& old, const Config& next) const {
+        std::string out;
+        auto changed = [&](bool differs, const char* key) {
+            if (differs) {
+                out += (out.empty() ? "" : ", ") + std::string(key);
+            }
+        };
+        auto listen_text = [](const std::optional<ListenAddress>& a) {
+            return a ? a->to_string() : std::string();
+        };
+        const Limits& ol = old.limits;
+        const Limits& nl = next.limits;
+        changed(old.proxy.to_string() != next.proxy.to_string(), "listen.proxy");
+        changed(listen_text(old.transparent) != listen_text(next.transparent),
+                "listen.transparent");
+        changed(old.admin.to_string() != next.admin.to_string(), "listen.admin");
+        // The admin API keeps the token it read at start (ControlPlane::open): a replaced
+        // token file is named too, so an operator who rotated a leaked token learns it.
+        changed(old.admin_token_file != next.admin_token_file ||
+                    admin_token_sha256 != file_sha256(next.admin_token_file),
+                "admin.token_file");
+        changed(old.upstream_ca_file != next.upstream_ca_file, "upstream.ca_file");
+        changed(old.state_backend != next.state_backend, "state.backend");
+        changed(old.state_path != next.state_path, "state.path");
+        changed(old.etcd_endpoints != next.etcd_endpoints || old.etcd_prefix != next.etcd_prefix,
+                "state.etcd");
+        changed(old.master_key_file != next.master_key_file, "keys.master_key_file");
+        changed(old.kms_command != next.kms_command, "keys.kms_command");
+        changed(old.resolver_servers != next.resolver_servers, "resolver.servers");
+        changed(old.resolver_overrides != next.resolver_overrides, "resolver.overrides");
+        changed(old.audit.durable != next.audit.durable, "audit.durable");
+        changed(old.log_format != next.log_format, "log.format");
+        changed(ol.dns_timeout != nl.dns_timeout, "limits.dns_timeout");
+        changed(ol.max_upstream_idle_per_host != nl.max_upstream_idle_per_host,
+                "limits.max_upstream_idle_per_host");
+        changed(ol.upstream_tls_sessions != nl.upstream_tls_sessions,
+                "limits.upstream_tls_sessions");
+        changed(ol.worker_threads != nl.worker_threads, "limits.worker_threads");
+        // Runs that keep their CA keep their leaf cache (sandboxes keep trusting their leaves).
+        changed(ol.leaf_cache_size != nl.leaf_cache_size, "limits.leaf_cache_size");
+        changed(ol.leaf_mints_per_minute != nl.leaf_mints_per_minute,
+                "limits.leaf_mints_per_minute");
+        return out;
+    }
+
+    /// Hex SHA-256 of a file's contents (trailing newline stripped), or "" if unreadable.
+    static std::string file_sha256(const std::string& path) {
+        auto s = credstore::load_secret_file(path);
+        return s ? sha256_hex((*s)->reveal()) : std::string();
+    }
+    std::string admin_token_sha256;  // of admin.token_file as the admin API read it at start
+
+    /// Says until when each process-lifetime run's CA is valid (at start and reload).
+    static void log_static_cas(const Runtime& rt) {
+        for (const auto& [id, run] : rt.runs) {
+            if (!run->dynamic && !run->static_ttl && run->ca) {
+                spdlog::info("run {} (ttl: null): run CA valid until {} "
+                             "(limits.static_ca_validity)",
+                             id, iso8601_utc(run->ca->not_after()));
+            }
+        }
+    }
+
+    /// Warns once when a process-lifetime run's CA nears its end, and once when it has
+    /// ended (then every pinned host of the run fails with 502 leaf_mint_failed).
+    void check_static_cas() {
+        auto rt = shared.runtime.load();
+        const auto now = std::chrono::system_clock::now();
+        for (const auto& [id, run] : rt->runs) {
+            if (run->dynamic || run->static_ttl || !run->ca) {
+                continue;
+            }
+            const CaExpiry e = ca_expiry(run->ca->not_after(), run->ca_validity, now);
+            CaExpiry& logged = ca_notices[run->ca.get()];
+            if (e == logged) {
+                continue;
+            }
+            logged = e;
+            const std::string until = iso8601_utc(run->ca->not_after());
+            if (e == CaExpiry::Soon) {
+                spdlog::warn("run {}: its CA expires at {} (limits.static_ca_validity); restart "
+                             "egressd, or raise the key and reload, before then",
+                             id, until);
+            } else if (e == CaExpiry::Expired) {
+                spdlog::error("run {}: its CA expired at {}: intercepted hosts fail until a "
+                              "restart, or a reload with a new limits.static_ca_validity",
+                              id, until);
+            }
+        }
+        // Forget CAs no runtime holds any more (keys are only compared, never followed).
+        std::erase_if(ca_notices, [&](const auto& kv) {
+            return std::none_of(rt->runs.begin(), rt->runs.end(),
+                                [&](const auto& r) { return r.second->ca.get() == kv.first; });
+        });
+    }
+    std::map<const tls::RunCa*, CaExpiry> ca_notices;  // the last state logged per CA
 
     awaitable<void> reload_loop() {
         net::signal_set hup(admin_ioc, SIGHUP);
@@ -181,6 +306,7 @@ struct Server::Impl {
             if (size_t n = control->sweep_expired(); n > 0) {
                 spdlog::info("swept {} expired runs", n);
             }
+            check_static_cas();
         }
     }
 
@@ -194,6 +320,24 @@ struct Server::Impl {
                 net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
                               log_spawn_error);
             }
+        }
+    }
+
+    /// Requests and tunnels in flight on every worker.
+    int64_t inflight() const {
+        int64_t n = 0;
+        for (const auto& w : workers) {
+            n += w->inflight.load(std::memory_order_relaxed);
+        }
+        return n;
+    }
+
+    /// Returns when nothing is in flight or at `deadline`.
+    awaitable<void> wait_inflight(std::chrono::steady_clock::time_point deadline) {
+        net::steady_timer t(co_await net::this_coro::executor);
+        while (inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
+            t.expires_after(std::chrono::milliseconds(20));
+            co_await t.async_wait(use_nothrow);
         }
     }
 
@@ -316,6 +460,8 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
         throw std::runtime_error(control.error());
     }
     impl_->control = std::move(*control);
+    impl_->admin_token_sha256 = Impl::file_sha256(cfg.admin_token_file);
+    Impl::log_static_cas(*runtime);
     auto pep = impl_->proxy_acceptor->local_endpoint();
     std::string host = pep.address().is_unspecified() ? "127.0.0.1" : pep.address().to_string();
     if (pep.address().is_v6()) {
@@ -359,36 +505,45 @@ int Server::run() {
     net::co_spawn(impl_->admin_ioc, impl_->reload_loop(), log_spawn_error);
 
     net::signal_set signals(ioc0, SIGINT, SIGTERM);
-    signals.async_wait([this, &s, rt](error_code ec, int sig) {
+    signals.async_wait([this, &s](error_code ec, int sig) {
         if (ec) {
             return;
         }
-        spdlog::info("signal {}: draining (up to {} ms)", sig, rt->config->limits.drain_timeout.count());
+        // The current runtime: a SIGHUP may have changed drain_timeout since the start.
+        const auto drain = s.runtime.load()->config->limits.drain_timeout;
+        spdlog::info("signal {}: draining (up to {} ms)", sig, drain.count());
         s.draining.store(true);
         error_code ignored;
         impl_->proxy_acceptor->close(ignored);
         if (impl_->transparent_acceptor) {
             impl_->transparent_acceptor->close(ignored);
         }
+        for (auto& w : impl_->workers) {  // HTTP/2 connections: GOAWAY now (h2_server.cc)
+            net::post(w->ioc, [w = w.get()] {
+                for (auto* t : w->h2_watchdogs) {
+                    t->cancel();
+                }
+            });
+        }
         // Wait for in-flight requests and tunnels, bounded by drain_timeout.
         net::co_spawn(
             impl_->workers[0]->ioc,
-            [this, rt]() -> awaitable<void> {
-                auto deadline = std::chrono::steady_clock::now() + rt->config->limits.drain_timeout;
-                net::steady_timer t(co_await net::this_coro::executor);
-                auto inflight = [this] {
-                    int64_t n = 0;
-                    for (const auto& w : impl_->workers) {
-                        n += w->inflight.load(std::memory_order_relaxed);
+            [this, &s, drain]() -> awaitable<void> {
+                co_await impl_->wait_inflight(std::chrono::steady_clock::now() + drain);
+                if (const int64_t n = impl_->inflight(); n > 0) {
+                    // Shut the connections down so each request and tunnel ends through its
+                    // error path and writes its audit record (reason drain_timeout); a loop
+                    // stopped under them would destroy them without one.
+                    spdlog::warn("drain timeout: closing {} in-flight requests and tunnels", n);
+                    s.drain_cut.store(true);
+                    s.connections.close_all();
+                    co_await impl_->wait_inflight(std::chrono::steady_clock::now() +
+                                                  kDrainCutGrace);
+                    if (const int64_t left = impl_->inflight(); left > 0) {
+                        spdlog::warn("drain: {} requests or tunnels still waiting on their "
+                                     "upstream end without an audit record",
+                                     left);
                     }
-                    return n;
-                };
-                while (inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
-                    t.expires_after(std::chrono::milliseconds(20));
-                    co_await t.async_wait(use_nothrow);
-                }
-                if (const int64_t n = inflight(); n > 0) {
-                    spdlog::warn("drain timeout: closing {} in-flight requests", n);
                 }
                 for (auto& w : impl_->workers) {
                     w->ioc.stop();

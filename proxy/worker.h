@@ -3,6 +3,7 @@
 // process-wide shared state. Includes Asio: only proxy/*.cc include this.
 #include <atomic>
 #include <map>
+#include <set>
 #include <mutex>
 #include <memory>
 #include <string>
@@ -34,6 +35,8 @@ public:
     uint64_t add(const std::string& run, net::any_io_executor ex, std::weak_ptr<int> fd_token);
     void remove(const std::string& run, uint64_t id);
     size_t close_run(const std::string& run);
+    /// Shuts down every registered connection (close_run for each run): the drain deadline.
+    size_t close_all();
 
 private:
     struct Entry {
@@ -67,6 +70,10 @@ struct Shared {
     policy::RequestPipeline pipeline;
     std::vector<tcp::endpoint> own_listeners;  // for the self-connection check
     std::atomic<bool> draining{false};
+    /// Set when drain_timeout ran out and the connections still open were shut down: an allow
+    /// record written after that says reason "drain_timeout" (Worker::audit), whichever error
+    /// path its request or tunnel ended through.
+    std::atomic<bool> drain_cut{false};
     std::atomic<uint64_t> next_conn_id{1};
     std::atomic<uint64_t> next_req_id{1};  // workers take request ids from here in blocks
     ConnectionRegistry connections;
@@ -109,6 +116,11 @@ struct Worker {
     /// it outlives every connection (and SSL) the loop's coroutines hold. Null when
     /// limits.upstream_tls_sessions is 0.
     std::unique_ptr<tls::ClientSessionCache> tls_sessions;
+    /// The watchdog timers of this worker's HTTP/2 connections (h2_server.cc), touched on
+    /// this worker's thread only: SIGTERM cancels them so each connection sends its GOAWAY
+    /// at once instead of at its next 250 ms tick. Declared before ioc: a connection frame
+    /// destroyed with the loop still unregisters itself.
+    std::set<net::steady_timer*> h2_watchdogs;
     net::io_context ioc{1};
     Shared& shared;
     std::unique_ptr<Resolver> resolver;

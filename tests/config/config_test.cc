@@ -88,6 +88,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.h2_stream_window, 262144u);
     EXPECT_EQ(c.limits.h2_settings_timeout, milliseconds(10'000));
     EXPECT_EQ(c.limits.leaf_cache_size, d.limits.leaf_cache_size);
+    EXPECT_EQ(c.limits.static_ca_validity, std::chrono::hours(24 * 365));
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 1024u);
     EXPECT_EQ(c.limits.worker_threads, 0u);  // one per usable CPU
@@ -156,6 +157,7 @@ limits:
   h2_max_settings: 16
   h2_stream_window: 65536
   h2_settings_timeout: 2s
+  static_ca_validity: 720h
   leaf_cache_size: 16
   leaf_mints_per_minute: 120
   max_upstream_idle_per_host: 0
@@ -251,6 +253,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.h2_max_settings, 16u);
     EXPECT_EQ(c.limits.h2_stream_window, 65536u);
     EXPECT_EQ(c.limits.h2_settings_timeout, milliseconds(2'000));
+    EXPECT_EQ(c.limits.static_ca_validity, std::chrono::hours(720));
     EXPECT_EQ(c.limits.leaf_cache_size, 16u);
     EXPECT_EQ(c.limits.leaf_mints_per_minute, 120u);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
@@ -464,6 +467,8 @@ const ErrorRow kErrorRows[] = {
     {"BadDuration", "limits:\n  header_timeout: 10 parsecs\n",
      "limits.header_timeout: bad duration '10 parsecs' (expected e.g. 500ms, 10s, 2m, 1h)"},
     {"ZeroTimeout", "limits: {idle_timeout: 0s}\n", "limits.idle_timeout: must be greater than 0"},
+    {"StaticCaValidityUnderASecond", "limits: {static_ca_validity: 500ms}\n",
+     "limits.static_ca_validity: must be at least 1s"},
     {"TtlNotWholeSeconds", "runs: [{id: a, ttl: 1500ms}]\n",
      "runs[0].ttl: must be a whole number of seconds"},
     {"BadTtl", "runs: [{id: a, ttl: forever}]\n", "runs[0].ttl: bad duration 'forever'"},

@@ -17,6 +17,14 @@ def test_check_accepts_the_standard_config(factory):
     (lambda c: c["limits"].__setitem__("header_timeout", "soon"), "limits.header_timeout"),
     # an anonymous run is only allowed when it is the only run
     (lambda c: c["runs"][0].__setitem__("token_file", None), "runs"),
+    # what a start would refuse, checked too (no listener, no file written)
+    (lambda c: c["state"].__setitem__("backend", "etcd"), "state.backend"),
+    (lambda c: c["runs"][0].__setitem__("token_file", "/nonexistent/r1.token"),
+     "runs[0].token_file"),
+    (lambda c: c["upstream"].__setitem__("ca_file", "/nonexistent/ca.pem"), "upstream.ca_file"),
+    # a store-backed secret in a static run: not supported, refused rather than a dead pin
+    (lambda c: c["runs"][0]["pins"][1].update({"secret": "github_token"})
+     or c["runs"][0]["pins"][1].pop("secret_file"), "runs[0].pins[1].secret"),
 ])
 def test_check_rejects_bad_config_naming_the_key(factory, mutate, path):
     e = factory.make(mutate)
@@ -33,3 +41,25 @@ def test_bad_config_does_not_start(factory):
                        capture_output=True, timeout=30, text=True)
     assert r.returncode != 0
     assert "policy.unpinned" in r.stderr
+
+
+def test_check_writes_no_file(factory):
+    """--check builds the runs (CAs in memory) but writes no ca_cert_out and opens no store."""
+    import os
+    e = factory.make()
+    r = e.check()
+    assert r.returncode == 0, r.stderr
+    assert not os.path.exists(e.config["runs"][0]["ca_cert_out"])
+    assert not os.path.exists(e.config["state"]["path"])
+
+
+def test_static_pin_with_a_store_secret_does_not_start(factory):
+    import subprocess
+    e = factory.make(lambda c: c["runs"][0]["pins"][0].update({"secret": "github_token"})
+                     or c["runs"][0]["pins"][0].pop("secret_file"))
+    e.write_config()
+    r = subprocess.run([e.binary, "--config", e.config_path], cwd=e.workdir,
+                       capture_output=True, timeout=30, text=True)
+    assert r.returncode != 0
+    assert "runs[0].pins[0].secret: store-backed secrets are not supported in static runs" \
+        in r.stderr

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import time
 
+import yaml
+
 import helpers
 from clients import proxy_env, run_ca
 from upstream import payload_sha256
@@ -27,6 +29,22 @@ def _poll(cond, timeout: float, what: str, interval: float = 0.05):
             return
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _rewrite(e, mutate):
+    """Applies `mutate` to the config file egressd reads on SIGHUP."""
+    with open(e.config_path) as f:
+        cfg = yaml.safe_load(f)
+    mutate(cfg)
+    with open(e.config_path, "w") as f:
+        yaml.safe_dump(cfg, f, sort_keys=False)
+
+
+def _reload(e, expect: str = "reloaded"):
+    """SIGHUP, then waits for one more `expect` line in the log."""
+    before = e.stderr_text().count(expect)
+    e.proc.send_signal(signal.SIGHUP)
+    _poll(lambda: e.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
 
 
 def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
@@ -89,13 +107,21 @@ def test_sighup_reload_valid_and_invalid(world, factory, marker):
     r = helpers.request(c, "GET", f"/echo/{marker}-a", f"api.test:{world.U}")
     assert r.status == 200
     c.close()
-    # A valid config is applied: here log level debug, and the run CA is kept.
+    # A valid config is applied: here a host added to policy.allow_hosts (refused before,
+    # tunnelled after), and the run CA is kept.
+    c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth())
+    assert (r.status, r.egress_reason) == (403, "host_not_allowed")
+    c.close()
     with open(run_ca(e, "r1")) as f:
         ca_before = f.read()
     with open(cfg_path, "w") as f:
         f.write(original)
+    _rewrite(e, lambda cfg: cfg["policy"]["allow_hosts"].append("other.test"))
     e.proc.send_signal(signal.SIGHUP)
     _poll(lambda: "reloaded" in e.stderr_text(), 10, "reloaded log line")
+    c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth())
+    assert r.status == 200, (r.status, r.egress_reason)
+    c.close()
     with open(run_ca(e, "r1")) as f:
         assert f.read() == ca_before
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
@@ -165,3 +191,199 @@ def test_worker_threads_key_and_its_cpu_aware_default(factory):
     assert _taskset_cpus(pinned.proc.pid) == 1
     assert "(1 workers)" in pinned.stderr_text()
     assert pinned.admin_get("/readyz")[0] == 200
+
+
+def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory, marker):
+    """A reload that would make r1 a new CA (ttl changed) but is refused (an empty secret file)
+    writes no CA file: the file still holds the CA that serves, and clients trusting it work."""
+    e = factory.start()
+    ca = run_ca(e, "r1")
+    with open(ca) as f:
+        before = f.read()
+    empty = os.path.join(e.workdir, "empty.secret")
+    open(empty, "w").close()
+
+    def mutate(c):
+        c["runs"][0]["ttl"] = "1h"
+        c["runs"][0]["pins"].append({"host": "new.test", "secret_file": empty,
+                                     "inject": {"type": "bearer"}})
+    _rewrite(e, mutate)
+    _reload(e, "reload refused")
+    assert "secret_file" in e.stderr_text()
+    with open(ca) as f:
+        assert f.read() == before
+    assert not os.path.exists(ca + ".tmp")
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca)
+    assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
+
+
+def test_sigterm_uses_the_drain_timeout_of_the_last_reload(world, factory):
+    e = factory.start()  # drain_timeout 2s
+    _rewrite(e, lambda c: c["limits"].update({"drain_timeout": "20s"}))
+    _reload(e)
+    c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    assert r.status == 200
+    e.proc.send_signal(signal.SIGTERM)
+    _poll(lambda: "draining (up to 20000 ms)" in e.stderr_text(), 10, "the reloaded drain_timeout")
+    c.close()  # the tunnel ends within the drain: an ordinary record
+    assert e.proc.wait(timeout=30) == 0
+    recs = [r for r in e.audit_records() if r.get("host") == "tunnel.test"]
+    assert [r["reason"] for r in recs] == ["tunnel"]
+
+
+def test_work_cut_at_drain_timeout_is_audited(world, factory, marker):
+    """At drain_timeout the open connections are shut down first, so a download and a tunnel
+    still running end through their error paths and each writes its record, reason
+    drain_timeout (DESIGN.md: every request ends in exactly one audit record)."""
+    e = factory.start()  # drain_timeout 2s
+    n = 4 * MiB
+    # 64 KiB every 200 ms: ~13 s, far beyond the drain.
+    p = subprocess.Popen(
+        ["curl", "-sS", "--http1.1", "--max-time", "60", "--cacert", run_ca(e, "r1"),
+         "-o", "/dev/null", f"https://api.test:{world.U}/bytes/{n}?pace=200&id={marker}"],
+        env=proxy_env(e, "r1", world.tokens["r1"]), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    try:
+        assert r.status == 200
+        _poll(lambda: world.upstream.progress(marker) > 0, 20, "the download under way")
+        e.proc.send_signal(signal.SIGTERM)
+        assert e.proc.wait(timeout=30) == 0
+        p.wait(timeout=60)
+    finally:
+        c.close()
+        if p.poll() is None:
+            p.kill()
+    assert "drain timeout: closing 2 in-flight requests and tunnels" in e.stderr_text()
+    recs = e.audit_records()
+    dl = [r for r in recs if r.get("path") == f"/bytes/{n}"]
+    assert len(dl) == 1, dl
+    assert dl[0]["decision"] == "allow" and dl[0]["reason"] == "drain_timeout"
+    assert dl[0]["status"] == 200 and 0 < dl[0]["bytes_out"] < n
+    tun = [r for r in recs if r.get("host") == "tunnel.test"]
+    assert len(tun) == 1 and tun[0]["reason"] == "drain_timeout", tun
+
+
+def test_h2_stream_sent_after_sigterm_is_served_or_left_unprocessed(world, factory, marker):
+    """A stream that reaches egressd after SIGTERM gets no final 503: egressd sends its GOAWAY
+    at once, and a stream it had already received is served (as HTTP/1.1 serves a request
+    with Connection: close); one that came after the GOAWAY is above its last-stream-id,
+    unprocessed, which a client may retry elsewhere."""
+    import h2.events
+    from h2_helpers import H2Client
+    e = factory.start(mutate=lambda c: c["limits"].update({"drain_timeout": "20s"}))
+    h = H2Client(e, world, "api.test", world.U)
+    assert h.request(f"/echo/{marker}-warm")["status"] == 200
+    events = []
+    receive = h.conn.receive_data
+    h.conn.receive_data = lambda data: _record(events, receive, data)  # to see GOAWAY's id
+    long_sid = h.headers(f"/bytes/{MiB}?pace=100&id={marker}-long")
+    h.flush()
+    _poll(lambda: world.upstream.progress(f"{marker}-long") > 0, 10, "the long download")
+    e.proc.send_signal(signal.SIGTERM)
+    _poll(lambda: "draining" in e.stderr_text(), 10, "the drain")
+    sid = h.headers(f"/echo/{marker}-after")
+    h.flush()
+    r = h.responses[sid]
+    h.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=15)
+    h.pump(until=lambda: any(isinstance(ev, h2.events.ConnectionTerminated) for ev in events),
+           timeout=15)
+    goaways = [ev for ev in events if isinstance(ev, h2.events.ConnectionTerminated)]
+    assert goaways, "no GOAWAY after SIGTERM"
+    assert r["status"] != 503, f"stream refused while draining: {r}"
+    if r["status"] is None:
+        assert goaways[0].last_stream_id < sid, (goaways[0].last_stream_id, sid)
+    else:
+        assert r["status"] == 200
+    assert goaways[0].last_stream_id >= long_sid
+    h.close()
+    assert e.proc.wait(timeout=30) == 0
+
+
+def _record(events, receive, data):
+    got = receive(data)
+    events.extend(got)
+    return got
+
+
+def test_static_run_ca_validity_and_its_expiry(world, factory, marker):
+    """A run with ttl: null lives as long as the process: its CA gets
+    limits.static_ca_validity (default 8760h), not 24 h. When it runs out the log says so and
+    intercepted hosts fail; a reload with a new validity makes a new CA and rewrites
+    ca_cert_out."""
+    import datetime
+    e = factory.start()
+    end = subprocess.run(["openssl", "x509", "-noout", "-enddate", "-in", run_ca(e, "r1")],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    not_after = datetime.datetime.strptime(end.split("=", 1)[1], "%b %d %H:%M:%S %Y %Z")
+    days = (not_after - datetime.datetime.utcnow()).days
+    assert 364 <= days <= 365, end
+    assert "run r1 (ttl: null): run CA valid until" in e.stderr_text()
+
+    short = factory.start(mutate=lambda c: c["limits"].update({"static_ca_validity": "3s"}))
+    ca = run_ca(short, "r1")
+    with open(ca) as f:
+        before = f.read()
+    _poll(lambda: "run r1: its CA expired at" in short.stderr_text(), 15, "the expiry error")
+    c, r = helpers.proxy_connect(short.proxy_port, f"api.test:{world.U}", world.auth())
+    assert (r.status, r.egress_reason) == (502, "leaf_mint_failed")
+    c.close()
+    _rewrite(short, lambda c: c["limits"].update({"static_ca_validity": "1h"}))
+    _reload(short)
+    with open(ca) as f:
+        assert f.read() != before
+    c = helpers.tunnel(short.proxy_port, "api.test", world.U, world.auth(), ca)
+    assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
+
+
+def test_sighup_reopens_the_audit_file_and_names_keys_that_need_a_restart(world, factory,
+                                                                          marker):
+    e = factory.start()
+
+    def get(tag):
+        c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+        assert helpers.request(c, "GET", f"/echo/{marker}-{tag}", f"api.test:{world.U}") \
+            .status == 200
+        c.close()
+
+    def records_in(path, tag):
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [l for l in f if f"{marker}-{tag}" in l]
+
+    get("before")
+    e.wait_audit(lambda r: f"{marker}-before" in r.get("path", ""))
+    # logrotate: move the file away, SIGHUP; the next record goes to a new file at audit.path.
+    os.rename(e.audit_path, e.audit_path + ".1")
+    _reload(e)
+    assert "needs a restart" not in e.stderr_text()  # nothing changed
+    get("rotated")
+    e.wait_audit(lambda r: f"{marker}-rotated" in r.get("path", ""))
+    assert records_in(e.audit_path + ".1", "rotated") == []
+
+    # A new audit.path is applied; keys fixed at start are named.
+    new_audit = os.path.join(e.workdir, "audit2.jsonl")
+    with open(e.config["admin"]["token_file"], "w") as f:
+        f.write("replaced-admin-token-0123456789")
+
+    def mutate(c):
+        c["audit"].update({"path": new_audit, "durable": True})
+        c["log"] = {"format": "json"}
+        c["resolver"]["servers"] = ["127.0.0.1:5353"]
+        c["limits"].update({"dns_timeout": "3s", "leaf_cache_size": 10,
+                            "leaf_mints_per_minute": 7})
+        c["keys"]["kms_command"] = "/bin/false wrap"
+    _rewrite(e, mutate)
+    _reload(e)
+    line = next(l for l in e.stderr_text().splitlines() if "needs a restart" in l)
+    for key in ["admin.token_file", "audit.durable", "log.format", "resolver.servers",
+                "limits.dns_timeout", "limits.leaf_cache_size", "limits.leaf_mints_per_minute",
+                "keys.kms_command"]:
+        assert key in line, (key, line)
+    assert "audit.path" not in line and "replaced-admin-token" not in line
+    get("moved")
+    _poll(lambda: records_in(new_audit, "moved"), 10, "the record in the new audit.path")
+    assert records_in(e.audit_path, "moved") == []
