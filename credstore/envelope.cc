@@ -243,29 +243,15 @@ Result<bool> create_key_file(const std::string& path) {
         }
         std::filesystem::permissions(p.parent_path(), std::filesystem::perms::owner_all, ec);
     }
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) {
-        if (errno == EEXIST) {
-            return true;  // created concurrently; the caller opens and checks it
-        }
-        return make_error("keys.master_key_file: cannot create " + path + ": " + errno_text());
-    }
     Result<std::string> key = random_bytes(kKeyBytes);
     WipedString guard(key ? std::move(key).value() : std::string());
-    const bool ok = guard.get().size() == kKeyBytes && ::fchmod(fd, 0600) == 0 &&
-                    ::write(fd, guard.get().data(), kKeyBytes) == static_cast<ssize_t>(kKeyBytes) &&
-                    ::fsync(fd) == 0;
-    const std::string why = errno_text();
-    ::close(fd);
-    if (!ok) {
-        ::unlink(path.c_str());
-        return make_error("keys.master_key_file: cannot write " + path + ": " + why);
+    if (guard.get().size() != kKeyBytes) {
+        return make_error("keys.master_key_file: cannot make a key for " + path);
     }
-    const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-        (void)::fsync(dfd);
-        ::close(dfd);
+    // false: it exists already; the caller opens and checks it.
+    Result<bool> created = create_secret_file(path, guard.get());
+    if (!created) {
+        return make_error("keys.master_key_file: " + created.error());
     }
     return true;
 }

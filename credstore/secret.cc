@@ -1,11 +1,18 @@
 #include "credstore/secret.h"
 
+#include <fcntl.h>
 #include <openssl/crypto.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <ostream>
 
 #include "common/secure_zero.h"
@@ -16,13 +23,66 @@ namespace {
 
 constexpr size_t kMaxSecretBytes = 16 * 1024;
 
+// Memory locks do not stack: one munlock() unlocks a page however often it was mlock'ed. Small
+// secret buffers share heap pages, so freeing one must not unlock a page another still uses.
+// Each page is locked when its first secret buffer arrives and unlocked when its last goes.
+// Secrets are made when runs are built, never per request, so one mutex is cheap enough.
+class PageLocks {
+public:
+    void add(const void* p, size_t n) {
+        std::lock_guard lock(mu_);
+        for_each_page(p, n, [](Page& page, uintptr_t addr, size_t size) {
+            // Best effort: RLIMIT_MEMLOCK may refuse; the next buffer on the page retries.
+            if (!page.locked) {
+                page.locked = ::mlock(reinterpret_cast<void*>(addr), size) == 0;
+            }
+            ++page.holders;
+        });
+    }
+
+    void remove(const void* p, size_t n) {
+        std::lock_guard lock(mu_);
+        for_each_page(p, n, [this](Page& page, uintptr_t addr, size_t size) {
+            if (--page.holders == 0) {
+                if (page.locked) {
+                    (void)::munlock(reinterpret_cast<void*>(addr), size);
+                }
+                pages_.erase(addr);
+            }
+        });
+    }
+
+private:
+    struct Page {
+        size_t holders = 0;
+        bool locked = false;
+    };
+
+    template <class Fn>
+    void for_each_page(const void* p, size_t n, Fn fn) {
+        const uintptr_t start = reinterpret_cast<uintptr_t>(p) & ~(page_size_ - 1);
+        const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
+        for (uintptr_t addr = start; addr < end; addr += page_size_) {
+            fn(pages_[addr], addr, page_size_);
+        }
+    }
+
+    const size_t page_size_ = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    std::mutex mu_;
+    std::map<uintptr_t, Page> pages_;  // page address -> live secret buffers on it
+};
+
+PageLocks& page_locks() {
+    static auto* locks = new PageLocks();  // never destroyed: secrets may outlive statics
+    return *locks;
+}
+
 }  // namespace
 
 SecretValue::SecretValue(std::string_view bytes)
     : size_(bytes.size()), capacity_(bytes.empty() ? 1 : bytes.size()) {
     data_ = new char[capacity_];
-    // Best effort: keep the bytes out of swap. RLIMIT_MEMLOCK may refuse; that is not fatal.
-    (void)mlock(data_, capacity_);
+    page_locks().add(data_, capacity_);  // keeps the bytes out of swap
     if (!bytes.empty()) {
         std::memcpy(data_, bytes.data(), bytes.size());
     }
@@ -30,7 +90,7 @@ SecretValue::SecretValue(std::string_view bytes)
 
 SecretValue::~SecretValue() {
     egress::secure_zero(data_, capacity_);
-    (void)munlock(data_, capacity_);
+    page_locks().remove(data_, capacity_);
     delete[] data_;
 }
 
@@ -78,6 +138,48 @@ Result<SecretPtr> load_secret_file(const std::string& path) {
     SecretPtr secret = std::make_shared<const SecretValue>(value);
     egress::secure_wipe(content);
     return secret;
+}
+
+Result<bool> create_secret_file(const std::string& path, std::string_view bytes) {
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) == 0) {
+        return false;
+    }
+    const std::string tmp = path + ".tmp";
+    // Nothing refers to a temp file: it is what a crash left between create and rename.
+    if (::unlink(tmp.c_str()) != 0 && errno != ENOENT) {
+        return make_error("cannot remove stale " + tmp + ": " + std::strerror(errno));
+    }
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        return make_error("cannot create " + tmp + ": " + std::strerror(errno));
+    }
+    const bool ok = ::fchmod(fd, 0600) == 0 &&
+                    ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()) &&
+                    ::fsync(fd) == 0;
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    if (!ok) {
+        ::unlink(tmp.c_str());
+        return make_error("cannot write " + tmp + ": " + why);
+    }
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+        const std::string rename_why = std::strerror(errno);
+        ::unlink(tmp.c_str());
+        return make_error("cannot rename " + tmp + " to " + path + ": " + rename_why);
+    }
+    const size_t slash = path.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0 || ::fsync(dfd) != 0) {
+        const std::string dir_why = std::strerror(errno);
+        if (dfd >= 0) {
+            ::close(dfd);
+        }
+        return make_error("cannot fsync " + dir + ": " + dir_why);
+    }
+    ::close(dfd);
+    return true;
 }
 
 bool constant_time_equals(std::string_view a, std::string_view b) {

@@ -1,7 +1,9 @@
 #pragma once
 // A credential value in memory. Never printable: streaming or formatting it prints
-// "<redacted>". Its bytes live in a buffer that is mlock'ed (best effort, so they stay out of
-// swap) and wiped (secure_zero) when the value is destroyed.
+// "<redacted>". Its bytes live in a buffer whose pages stay mlock'ed while any SecretValue
+// uses them (best effort, RLIMIT_MEMLOCK permitting, so they stay out of swap; locks are
+// counted per page because buffers share pages and munlock does not stack), and are wiped
+// (secure_zero) when the value is destroyed.
 #include <cstddef>
 #include <iosfwd>
 #include <memory>
@@ -41,6 +43,14 @@ Result<bool> validate_secret_bytes(std::string_view bytes);
 /// `echo` or by Kubernetes often have one); then validate_secret_bytes applies. The error
 /// message names the path and the problem, never the content.
 Result<SecretPtr> load_secret_file(const std::string& path);
+
+/// Creates the file `path` (mode 0600) holding `bytes`, so that it never exists incomplete: the
+/// bytes go to `path.tmp` (a leftover from an interrupted create is removed first), which is
+/// fsync'ed, renamed to `path`, and the folder fsync'ed. A crash leaves either no `path` or the
+/// whole file, never an empty one that would block every later start. Returns false, writing
+/// nothing, if `path` exists. Assumes one egressd per folder (as the state store does). Errors
+/// name the path, never the content.
+Result<bool> create_secret_file(const std::string& path, std::string_view bytes);
 
 /// Constant-time comparison for tokens.
 bool constant_time_equals(std::string_view a, std::string_view b);

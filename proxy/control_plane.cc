@@ -276,18 +276,11 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         std::filesystem::create_directories(tpath.parent_path(), fec);
     }
     if (!std::filesystem::exists(tpath, fec)) {
-        int fd = ::open(cfg.admin_token_file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd < 0) {
-            return make_error("admin.token_file: cannot create " + cfg.admin_token_file + ": " +
-                              std::strerror(errno));
-        }
         std::string tok = random_hex(32) + "\n";
-        bool wrote = ::write(fd, tok.data(), tok.size()) == static_cast<ssize_t>(tok.size());
-        ::fsync(fd);
-        ::close(fd);
+        auto created = credstore::create_secret_file(cfg.admin_token_file, tok);
         egress::secure_zero(tok.data(), tok.size());
-        if (!wrote) {
-            return make_error("admin.token_file: cannot write " + cfg.admin_token_file);
+        if (!created) {
+            return make_error("admin.token_file: " + created.error());
         }
     }
     auto tok = credstore::load_secret_file(cfg.admin_token_file);

@@ -1,8 +1,12 @@
 #include "credstore/envelope.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <csignal>
+#include <cstdlib>
 
 #include <filesystem>
 #include <fstream>
@@ -113,6 +117,25 @@ TEST(MasterKeyFile, PermissionsAndSize) {
     EXPECT_NE(short_key.error().find("exactly 32 bytes"), std::string::npos);
     write_file(path, std::string(33, 'k'), 0600);
     EXPECT_FALSE(open_master_key_file(path, false).ok());
+}
+
+// A process killed while creating the key (here by SIGXFSZ at its first write, as a crash or
+// power loss could) leaves no master.key, never an empty one that blocks every later start.
+TEST(MasterKeyFile, CreateKilledMidwayLeavesNoKeyFileAndTheNextStartCreatesIt) {
+    TempDir dir;
+    const std::string path = dir.path() + "/master.key";
+    auto create_with_no_room = [&] {
+        const rlimit none{0, 0};
+        setrlimit(RLIMIT_FSIZE, &none);
+        (void)open_master_key_file(path, true);
+        std::exit(0);
+    };
+    EXPECT_EXIT(create_with_no_room(), ::testing::KilledBySignal(SIGXFSZ), "");
+    EXPECT_FALSE(fs::exists(path));
+    auto created = open_master_key_file(path, true);
+    ASSERT_TRUE(created.ok()) << created.error();
+    EXPECT_EQ(fs::file_size(path), 32U);
+    EXPECT_FALSE(fs::exists(path + ".tmp"));  // the leftover is gone
 }
 
 TEST(MasterKeyFile, CreatedWhenMissingWith0600) {

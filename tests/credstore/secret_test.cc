@@ -2,12 +2,18 @@
 
 #include "common/secure_zero.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <sstream>
+#include <vector>
 
 namespace egress::credstore {
 namespace {
@@ -51,6 +57,62 @@ TEST(SecretValue, EmptyAndBinary) {
     const std::string bin("a\0b", 3);
     SecretValue s(bin);
     EXPECT_EQ(s.reveal(), bin);
+}
+
+// Reads the 8-byte entry `index` of a /proc table (pread: the tables are sparse, huge files).
+std::optional<uint64_t> read_proc_entry(const char* path, uint64_t index) {
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return std::nullopt;
+    }
+    uint64_t entry = 0;
+    const ssize_t n = pread(fd, &entry, sizeof entry, static_cast<off_t>(index * sizeof entry));
+    close(fd);
+    return n == static_cast<ssize_t>(sizeof entry) ? std::optional(entry) : std::nullopt;
+}
+
+// Whether the page holding `p` is mlock'ed (KPF_MLOCKED, bit 33 of /proc/kpageflags), or
+// nullopt when this process may not read page frames (that needs CAP_SYS_ADMIN).
+std::optional<bool> page_mlocked(const void* p) {
+    const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const auto entry = read_proc_entry("/proc/self/pagemap", reinterpret_cast<uintptr_t>(p) / page);
+    if (!entry) {
+        return std::nullopt;
+    }
+    if ((*entry >> 63 & 1) == 0) {
+        return false;  // not even present
+    }
+    const uint64_t pfn = *entry & ((uint64_t{1} << 55) - 1);
+    if (pfn == 0) {
+        return std::nullopt;  // frame numbers hidden from this process
+    }
+    const auto flags = read_proc_entry("/proc/kpageflags", pfn);
+    if (!flags) {
+        return std::nullopt;
+    }
+    return (*flags >> 33 & 1) != 0;
+}
+
+// Small secrets share heap pages, and one munlock() unlocks a page however often it was
+// locked: freeing one secret must not unlock the pages of the secrets still alive.
+TEST(SecretValue, PagesStayLockedWhileAnySecretOnThemLives) {
+    std::vector<std::unique_ptr<SecretValue>> values;
+    for (int i = 0; i < 256; ++i) {
+        values.push_back(std::make_unique<SecretValue>("a forty-byte credential, more or less"));
+    }
+    const std::optional<bool> first = page_mlocked(values[0]->reveal().data());
+    if (!first) {
+        GTEST_SKIP() << "page flags not readable (/proc/kpageflags needs CAP_SYS_ADMIN)";
+    }
+    for (const auto& v : values) {
+        ASSERT_EQ(page_mlocked(v->reveal().data()), true);
+    }
+    for (size_t i = 0; i < values.size(); i += 2) {
+        values[i].reset();
+    }
+    for (size_t i = 1; i < values.size(); i += 2) {
+        EXPECT_EQ(page_mlocked(values[i]->reveal().data()), true) << "secret " << i;
+    }
 }
 
 struct ValidateCase {
@@ -110,6 +172,33 @@ TEST(LoadSecretFile, MissingFile) {
     Result<SecretPtr> got = load_secret_file("/nonexistent/egress/secret");
     ASSERT_FALSE(got.ok());
     EXPECT_NE(got.error().find("/nonexistent/egress/secret"), std::string::npos);
+}
+
+TEST(CreateSecretFile, WritesWholeFile0600AndReplacesALeftoverTemp) {
+    TempFile dir_marker("");
+    const std::string path = dir_marker.path() + ".token";
+    std::ofstream(path + ".tmp") << "";  // what an interrupted create left
+    auto created = create_secret_file(path, "tok-1\n");
+    ASSERT_TRUE(created.ok()) << created.error();
+    EXPECT_TRUE(*created);
+    std::ifstream in(path, std::ios::binary);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "tok-1\n");
+    struct stat st{};
+    ASSERT_EQ(stat(path.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600U);
+    EXPECT_NE(access((path + ".tmp").c_str(), F_OK), 0);
+
+    // An existing file is never replaced.
+    auto again = create_secret_file(path, "tok-2\n");
+    ASSERT_TRUE(again.ok()) << again.error();
+    EXPECT_FALSE(*again);
+    std::ifstream in2(path, std::ios::binary);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in2), {}), "tok-1\n");
+    std::remove(path.c_str());
+
+    auto missing_dir = create_secret_file("/nonexistent/egress/token", "tok");
+    ASSERT_FALSE(missing_dir.ok());
+    EXPECT_NE(missing_dir.error().find("/nonexistent/egress/token.tmp"), std::string::npos);
 }
 
 TEST(ConstantTimeEquals, Compares) {

@@ -1140,3 +1140,27 @@ def test_run_ca_is_name_constrained_to_the_runs_hosts(cp, world, api_secret):
     c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
     c.close()
     assert resp.status == 200
+
+# ---------------------------------------------------------------------------------------------
+# key and token files
+
+
+def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
+    """The admin token and master key are written to a temp file, then renamed into place: a
+    create interrupted by a crash leaves only the temp file, which the next start replaces."""
+    e = factory.make(cp_mutate(world))
+    var = os.path.dirname(e.config["admin"]["token_file"])
+    os.makedirs(var, exist_ok=True)
+    for path in (e.config["admin"]["token_file"], master_key_file(e)):
+        open(path + ".tmp", "wb").close()
+    factory.started.append(e)
+    e.start()
+    assert len(admin_token(e)) == 64
+    assert os.path.getsize(master_key_file(e)) == 32
+    for path in (e.config["admin"]["token_file"], master_key_file(e)):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert not os.path.exists(path + ".tmp")
+    open(master_key_file(e) + ".next.tmp", "wb").close()
+    ctl_ok(e, "keys", "rotate")
+    assert not os.path.exists(master_key_file(e) + ".next.tmp")
+    assert api(e, "GET", "/v1/secrets").status == 200
