@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include <boost/json.hpp>
+#include <boost/json/basic_parser_impl.hpp>
 #include <boost/url/parse.hpp>
 #include <boost/url/params_view.hpp>
 #include <boost/url/url_view.hpp>
@@ -173,16 +174,150 @@ bool valid_name(const std::string& n) {
     return true;
 }
 
-Result<json::object> parse_body(std::string_view body) {
+/// boost::json's allocator for request bodies: zeroes every block it frees, so a secret value
+/// leaves no copy behind, also when parsing fails halfway through or a string grows.
+class WipingResource final : public json::memory_resource {
+    void* do_allocate(size_t n, size_t align) override {
+        return ::operator new(n, std::align_val_t(align));
+    }
+    void do_deallocate(void* p, size_t n, size_t align) override {
+        egress::secure_zero(p, n);
+        ::operator delete(p, n, std::align_val_t(align));
+    }
+    bool do_is_equal(const json::memory_resource& other) const noexcept override {
+        return this == &other;
+    }
+};
+
+/// A pass over a body that builds nothing and finds the first key given twice in one object,
+/// by its path ("scope.org"). boost::json keeps the last silently; a proxy or audit tool in
+/// front of the API that reads the first would see another request than egressd acts on.
+class DuplicateKeyFinder {
+public:
+    static constexpr size_t max_object_size = static_cast<size_t>(-1);
+    static constexpr size_t max_array_size = static_cast<size_t>(-1);
+    static constexpr size_t max_key_size = static_cast<size_t>(-1);
+    static constexpr size_t max_string_size = static_cast<size_t>(-1);
+
+    explicit DuplicateKeyFinder(std::string root) : root_(std::move(root)) {}
+    const std::string& duplicate() const { return duplicate_; }
+
+    bool on_document_begin(boost::system::error_code&) { return true; }
+    bool on_document_end(boost::system::error_code&) { return true; }
+    bool on_object_begin(boost::system::error_code&) { return open(false); }
+    bool on_object_end(size_t, boost::system::error_code&) { return close(); }
+    bool on_array_begin(boost::system::error_code&) { return open(true); }
+    bool on_array_end(size_t, boost::system::error_code&) { return close(); }
+    bool on_key_part(std::string_view s, size_t, boost::system::error_code&) {
+        key_.append(s);
+        return true;
+    }
+    bool on_key(std::string_view s, size_t, boost::system::error_code& ec) {
+        key_.append(s);
+        Frame& f = frames_.back();
+        if (!f.keys.insert(key_).second) {
+            duplicate_ = f.path.empty() ? key_ : f.path + "." + key_;
+            ec = boost::system::errc::make_error_code(boost::system::errc::invalid_argument);
+            return false;
+        }
+        f.key = std::move(key_);
+        key_.clear();
+        return true;
+    }
+    bool on_string_part(std::string_view, size_t, boost::system::error_code&) { return true; }
+    bool on_string(std::string_view, size_t, boost::system::error_code&) { return scalar(); }
+    bool on_number_part(std::string_view, boost::system::error_code&) { return true; }
+    bool on_int64(int64_t, std::string_view, boost::system::error_code&) { return scalar(); }
+    bool on_uint64(uint64_t, std::string_view, boost::system::error_code&) { return scalar(); }
+    bool on_double(double, std::string_view, boost::system::error_code&) { return scalar(); }
+    bool on_bool(bool, boost::system::error_code&) { return scalar(); }
+    bool on_null(boost::system::error_code&) { return scalar(); }
+    bool on_comment_part(std::string_view, boost::system::error_code&) { return true; }
+    bool on_comment(std::string_view, boost::system::error_code&) { return true; }
+
+private:
+    struct Frame {
+        std::string path;
+        bool array = false;
+        size_t index = 0;            // arrays: the next element's
+        std::string key;             // objects: the current member's
+        std::set<std::string> keys;  // objects: every key so far
+    };
+
+    /// The path of the value that starts now (and counts it, inside an array).
+    std::string value_path() {
+        if (frames_.empty()) {
+            return root_;
+        }
+        Frame& f = frames_.back();
+        if (f.array) {
+            return f.path + "[" + std::to_string(f.index++) + "]";
+        }
+        return f.path.empty() ? f.key : f.path + "." + f.key;
+    }
+    bool open(bool array) {
+        Frame f;
+        f.path = value_path();
+        f.array = array;
+        frames_.push_back(std::move(f));
+        return true;
+    }
+    bool close() {
+        frames_.pop_back();
+        return true;
+    }
+    bool scalar() {
+        (void)value_path();
+        return true;
+    }
+
+    std::string root_;  // the body's own path ("pin")
+    std::vector<Frame> frames_;
+    std::string key_;
+    std::string duplicate_;
+};
+
+/// Parses a request body that may hold a secret value: a key given twice is refused ("name:
+/// given more than once", its path under `root`), and every block the parse frees is zeroed
+/// (WipingResource), the parser's own stack included.
+Result<json::value> parse_json(std::string_view body, const std::string& root = "") {
+    {
+        json::basic_parser<DuplicateKeyFinder> finder(json::parse_options{}, root);
+        boost::system::error_code ec;
+        finder.write_some(false, body.data(), body.size(), ec);
+        if (!finder.handler().duplicate().empty()) {
+            return make_error(finder.handler().duplicate() + ": given more than once");
+        }
+        // Syntax errors are reported by the parse below.
+    }
+    json::storage_ptr wiping = json::make_shared_resource<WipingResource>();
+    unsigned char temp[BOOST_JSON_STACK_BUFFER_SIZE];
     boost::system::error_code ec;
-    auto v = json::parse(body, ec);
+    json::value v(wiping);  // same resource: assigning the result moves it, never copies
+    {
+        json::parser p(wiping, json::parse_options{}, temp, sizeof temp);
+        p.reset(wiping);
+        p.write(body.data(), body.size(), ec);
+        if (!ec) {
+            v = p.release();
+        }
+    }
+    egress::secure_zero(temp, sizeof temp);
     if (ec) {
         return make_error("body: invalid JSON: " + ec.message());
     }
-    if (!v.is_object()) {
+    return v;
+}
+
+Result<json::object> parse_body(std::string_view body) {
+    auto v = parse_json(body);
+    if (!v) {
+        return make_error(v.error());
+    }
+    if (!v->is_object()) {
         return make_error("body: must be a JSON object");
     }
-    return std::move(v.as_object());  // moved, not copied: one copy of a secret value to wipe
+    return std::move(v->as_object());  // moved, not copied: one copy of a secret value to wipe
 }
 
 /// Wipes a parsed secret value in place when the request is done (admin.cc wipes the raw body).
@@ -533,6 +668,19 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
                           "' (expected bearer, basic or header)");
     }
     p.inject.type = *type;
+    // Each type takes only its own options (as in the config), so a misspelled or misplaced
+    // option is refused instead of silently changing what is injected.
+    for (const auto& [k, _] : io) {
+        const bool known = k == "type" || k == "username" || k == "name" || k == "template";
+        if (!known) {
+            return make_error(path + ".inject." + std::string(k) + ": unknown field");
+        }
+        const char* owner = k == "username" ? "basic" : k == "type" ? nullptr : "header";
+        if (owner != nullptr && *type != owner) {
+            return make_error(path + ".inject." + std::string(k) + ": only valid with type " +
+                              owner);
+        }
+    }
     auto user = get_string(io, "username", path + ".inject.", *type == "basic");
     if (!user) return make_error(user.error());
     auto name = get_string(io, "name", path + ".inject.", *type == "header");
@@ -756,10 +904,9 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     if (run.revoked || run.expires_at <= now) {
         return error(409, "conflict", "run '" + id + "' is revoked or expired");
     }
-    boost::system::error_code ec;
-    auto v = json::parse(body, ec);
-    if (ec) return error(400, "invalid_request", "body: invalid JSON: " + ec.message());
-    auto p = parse_pin(v, "pin", run.scope, *snap, run.expires_at, now);
+    auto v = parse_json(body, "pin");
+    if (!v) return error(400, "invalid_request", v.error());
+    auto p = parse_pin(*v, "pin", run.scope, *snap, run.expires_at, now);
     if (!p) return error(400, "invalid_request", p.error());
     auto permitted = run_constraints(run, *current_config());
     auto wanted = constraint_name(p->host);
@@ -1112,6 +1259,16 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
     }
     built_ = std::move(built);
     fingerprints_ = std::move(fps);
+    // Keep only the values a built run still uses: a deleted or rotated secret (or the copy
+    // unsealed under a retired KEK) then leaves memory, wiped, once the last runtime holding
+    // it is dropped, and the cache stays as small as the live pins.
+    std::set<const credstore::SecretValue*> in_use;
+    for (const auto& [id, run] : built_) {
+        for (const policy::Pin& pin : run->policy.pins) {
+            in_use.insert(pin.secret.get());
+        }
+    }
+    std::erase_if(unsealed_, [&](const auto& entry) { return in_use.count(entry.second.get()) == 0; });
     return std::shared_ptr<const Runtime>(rt);
 }
 

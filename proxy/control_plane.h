@@ -93,7 +93,8 @@ private:
     std::string proxy_authority_;
     std::mutex mu_;        // serializes mutations (admin requests)
     std::mutex build_mu_;  // guards the caches below (build_runtime runs inside apply)
-    std::map<std::string, credstore::SecretPtr> unsealed_;  // secret_key + version → value
+    // secret_key + version + KEK → value; only values a built run uses (build_runtime evicts)
+    std::map<std::string, credstore::SecretPtr> unsealed_;
     std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run
     std::map<std::string, std::string> fingerprints_;      // run id → what it was built from
     std::map<std::string, std::string> swept_;             // swept run id → token SHA-256

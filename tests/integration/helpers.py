@@ -411,3 +411,28 @@ def curl(args: list[str], env: dict | None = None, timeout: float = 60.0,
     if check and r.returncode != 0:
         raise AssertionError(f"{cmd} -> rc {r.returncode}: {r.stderr.decode(errors='replace')}")
     return r
+
+
+def occurrences_in_memory(pid: int, needle: bytes) -> int:
+    """How often `needle` occurs in the writable memory of process `pid` (heap, thread arenas,
+    stacks, anonymous mappings), read through /proc/PID/mem (the test runs egressd as a child)."""
+    found = 0
+    chunk = 16 << 20
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith("rw"):
+                continue
+            start, end = (int(x, 16) for x in span.split("-"))
+            if end - start > 1 << 36:
+                continue  # a sanitizer's shadow reservation (terabytes, never egressd's data)
+            # In pieces that overlap by len(needle) - 1: a copy across a boundary counts once.
+            at = start
+            try:
+                while at < end:
+                    mem.seek(at)
+                    found += mem.read(min(chunk, end - at)).count(needle)
+                    at += chunk - (len(needle) - 1)
+            except (OSError, ValueError, OverflowError):
+                continue  # a mapping that went away or cannot be read ([vvar] and the like)
+    return found

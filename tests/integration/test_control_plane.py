@@ -186,6 +186,35 @@ VALIDATION = [
     ("pin_path_prefix", "POST", "/v1/runs",
      {"scope": {"org": "acme"}, "pins": [_pin(path_prefixes=["repos"])]}, "pins[0].path_prefixes"),
     ("pins_not_array", "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": {}}, "pins"),
+    # A key given twice: refused, not "the last one wins" (a proxy in front reading the first
+    # would see another request than egressd acts on).
+    ("secret_duplicate_name", "POST", "/v1/secrets",
+     b'{"name": "dupA", "name": "dupB", "scope": {"org": "acme"}, "value": "v"}', "name"),
+    ("secret_duplicate_scope_org", "POST", "/v1/secrets",
+     b'{"name": "dup", "scope": {"org": "acme", "org": "other"}, "value": "v"}', "scope.org"),
+    ("secret_duplicate_value", "POST", "/v1/secrets",
+     b'{"name": "dup", "scope": {"org": "acme"}, "value": "a", "value": "b"}', "value"),
+    ("rotate_duplicate_scope", "PUT", "/v1/secrets/api_tok",
+     b'{"scope": {"org": "acme"}, "scope": {"org": "other"}, "value": "v"}', "scope"),
+    ("run_duplicate_in_second_pin", "POST", "/v1/runs",
+     b'{"scope": {"org": "acme"}, "pins": [{"host": "api.test", "secret": "api_tok", '
+     b'"inject": {"type": "bearer"}}, {"host": "api.test", "secret": "api_tok", '
+     b'"inject": {"type": "bearer", "type": "basic"}}]}', "pins[1].inject.type"),
+    # inject takes only known options, and each type only its own (as in the config).
+    ("pin_inject_misspelled_template", "POST", "/v1/runs",
+     {"scope": {"org": "acme"},
+      "pins": [_pin(inject={"type": "header", "name": "X-Api-Key", "templat": "Key {secret}"})]},
+     "pins[0].inject.templat"),
+    ("pin_bearer_with_username", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "bearer", "username": "u"})]},
+     "pins[0].inject.username"),
+    ("pin_basic_with_template", "POST", "/v1/runs",
+     {"scope": {"org": "acme"},
+      "pins": [_pin(inject={"type": "basic", "username": "u", "template": "x {secret}"})]},
+     "pins[0].inject.template"),
+    ("pin_bearer_with_name", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "bearer", "name": "x-key"})]},
+     "pins[0].inject.name"),
 ]
 
 
@@ -205,6 +234,20 @@ def test_validation_errors_name_the_field(cp, api_secret, name, method, path, bo
         f"{field} " in j["detail"], j["detail"]
     # The refused request changed nothing.
     assert api_ok(cp, "GET", "/v1/secrets") == before
+
+
+def test_added_pin_is_validated_like_a_run_pin(cp, world, api_secret):
+    run = create_run(cp, world, {"org": "acme"}, [])
+    path = f"/v1/runs/{run.id}/pins"
+    for raw, field in [
+            (b'{"host": "api.test", "host": "other.test", "secret": "api_tok", '
+             b'"inject": {"type": "bearer"}}', "pin.host"),
+            (json.dumps(_pin(inject={"type": "bearer", "bogus": 1})).encode(),
+             "pin.inject.bogus")]:
+        r = api(cp, "POST", path, raw=raw)
+        assert r.status == 400 and r.json["error"] == "invalid_request", (r.status, r.body)
+        assert r.json["detail"].startswith(f"{field}:"), r.json["detail"]
+    assert api_ok(cp, "GET", f"/v1/runs/{run.id}")["pins"] == []
 
 
 def test_20_pin_headers_are_accepted(cp, api_secret, world):
@@ -1142,7 +1185,38 @@ def test_run_ca_is_name_constrained_to_the_runs_hosts(cp, world, api_secret):
     assert resp.status == 200
 
 # ---------------------------------------------------------------------------------------------
-# key and token files
+# secret values in egressd's memory; key and token files
+
+
+def _copies(e, value: str, want, timeout: float = 5.0) -> int:
+    """How many copies of `value` egressd's memory holds, once `want(count)` holds (or the
+    deadline passes). The needle is the value's random tail: a freed heap block keeps all but
+    its first 16 bytes, so the whole value would hide a copy left behind."""
+    tail = value[-32:].encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        n = helpers.occurrences_in_memory(e.proc.pid, tail)
+        if want(n) or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
+def test_deleted_or_rotated_secret_leaves_memory(cp, world):
+    """A value stays unsealed in memory only while a live run's pin uses it: rotating the
+    secret drops the old version, revoking the run and deleting the secret drops the new."""
+    v1, v2 = sval("rot1"), sval("rot2")
+    name = "gone_" + pysecrets.token_hex(4)
+    put_secret(cp, name, v1, org="acme")
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), name)])
+    assert _copies(cp, v1, lambda n: n >= 1) >= 1  # the pin's value: the scan finds it
+    rotate_secret(cp, name, v2, org="acme")
+    assert _copies(cp, v2, lambda n: n >= 1) >= 1
+    n = _copies(cp, v1, lambda n: n == 0)
+    assert n == 0, f"{n} copies of a rotated-away version left in egressd's memory"
+    api_ok(cp, "DELETE", f"/v1/runs/{run.id}")
+    assert api(cp, "DELETE", f"/v1/secrets/{name}").status == 204
+    n = _copies(cp, v2, lambda n: n == 0)
+    assert n == 0, f"{n} copies of a deleted secret left in egressd's memory"
 
 
 def test_leftover_temp_files_do_not_block_the_first_start(factory, world):

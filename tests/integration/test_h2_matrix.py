@@ -90,31 +90,6 @@ def test_injected_credential_is_never_indexed_upstream(world, e2, h2up, marker, 
     assert "x-client-field" not in echo["never_indexed"]
 
 
-def occurrences_in_memory(pid: int, needle: bytes) -> int:
-    """How often `needle` occurs in the writable memory of process `pid` (heap, thread arenas,
-    stacks, anonymous mappings), read through /proc/PID/mem (the test runs egressd as a child)."""
-    found = 0
-    chunk = 16 << 20
-    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
-        for line in maps:
-            span, perms = line.split()[:2]
-            if not perms.startswith("rw"):
-                continue
-            start, end = (int(x, 16) for x in span.split("-"))
-            if end - start > 1 << 36:
-                continue  # a sanitizer's shadow reservation (terabytes, never egressd's data)
-            # In pieces that overlap by len(needle) - 1: a copy across a boundary counts once.
-            at = start
-            try:
-                while at < end:
-                    mem.seek(at)
-                    found += mem.read(min(chunk, end - at)).count(needle)
-                    at += chunk - (len(needle) - 1)
-            except (OSError, ValueError, OverflowError):
-                continue  # a mapping that went away or cannot be read ([vvar] and the like)
-    return found
-
-
 def test_injected_credential_is_wiped_when_the_request_is_done(factory, world, h2up):
     """Every copy egressd makes of an injected credential (the request head's field, the
     HTTP/1.1 head it writes, the HTTP/2 frames and nghttp2's copy of the fields, the scrubber's
@@ -126,7 +101,7 @@ def test_injected_credential_is_wiped_when_the_request_is_done(factory, world, h
     e = factory.start(add_h2_pins(world, h2up))
     pid = e.proc.pid
     tails = [world.secrets["api_token"][-32:].encode(), world.secrets["hdr_key"][-32:].encode()]
-    before = [occurrences_in_memory(pid, t) for t in tails]
+    before = [helpers.occurrences_in_memory(pid, t) for t in tails]
     assert before[0] >= 1  # the secret's own buffer: the scan finds what is there
     tag = "wipe-" + os.urandom(3).hex()
     for down, up in (split(case) for case in MATRIX):
@@ -151,7 +126,7 @@ def test_injected_credential_is_wiped_when_the_request_is_done(factory, world, h
     # The last exchanges finish just after their responses: a moment for them to end.
     deadline = time.monotonic() + 5
     while True:
-        after = [occurrences_in_memory(pid, t) for t in tails]
+        after = [helpers.occurrences_in_memory(pid, t) for t in tails]
         if after == before or time.monotonic() > deadline:
             break
         time.sleep(0.1)
