@@ -2,6 +2,9 @@
 // Runs on its own io_context thread, so control-plane writes (fsync) never stall the proxy.
 #include <sys/stat.h>
 
+#include <array>
+#include <optional>
+
 #include "common/secure_zero.h"
 #include "proxy/control_plane.h"
 #include "proxy/worker.h"
@@ -37,6 +40,40 @@ bool host_is_loopback_name(std::string_view host_header, uint16_t port) {
     error_code ec;
     auto addr = net::ip::make_address(std::string(h), ec);
     return !ec && addr.is_loopback();
+}
+
+constexpr size_t kMaxBodyBytes = 1 << 20;
+constexpr size_t kMaxHeadBytes = 16 * 1024;
+
+// A request may carry a secret value (POST/PUT /v1/secrets): the raw bytes read, the body and
+// every copy either makes while growing are zeroed when freed.
+using WipingBuffer = beast::basic_flat_buffer<egress::WipingAllocator<char>>;
+using WipingBody =
+    http::basic_string_body<char, std::char_traits<char>, egress::WipingAllocator<char>>;
+
+struct ReadErrorReply {
+    http::status status;
+    std::string body;
+};
+
+/// The answer to a request that could not be read; nothing when there is nobody to answer (the
+/// peer closed, the connection failed or timed out).
+std::optional<ReadErrorReply> read_error_reply(const error_code& ec) {
+    if (ec == http::error::body_limit) {
+        return ReadErrorReply{http::status::payload_too_large,
+                              R"({"error":"too_large","detail":"request body over 1 MiB"})"};
+    }
+    if (ec == http::error::header_limit) {
+        return ReadErrorReply{http::status::request_header_fields_too_large,
+                              R"({"error":"too_large","detail":"request head over 16 KiB"})"};
+    }
+    if (ec.category() == http::make_error_code(http::error::bad_method).category() &&
+        ec != http::error::end_of_stream && ec != http::error::partial_message) {
+        return ReadErrorReply{http::status::bad_request,
+                              R"({"error":"bad_request","detail":"malformed HTTP request: )" +
+                                  ec.message() + R"("})"};
+    }
+    return std::nullopt;
 }
 
 template <class Socket>
@@ -99,20 +136,56 @@ size_t ConnectionRegistry::close_run(const std::string& run) {
     return it->second.size();
 }
 
+/// Answers a request that could not be read (JSON {"error","detail"}), then closes. The client
+/// may still be sending (a body over the limit): closing with unread bytes would reset the
+/// connection, and the client might lose the answer, so what arrives for a moment is dropped.
+template <class Stream>
+awaitable<void> answer_and_close(Stream& stream, ReadErrorReply reply) {
+    http::response<http::string_body> res{reply.status, 11};
+    res.set(http::field::server, "egressd");
+    res.set(http::field::content_type, "application/json");
+    res.body() = std::move(reply.body);
+    res.keep_alive(false);
+    res.prepare_payload();
+    stream.expires_after(std::chrono::seconds(5));
+    auto [wec, wn] = co_await http::async_write(stream, res, use_nothrow);
+    if (wec) {
+        co_return;
+    }
+    error_code ignored;
+    stream.socket().shutdown(net::socket_base::shutdown_send, ignored);
+    stream.expires_after(std::chrono::seconds(1));
+    std::array<char, 16 * 1024> sink;
+    for (size_t dropped = 0; dropped < 4 * kMaxBodyBytes;) {
+        auto [rec, rn] = co_await stream.async_read_some(net::buffer(sink), use_nothrow);
+        if (rec) {
+            break;
+        }
+        dropped += rn;
+    }
+    egress::secure_zero(sink.data(), sink.size());
+}
+
 template <class Socket>
 awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
     using Stream = beast::basic_stream<typename Socket::protocol_type>;
     Stream stream(std::move(socket));
     uint16_t port = 0;
     const bool loopback = is_loopback_tcp(stream.socket(), port);
-    beast::flat_buffer buf;
+    WipingBuffer buf;
     for (;;) {
-        http::request_parser<http::string_body> parser;
-        parser.body_limit(1 << 20);
-        parser.header_limit(16 * 1024);
+        http::request_parser<WipingBody> parser;
+        parser.body_limit(kMaxBodyBytes);
+        parser.header_limit(kMaxHeadBytes);
         stream.expires_after(std::chrono::seconds(30));
         auto [ec, n] = co_await http::async_read(stream, buf, parser, use_nothrow);
+        // What was read stays in the buffer's block after it is consumed: shrink_to_fit moves
+        // what is left (a pipelined request) to a new block and frees the old one, zeroed.
+        buf.shrink_to_fit();
         if (ec) {
+            if (auto reply = read_error_reply(ec)) {
+                co_await answer_and_close(stream, std::move(*reply));
+            }
             co_return;
         }
         auto req = parser.release();

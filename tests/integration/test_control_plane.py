@@ -1184,8 +1184,9 @@ def test_run_ca_is_name_constrained_to_the_runs_hosts(cp, world, api_secret):
     c.close()
     assert resp.status == 200
 
+
 # ---------------------------------------------------------------------------------------------
-# secret values in egressd's memory; key and token files
+# secret values in egressd's memory; admin requests it cannot read
 
 
 def _copies(e, value: str, want, timeout: float = 5.0) -> int:
@@ -1199,6 +1200,53 @@ def _copies(e, value: str, want, timeout: float = 5.0) -> int:
         if want(n) or time.monotonic() > deadline:
             return n
         time.sleep(0.1)
+
+
+def _raw_admin(e, head: str, body: bytes = b"", timeout: float = 10.0) -> helpers.Response:
+    """Sends one request as written (head and body in separate writes) on a fresh connection."""
+    s = socket.create_connection(("127.0.0.1", e.admin_port), timeout=timeout)
+    c = helpers.Conn(s)
+    try:
+        c.send(head.encode())
+        if body:
+            c.send(body)
+        return helpers.read_response(c)
+    finally:
+        c.close()
+
+
+def _chunked(body: bytes, size: int = 7) -> bytes:
+    out = b"".join(f"{len(body[i:i + size]):x}\r\n".encode() + body[i:i + size] + b"\r\n"
+                   for i in range(0, len(body), size))
+    return out + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", ["content_length", "chunked", "syntax_error_after_value",
+                                     "value_given_twice"])
+def test_admin_request_leaves_no_copy_of_a_secret_value(cp, framing):
+    """A secret no run uses is never unsealed: once its POST is answered, egressd's memory holds
+    no copy of the value, whatever the framing: not the raw bytes read, not a body copy left by
+    growing (chunked), not what the JSON parser freed on an error or for a key given twice."""
+    v = sval("mem")
+    name = "mem_" + pysecrets.token_hex(4)
+    body = json.dumps({"name": name, "scope": {"org": "acme"}, "value": v}).encode()
+    want_status = 201
+    if framing == "syntax_error_after_value":
+        body = body[:-1] + b", }"
+        want_status = 400
+    elif framing == "value_given_twice":
+        body = body[:-1] + b', "value": "' + sval("mem2").encode() + b'"}'
+        want_status = 400
+    head = (f"POST /v1/secrets HTTP/1.1\r\nHost: 127.0.0.1:{cp.admin_port}\r\n"
+            f"Authorization: Bearer {admin_token(cp)}\r\nContent-Type: application/json\r\n")
+    if framing == "chunked":
+        resp = _raw_admin(cp, head + "Transfer-Encoding: chunked\r\n\r\n", _chunked(body))
+    else:
+        resp = _raw_admin(cp, head + f"Content-Length: {len(body)}\r\n\r\n", body)
+    SEEN.append(("POST /v1/secrets", resp.body))
+    assert resp.status == want_status, (resp.status, resp.body[:300])
+    n = _copies(cp, v, lambda n: n == 0)
+    assert n == 0, f"{n} copies of a secret value no run uses left in egressd's memory"
 
 
 def test_deleted_or_rotated_secret_leaves_memory(cp, world):
@@ -1217,6 +1265,32 @@ def test_deleted_or_rotated_secret_leaves_memory(cp, world):
     assert api(cp, "DELETE", f"/v1/secrets/{name}").status == 204
     n = _copies(cp, v2, lambda n: n == 0)
     assert n == 0, f"{n} copies of a deleted secret left in egressd's memory"
+
+
+@pytest.mark.parametrize("case", ["body_over_limit", "head_over_limit", "malformed"])
+def test_unreadable_admin_request_gets_a_json_error(cp, case):
+    """A request over the size limits or malformed is answered with a JSON error and the
+    connection closed, not reset: the client (egressctl) can tell what went wrong."""
+    head = (f"POST /v1/secrets HTTP/1.1\r\nHost: 127.0.0.1:{cp.admin_port}\r\n"
+            f"Authorization: Bearer {admin_token(cp)}\r\nContent-Type: application/json\r\n")
+    body = b""
+    if case == "body_over_limit":
+        head += f"Content-Length: {2 << 20}\r\n\r\n"
+        body = b"x" * (256 << 10)  # part of it: the client is still sending when refused
+        want = (413, "too_large")
+    elif case == "head_over_limit":
+        head += "X-Pad: " + "a" * (20 << 10) + "\r\nContent-Length: 0\r\n\r\n"
+        want = (431, "too_large")
+    else:
+        head += "Content-Length: twelve\r\n\r\n"
+        want = (400, "bad_request")
+    resp = _raw_admin(cp, head, body)
+    assert resp.status == want[0], (resp.status, resp.body[:300])
+    assert resp.header("Content-Type") == "application/json"
+    assert (resp.header("Connection") or "").lower() == "close"
+    j = json.loads(resp.body)
+    assert set(j) == {"error", "detail"} and j["error"] == want[1], j
+    assert api(cp, "GET", "/v1/secrets").status == 200  # and egressd serves on
 
 
 def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
