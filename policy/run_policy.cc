@@ -321,7 +321,6 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
            std::any_of(global.allow_hosts.begin(), global.allow_hosts.end(), allows);
 }
 
-
 const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                      std::string_view method, std::string_view path, TimePoint now) {
     if (!run_live(run, now)) {
@@ -336,17 +335,6 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
     });
 }
 
-const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
-                     std::string_view path, TimePoint now) {
-    if (!run_live(run, now)) {
-        return nullptr;
-    }
-    const std::string_view path_only = path.substr(0, path.find('?'));
-    return find_pin(run, dest.host, [&](const Pin& pin) {
-        return pin_live(pin, now) && pin.host.matches(dest) && method_matches(pin, method) &&
-               path_matches(pin, path_only);
-    });
-}
 
 bool host_pinned(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                  TimePoint now) {

@@ -167,12 +167,6 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
 const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                      std::string_view method, std::string_view path, TimePoint now);
 
-/// WARNING: transitional, for the admin API's explain until it passes the global policy: a pin
-/// without a port matches here on any port, so it can name a pin the proxy would not use.
-/// Use the overload above.
-const Pin* match_pin(const RunPolicy& run, const HostPort& dest, std::string_view method,
-                     std::string_view path, TimePoint now);
-
 /// True if a live pin matches host and port (port rule above; path and method ignored).
 bool host_pinned(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                  TimePoint now);

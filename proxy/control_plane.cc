@@ -1011,7 +1011,7 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
         out["reason"] = "allowed_unpinned_tunnel";
         return ok(200, out);
     }
-    const policy::Pin* pin = policy::match_pin(run->policy, *dest, method, path, now);
+    const policy::Pin* pin = policy::match_pin(config->policy, run->policy, *dest, method, path, now);
     if (pin == nullptr) {
         bool allowed = policy::host_allowed(config->policy, run->policy, *dest);
         out["decision"] = allowed ? "forward" : "deny";

@@ -294,10 +294,14 @@ class Arena:
         return out
 
     def audit_size(self) -> int:
+        """The end of the last complete line: a batch of records being appended right now may
+        be in the file in part, and a later read from the middle of a line would not parse."""
         try:
-            return os.path.getsize(self.e.audit_path)
+            with open(self.e.audit_path, "rb") as f:
+                data = f.read()
         except FileNotFoundError:
             return 0
+        return data.rfind(b"\n") + 1
 
     def audit_since(self, off: int) -> list[dict]:
         try:

@@ -434,6 +434,18 @@ def test_explain(cp, world, scoped):
     r = api(cp, "GET", f"/v1/runs/{run.id}/explain?url=notaurl")
     assert r.status == 400 and r.json["detail"].startswith("url")
 
+    # a pin without a port covers allowed_ports only: on a port another pin names, explain
+    # names that pin, as the proxy does
+    P = next(p for p in range(47001, 47100) if p not in cp.config["policy"]["allowed_ports"])
+    two = create_run(cp, world, {"org": "acme", "project": "web", "user": "ana"},
+                     [bearer_pin("other.test", "gh"),
+                      {"host": f"other.test:{P}", "secret": "gh",
+                       "inject": {"type": "header", "name": "x-api-key"}}])
+    ex = api_ok(cp, "GET", f"/v1/runs/{two.id}/explain?url="
+                           f"{quote(f'https://other.test:{P}/x', safe='')}")
+    assert ex["pin"]["id"] == two.reply["pins"][1]["id"], ex
+    api_ok(cp, "DELETE", f"/v1/runs/{two.id}")
+
     # the same through egressctl, human-readable
     out = ctl_ok(cp, "run", "explain", run.id, f"https://{api_host(world)}/repos/acme/x").out
     assert "decision: inject" in out, out
