@@ -177,12 +177,21 @@ bool valid_name(const std::string& n) {
 /// boost::json's allocator for request bodies: zeroes every block it frees, so a secret value
 /// leaves no copy behind, also when parsing fails halfway through or a string grows.
 class WipingResource final : public json::memory_resource {
+    // The aligned forms only for over-aligned requests: boost::json deallocates with the
+    // alignment it allocated with, and the two must pair (operator new(n) with delete(p, n)).
     void* do_allocate(size_t n, size_t align) override {
-        return ::operator new(n, std::align_val_t(align));
+        if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) {
+            return ::operator new(n, std::align_val_t(align));
+        }
+        return ::operator new(n);
     }
     void do_deallocate(void* p, size_t n, size_t align) override {
         egress::secure_zero(p, n);
-        ::operator delete(p, n, std::align_val_t(align));
+        if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) {
+            ::operator delete(p, n, std::align_val_t(align));
+        } else {
+            ::operator delete(p, n);
+        }
     }
     bool do_is_equal(const json::memory_resource& other) const noexcept override {
         return this == &other;
