@@ -256,7 +256,7 @@ std::string audit_json(const AuditRecord& r) {
 }
 
 void append_audit_json(std::string& out, const AuditRecord& r) {
-    const std::string_view path = std::string_view(r.path).substr(0, r.path.find('?'));
+    const std::string_view path = without_query(r.path);
     Measure m;
     visit_record(r, path, m);
     // Measured, then written with plain stores into the space measured (common/text_cursor.h).

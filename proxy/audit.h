@@ -19,6 +19,12 @@
 
 namespace egress::proxy {
 
+/// A path as audit records and log lines show it: without the query, which may carry tokens
+/// (OAuth codes, pre-signed URLs).
+inline std::string_view without_query(std::string_view path) {
+    return path.substr(0, path.find('?'));
+}
+
 struct AuditRecord {
     std::string run;
     std::string method;

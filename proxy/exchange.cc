@@ -218,12 +218,6 @@ bool encoded(const ResponseHead& rh) {
     return false;
 }
 
-/// The path as log lines show it: without the query, as the audit record has it (a query
-/// may carry tokens: OAuth codes, pre-signed URLs).
-std::string_view without_query(std::string_view path) {
-    return path.substr(0, path.find('?'));
-}
-
 /// Drops the request trailer fields the head's rules govern. RFC 9110 6.5.1: a trailer may
 /// not carry framing, routing, authentication or request controls, and an upstream that
 /// merges trailers into the header section would otherwise see a field the pipeline refuses

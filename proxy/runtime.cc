@@ -35,6 +35,15 @@ Result<bool> stage_file(const std::string& path, const std::string& content, mod
     return true;
 }
 
+/// Every error of a build, one per line, as start and reload print them.
+std::string one_per_line(const std::vector<std::string>& errors) {
+    std::string msg;
+    for (const auto& e : errors) {
+        msg += (msg.empty() ? "" : "\n") + e;
+    }
+    return msg;
+}
+
 }  // namespace
 
 std::shared_ptr<Run> Runtime::find(const std::string& id) const {
@@ -170,11 +179,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
         rt->runs[rc.id] = std::move(run);
     }
     if (!errors.empty()) {
-        std::string msg;
-        for (const auto& e : errors) {
-            msg += (msg.empty() ? "" : "\n") + e;
-        }
-        return make_error(msg);
+        return make_error(one_per_line(errors));
     }
     return rt;
 }
@@ -220,11 +225,7 @@ Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {
         }
     }
     if (!errors.empty()) {
-        std::string msg;
-        for (const auto& e : errors) {
-            msg += (msg.empty() ? "" : "\n") + e;
-        }
-        return make_error(msg);
+        return make_error(one_per_line(errors));
     }
     return true;
 }

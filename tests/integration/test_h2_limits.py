@@ -15,19 +15,10 @@ from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 from clients import proxy_env, run_ca
 from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
-from helpers import SANITIZER
+from helpers import SANITIZER, poll
 from upstream import payload_sha256
 
 MiB = 1 << 20
-
-
-def _poll(cond, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_sigterm_drain_finishes_h2_upload_and_download(world, factory, marker, tmp_path):
@@ -53,7 +44,7 @@ def test_sigterm_drain_finishes_h2_upload_and_download(world, factory, marker, t
                                 (":path", f"/bytes/{n}?pace=100&id={marker}-dl")])
         # The download is mid-body at the upstream, the upload has reached it.
         raw.pump(until=lambda: world.upstream.progress(f"{marker}-dl") >= 512 * 1024, timeout=20)
-        _poll(lambda: world.upstream.find(f"{marker}-up"), 20, "the upload upstream")
+        poll(lambda: world.upstream.find(f"{marker}-up"), 20, "the upload upstream")
         assert world.upstream.progress(f"{marker}-dl") < n
         e.proc.send_signal(signal.SIGTERM)
         st = raw.streams[sid]
@@ -94,7 +85,7 @@ def test_non_reading_streams_do_not_stall_pooled_upstream_session(world, factory
         for i in range(5):
             a.headers(f"/bytes/{8 * MiB}?{marker}-slow-{i}")
         a.flush()
-        _poll(lambda: len(h2up.find(f"{marker}-slow")) == 5, 10, "the slow streams upstream")
+        poll(lambda: len(h2up.find(f"{marker}-slow")) == 5, 10, "the slow streams upstream")
         a.pump(timeout=1.0)  # their heads come back; the upstream fills their windows
         b = H2Client(e, world, "api.test", h2up.port, timeout=30)
         r = b.request(f"/bytes/{2 * MiB}?{marker}-b", timeout=20)
@@ -123,7 +114,7 @@ def test_non_reading_client_pins_bounded_response_bytes(world, factory, marker):
             c.flush()
             clients.append(c)
         ids = [f"{marker}-{k}-{i}" for k in range(2) for i in range(100)]
-        _poll(lambda: all(world.upstream.progress(i) > 0 for i in ids), 30, "200 downloads upstream")
+        poll(lambda: all(world.upstream.progress(i) > 0 for i in ids), 30, "200 downloads upstream")
         for c in clients:  # the heads come back (HEADERS are not flow-controlled)
             c.pump(until=lambda c=c: sum(r["status"] == 200 for r in c.responses.values()) == 100,
                    timeout=20)
@@ -161,7 +152,7 @@ def test_unfinished_header_block_times_out(world, factory, h2up, marker):
     finally:
         c.close()
     assert h2up.find(marker) == []
-    _poll(lambda: any(r.get("reason") == "header_timeout" for r in e.audit_records()), 5,
+    poll(lambda: any(r.get("reason") == "header_timeout" for r in e.audit_records()), 5,
           "a header_timeout audit record")
 
 
@@ -231,5 +222,5 @@ def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, mar
         assert raw.goaway is None and not raw.closed
     finally:
         c.close()
-    _poll(lambda: sum(r.get("reason") == "too_many_streams" for r in e.audit_records()) ==
+    poll(lambda: sum(r.get("reason") == "too_many_streams" for r in e.audit_records()) ==
           refused, 5, "an audit record per refused stream")

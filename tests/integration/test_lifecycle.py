@@ -15,20 +15,12 @@ import time
 import yaml
 
 import helpers
+from helpers import poll
 from clients import proxy_env, run_ca
 from upstream import payload_sha256
 
 MiB = 1 << 20
 N_TRANSFERS = 50
-
-
-def _poll(cond, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _rewrite(e, mutate):
@@ -44,7 +36,7 @@ def _reload(e, expect: str = "reloaded"):
     """SIGHUP, then waits for one more `expect` line in the log."""
     before = e.stderr_text().count(expect)
     e.proc.send_signal(signal.SIGHUP)
-    _poll(lambda: e.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
+    poll(lambda: e.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
 
 
 def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
@@ -65,13 +57,13 @@ def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     try:
         # Every transfer has reached the upstream (and so is in flight through egressd).
-        _poll(lambda: len(world.upstream.find(marker)) >= N_TRANSFERS, 60, "50 transfers upstream")
+        poll(lambda: len(world.upstream.find(marker)) >= N_TRANSFERS, 60, "50 transfers upstream")
         e.proc.send_signal(signal.SIGTERM)
         # The signal did land mid-body: most upstream writers are still part-way through.
         mid = sum(0 < world.upstream.progress(f"{marker}-{i}") < n for i in range(N_TRANSFERS))
         assert mid >= N_TRANSFERS // 2, f"only {mid} transfers were mid-body at SIGTERM"
         # Draining: /readyz fails and the proxy port stops accepting.
-        _poll(lambda: (e.admin_get("/readyz", timeout=0.5) or (0,))[0] == 503, 10,
+        poll(lambda: (e.admin_get("/readyz", timeout=0.5) or (0,))[0] == 503, 10,
               "/readyz 503 while draining")
         with socket.socket() as s:
             s.settimeout(2)
@@ -100,7 +92,7 @@ def test_sighup_reload_valid_and_invalid(world, factory, marker):
     with open(cfg_path, "w") as f:
         f.write(original + "\npolicy_typo: 1\n")
     e.proc.send_signal(signal.SIGHUP)
-    _poll(lambda: "reload refused" in e.stderr_text(), 10, "reload refused log line")
+    poll(lambda: "reload refused" in e.stderr_text(), 10, "reload refused log line")
     assert "policy_typo" in e.stderr_text()
     assert (e.admin_get("/readyz", timeout=1) or (0,))[0] == 200
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
@@ -118,7 +110,7 @@ def test_sighup_reload_valid_and_invalid(world, factory, marker):
         f.write(original)
     _rewrite(e, lambda cfg: cfg["policy"]["allow_hosts"].append("other.test"))
     e.proc.send_signal(signal.SIGHUP)
-    _poll(lambda: "reloaded" in e.stderr_text(), 10, "reloaded log line")
+    poll(lambda: "reloaded" in e.stderr_text(), 10, "reloaded log line")
     c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth())
     assert r.status == 200, (r.status, r.egress_reason)
     c.close()
@@ -225,7 +217,7 @@ def test_sigterm_uses_the_drain_timeout_of_the_last_reload(world, factory):
     c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
     assert r.status == 200
     e.proc.send_signal(signal.SIGTERM)
-    _poll(lambda: "draining (up to 20000 ms)" in e.stderr_text(), 10, "the reloaded drain_timeout")
+    poll(lambda: "draining (up to 20000 ms)" in e.stderr_text(), 10, "the reloaded drain_timeout")
     c.close()  # the tunnel ends within the drain: an ordinary record
     assert e.proc.wait(timeout=30) == 0
     recs = [r for r in e.audit_records() if r.get("host") == "tunnel.test"]
@@ -247,7 +239,7 @@ def test_work_cut_at_drain_timeout_is_audited(world, factory, marker):
     c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
     try:
         assert r.status == 200
-        _poll(lambda: world.upstream.progress(marker) > 0, 20, "the download under way")
+        poll(lambda: world.upstream.progress(marker) > 0, 20, "the download under way")
         e.proc.send_signal(signal.SIGTERM)
         assert e.proc.wait(timeout=30) == 0
         p.wait(timeout=60)
@@ -280,9 +272,9 @@ def test_h2_stream_sent_after_sigterm_is_served_or_left_unprocessed(world, facto
     h.conn.receive_data = lambda data: _record(events, receive, data)  # to see GOAWAY's id
     long_sid = h.headers(f"/bytes/{MiB}?pace=100&id={marker}-long")
     h.flush()
-    _poll(lambda: world.upstream.progress(f"{marker}-long") > 0, 10, "the long download")
+    poll(lambda: world.upstream.progress(f"{marker}-long") > 0, 10, "the long download")
     e.proc.send_signal(signal.SIGTERM)
-    _poll(lambda: "draining" in e.stderr_text(), 10, "the drain")
+    poll(lambda: "draining" in e.stderr_text(), 10, "the drain")
     sid = h.headers(f"/echo/{marker}-after")
     h.flush()
     r = h.responses[sid]
@@ -325,7 +317,7 @@ def test_static_run_ca_validity_and_its_expiry(world, factory, marker):
     ca = run_ca(short, "r1")
     with open(ca) as f:
         before = f.read()
-    _poll(lambda: "run r1: its CA expired at" in short.stderr_text(), 15, "the expiry error")
+    poll(lambda: "run r1: its CA expired at" in short.stderr_text(), 15, "the expiry error")
     c, r = helpers.proxy_connect(short.proxy_port, f"api.test:{world.U}", world.auth())
     assert (r.status, r.egress_reason) == (502, "leaf_mint_failed")
     c.close()
@@ -385,5 +377,5 @@ def test_sighup_reopens_the_audit_file_and_names_keys_that_need_a_restart(world,
         assert key in line, (key, line)
     assert "audit.path" not in line and "replaced-admin-token" not in line
     get("moved")
-    _poll(lambda: records_in(new_audit, "moved"), 10, "the record in the new audit.path")
+    poll(lambda: records_in(new_audit, "moved"), 10, "the record in the new audit.path")
     assert records_in(e.audit_path, "moved") == []
