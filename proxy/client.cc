@@ -285,15 +285,10 @@ bool secret_unavailable(const Run& run, const policy::HostPort& dest) {
     return false;
 }
 
-}  // namespace
-
-awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
+/// The forward port's requests on one client connection; `unread`: the last one's body was
+/// left unread (an early answer).
+awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
     Shared& shared = w.shared;
-    ActiveConnection active(shared.metrics);
-
-    error_code ignored;
-    socket.set_option(tcp::no_delay(true), ignored);
-    TcpStream stream(std::move(socket));
     beast::flat_buffer buf;
     Scope scope;
     scope.worker = &w;
@@ -311,6 +306,7 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
         const auto started = Clock::now();
         refresh();
         H1RequestParser parser;
+        UnreadBodyNote note{parser, unread};
         auto got = co_await read_request_head(stream, buf, parser, first,
                                               scope.runtime->config->limits);
         // The identity is checked against the runtime of this head, not of the accept or of
@@ -416,6 +412,20 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     }
 }
 
+}  // namespace
+
+awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
+    ActiveConnection active(w.shared.metrics);
+    error_code ignored;
+    socket.set_option(tcp::no_delay(true), ignored);
+    TcpStream stream(std::move(socket));
+    bool unread = false;
+    co_await proxy_requests(stream, w, unread);
+    if (unread) {
+        co_await linger_close(stream.socket(), w.runtime()->config->limits.linger_timeout);
+    }
+}
+
 namespace {
 
 constexpr int kSoOriginalDst = 80;  // SO_ORIGINAL_DST (linux/netfilter_ipv4.h) and
@@ -508,7 +518,8 @@ awaitable<Peeked> peek_first_bytes(tcp::socket& socket, Clock::time_point deadli
 
 /// Cleartext HTTP on the transparent listener: origin-form requests, the host from Host and
 /// the port from the original destination (they must agree).
-awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t port) {
+awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t port,
+                                     bool& unread) {
     Shared& shared = scope.worker->shared;
     const auto& limits = scope.runtime->config->limits;
     beast::flat_buffer buf;
@@ -516,6 +527,7 @@ awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t
     for (;;) {
         const auto started = Clock::now();
         H1RequestParser parser;
+        UnreadBodyNote note{parser, unread};
         auto got = co_await read_request_head(stream, buf, parser, first, limits);
         first = false;
         if (got != HeadRead::Ok) {
@@ -555,6 +567,14 @@ awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t
         if (!keep || shared.draining.load()) {
             co_return;
         }
+    }
+}
+
+awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t port) {
+    bool unread = false;
+    co_await transparent_requests(stream, scope, port, unread);
+    if (unread) {
+        co_await linger_close(stream.socket(), scope.runtime->config->limits.linger_timeout);
     }
 }
 

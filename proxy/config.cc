@@ -530,6 +530,7 @@ public:
                        {"tls_timeout", set_timeout(l.tls_timeout)},
                        {"dns_timeout", set_timeout(l.dns_timeout)},
                        {"drain_timeout", set_timeout(l.drain_timeout)},
+                       {"linger_timeout", set_timeout(l.linger_timeout)},
                        {"connections_per_run", set_count(l.connections_per_run, 1, kMaxCount)},
                        {"h2_max_concurrent_streams",
                         set_count(l.h2_max_concurrent_streams, 1, kMaxCount)},

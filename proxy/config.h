@@ -32,6 +32,12 @@ struct Limits {
     std::chrono::milliseconds tls_timeout{5'000};
     std::chrono::milliseconds dns_timeout{5'000};
     std::chrono::milliseconds drain_timeout{30'000};
+    // A request whose body was not taken to its end (an early answer: a refusal, or an
+    // upstream that answered an upload before taking all of it, 413/401, and closed):
+    // how long egressd waits for such an upstream answer, and how long it keeps reading and
+    // discarding the client's bytes after the answer before the close, so the client reads
+    // the answer instead of a reset (a close with unread bytes resets the connection).
+    std::chrono::milliseconds linger_timeout{2'000};
     size_t connections_per_run = 512;
     size_t h2_max_concurrent_streams = 100;
     // HTTP/2 defences (both legs use the same values where they apply).

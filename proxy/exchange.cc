@@ -62,9 +62,11 @@ public:
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
         co_return co_await stream_->write(data, last, trailers);
     }
-    awaitable<Outcome<ResponseHead>> read_head(bool head_request) override {
+    bool answered() override { return stream_->responded(); }
+    awaitable<Outcome<ResponseHead>> read_head(bool head_request,
+                                               std::chrono::milliseconds wait) override {
         H2ClientResponse r;
-        if (!co_await stream_->response(r)) {
+        if (!co_await stream_->response(r, wait)) {
             co_return Refusal{502, stream_->error_code() != 0 ? "upstream_reset"
                                                               : "upstream_bad_response",
                               "response"};
@@ -99,6 +101,11 @@ public:
     }
     Headers response_trailers() override { return stream_->trailers(); }
     void finish() override {}
+    void abort() override {
+        if (stream_) {
+            stream_->reset();
+        }
+    }
 
 private:
     H2Pooled pooled_;
@@ -410,13 +417,23 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // closed while idle fails before any response byte; a request without a body is then
     // retried once on a fresh connection (nothing of it can have been processed).
     std::optional<ResponseHead> resp;
+    const auto& limits = rt.config->limits;
+    bool early = false;  // the upstream answered before it took the whole request body
     for (int attempt = 0;; ++attempt) {
         const bool may_retry = attempt == 0 && up->reused() && req_body.none;
         bool sent = co_await up->send_head(head, req_body);
+        const bool head_sent = sent;
         bool client_failed = false;
         BodyFailure client_failure = BodyFailure::Aborted;
         if (sent && !req_body.none) {
             for (;;) {
+                if (up->answered()) {
+                    // An early answer (RFC 9112 9.3, RFC 9113 8.1): the upstream refused the
+                    // upload before taking all of it, and will close. Its answer goes to the
+                    // client; the rest of the body is not forwarded.
+                    early = true;
+                    break;
+                }
                 auto chunk = co_await down.read_body();
                 if (!chunk.ok) {
                     client_failed = true;
@@ -464,13 +481,38 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         if (!sent && may_retry) {
             goto retry;
         }
+        if (early || (!sent && head_sent)) {
+            // The upstream began to answer, or stopped taking the body, before the whole
+            // request went out. An early answer (RFC 9112 9.3: a 413, or a 401 on a bad
+            // credential, before the whole upload), here or on its way, is the client's, not a
+            // 502: one that began is waited for as any response, after a failed write for
+            // linger_timeout only (an upstream that answers and closes without lingering may
+            // reset the connection under its own answer; then there is none to read).
+            auto got = co_await up->read_head(method == "HEAD", early ? limits.idle_timeout
+                                                                      : limits.linger_timeout);
+            if (auto* rh = std::get_if<ResponseHead>(&got)) {
+                resp = std::move(*rh);
+                early = true;
+                break;
+            }
+            sent = false;
+            early = false;
+        }
         if (!sent) {
             co_await down.refuse(502, "upstream_write_failed", false);
             finish(502, "upstream_write_failed", "write");
             co_return false;
         }
         {
-            auto got = co_await up->read_head(method == "HEAD");
+            down.abort_with(up.get());
+            auto got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
+            down.abort_with(nullptr);
+            if (down.gone()) {
+                // The client reset its request while it waited: the upstream's part was cut
+                // (abort_with), or its answer came in the same turn; nobody reads either.
+                finish(0, "client_aborted", "");
+                co_return false;
+            }
             if (auto* r = std::get_if<Refusal>(&got)) {
                 if (may_retry && r->reason != "upstream_timeout") {
                     goto retry;
@@ -547,7 +589,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             }
         }
     }
-    finish(resp->status, "", "");
+    // An early answer is the upstream's own, but the request never reached it whole: the
+    // record says so (its bytes_in counts what the client sent up to then).
+    finish(resp->status, early ? "upstream_early_response" : "", "");
     up->finish();
     co_return down.client_keep_alive();  // as the response head said (a drain may have begun)
 }

@@ -72,6 +72,8 @@ struct ResponseHead {
     BodyInfo body;
 };
 
+class Upstream;
+
 /// The client side of one request. Methods run on the connection's executor; at most one
 /// read and one write are in flight (the core is sequential).
 class Downstream {
@@ -96,6 +98,13 @@ public:
                                       const Headers* trailers) = 0;
     /// HTTP/1.1: whether the client sent "Connection: keep-alive" semantics.
     virtual bool client_keep_alive() const = 0;
+    /// While `up` waits for its response, a client that goes away aborts it (Upstream::abort),
+    /// so a reset request holds no upstream connection or stream, nor a handler, until an
+    /// answer nobody will read. nullptr ends the watch. HTTP/2 watches (RST_STREAM); HTTP/1.1
+    /// does not (the client's socket is not read while its request is in flight).
+    virtual void abort_with(Upstream* up) { (void)up; }
+    /// Whether the client went away (HTTP/2: reset the stream) before its response ended.
+    virtual bool gone() const { return false; }
 };
 
 /// The origin side of one request.
@@ -109,12 +118,22 @@ public:
     virtual awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) = 0;
     virtual awaitable<bool> send_body(std::string_view data, bool last,
                                       const Headers* trailers) = 0;
-    /// The final response head (1xx skipped). Refusal on failure (502/504 + reason).
-    virtual awaitable<Outcome<ResponseHead>> read_head(bool head_request) = 0;
+    /// Whether the upstream has begun to answer (or closed) while the request body is still
+    /// being sent, without waiting: an early answer (a 413, a 401 on an upload) stops the
+    /// upload. Reads what is already there and nothing more.
+    virtual bool answered() = 0;
+    /// The final response head (1xx skipped), waiting at most `wait` for it. Refusal on
+    /// failure (502/504 + reason). Also called after a request body write failed: an answer
+    /// the upstream sent before it stopped taking the body is still read.
+    virtual awaitable<Outcome<ResponseHead>> read_head(bool head_request,
+                                                       std::chrono::milliseconds wait) = 0;
     virtual awaitable<BodyChunk> read_body() = 0;
     virtual Headers response_trailers() = 0;
     /// The exchange completed cleanly: the connection may go back to the pool.
     virtual void finish() = 0;
+    /// Gives the request up now (its client went away): a wait for the response head ends
+    /// with a failure; an HTTP/1.1 connection is shut, an HTTP/2 stream reset (CANCEL).
+    virtual void abort() = 0;
 };
 
 /// One request, end to end: refresh the run, pipeline, upstream, relay, scrub, audit.

@@ -86,6 +86,8 @@ public:
     void direct_body_read(size_t n) { *direct_left_ -= std::min<uint64_t>(n, *direct_left_); }
     /// The message is complete (hides basic_parser::is_done, which a direct body never reaches).
     bool is_done() const { return (direct_left_ && *direct_left_ == 0) || Base::is_done(); }
+    /// A head was read whose body was not read to its end: its sender may still be sending.
+    bool body_unread() const { return this->is_header_done() && !is_done(); }
 
 private:
     void on_request_impl(http::verb method, beast::string_view method_str,

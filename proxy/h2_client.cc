@@ -399,7 +399,8 @@ awaitable<bool> H2ClientStream::write(std::string_view data, bool last,
     co_return queued && !im.io.dead;
 }
 
-awaitable<bool> H2ClientStream::response(H2ClientResponse& out) {
+awaitable<bool> H2ClientStream::response(H2ClientResponse& out,
+                                         std::optional<std::chrono::milliseconds> wait) {
     auto& st = *state_;
     auto& im = *session_->impl_;
     for (;;) {
@@ -410,7 +411,7 @@ awaitable<bool> H2ClientStream::response(H2ClientResponse& out) {
         if (st.closed || im.io.dead) {
             co_return false;
         }
-        if (!co_await st.signal.wait(im.opts.io_timeout)) {
+        if (!co_await st.signal.wait(wait.value_or(im.opts.io_timeout))) {
             co_return false;
         }
     }
@@ -448,6 +449,10 @@ awaitable<H2ClientStream::Piece> H2ClientStream::read() {
 }
 
 const std::vector<policy::Header>& H2ClientStream::trailers() const { return state_->trailers; }
+
+bool H2ClientStream::responded() const {
+    return state_->head_done || state_->closed || session_->impl_->io.dead;
+}
 
 uint32_t H2ClientStream::error_code() const { return state_->error; }
 

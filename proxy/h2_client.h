@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -64,8 +65,9 @@ public:
     awaitable<bool> write(std::string_view data, bool last,
                           const std::vector<policy::Header>* trailers = nullptr);
     /// Waits for the final response head (1xx skipped) and moves it into `out`: call once.
-    /// False: reset, closed or timed out.
-    awaitable<bool> response(H2ClientResponse& out);
+    /// False: reset (after no head), closed or timed out. `wait` replaces io_timeout.
+    awaitable<bool> response(H2ClientResponse& out,
+                             std::optional<std::chrono::milliseconds> wait = std::nullopt);
     /// Next response body piece (valid until the next call; empty with eof=true at the end).
     /// Bytes returned by the previous call are consumed (window update) first.
     struct Piece {
@@ -76,6 +78,8 @@ public:
     awaitable<Piece> read();
     /// Response trailers, after read() reported eof.
     const std::vector<policy::Header>& trailers() const;
+    /// Whether the server has sent its response head, or reset or closed the stream.
+    bool responded() const;
     /// RST_STREAM error code when the stream was reset (0 otherwise).
     uint32_t error_code() const;
     void reset();

@@ -52,6 +52,17 @@ struct ServerStream {
     std::string refusal;  // why egressd or nghttp2 reset it (audited), empty for a client reset
     bool handled = false;       // a handler owns it
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
+    Upstream* abort_target = nullptr;  // waiting for its response head (Downstream::abort_with)
+
+    /// The client is gone (reset, or the connection died): the upstream part it waits on, if
+    /// any, is given up at once.
+    void client_gone() {
+        closed = true;
+        if (auto* up = std::exchange(abort_target, nullptr)) {
+            up->abort();
+        }
+        signal.notify();
+    }
 };
 
 struct Conn {
@@ -98,8 +109,7 @@ struct Conn {
     }
     void fail_all() {
         for (auto& [id, st] : streams) {
-            st->closed = true;
-            st->signal.notify();
+            st->client_gone();
         }
     }
 };
@@ -299,9 +309,8 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
         st->content_length && st->received != *st->content_length) {
         st->refusal = "bad_framing";  // nghttp2 reset it: DATA disagreed with content-length
     }
-    st->closed = true;
     st->error = error_code;
-    st->signal.notify();
+    st->client_gone();
     // What nghttp2 will not send any more leaves the connection's queue budget.
     c->io.dequeued(st->out_bytes);
     st->out.clear();
@@ -372,6 +381,13 @@ public:
         return b;
     }
     bool client_keep_alive() const override { return true; }
+    void abort_with(Upstream* up) override {
+        st_->abort_target = up;
+        if (up != nullptr && gone()) {
+            st_->client_gone();  // reset before the wait began
+        }
+    }
+    bool gone() const override { return st_->closed || c_->io.dead; }
 
     awaitable<BodyChunk> read_body() override {
         auto& st = *st_;

@@ -378,6 +378,9 @@ public:
             co_return false;  // Beast's and nghttp2's parsers admit three digits only
         }
         none_ = rh.body.none;
+        if (p_.body_unread()) {
+            keep_alive_ = false;  // an early answer (the upstream's): the rest is not read
+        }
         chunked_ = !none_ && !rh.body.length;  // close-delimited or h2 bodies are re-framed
         if (chunked_ && http10_) {
             chunked_ = false;  // an HTTP/1.0 client knows no chunked coding: the close ends it
@@ -448,6 +451,12 @@ private:
     std::string held_head_;  // serialized response head awaiting the body (small bodies)
 };
 
+/// Whether a response head (complete, in `head`) is an interim one: 1xx other than 101.
+bool interim_head(std::string_view head) {
+    return head.size() >= 12 && head.starts_with("HTTP/1.") && head[8] == ' ' && head[9] == '1' &&
+           head.substr(9, 3) != "101";
+}
+
 /// The origin side of one HTTP/1.1 request: a pooled TLS connection or plain TCP.
 template <class Stream>
 class H1Upstream final : public Upstream {
@@ -462,6 +471,7 @@ public:
 
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
         chunked_ = !body.length && !body.none;
+        request_done_ = body.none;
         std::string out = request_head_bytes(head, host_, body.length, chunked_);
         lowest(stream()).expires_after(timeout_);
         auto [ec, n] = co_await write_all(stream(), net::buffer(out));
@@ -472,9 +482,54 @@ public:
         co_return !ec;
     }
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
-        co_return co_await h1_write_body(stream(), chunked_, data, last, trailers, timeout_);
+        const bool ok = co_await h1_write_body(stream(), chunked_, data, last, trailers, timeout_);
+        request_done_ = ok && last;
+        co_return ok;
     }
-    awaitable<Outcome<ResponseHead>> read_head(bool head_request) override {
+    bool answered() override {
+        auto& b = buffer();
+        for (;;) {
+            const std::string_view got(static_cast<const char*>(b.data().data()), b.size());
+            if (const size_t end = got.find("\r\n\r\n"); end != std::string_view::npos) {
+                if (!interim_head(got)) {
+                    return true;  // a final answer (or bytes that are none: read_head says)
+                }
+                b.consume(end + 4);  // 100 Continue, sent unasked: the upload goes on
+                continue;
+            }
+            if (got.size() > max_header_bytes_) {
+                return true;
+            }
+            // No whole head here yet: read what has arrived, without waiting.
+            const size_t before = b.size();
+            if constexpr (std::is_same_v<Stream, TlsStream>) {
+                // Only records already here are read. A TLS 1.3 session ticket sent after
+                // the handshake is consumed and is no answer.
+                auto a = stream().read_some_now(b.prepare(TlsSocket::kMaxRecordPlaintext));
+                if (!a.outcome) {
+                    return false;
+                }
+                if (a.outcome->first) {
+                    return true;  // the upstream closed or reset: stop sending
+                }
+                b.commit(a.outcome->second);
+            } else {
+                error_code ec;
+                const size_t ready = stream().socket().available(ec);
+                if (!ec && ready > 0) {
+                    b.commit(stream().socket().read_some(b.prepare(ready), ec));
+                }
+                if (ec) {
+                    return true;
+                }
+            }
+            if (b.size() == before) {
+                return false;
+            }
+        }
+    }
+    awaitable<Outcome<ResponseHead>> read_head(bool head_request,
+                                               std::chrono::milliseconds wait) override {
         for (;;) {
             rp_.emplace();
             rp_->body_limit(boost::none);
@@ -482,7 +537,7 @@ public:
             if (head_request) {
                 rp_->skip(true);
             }
-            lowest(stream()).expires_after(timeout_);
+            lowest(stream()).expires_after(wait);
             auto ec = co_await read_header(stream(), buffer(), *rp_, Arrival::Later);
             lowest(stream()).expires_never();
             if (ec) {
@@ -518,8 +573,17 @@ public:
                                         max_header_bytes_);
     }
     Headers response_trailers() override { return std::move(rp_->trailers()); }
+    void abort() override {
+        // Pending waits end with operation_aborted; the connection is never pooled again
+        // (finish() is not called after a failed exchange).
+        error_code ignored;
+        lowest(stream()).socket().shutdown(tcp::socket::shutdown_both, ignored);
+        lowest(stream()).socket().cancel(ignored);
+    }
     void finish() override {
-        if (tls_ && w_ && rp_ && rp_->is_done() && rp_->keep_alive()) {
+        // Only after a whole exchange: an upstream that answered early, before it took the
+        // whole request body, may have the rest of it coming as the next request's bytes.
+        if (tls_ && w_ && request_done_ && rp_ && rp_->is_done() && rp_->keep_alive()) {
             w_->pool->release(std::move(tls_));
         }
     }
@@ -543,6 +607,7 @@ private:
     std::string host_;
     std::chrono::milliseconds timeout_;
     bool chunked_ = false;
+    bool request_done_ = false;  // the whole request (head, body, trailers) went out
     std::optional<H1ResponseParser> rp_;
     RelayBuffer rbuf_;
 
@@ -677,19 +742,44 @@ template awaitable<HeadRead> read_request_head<TlsStream>(
 template awaitable<void> refuse_head<TcpStream>(TcpStream&, HeadRead, Scope&, Clock::time_point);
 template awaitable<void> refuse_head<TlsStream>(TlsStream&, HeadRead, Scope&, Clock::time_point);
 
+awaitable<void> linger_close(tcp::socket& s, std::chrono::milliseconds limit) {
+    error_code ec;
+    s.shutdown(tcp::socket::shutdown_send, ec);  // the answer ends with our FIN
+    if (ec) {
+        co_return;
+    }
+    // What the client still sends is dropped unread: the scratch space is shared by every
+    // lingering connection of the thread (one read completes at a time; nobody reads it).
+    static thread_local std::array<char, 16 * 1024> sink;
+    net::steady_timer timer(s.get_executor());
+    timer.expires_after(limit);
+    using namespace net::experimental::awaitable_operators;
+    for (;;) {
+        auto r = co_await (s.async_read_some(net::buffer(sink), use_nothrow) ||
+                           timer.async_wait(use_nothrow));
+        if (r.index() == 1 || std::get<0>(std::get<0>(r))) {
+            break;  // the time is up, or the client closed (it has the answer) or reset
+        }
+    }
+}
+
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer,
                                         Scope& scope) {
-    const auto& limits = scope.runtime->config->limits;
     bool first = true;
+    bool unread = false;  // the last request's body was not read to its end
     for (;;) {
         const auto started = Clock::now();
         H1RequestParser parser;
-        auto got = co_await read_request_head(client, buffer, parser, first, limits);
+        // The limits of the runtime the scope holds now: a request may have moved the scope
+        // to a reloaded one, and the runtime it held before may be gone with its config.
+        auto got = co_await read_request_head(client, buffer, parser, first,
+                                              scope.runtime->config->limits);
         first = false;
         if (got != HeadRead::Ok) {
             co_await refuse_head(client, got, scope, started);
             break;
         }
+        UnreadBodyNote note{parser, unread};
         if (scope.worker->shared.draining.load()) {
             parser.close();
         }
@@ -702,6 +792,11 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
     SSL_set_shutdown(client.native_handle(), SSL_RECEIVED_SHUTDOWN);
     lowest(client).expires_after(std::chrono::seconds(1));
     co_await client.async_shutdown(use_nothrow);
+    if (unread) {
+        co_await linger_close(lowest(client).socket(),
+                              scope.runtime->config->limits.linger_timeout);
+        co_return;
+    }
     error_code ignored;
     lowest(client).socket().shutdown(tcp::socket::shutdown_both, ignored);
 }

@@ -73,6 +73,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.tls_timeout, d.limits.tls_timeout);
     EXPECT_EQ(c.limits.dns_timeout, d.limits.dns_timeout);
     EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
+    EXPECT_EQ(c.limits.linger_timeout, milliseconds(2'000));
     EXPECT_EQ(c.limits.connections_per_run, d.limits.connections_per_run);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, d.limits.h2_max_concurrent_streams);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 100u);
@@ -144,6 +145,7 @@ limits:
   tls_timeout: 4s
   dns_timeout: 1s
   drain_timeout: 1h
+  linger_timeout: 750ms
   connections_per_run: 64
   h2_max_concurrent_streams: 50
   h2_max_header_list_bytes: 16384
@@ -240,6 +242,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.tls_timeout, milliseconds(4'000));
     EXPECT_EQ(c.limits.dns_timeout, milliseconds(1'000));
     EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
+    EXPECT_EQ(c.limits.linger_timeout, milliseconds(750));
     EXPECT_EQ(c.limits.connections_per_run, 64u);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 50u);
     EXPECT_EQ(c.limits.h2_max_header_list_bytes, 16384u);

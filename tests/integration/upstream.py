@@ -223,9 +223,57 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     trailers=self.trailers)
         if base == "/upload":
             self.server.record(seen)
+            if q.get("continue"):
+                # An interim answer nobody asked for (no Expect): the upload must go on.
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.wfile.flush()
             n, digest = self._consume_body()
             seen.body_len = n
             self._send(200, json.dumps({"length": n, "sha256": digest}).encode())
+            return
+        if base == "/reject-upload":
+            # Refuses an upload from its head alone, as an origin does on a bad credential or
+            # an oversized Content-Length: the answer, then a lingering close as nginx and Go
+            # do it (our FIN, then the body read and dropped until the client's FIN, at most
+            # ?linger=ms; with linger=0 the close is at once and the kernel resets the
+            # connection under the bytes still arriving, the answer with it).
+            self.server.record(seen)
+            self.send_response(int(q.get("status", "413")))
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "9")
+            if q.get("keep"):
+                # Says nothing of closing and then takes the whole body as if to go on: a
+                # request sent behind the cut upload would be read as the rest of that body,
+                # so a proxy must never pool such a connection.
+                self.end_headers()
+                self.wfile.write(b"rejected\n")
+                self.wfile.flush()
+                try:
+                    self._consume_body()
+                except OSError:
+                    self.close_connection = True
+                return
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(b"rejected\n")
+            self.wfile.flush()
+            self.close_connection = True
+            linger = min(int(q.get("linger", "3000")), 10000) / 1000
+            if linger > 0:
+                raw = self.connection
+                socket.socket.shutdown(raw, socket.SHUT_WR)  # TCP FIN under the TLS layer
+                deadline = time.monotonic() + linger
+                drained = 0
+                while time.monotonic() < deadline:
+                    raw.settimeout(max(0.01, deadline - time.monotonic()))
+                    try:
+                        got = socket.socket.recv(raw, 65536)  # ciphertext, dropped
+                    except OSError:
+                        break
+                    if not got:
+                        break
+                    drained += len(got)
+                seen.body_len = drained
             return
         n, digest = self._consume_body()
         seen.body_len = n
