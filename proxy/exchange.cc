@@ -253,6 +253,31 @@ void drop_governed_trailers(Headers& trailers, const policy::Decision& d) {
     });
 }
 
+/// Links a wait for a response head into its worker's list for as long as it lives.
+class AwaitingGuard {
+public:
+    AwaitingGuard(Worker& w, Upstream* up) : w_(w) {
+        node_.up = up;
+        node_.next = w.awaiting;
+        if (w.awaiting != nullptr) {
+            w.awaiting->prev = &node_;
+        }
+        w.awaiting = &node_;
+    }
+    ~AwaitingGuard() {
+        (node_.prev != nullptr ? node_.prev->next : w_.awaiting) = node_.next;
+        if (node_.next != nullptr) {
+            node_.next->prev = node_.prev;
+        }
+    }
+    AwaitingGuard(const AwaitingGuard&) = delete;
+    AwaitingGuard& operator=(const AwaitingGuard&) = delete;
+
+private:
+    Worker& w_;
+    AwaitingAnswer node_;
+};
+
 /// The one audit record, metrics and log line of a refused request (`rec` complete).
 void record_denial(Scope& scope, const AuditRecord& rec) {
     auto& shared = scope.worker->shared;
@@ -267,6 +292,12 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
 }
 
 }  // namespace
+
+void Worker::abort_awaiting() {
+    for (AwaitingAnswer* a = awaiting; a != nullptr; a = a->next) {
+        a->up->abort();  // completions are posted: the list does not change under the walk
+    }
+}
 
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
                    const std::string& reason, Clock::time_point started) {
@@ -504,9 +535,13 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             co_return false;
         }
         {
-            down.abort_with(up.get());
-            auto got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
-            down.abort_with(nullptr);
+            Outcome<ResponseHead> got = Refusal{};
+            {
+                AwaitingGuard awaiting(w, up.get());
+                down.abort_with(up.get());
+                got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
+                down.abort_with(nullptr);
+            }
             if (down.gone()) {
                 // The client reset its request while it waited: the upstream's part was cut
                 // (abort_with), or its answer came in the same turn; nobody reads either.

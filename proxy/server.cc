@@ -537,6 +537,11 @@ int Server::run() {
                     spdlog::warn("drain timeout: closing {} in-flight requests and tunnels", n);
                     s.drain_cut.store(true);
                     s.connections.close_all();
+                    // A request whose client is shut down does not notice while it waits for
+                    // a silent upstream's answer: that wait is cut too.
+                    for (auto& w : impl_->workers) {
+                        net::post(w->ioc, [w = w.get()] { w->abort_awaiting(); });
+                    }
                     co_await impl_->wait_inflight(std::chrono::steady_clock::now() +
                                                   kDrainCutGrace);
                     if (const int64_t left = impl_->inflight(); left > 0) {

@@ -25,6 +25,17 @@ namespace egress::proxy {
 
 class UpstreamPool;
 class ControlPlane;
+class Upstream;
+
+/// A request waiting for its upstream's response head (serve_exchange), linked into its
+/// worker's list while it waits: the drain's cut aborts them (Worker::abort_awaiting), so a
+/// request on a silent upstream ends through its error path with its audit record. A node in
+/// the request's coroutine frame, linked and unlinked without an allocation.
+struct AwaitingAnswer {
+    Upstream* up = nullptr;
+    AwaitingAnswer* prev = nullptr;
+    AwaitingAnswer* next = nullptr;
+};
 
 /// Open client connections by run, so revoking a run closes them at once. close_run posts
 /// a shutdown(fd) to each connection's own executor. The connection resets its token when it
@@ -121,6 +132,10 @@ struct Worker {
     /// at once instead of at its next 250 ms tick. Declared before ioc: a connection frame
     /// destroyed with the loop still unregisters itself.
     std::set<net::steady_timer*> h2_watchdogs;
+    /// Requests of this worker waiting for a response head (this worker's thread only).
+    AwaitingAnswer* awaiting = nullptr;
+    /// The drain's cut: every waiting request's upstream part is given up (Upstream::abort).
+    void abort_awaiting();
     net::io_context ioc{1};
     Shared& shared;
     std::unique_ptr<Resolver> resolver;

@@ -257,6 +257,33 @@ def test_work_cut_at_drain_timeout_is_audited(world, factory, marker):
     assert len(tun) == 1 and tun[0]["reason"] == "drain_timeout", tun
 
 
+def test_request_waiting_on_a_silent_upstream_at_drain_timeout_is_audited(world, factory,
+                                                                          marker):
+    """A request still waiting for its upstream's answer at drain_timeout has its upstream part
+    cut with its client connection, so it too ends with its record (it had none: shutting the
+    client's socket is not noticed while egressd reads the upstream)."""
+    e = factory.start()  # drain_timeout 2s
+    p = subprocess.Popen(
+        ["curl", "-sS", "--http1.1", "--max-time", "30", "--cacert", run_ca(e, "r1"),
+         "-o", "/dev/null", f"https://api.test:{world.U}/delay/9000?{marker}"],
+        env=proxy_env(e, "r1", world.tokens["r1"]), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        poll(lambda: len(world.upstream.find(marker)) == 1, 10, "the request at the upstream")
+        t0 = time.monotonic()
+        e.proc.send_signal(signal.SIGTERM)
+        assert e.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 6, "the drain waited for the upstream's answer"
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "without an audit record" not in e.stderr_text()
+    recs = [r for r in e.audit_records() if r.get("path") == "/delay/9000"]
+    assert len(recs) == 1, recs
+    assert recs[0]["decision"] == "allow" and recs[0]["reason"] == "drain_timeout", recs
+
+
 def test_h2_stream_sent_after_sigterm_is_served_or_left_unprocessed(world, factory, marker):
     """A stream that reaches egressd after SIGTERM gets no final 503: egressd sends its GOAWAY
     at once, and a stream it had already received is served (as HTTP/1.1 serves a request
