@@ -99,12 +99,12 @@ public:
     /// HTTP/1.1: whether the client sent "Connection: keep-alive" semantics.
     virtual bool client_keep_alive() const = 0;
     /// While `up` waits for its response, a client that goes away aborts it (Upstream::abort),
-    /// so a reset request holds no upstream connection or stream, nor a handler, until an
-    /// answer nobody will read. nullptr ends the watch. HTTP/2 watches (RST_STREAM); HTTP/1.1
-    /// does not (the client's socket is not read while its request is in flight).
-    virtual void abort_with(Upstream* up) { (void)up; }
-    /// Whether the client went away (HTTP/2: reset the stream) before its response ended.
-    virtual bool gone() const { return false; }
+    /// so an abandoned request holds no upstream connection or stream, nor a handler or a
+    /// connection slot, until an answer nobody will read. nullptr ends the watch. HTTP/2: the
+    /// stream's RST_STREAM; HTTP/1.1: the connection's close (FIN, reset, close_notify).
+    virtual void abort_with(Upstream* up) = 0;
+    /// Whether the client went away during the watch.
+    virtual bool gone() const = 0;
 };
 
 /// The origin side of one request.

@@ -1,7 +1,10 @@
 #include "proxy/http1.h"
 
+#include <sys/socket.h>
+
 #include <array>
 #include <boost/url/parse.hpp>
+#include <cerrno>
 #include <charconv>
 #include <cstring>
 
@@ -352,6 +355,29 @@ public:
     const char* proto() const override { return "http/1.1"; }
     BodyInfo request_body() const override { return body_; }
     bool client_keep_alive() const override { return keep_alive_; }
+    ~H1Downstream() override { abort_with(nullptr); }
+
+    /// The client's socket is watched while the upstream's answer is awaited (nginx's
+    /// default, not HAProxy's): its close (FIN, reset, or TLS close_notify) aborts the
+    /// upstream part. Bytes of a next request (pipelining) are kept for it: read into the
+    /// connection's buffer on TLS, up to framing_limit, then the watch ends; on cleartext the
+    /// watch ends at the first byte (it stays in the socket).
+    void abort_with(Upstream* up) override {
+        if (up == nullptr) {
+            if (watch_ && watch_->up != nullptr) {
+                watch_->up = nullptr;
+                error_code ignored;
+                lowest(s_).socket().cancel(ignored);  // the wait below is the only operation
+            }
+            return;
+        }
+        if (!watch_) {
+            watch_ = std::make_shared<Watch>();
+        }
+        watch_->up = up;
+        arm();
+    }
+    bool gone() const override { return watch_ && watch_->gone; }
 
     awaitable<BodyChunk> read_body() override {
         if (!rbuf_) {
@@ -449,6 +475,51 @@ private:
     bool none_ = false;
     bool chunked_ = false;
     std::string held_head_;  // serialized response head awaiting the body (small bodies)
+
+    struct Watch {
+        Upstream* up = nullptr;  // null: not watching (the wait's late completion is ignored)
+        bool gone = false;
+    };
+    std::shared_ptr<Watch> watch_;
+
+    void arm() {
+        lowest(s_).socket().async_wait(tcp::socket::wait_read,
+                                       [this, w = watch_](error_code ec) {
+                                           if (w->up != nullptr && !ec) {
+                                               readable(*w);
+                                           }
+                                       });
+    }
+    /// The client's socket became readable while its request waits for the upstream.
+    void readable(Watch& w) {
+        char byte = 0;
+        const ssize_t n = ::recv(lowest(s_).socket().native_handle(), &byte, 1,
+                                 MSG_PEEK | MSG_DONTWAIT);
+        bool closed = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+        if (!closed && n > 0) {
+            if constexpr (std::is_same_v<Stream, TlsStream>) {
+                // Records: a close_notify (TLS 1.3 encrypts it like data), or a next request.
+                auto a = s_.read_some_now(buf_.prepare(TlsSocket::kMaxRecordPlaintext));
+                if (a.outcome) {
+                    closed = static_cast<bool>(a.outcome->first);
+                    buf_.commit(a.outcome->second);
+                    if (!closed && buf_.size() > framing_limit_) {
+                        w.up = nullptr;  // a pipelining client: no more is read for now
+                        return;
+                    }
+                }
+            } else {
+                w.up = nullptr;  // a next request's bytes: left in the socket for it
+                return;
+            }
+        }
+        if (closed) {
+            w.gone = true;
+            std::exchange(w.up, nullptr)->abort();
+            return;
+        }
+        arm();
+    }
 };
 
 /// Whether a response head (complete, in `head`) is an interim one: 1xx other than 101.
