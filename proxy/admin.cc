@@ -117,23 +117,42 @@ void ConnectionRegistry::remove(const std::string& run, uint64_t id) {
     }
 }
 
-size_t ConnectionRegistry::close_run(const std::string& run) {
-    std::lock_guard lock(mu_);
-    auto it = by_run_.find(run);
-    if (it == by_run_.end()) {
-        return 0;
+size_t ConnectionRegistry::close_run(const std::string& run, std::chrono::milliseconds wait) {
+    struct Pending {
+        std::mutex mu;
+        std::condition_variable cv;
+        size_t left = 0;
+    };
+    auto pending = std::make_shared<Pending>();
+    size_t n = 0;
+    {
+        std::lock_guard lock(mu_);
+        auto it = by_run_.find(run);
+        if (it == by_run_.end()) {
+            return 0;
+        }
+        n = it->second.size();
+        pending->left = n;
+        for (auto& [id, e] : it->second) {
+            net::post(e.ex, [tok = e.fd_token, inode = e.inode, pending] {
+                auto fd = tok.lock();
+                struct stat st{};
+                if (fd && inode != 0 && ::fstat(*fd, &st) == 0 &&
+                    static_cast<uint64_t>(st.st_ino) == inode) {
+                    ::shutdown(*fd, SHUT_RDWR);
+                }
+                std::lock_guard done(pending->mu);
+                if (--pending->left == 0) {
+                    pending->cv.notify_all();
+                }
+            });
+        }
     }
-    for (auto& [id, e] : it->second) {
-        net::post(e.ex, [tok = e.fd_token, inode = e.inode] {
-            auto fd = tok.lock();
-            struct stat st{};
-            if (fd && inode != 0 && ::fstat(*fd, &st) == 0 &&
-                static_cast<uint64_t>(st.st_ino) == inode) {
-                ::shutdown(*fd, SHUT_RDWR);
-            }
-        });
+    if (wait.count() > 0) {
+        std::unique_lock lock(pending->mu);
+        pending->cv.wait_for(lock, wait, [&] { return pending->left == 0; });
     }
-    return it->second.size();
+    return n;
 }
 
 /// Answers a request that could not be read (JSON {"error","detail"}), then closes. The client

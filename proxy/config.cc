@@ -547,6 +547,8 @@ public:
                        {"h2_max_outbound_ack", set_count(l.h2_max_outbound_ack, 1, 100000)},
                        {"h2_max_settings", set_count(l.h2_max_settings, 7, 1000)},
                        {"h2_stream_window", set_count(l.h2_stream_window, 16384, (1u << 31) - 1)},
+                       {"h2_connection_window",
+                        set_count(l.h2_connection_window, 65535, (1u << 31) - 1)},
                        {"h2_settings_timeout", set_timeout(l.h2_settings_timeout)},
                        {"static_ca_validity",
                         [this, &l](const YAML::Node& v, const std::string& p) {

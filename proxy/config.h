@@ -53,6 +53,12 @@ struct Limits {
     size_t h2_max_outbound_ack = 100;         // queued SETTINGS/PING ACKs
     size_t h2_max_settings = 32;              // entries per SETTINGS frame
     size_t h2_stream_window = 262144;         // per-stream window = per-stream buffer bound
+    // Per connection, both legs: the receive window and, on the client leg, the response bytes
+    // queued for the client. 0: 4 × h2_stream_window (connection_window()).
+    size_t h2_connection_window = 0;
+    size_t connection_window() const {
+        return h2_connection_window != 0 ? h2_connection_window : h2_stream_window * 4;
+    }
     std::chrono::milliseconds h2_settings_timeout{10'000};
     // The CA of a static run with ttl: null (a run as long as the process; runs with a ttl
     // get a CA valid for the ttl). Long on purpose: the CA key never leaves this process's

@@ -117,7 +117,7 @@ H2ClientOptions h2_client_options(const Limits& l) {
     H2ClientOptions o;
     o.wipe_sent = true;  // request heads carry the injected credential
     o.stream_window = static_cast<uint32_t>(l.h2_stream_window);
-    o.connection_window = static_cast<uint32_t>(std::max<size_t>(l.h2_stream_window * 4, 1 << 20));
+    o.connection_window = static_cast<uint32_t>(std::min<size_t>(l.connection_window(), (1u << 31) - 1));
     o.max_send_buffer = l.h2_stream_window;
     o.max_header_list_bytes = std::max<size_t>(l.max_header_bytes, l.h2_max_header_list_bytes);
     o.max_header_fields = std::max<size_t>(l.h2_max_header_fields, 100);

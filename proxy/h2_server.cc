@@ -753,7 +753,7 @@ bool start_session(Conn& c) {
     // Connection window: enough for a few streams' windows, still bounded per connection.
     nghttp2_session_set_local_window_size(
         s, NGHTTP2_FLAG_NONE, 0,
-        static_cast<int32_t>(std::min<size_t>(l.h2_stream_window * 4, (1u << 31) - 1)));
+        static_cast<int32_t>(std::min<size_t>(l.connection_window(), (1u << 31) - 1)));
     return true;
 }
 
@@ -764,7 +764,7 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     c->limits = scope.runtime->config->limits;
     // Response bytes queued per connection, as the inbound direction's connection window:
     // a client that reads none of its streams pins this much, not streams x h2_stream_window.
-    c->io.queue_budget = c->limits.h2_stream_window * 4;
+    c->io.queue_budget = c->limits.connection_window();
     if (!start_session(*c)) {
         co_return;
     }

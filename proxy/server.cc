@@ -136,7 +136,8 @@ struct Server::Impl {
         }
         for (const auto& [id, run] : prev->runs) {
             if ((*next)->runs.count(id) == 0) {
-                size_t n = shared.connections.close_run(id);
+                // Waited for (at most 1 s): the revoke's answer means they are cut.
+                size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
                 spdlog::info("run {} revoked or expired: closing {} connections", id, n);
             }
         }

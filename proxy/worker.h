@@ -2,6 +2,8 @@
 // Internal to proxy/: the per-thread worker (one io_context per core, STYLE.md §4) and the
 // process-wide shared state. Includes Asio: only proxy/*.cc include this.
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <map>
 #include <set>
 #include <mutex>
@@ -45,7 +47,10 @@ class ConnectionRegistry {
 public:
     uint64_t add(const std::string& run, net::any_io_executor ex, std::weak_ptr<int> fd_token);
     void remove(const std::string& run, uint64_t id);
-    size_t close_run(const std::string& run);
+    /// With `wait`, returns once every shutdown has run (or `wait` passed): a revoke answers
+    /// after its run's connections are cut. Never with a wait from a worker's own thread.
+    size_t close_run(const std::string& run,
+                     std::chrono::milliseconds wait = std::chrono::milliseconds(0));
     /// Shuts down every registered connection (close_run for each run): the drain deadline.
     size_t close_all();
 

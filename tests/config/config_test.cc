@@ -74,6 +74,8 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.dns_timeout, d.limits.dns_timeout);
     EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(2'000));
+    EXPECT_EQ(c.limits.h2_connection_window, 0u);  // derived: 4 × h2_stream_window
+    EXPECT_EQ(c.limits.connection_window(), 4 * c.limits.h2_stream_window);
     EXPECT_EQ(c.limits.connections_per_run, d.limits.connections_per_run);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, d.limits.h2_max_concurrent_streams);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 100u);
@@ -158,6 +160,7 @@ limits:
   h2_max_outbound_ack: 10
   h2_max_settings: 16
   h2_stream_window: 65536
+  h2_connection_window: 131072
   h2_settings_timeout: 2s
   static_ca_validity: 720h
   leaf_cache_size: 16
@@ -243,6 +246,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.dns_timeout, milliseconds(1'000));
     EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(750));
+    EXPECT_EQ(c.limits.connection_window(), 131072u);
     EXPECT_EQ(c.limits.connections_per_run, 64u);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 50u);
     EXPECT_EQ(c.limits.h2_max_header_list_bytes, 16384u);

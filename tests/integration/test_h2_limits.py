@@ -100,8 +100,9 @@ def test_non_reading_streams_do_not_stall_pooled_upstream_session(world, factory
 
 def test_non_reading_client_pins_bounded_response_bytes(world, factory, marker):
     """Two connections each open 100 downloads of 4 MiB with a stream window of 0 and read
-    nothing. The responses queued for them are bounded per connection (4 x h2_stream_window),
-    not 100 streams x h2_stream_window each (which took peak RSS up by ~60 MiB)."""
+    nothing. The responses queued for them are bounded per connection (h2_connection_window,
+    4 x h2_stream_window by default), not 100 streams x h2_stream_window each (which took peak
+    RSS up by ~60 MiB)."""
     e = factory.start()
     clients = []
     try:
@@ -127,6 +128,28 @@ def test_non_reading_client_pins_bounded_response_bytes(world, factory, marker):
     finally:
         for c in clients:
             c.close()
+
+
+def test_h2_connection_window_is_the_clients_connection_window(world, factory, marker):
+    """limits.h2_connection_window is the connection-level window a client may fill: a client
+    uploading on several streams at once stops at it (the streams' own windows allow more)
+    until egressd has forwarded the bytes."""
+    e = factory.start(mutate=lambda c: c["limits"].update(
+        {"h2_connection_window": 200000, "h2_stream_window": 131072}))
+    c = H2Client(e, world, "api.test", world.U, timeout=30)
+    try:
+        c.pump(timeout=0.5)  # SETTINGS and the connection's WINDOW_UPDATE
+        assert c.conn.outbound_flow_control_window == 200000
+        sids = [c.headers(f"/upload/{marker}-{i}", "POST", [("content-length", str(MiB))],
+                          end_stream=False) for i in range(3)]
+        assert all(c.conn.local_flow_control_window(s) == 131072 for s in sids)
+        # two streams' windows (262144) are more than the connection's window allows
+        for _ in range(8):
+            c.conn.send_data(sids[0], b"a" * 16384)
+        assert c.conn.outbound_flow_control_window == 200000 - 131072
+        assert c.conn.local_flow_control_window(sids[1]) == 200000 - 131072
+    finally:
+        c.close()
 
 
 def _raw_client(e, world, h2up, **kw):
