@@ -500,6 +500,12 @@ private:
             if constexpr (std::is_same_v<Stream, TlsStream>) {
                 // Records: a close_notify (TLS 1.3 encrypts it like data), or a next request.
                 auto a = s_.read_some_now(buf_.prepare(TlsSocket::kMaxRecordPlaintext));
+                if (!a.outcome && !a.tried) {
+                    // The stream's run of inline reads is spent (TlsSocket::kInlineStreak):
+                    // the bytes stay in the socket, so waiting again would only spin.
+                    w.up = nullptr;
+                    return;
+                }
                 if (a.outcome) {
                     closed = static_cast<bool>(a.outcome->first);
                     buf_.commit(a.outcome->second);
