@@ -185,6 +185,25 @@ def test_worker_threads_key_and_its_cpu_aware_default(factory):
     assert pinned.admin_get("/readyz")[0] == 200
 
 
+def test_keep_alive_connection_outlives_the_runtime_it_began_with(world, factory, marker):
+    """An intercepted HTTP/1.1 connection opened before a reload keeps serving after it: its
+    requests move to the new runtime, and the connection reads each next head with the limits
+    of the runtime it holds then, not with a reference into the config it began with (which
+    nothing guarantees to outlive the move)."""
+    e = factory.start()
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        host = f"api.test:{world.U}"
+        assert helpers.request(c, "GET", f"/echo/{marker}-0", host).status == 200
+        _rewrite(e, lambda cfg: cfg["limits"].update({"idle_timeout": "45s"}))
+        _reload(e)
+        for i in range(1, 4):  # the first moves the scope to the new runtime
+            assert helpers.request(c, "GET", f"/echo/{marker}-{i}", host).status == 200
+    finally:
+        c.close()
+    assert e.alive()
+
+
 def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory, marker):
     """A reload that would make r1 a new CA (ttl changed) but is refused (an empty secret file)
     writes no CA file: the file still holds the CA that serves, and clients trusting it work."""
