@@ -460,8 +460,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             for (;;) {
                 if (up->answered()) {
                     // An early answer (RFC 9112 9.3, RFC 9113 8.1): the upstream refused the
-                    // upload before taking all of it, and will close. Its answer goes to the
-                    // client; the rest of the body is not forwarded.
+                    // upload before taking all of it, and closes or has ended the stream. Its
+                    // answer goes to the client; the rest of the body is not forwarded.
                     early = true;
                     break;
                 }

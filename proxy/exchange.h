@@ -118,9 +118,10 @@ public:
     virtual awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) = 0;
     virtual awaitable<bool> send_body(std::string_view data, bool last,
                                       const Headers* trailers) = 0;
-    /// Whether the upstream has begun to answer (or closed) while the request body is still
-    /// being sent, without waiting: an early answer (a 413, a 401 on an upload) stops the
-    /// upload. Reads what is already there and nothing more.
+    /// Whether the upstream has answered and will take no more of the request body (an
+    /// HTTP/1.1 head saying it closes, a complete or reset HTTP/2 stream), or closed, while the
+    /// body is still being sent, without waiting: such an early answer (a 413, a 401 on an
+    /// upload) stops the upload. Reads what is already there and nothing more.
     virtual bool answered() = 0;
     /// The final response head (1xx skipped), waiting at most `wait` for it. Refusal on
     /// failure (502/504 + reason). Also called after a request body write failed: an answer

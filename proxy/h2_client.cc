@@ -451,7 +451,7 @@ awaitable<H2ClientStream::Piece> H2ClientStream::read() {
 const std::vector<policy::Header>& H2ClientStream::trailers() const { return state_->trailers; }
 
 bool H2ClientStream::responded() const {
-    return state_->head_done || state_->closed || session_->impl_->io.dead;
+    return (state_->head_done && state_->eof) || state_->closed || session_->impl_->io.dead;
 }
 
 uint32_t H2ClientStream::error_code() const { return state_->error; }

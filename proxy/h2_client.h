@@ -78,7 +78,9 @@ public:
     awaitable<Piece> read();
     /// Response trailers, after read() reported eof.
     const std::vector<policy::Header>& trailers() const;
-    /// Whether the server has sent its response head, or reset or closed the stream.
+    /// Whether the server has answered completely (its response ended, END_STREAM) or reset
+    /// or closed the stream: it will take no more of the request (RFC 9113 8.1). A response
+    /// head alone is not that: a server may answer while it reads on (bidirectional streams).
     bool responded() const;
     /// RST_STREAM error code when the stream was reset (0 otherwise).
     uint32_t error_code() const;

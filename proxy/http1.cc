@@ -528,6 +528,18 @@ private:
     }
 };
 
+/// Whether a complete response head lets the connection live on (HTTP/1.1 without
+/// "Connection: close", or HTTP/1.0 with keep-alive), by Beast's reading of it. A head Beast
+/// cannot parse does not.
+bool keeps_connection(std::string_view head) {
+    http::response_parser<http::empty_body> p;
+    p.header_limit(static_cast<std::uint32_t>(head.size()));
+    p.eager(false);
+    error_code ec;
+    p.put(net::buffer(head.data(), head.size()), ec);
+    return p.is_header_done() && p.keep_alive();
+}
+
 /// Whether a response head (complete, in `head`) is an interim one: 1xx other than 101.
 bool interim_head(std::string_view head) {
     return head.size() >= 12 && head.starts_with("HTTP/1.") && head[8] == ' ' && head[9] == '1' &&
@@ -568,11 +580,14 @@ public:
         for (;;) {
             const std::string_view got(static_cast<const char*>(b.data().data()), b.size());
             if (const size_t end = got.find("\r\n\r\n"); end != std::string_view::npos) {
-                if (!interim_head(got)) {
-                    return true;  // a final answer (or bytes that are none: read_head says)
+                if (interim_head(got)) {
+                    b.consume(end + 4);  // 100 Continue, sent unasked: the upload goes on
+                    continue;
                 }
-                b.consume(end + 4);  // 100 Continue, sent unasked: the upload goes on
-                continue;
+                // RFC 9112 9.3: the client stops sending when the answer says the server is
+                // closing. An answer that keeps the connection is one the server sends while
+                // it reads on (it drains the body, or streams both ways): the body goes on.
+                return !keeps_connection(got.substr(0, end + 4));
             }
             if (got.size() > max_header_bytes_) {
                 return true;

@@ -1,7 +1,8 @@
 """Answers given before a request body was taken to its end. An upstream that refuses an
 upload from its head (401 on a bad credential, 413 on a size) answers and closes without
 reading the rest: that answer is the client's (not 502 upstream_write_failed), the rest of the
-body is not forwarded, and the connection never goes back to the pool. When egressd itself
+body is not forwarded, and the connection never goes back to the pool. An early answer that
+keeps the connection (the server drains the body) lets the upload go on (RFC 9112 9.3). When egressd itself
 answers early (a refusal) or relays such an answer, it closes the client connection with a
 lingering close (limits.linger_timeout), so the client reads the answer instead of a reset."""
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 import helpers
 from clients import curl_via
+from helpers import poll
 from h2_helpers import H2Client
 
 MiB = 1 << 20
@@ -87,12 +89,18 @@ def test_upstream_early_413_reaches_an_http2_client(world, egressd, marker):
     assert rec["proto_in"] == "h2"
 
 
-def test_early_answered_connection_is_not_pooled(world, egressd, marker, big_file):
-    # keep=1: the upstream answers without Connection: close, then waits for the rest of the
-    # upload. A request sent on that connection would be taken as body bytes, never answered.
+def test_early_answer_keeping_the_connection_lets_the_upload_finish(world, egressd, marker,
+                                                                    big_file):
+    # keep=1: the upstream answers without Connection: close, then reads the whole upload.
+    # RFC 9112 9.3 stops the body only for an answer that closes: this one gets all of it,
+    # and the connection, left in step, serves the next requests.
     url = f"https://api.test:{world.U}/reject-upload/{marker}?status=401&keep=1"
     r = _curl_upload(world, egressd, url, "--http1.1", "--data-binary", f"@{big_file}")
     assert r.stdout.decode().endswith("\n401"), r.stdout[-200:]
+    seen = world.upstream.find(marker)
+    poll(lambda: seen[0].body_len == 16 * MiB, 10, "the whole body at the upstream")
+    rec = _record(egressd, marker)
+    assert rec["status"] == 401 and rec["reason"] != "upstream_early_response", rec
     for i in range(3):
         got = curl_via(world, egressd, f"https://api.test:{world.U}/echo/{marker}-after{i}",
                        "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--http1.1", timeout=10)

@@ -242,14 +242,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", "9")
             if q.get("keep"):
-                # Says nothing of closing and then takes the whole body as if to go on: a
-                # request sent behind the cut upload would be read as the rest of that body,
-                # so a proxy must never pool such a connection.
+                # Says nothing of closing and then takes the whole body, as a server that
+                # answers early and drains the upload does (RFC 9112 9.3: the client need not
+                # stop sending; a request sent behind a cut upload would be read as body).
                 self.end_headers()
                 self.wfile.write(b"rejected\n")
                 self.wfile.flush()
                 try:
-                    self._consume_body()
+                    seen.body_len, _ = self._consume_body()
                 except OSError:
                     self.close_connection = True
                 return
