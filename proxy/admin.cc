@@ -171,18 +171,8 @@ awaitable<void> answer_and_close(Stream& stream, ReadErrorReply reply) {
     if (wec) {
         co_return;
     }
-    error_code ignored;
-    stream.socket().shutdown(net::socket_base::shutdown_send, ignored);
-    stream.expires_after(std::chrono::seconds(1));
-    std::array<char, 16 * 1024> sink;
-    for (size_t dropped = 0; dropped < 4 * kMaxBodyBytes;) {
-        auto [rec, rn] = co_await stream.async_read_some(net::buffer(sink), use_nothrow);
-        if (rec) {
-            break;
-        }
-        dropped += rn;
-    }
-    egress::secure_zero(sink.data(), sink.size());
+    stream.expires_never();
+    co_await linger_close(stream.socket(), std::chrono::seconds(1), 4 * kMaxBodyBytes);
 }
 
 template <class Socket>

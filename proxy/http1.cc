@@ -834,27 +834,6 @@ template awaitable<HeadRead> read_request_head<TlsStream>(
 template awaitable<void> refuse_head<TcpStream>(TcpStream&, HeadRead, Scope&, Clock::time_point);
 template awaitable<void> refuse_head<TlsStream>(TlsStream&, HeadRead, Scope&, Clock::time_point);
 
-awaitable<void> linger_close(tcp::socket& s, std::chrono::milliseconds limit) {
-    error_code ec;
-    s.shutdown(tcp::socket::shutdown_send, ec);  // the answer ends with our FIN
-    if (ec) {
-        co_return;
-    }
-    // What the client still sends is dropped unread: the scratch space is shared by every
-    // lingering connection of the thread (one read completes at a time; nobody reads it).
-    static thread_local std::array<char, 16 * 1024> sink;
-    net::steady_timer timer(s.get_executor());
-    timer.expires_after(limit);
-    using namespace net::experimental::awaitable_operators;
-    for (;;) {
-        auto r = co_await (s.async_read_some(net::buffer(sink), use_nothrow) ||
-                           timer.async_wait(use_nothrow));
-        if (r.index() == 1 || std::get<0>(std::get<0>(r))) {
-            break;  // the time is up, or the client closed (it has the answer) or reset
-        }
-    }
-}
-
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer,
                                         Scope& scope) {
     bool first = true;

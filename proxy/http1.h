@@ -39,13 +39,6 @@ template <class Stream>
 awaitable<void> refuse_head(Stream& s, HeadRead result, Scope& scope,
                             std::chrono::steady_clock::time_point started);
 
-/// Ends a connection after an answer sent while the client may still be sending its request
-/// body (a refusal, an upstream's early answer): our side is shut down for sending, then what
-/// the client sends is read and dropped until it closes or `limit` (limits.linger_timeout)
-/// passes. Closing with unread bytes would reset the connection, and a reset can discard the
-/// answer before the client reads it (RFC 9112 9.6; nginx's lingering close).
-awaitable<void> linger_close(tcp::socket& s, std::chrono::milliseconds limit);
-
 /// Notes, however the handling of a request ends, whether its body was left unread (the
 /// connection then ends with linger_close).
 struct UnreadBodyNote {

@@ -8,6 +8,12 @@
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
 
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <limits>
+
+#include "common/secure_zero.h"
 #include "proxy/tls_socket.h"
 
 namespace egress::proxy {
@@ -132,5 +138,39 @@ awaitable<error_code> read_header(Stream& s, beast::flat_buffer& b, http::basic_
 using TcpStream = beast::tcp_stream;
 /// TLS on the socket itself (proxy/tls_socket.h), not asio::ssl::stream's BIO pair.
 using TlsStream = TlsSocket;
+
+/// Ends a connection after an answer sent while the peer may still be sending (a refusal of a
+/// request with a body, an upstream's early answer, an admin request over its size): our side
+/// is shut down for sending, then what the peer sends is read and dropped until it closes,
+/// `limit` passes or `max_bytes` were dropped. Closing with unread bytes would reset the
+/// connection, and a reset can discard the answer before the peer reads it (RFC 9112 9.6;
+/// nginx's lingering close). The dropped bytes are wiped: the admin API's may be secrets.
+/// Reads the socket itself: on TLS, after our close_notify, the records are not decrypted.
+template <class Socket>
+awaitable<void> linger_close(Socket& s, std::chrono::milliseconds limit,
+                             size_t max_bytes = std::numeric_limits<size_t>::max()) {
+    error_code ec;
+    s.shutdown(net::socket_base::shutdown_send, ec);  // the answer ends with our FIN
+    if (ec) {
+        co_return;
+    }
+    std::array<char, 16 * 1024> sink;
+    net::steady_timer timer(s.get_executor());
+    timer.expires_after(limit);
+    using namespace net::experimental::awaitable_operators;
+    for (size_t dropped = 0; dropped < max_bytes;) {
+        auto r = co_await (s.async_read_some(net::buffer(sink), use_nothrow) ||
+                           timer.async_wait(use_nothrow));
+        if (r.index() == 1) {
+            break;  // the time is up
+        }
+        auto [rec, n] = std::get<0>(r);
+        if (rec) {
+            break;  // the peer closed (it has the answer) or reset
+        }
+        dropped += n;
+    }
+    egress::secure_zero(sink.data(), sink.size());
+}
 
 }  // namespace egress::proxy
