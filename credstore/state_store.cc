@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <boost/json.hpp>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -371,6 +372,18 @@ std::string describe(const std::string& name, const Scope& scope) {
 
 std::string secret_key(const std::string& name, const Scope& scope) {
     return name + "@" + scope.to_string();
+}
+
+bool valid_secret_name(std::string_view name) {
+    if (name.empty() || name.size() > 128) {
+        return false;
+    }
+    for (char c : name) {
+        if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.')) {
+            return false;
+        }
+    }
+    return true;
 }
 
 Result<StateSnapshot> apply_mutations(const StateSnapshot& base,

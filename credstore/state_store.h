@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/published.h"
@@ -60,6 +61,11 @@ struct StateSnapshot {
 };
 
 std::string secret_key(const std::string& name, const Scope& scope);
+
+/// A secret's name: 1..128 characters of [A-Za-z0-9_.-] (the admin API and the config's
+/// `secret:` pins share the rule).
+bool valid_secret_name(std::string_view name);
+inline constexpr const char* kSecretNameRule = "1..128 characters of [A-Za-z0-9_.-]";
 
 /// One atomic change. Exactly one of the members is meaningful, chosen by `kind`.
 struct Mutation {

@@ -23,6 +23,8 @@
 #include <string_view>
 #include <utility>
 
+#include "credstore/state_store.h"
+
 namespace egress::proxy {
 namespace {
 
@@ -747,6 +749,32 @@ public:
         return s;
     }
 
+    /// {org, project?, user?, workflow?}: a static run's identity in the store's scopes.
+    std::optional<credstore::Scope> parse_scope(const YAML::Node& node, const std::string& path) {
+        const size_t errors_before = errors.size();
+        credstore::Scope scope;
+        fields(node, path,
+               {{"org", set_string(scope.org)},
+                {"project", set_string(scope.project)},
+                {"user", set_string(scope.user)},
+                {"workflow", set_string(scope.workflow)}});
+        if (!node.IsMap()) {
+            if (node.IsNull()) {
+                error(path, "expected a mapping such as {org: acme}, got null");
+            }
+            return std::nullopt;
+        }
+        if (errors.size() != errors_before) {
+            return std::nullopt;
+        }
+        if (auto valid = scope.validate(); !valid) {
+            // validate names the field as "scope.org: ..."; anchor it at this run.
+            errors.push_back(path.substr(0, path.size() - std::strlen("scope")) + valid.error());
+            return std::nullopt;
+        }
+        return scope;
+    }
+
     std::optional<PinConfig> parse_pin(const YAML::Node& node, const std::string& path) {
         const size_t errors_before = errors.size();
         PinConfig pin;
@@ -760,7 +788,16 @@ public:
                                  }
                              }},
                             {"secret_file", set_string(pin.secret_file)},
-                            {"secret", set_string(pin.secret)},
+                            {"secret",
+                             [&](const YAML::Node& v, const std::string& p) {
+                                 auto s = string(v, p);
+                                 if (s && !credstore::valid_secret_name(*s)) {
+                                     error(p, "bad secret name " + quoted(*s) + " (expected " +
+                                                  credstore::kSecretNameRule + ")");
+                                 } else if (s) {
+                                     pin.secret = std::move(*s);
+                                 }
+                             }},
                             {"inject", [&](const YAML::Node& v,
                                            const std::string& p) { inject = parse_inject(v, p); }},
                             {"path_prefixes",
@@ -840,6 +877,8 @@ public:
                             {"ca_cert_out", set_string(run.ca_cert_out)},
                             {"sources", set_cidrs(run.sources)},
                             {"allow_hosts", set_patterns(run.allow_hosts)},
+                            {"scope", [&](const YAML::Node& v,
+                                          const std::string& p) { run.scope = parse_scope(v, p); }},
                             {"pins", [&](const YAML::Node& v, const std::string& p) {
                                  run.pins = list_of<PinConfig>(
                                      v, p, [this](const YAML::Node& n, const std::string& np) {
@@ -854,6 +893,18 @@ public:
         }
         if (seen.count("ca_cert_out") == 0) {
             run.ca_cert_out = "var/run-" + run.id + "-ca.pem";
+        }
+        if (seen.count("scope") == 0) {
+            // A store secret is found by the run's scope: without one it could never resolve.
+            for (const auto& pin : run.pins) {
+                if (!pin.secret.empty()) {
+                    error(join_path(path, "scope"),
+                          "required by " + pin.yaml_path +
+                              ".secret (a store secret is found by the run's scope, e.g. "
+                              "{org: acme, project: web})");
+                    break;
+                }
+            }
         }
         return {std::move(run), errors.size() == errors_before};
     }

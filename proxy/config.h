@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/result.h"
+#include "credstore/scope.h"
 #include "policy/address.h"
 #include "policy/host.h"
 #include "policy/run_policy.h"
@@ -77,7 +78,7 @@ struct Limits {
 struct PinConfig {
     policy::HostPattern host;
     std::string secret_file;  // exactly one of secret_file / secret is set
-    std::string secret;       // name in the store (control plane)
+    std::string secret;       // name in the store, found by the run's scope (control plane)
     policy::InjectSpec inject;
     std::vector<std::string> path_prefixes;
     std::vector<std::string> methods;  // uppercased
@@ -92,6 +93,10 @@ struct RunConfig {
     std::vector<policy::Cidr> sources;
     std::vector<policy::HostPattern> allow_hosts;
     std::vector<PinConfig> pins;
+    /// Who the run is, for store secrets (`secret: NAME` pins): the most specific secret of
+    /// that name whose scope contains this one, as for a run made through the admin API.
+    /// Required when a pin names a store secret.
+    std::optional<credstore::Scope> scope;
     std::string yaml_path;  // "runs[0]"
 };
 

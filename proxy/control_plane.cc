@@ -162,17 +162,6 @@ Result<int64_t> get_int(const json::object& o, const char* key, const std::strin
     return n;
 }
 
-bool valid_name(const std::string& n) {
-    if (n.empty() || n.size() > 128) {
-        return false;
-    }
-    for (char c : n) {
-        if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.')) {
-            return false;
-        }
-    }
-    return true;
-}
 
 /// boost::json's allocator for request bodies: zeroes every block it frees, so a secret value
 /// leaves no copy behind, also when parsing fails halfway through or a string grows.
@@ -545,8 +534,8 @@ ApiResponse ControlPlane::create_secret(std::string_view body) {
     WipeField wipe{*o, "value"};
     auto name = get_string(*o, "name", "", true);
     if (!name) return error(400, "invalid_request", name.error());
-    if (!valid_name(*name)) {
-        return error(400, "invalid_request", "name: 1..128 characters of [A-Za-z0-9_.-]");
+    if (!credstore::valid_secret_name(*name)) {
+        return error(400, "invalid_request", std::string("name: ") + credstore::kSecretNameRule);
     }
     auto scope = get_scope(*o, "");
     if (!scope) return error(400, "invalid_request", scope.error());
@@ -660,6 +649,9 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
     p.host = pattern->text();
     auto secret = get_string(o, "secret", path + ".", true);
     if (!secret) return make_error(secret.error());
+    if (!credstore::valid_secret_name(*secret)) {
+        return make_error(path + ".secret: " + credstore::kSecretNameRule);
+    }
     if (credstore::resolve_secret(snap, *secret, run_scope) == nullptr) {
         return make_error(path + ".secret: unknown secret '" + *secret + "' for scope " +
                           run_scope.to_string());
@@ -986,7 +978,14 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
         config = config_;
     }
     std::shared_ptr<Run> run = statics->find(id);
+    const std::shared_ptr<Run> static_run = run;
     const credstore::RunRecord* rec = nullptr;
+    if (run && !run->store_pins.empty()) {
+        std::lock_guard lock(build_mu_);  // the served copy, its store secrets resolved
+        if (auto b = static_built_.find(id); b != static_built_.end() && b->second.statics == run) {
+            run = b->second.served;
+        }
+    }
     if (!run) {
         auto it = snap->runs.find(id);
         if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
@@ -1033,9 +1032,17 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
     out["pin"] = pj;
     json::object sj;
     sj["name"] = pin->secret_name;
-    if (rec != nullptr) {
+    // The scope a store secret is found by: the dynamic run's, or a static run's `scope`
+    // for its `secret: NAME` pins; other static pins read a secret_file.
+    const credstore::Scope* scope = rec != nullptr ? &rec->scope : nullptr;
+    if (static_run) {
+        for (const auto& sp : static_run->store_pins) {
+            if (sp.pin.id == pin->id) scope = &static_run->scope;
+        }
+    }
+    if (scope != nullptr) {
         std::vector<credstore::ScopeCandidate> chain;
-        const auto* chosen = credstore::resolve_secret(*snap, pin->secret_name, rec->scope, &chain);
+        const auto* chosen = credstore::resolve_secret(*snap, pin->secret_name, *scope, &chain);
         if (chosen != nullptr) {
             sj["scope"] = scope_json(chosen->scope);
             sj["version"] = chosen->version;
@@ -1164,7 +1171,68 @@ size_t ControlPlane::sweep_expired() {
     return muts.size();
 }
 
-Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
+void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& snap, Runtime& rt,
+                                             BuildWarnings* warnings) {
+    std::map<std::string, StaticBuild> next;
+    for (auto& [id, run] : rt.runs) {
+        if (run->store_pins.empty()) {
+            continue;
+        }
+        const std::shared_ptr<Run> statics = run;
+        // What the served copy is built from: the static run and the versions of its secrets.
+        std::vector<const credstore::SealedSecret*> sealed;
+        std::string fp;
+        for (const auto& sp : statics->store_pins) {
+            const auto* s = credstore::resolve_secret(snap, sp.pin.secret_name, statics->scope);
+            sealed.push_back(s);
+            fp += "|" + (s ? credstore::secret_key(s->name, s->scope) + "v" +
+                                 std::to_string(s->version) + "#" + s->kek_id
+                           : std::string("missing"));
+        }
+        auto prev = static_built_.find(id);
+        std::shared_ptr<Run> served;
+        if (prev != static_built_.end() && prev->second.statics == statics &&
+            prev->second.fingerprint == fp) {
+            served = prev->second.served;
+        } else {
+            std::vector<credstore::SecretPtr> values;
+            for (size_t i = 0; i < sealed.size(); ++i) {
+                const auto& sp = statics->store_pins[i];
+                credstore::SecretPtr value;
+                std::string problem;
+                if (sealed[i] == nullptr) {
+                    problem = "no secret '" + sp.pin.secret_name + "' for scope " +
+                              statics->scope.to_string() + " in the store";
+                } else if (auto v = unseal_cached(*sealed[i]); !v) {
+                    problem = v.error();
+                } else {
+                    value = *v;
+                }
+                if (!value && warnings != nullptr) {
+                    warnings->lines.push_back(sp.yaml_path + ".secret: " + problem + "; pin for " +
+                                              sp.pin.host.text() +
+                                              " disabled until the secret is put");
+                }
+                values.push_back(std::move(value));
+            }
+            // Pins of the build before on the same secret keep their injection (as dynamic
+            // runs' do): a rebuild for another run's change costs no mlock here.
+            policy::InjectionCache injections;
+            if (prev != static_built_.end()) {
+                for (const auto& old : prev->second.served->policy.pins) injections.remember(old);
+            }
+            served = with_store_secrets(*statics, values, injections);
+        }
+        next[id] = {statics, fp, served};
+        if (rt.anonymous == statics) {
+            rt.anonymous = served;
+        }
+        run = served;
+    }
+    static_built_ = std::move(next);
+}
+
+Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings* warnings) {
     std::lock_guard lock(build_mu_);
     auto snap = store_->snapshot();
     auto rt = std::make_shared<Runtime>();
@@ -1172,6 +1240,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
     rt->addresses = statics_->addresses;
     rt->runs = statics_->runs;
     rt->anonymous = statics_->anonymous;
+    resolve_static_store_pins(*snap, *rt, warnings);
     const int64_t now = unix_now();
     std::map<std::string, std::shared_ptr<Run>> built;
     std::map<std::string, std::string> fps;
@@ -1274,6 +1343,11 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime() {
     std::set<const credstore::SecretValue*> in_use;
     for (const auto& [id, run] : built_) {
         for (const policy::Pin& pin : run->policy.pins) {
+            in_use.insert(pin.secret.get());
+        }
+    }
+    for (const auto& [id, b] : static_built_) {
+        for (const policy::Pin& pin : b.served->policy.pins) {
             in_use.insert(pin.secret.get());
         }
     }

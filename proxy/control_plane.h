@@ -51,7 +51,9 @@ public:
 
     /// The data path's runtime for the current state: static runs plus every live dynamic
     /// run (pins resolved by scope and unsealed). Unchanged runs keep their Run objects.
-    Result<std::shared_ptr<const Runtime>> build_runtime();
+    /// Static runs' store pins (`secret: NAME`) are resolved here by the run's scope; one
+    /// that cannot be (no such secret yet) is off, with a line in `warnings` when it changed.
+    Result<std::shared_ptr<const Runtime>> build_runtime(BuildWarnings* warnings = nullptr);
 
     /// Replaces the static part (a config reload).
     void set_statics(std::shared_ptr<const Runtime> statics);
@@ -84,6 +86,10 @@ private:
     ApiResponse rotate_keys();
     std::shared_ptr<const Config> current_config();
     Result<credstore::SecretPtr> unseal_cached(const credstore::SealedSecret& s);
+    /// Replaces each static run of `rt` that has store pins by its served copy (the one of the
+    /// build before when neither the static run nor its secrets changed). Holds build_mu_.
+    void resolve_static_store_pins(const credstore::StateSnapshot& snap, Runtime& rt,
+                                   BuildWarnings* warnings);
 
     std::shared_ptr<const Runtime> statics_;
     std::shared_ptr<const Config> config_;
@@ -96,6 +102,12 @@ private:
     // secret_key + version + KEK → value; only values a built run uses (build_runtime evicts)
     std::map<std::string, credstore::SecretPtr> unsealed_;
     std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run
+    struct StaticBuild {
+        std::shared_ptr<Run> statics;  // the static run (config) it was made from
+        std::string fingerprint;       // its store secrets' keys and versions
+        std::shared_ptr<Run> served;   // with those secrets
+    };
+    std::map<std::string, StaticBuild> static_built_;  // static run id → its served copy
     std::map<std::string, std::string> fingerprints_;      // run id → what it was built from
     std::map<std::string, std::string> swept_;             // swept run id → token SHA-256
     std::deque<std::string> swept_order_;                  // bounds swept_ (oldest first)

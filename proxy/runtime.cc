@@ -142,14 +142,19 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                 pin.secret = *s;
                 policy::prepare_injection(pin);
             } else {
-                // Named secrets live in the state store, which resolves them only for dynamic
-                // runs (control plane): refused here rather than a pin that is always off.
-                errors.push_back(pc.yaml_path + ".secret: store-backed secrets are not "
-                                 "supported in static runs; use secret_file, or create the "
-                                 "run through the admin API");
+                // A store secret: resolved by the control plane, which reads the store
+                // (ControlPlane::build_runtime); until then the pin is off.
+                pin.secret_name = pc.secret;
+                run->store_pins.push_back({std::move(pin), run->policy.pins.size(), pc.yaml_path});
                 continue;
             }
             run->policy.pins.push_back(std::move(pin));
+        }
+        for (const auto& sp : run->store_pins) {
+            run->unavailable_pins.push_back(sp.pin.host);
+        }
+        if (rc.scope) {
+            run->scope = *rc.scope;
         }
         run->static_ttl = rc.ttl;
         run->ca_validity = validity;
@@ -161,6 +166,9 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             run->policy.expires_at = old->policy.expires_at;
             for (auto& p : run->policy.pins) {
                 p.expires_at = std::min(p.expires_at, run->policy.expires_at);
+            }
+            for (auto& sp : run->store_pins) {
+                sp.pin.expires_at = std::min(sp.pin.expires_at, run->policy.expires_at);
             }
         } else {
             auto ca = tls::RunCa::create(rc.id, validity);
@@ -182,6 +190,49 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
         return make_error(one_per_line(errors));
     }
     return rt;
+}
+
+std::shared_ptr<Run> with_store_secrets(const Run& statics,
+                                        const std::vector<credstore::SecretPtr>& values,
+                                        policy::InjectionCache& injections) {
+    auto run = std::make_shared<Run>();
+    run->policy.id = statics.policy.id;
+    run->policy.allow_hosts = statics.policy.allow_hosts;
+    run->policy.expires_at = statics.policy.expires_at;
+    run->policy.revoked = statics.policy.revoked;
+    run->static_ttl = statics.static_ttl;
+    run->ca_validity = statics.ca_validity;
+    run->token = statics.token;
+    run->anonymous = statics.anonymous;
+    run->ca = statics.ca;
+    run->leaves = statics.leaves;
+    run->sources = statics.sources;
+    run->scope = statics.scope;
+    // The file pins' unavailable hosts; the store pins' follow, for those left unresolved.
+    run->unavailable_pins.assign(
+        statics.unavailable_pins.begin(),
+        statics.unavailable_pins.end() - static_cast<std::ptrdiff_t>(statics.store_pins.size()));
+    const auto& file_pins = statics.policy.pins;
+    size_t next_file = 0;
+    for (size_t i = 0; i < statics.store_pins.size(); ++i) {
+        const Run::StorePin& sp = statics.store_pins[i];
+        while (next_file < sp.after) {
+            run->policy.pins.push_back(file_pins[next_file++]);
+        }
+        if (i >= values.size() || !values[i]) {
+            run->unavailable_pins.push_back(sp.pin.host);
+            continue;
+        }
+        policy::Pin pin = sp.pin;
+        pin.secret = values[i];
+        injections.prepare(pin);
+        run->policy.pins.push_back(std::move(pin));
+    }
+    while (next_file < file_pins.size()) {
+        run->policy.pins.push_back(file_pins[next_file++]);
+    }
+    policy::index_pins(run->policy);
+    return run;
 }
 
 Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {

@@ -35,7 +35,28 @@ struct Run {
     std::vector<policy::HostPattern> unavailable_pins;
     std::vector<policy::Cidr> sources;  // transparent mode: client addresses bound to the run
     std::atomic<size_t> connections{0};
+
+    /// Static runs: pins on a store secret (`secret: NAME`), found by `scope` in the state
+    /// store. As build_runtime() makes them they are not in policy.pins and their hosts are
+    /// the last store_pins.size() entries of unavailable_pins (refused, secret_unavailable);
+    /// the control plane serves a copy with the secrets resolved (with_store_secrets).
+    struct StorePin {
+        policy::Pin pin;        // everything but the secret and its injection
+        size_t after = 0;       // how many of policy.pins come before it, in config order
+        std::string yaml_path;  // "runs[0].pins[2]", for warnings
+    };
+    std::vector<StorePin> store_pins;
+    credstore::Scope scope;
 };
+
+/// The served form of a static run with store pins: a new Run sharing `statics`' CA, leaf
+/// cache, token and sources, whose pins are its file pins with the store pins merged in config
+/// order, each given `values[i]` (store_pins[i]'s secret, or null: that pin's host is then
+/// refused as secret_unavailable). `injections` prepares the new pins. Its connection count
+/// starts at 0 (as a dynamic run's does when a rotated secret rebuilds it).
+std::shared_ptr<Run> with_store_secrets(const Run& statics,
+                                        const std::vector<credstore::SecretPtr>& values,
+                                        policy::InjectionCache& injections);
 
 struct Runtime {
     std::shared_ptr<const Config> config;

@@ -125,7 +125,11 @@ struct Server::Impl {
     /// Rebuilds the data path's runtime after a control-plane change and closes the open
     /// connections of runs that are gone (revoked, expired, deleted).
     void publish_runtime() {
-        auto next = control->build_runtime();
+        BuildWarnings warnings;
+        auto next = control->build_runtime(&warnings);
+        for (const auto& w : warnings.lines) {
+            spdlog::warn("{}", w);
+        }
         if (!next) {
             spdlog::error("runtime rebuild failed: {}", next.error());
             return;

@@ -179,6 +179,7 @@ runs:
     ttl: 30m
     sources: [10.1.0.0/16]
     allow_hosts: [example.org]
+    scope: {org: acme, project: web, workflow: nightly}
     pins:
       - host: api.github.com
         secret_file: /run/secrets/gh
@@ -280,6 +281,9 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     ASSERT_EQ(a.sources.size(), 1u);
     EXPECT_EQ(a.sources[0].prefix, 16);
     ASSERT_EQ(a.allow_hosts.size(), 1u);
+    ASSERT_TRUE(a.scope.has_value());
+    EXPECT_EQ(a.scope->to_string(), "org=acme,project=web,workflow=nightly");
+    EXPECT_FALSE(c.runs[1].scope.has_value());
     ASSERT_EQ(a.pins.size(), 3u);
 
     const PinConfig& bearer = a.pins[0];
@@ -543,6 +547,24 @@ const ErrorRow kErrorRows[] = {
      run_with_pin(
          "        secret: s\n        inject: {type: bearer}\n        methods: [GET, 'PO ST']\n"),
      "runs[0].pins[0].methods[1]: not an HTTP method token"},
+    // a static run's scope, which its store secrets are found by
+    {"StoreSecretWithoutScope", run_with_pin("        secret: s\n        inject: {type: bearer}\n"),
+     "runs[0].scope: required by runs[0].pins[0].secret (a store secret is found by the run's "
+     "scope"},
+    {"ScopeWithoutOrg", "runs: [{id: a, scope: {project: web}}]\n", "runs[0].scope.org: required"},
+    {"ScopeBadValue", "runs: [{id: a, scope: {org: 'a b'}}]\n",
+     "runs[0].scope.org: must be 1..64 characters of [A-Za-z0-9._-]"},
+    {"ScopeUnknownField", "runs: [{id: a, scope: {org: a, team: x}}]\n",
+     "runs[0].scope.team: unknown key (expected org, project, user or workflow)"},
+    {"ScopeNotAMapping", "runs: [{id: a, scope: acme}]\n",
+     "runs[0].scope: expected a mapping, got 'acme'"},
+    {"ScopeNull", "runs: [{id: a, scope: null}]\n",
+     "runs[0].scope: expected a mapping such as {org: acme}, got null"},
+    {"BadSecretName",
+     "runs: [{id: a, scope: {org: a}, pins: [{host: a.test, secret: 'gh/x', inject: {type: "
+     "bearer}}]}]\n",
+     "runs[0].pins[0].secret: bad secret name 'gh/x' (expected 1..128 characters of "
+     "[A-Za-z0-9_.-])"},
     // runs
     {"RunWithoutId", "runs: [{token_file: t}]\n", "runs[0].id: required"},
     {"BadRunId", "runs: [{id: 'a/b'}]\n", "runs[0].id: bad run id 'a/b'"},
@@ -656,6 +678,7 @@ resolver:
   overrides: {"Upstream.TEST.": ["127.0.0.1"]}
 runs:
   - id: a
+    scope: {org: acme}
     pins:
       - {host: a.test, secret: s, inject: {type: bearer}, methods: [get, delete]}
 )",

@@ -22,9 +22,11 @@ def test_check_accepts_the_standard_config(factory):
     (lambda c: c["runs"][0].__setitem__("token_file", "/nonexistent/r1.token"),
      "runs[0].token_file"),
     (lambda c: c["upstream"].__setitem__("ca_file", "/nonexistent/ca.pem"), "upstream.ca_file"),
-    # a store-backed secret in a static run: not supported, refused rather than a dead pin
+    # a store secret in a static run is found by the run's scope: without one, refused
+    # rather than a pin that can never resolve
     (lambda c: c["runs"][0]["pins"][1].update({"secret": "github_token"})
-     or c["runs"][0]["pins"][1].pop("secret_file"), "runs[0].pins[1].secret"),
+     or c["runs"][0]["pins"][1].pop("secret_file"),
+     "runs[0].scope: required by runs[0].pins[1].secret"),
 ])
 def test_check_rejects_bad_config_naming_the_key(factory, mutate, path):
     e = factory.make(mutate)
@@ -53,13 +55,12 @@ def test_check_writes_no_file(factory):
     assert not os.path.exists(e.config["state"]["path"])
 
 
-def test_static_pin_with_a_store_secret_does_not_start(factory):
-    import subprocess
-    e = factory.make(lambda c: c["runs"][0]["pins"][0].update({"secret": "github_token"})
-                     or c["runs"][0]["pins"][0].pop("secret_file"))
-    e.write_config()
-    r = subprocess.run([e.binary, "--config", e.config_path], cwd=e.workdir,
-                       capture_output=True, timeout=30, text=True)
-    assert r.returncode != 0
-    assert "runs[0].pins[0].secret: store-backed secrets are not supported in static runs" \
-        in r.stderr
+def test_static_pin_with_a_store_secret_and_a_scope_is_valid(factory):
+    def store_pin(c):
+        c["runs"][0]["pins"][0].pop("secret_file")
+        c["runs"][0]["pins"][0]["secret"] = "github_token"
+        c["runs"][0]["scope"] = {"org": "acme", "project": "web"}
+    e = factory.make(store_pin)
+    r = e.check()
+    assert r.returncode == 0, r.stderr
+    assert "is valid" in r.stdout

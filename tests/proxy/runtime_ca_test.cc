@@ -132,20 +132,71 @@ TEST(CaExpiry, WarnsATenthOfTheValidityAheadAtMostAWeekThenExpired) {
     EXPECT_EQ(ca_expiry(end, day, end - minutes(144)), CaExpiry::Soon);
 }
 
-TEST_F(RuntimeCaFiles, AStoreSecretInAStaticRunIsAnErrorNamingTheKey) {
-    auto c = parse_config("runs:\n  - id: r1\n    token_file: " + write("t", "tok") +
-                              "\n    pins:\n      - {host: a.test, secret: gh, inject: {type: "
-                              "bearer}}\n",
-                          "t.yaml");
+TEST_F(RuntimeCaFiles, StoreSecretPinsAreOffUntilResolvedThenMergedInConfigOrder) {
+    // pins: [0] file, [1] store "gh" (same host as [2]: order decides), [2] file, [3] store
+    // "npm" on its own host.
+    auto c = parse_config(
+        "runs:\n  - id: r1\n    token_file: " + write("t", "tok") +
+            "\n    scope: {org: acme, project: web}\n    pins:\n"
+            "      - {host: a.test, secret_file: " + write("fa", "file-a") +
+            ", inject: {type: bearer}}\n"
+            "      - {host: b.test, secret: gh, inject: {type: bearer}, path_prefixes: [/x/]}\n"
+            "      - {host: b.test, secret_file: " + write("fb", "file-b") +
+            ", inject: {type: bearer}}\n"
+            "      - {host: c.test, secret: npm, inject: {type: basic, username: ci}}\n",
+        "t.yaml");
     ASSERT_TRUE(c) << c.error();
-    BuildWarnings w;
-    auto rt = build_runtime(std::make_shared<const Config>(std::move(*c)), w);
-    ASSERT_FALSE(rt);
-    EXPECT_EQ(rt.error().rfind("runs[0].pins[0].secret: store-backed secrets are not supported "
-                               "in static runs",
-                               0),
-              0U)
-        << rt.error();
+    auto statics = build(std::make_shared<const Config>(std::move(*c)));
+    ASSERT_TRUE(statics);
+    const proxy::Run& r = *statics->find("r1");
+    EXPECT_EQ(r.scope.to_string(), "org=acme,project=web");
+    ASSERT_EQ(r.policy.pins.size(), 2u);  // the file pins only
+    ASSERT_EQ(r.store_pins.size(), 2u);
+    EXPECT_EQ(r.store_pins[0].pin.id, "r1-pin-1");
+    EXPECT_EQ(r.store_pins[0].pin.secret_name, "gh");
+    EXPECT_EQ(r.store_pins[0].after, 1u);
+    EXPECT_EQ(r.store_pins[0].yaml_path, "runs[0].pins[1]");
+    EXPECT_EQ(r.store_pins[1].after, 2u);
+    EXPECT_FALSE(r.store_pins[0].pin.secret);
+    // As built (not yet resolved), the store pins' hosts are refused as secret_unavailable.
+    ASSERT_EQ(r.unavailable_pins.size(), 2u);
+    EXPECT_EQ(r.unavailable_pins[0].text(), "b.test");
+    EXPECT_EQ(r.unavailable_pins[1].text(), "c.test");
+
+    // gh resolved, npm not: merged in config order, npm's host stays unavailable.
+    auto gh = std::make_shared<const credstore::SecretValue>("store-gh");
+    policy::InjectionCache injections;
+    auto served = with_store_secrets(r, {gh, nullptr}, injections);
+    ASSERT_EQ(served->policy.pins.size(), 3u);
+    EXPECT_EQ(served->policy.pins[0].id, "r1-pin-0");
+    EXPECT_EQ(served->policy.pins[1].id, "r1-pin-1");
+    EXPECT_EQ(served->policy.pins[2].id, "r1-pin-2");
+    EXPECT_EQ(served->policy.pins[1].secret, gh);
+    ASSERT_TRUE(served->policy.pins[1].injection);
+    ASSERT_EQ(served->unavailable_pins.size(), 1u);
+    EXPECT_EQ(served->unavailable_pins[0].text(), "c.test");
+    EXPECT_EQ(served->ca, r.ca);  // the same CA and leaf cache: sandboxes keep trusting it
+    EXPECT_EQ(served->leaves, r.leaves);
+    EXPECT_EQ(served->token, r.token);
+    EXPECT_TRUE(served->store_pins.empty());
+
+    // The first matching pin in order wins: /x/ on b.test is the store pin, / the file pin.
+    policy::GlobalPolicy global;
+    const auto now = policy::Clock::now();
+    const policy::HostPort b{"b.test", 443};
+    const policy::Pin* at_x = policy::match_pin(global, served->policy, b, "GET", "/x/1", now);
+    const policy::Pin* at_y = policy::match_pin(global, served->policy, b, "GET", "/y", now);
+    ASSERT_NE(at_x, nullptr);
+    ASSERT_NE(at_y, nullptr);
+    EXPECT_EQ(at_x->id, "r1-pin-1");
+    EXPECT_EQ(at_y->id, "r1-pin-2");
+
+    // Both resolved: nothing unavailable, four pins.
+    auto npm = std::make_shared<const credstore::SecretValue>("store-npm");
+    auto both = with_store_secrets(r, {gh, npm}, injections);
+    EXPECT_EQ(both->policy.pins.size(), 4u);
+    EXPECT_TRUE(both->unavailable_pins.empty());
+    EXPECT_EQ(both->policy.pins[3].id, "r1-pin-3");
 }
 
 }  // namespace

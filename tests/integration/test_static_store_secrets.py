@@ -1,0 +1,137 @@
+"""Static runs whose pins name a store secret (`secret: NAME`, DESIGN's "or secret: NAME from the
+store"): the sidecar's config says which secret, the store (file or etcd) holds its value, and
+the run's `scope` picks the most specific one, as for a run made through the admin API. A pin
+whose secret is not in the store is off (403 secret_unavailable) until it is put; a put,
+rotation or delete reaches the next request without a reload.
+
+Secret values never reach the test output (cp_helpers.expect), and the factory greps every
+file egressd wrote for them when the module ends.
+"""
+from __future__ import annotations
+
+import os
+import secrets as pysecrets
+from urllib.parse import quote
+
+import pytest
+
+import helpers
+from cp_helpers import api, api_ok, expect, fp, put_secret, rotate_secret, seen_auth
+from test_lifecycle import _reload, _rewrite
+
+
+def _store_pinned(world):
+    U = world.U
+
+    def mutate(cfg):
+        r1 = cfg["runs"][0]
+        r1["scope"] = {"org": "acme", "project": "web"}
+        # among file pins (their order with store pins: runtime_ca_test's merge test)
+        r1["pins"].insert(1, {"host": f"other.test:{U}", "secret": "gh",
+                              "inject": {"type": "bearer"}})
+    return mutate
+
+
+@pytest.fixture(scope="module")
+def e(factory, world):
+    return factory.start(mutate=_store_pinned(world))
+
+
+def _get(e, world, path: str, conn: helpers.Conn | None = None):
+    c = conn or helpers.tunnel(e.proxy_port, "other.test", world.U, world.auth("r1"),
+                               e.config["runs"][0]["ca_cert_out"])
+    return c, helpers.request(c, "GET", path, f"other.test:{world.U}")
+
+
+def _bearer_seen(world, marker: str) -> list[str]:
+    return seen_auth(world.upstream, marker)
+
+
+def test_store_pin_follows_the_store_without_a_reload(e, world, marker):
+    # 1. Not in the store yet: the pinned host is refused, and the log says which key and why.
+    c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth("r1"))
+    c.close()
+    assert r.status == 403 and r.egress_reason == "secret_unavailable", (r.status, r.egress_reason)
+    log = e.stderr_text()
+    assert (f"runs[0].pins[1].secret: no secret 'gh' for scope org=acme,project=web in the "
+            f"store; pin for other.test:{world.U} disabled until the secret is put") in log, log[-3000:]
+
+    # 2. A secret of another org is never used; the org's one is, without a reload.
+    evil = "sk-evil-" + pysecrets.token_hex(16)
+    put_secret(e, "gh", evil, org="globex")
+    org_v = "sk-org-" + pysecrets.token_hex(16)
+    put_secret(e, "gh", org_v, org="acme")
+    conn, resp = _get(e, world, f"/echo/store/{marker}-1")
+    assert resp.status == 200, resp.status
+    got = _bearer_seen(world, f"{marker}-1")
+    expect(got == [f"Bearer {org_v}"], f"want the org secret {fp(org_v)}, got {[fp(g) for g in got]}")
+
+    # 3. A more specific secret (the run's project) wins, on the same connection.
+    proj_v = "sk-proj-" + pysecrets.token_hex(16)
+    put_secret(e, "gh", proj_v, org="acme", project="web")
+    _, resp = _get(e, world, f"/echo/store/{marker}-2", conn)
+    assert resp.status == 200
+    got = _bearer_seen(world, f"{marker}-2")
+    expect(got == [f"Bearer {proj_v}"], f"want the project secret, got {[fp(g) for g in got]}")
+
+    # 4. Rotated: the next request on the same connection carries the new value.
+    rot_v = "sk-rot-" + pysecrets.token_hex(16)
+    rotate_secret(e, "gh", rot_v, org="acme", project="web")
+    _, resp = _get(e, world, f"/echo/store/{marker}-3", conn)
+    assert resp.status == 200
+    got = _bearer_seen(world, f"{marker}-3")
+    expect(got == [f"Bearer {rot_v}"], f"want the rotated secret, got {[fp(g) for g in got]}")
+
+    # 5. Explain names the store secret, its scope and version, and the scope chain.
+    ex = api_ok(e, "GET", "/v1/runs/r1/explain?url=" +
+                quote(f"https://other.test:{world.U}/echo/store/x", safe=""))
+    assert ex["decision"] == "inject" and ex["pin"]["id"] == "r1-pin-1", ex
+    assert ex["secret"] == {"name": "gh", "scope": {"org": "acme", "project": "web"},
+                            "version": 2}, ex
+    assert sum(c["chosen"] for c in ex["chain"]) == 1
+    assert [c["matches"] for c in ex["chain"] if c["scope"] == {"org": "globex"}] == [False]
+    conn.close()
+
+    # 6. Deleted: back to the org's secret; that deleted too, the host is refused again.
+    assert api(e, "DELETE", "/v1/secrets/gh?scope=" + quote("org=acme,project=web")).status == 204
+    _, resp = _get(e, world, f"/echo/store/{marker}-5")
+    got = _bearer_seen(world, f"{marker}-5")
+    expect(resp.status == 200 and got == [f"Bearer {org_v}"],
+           f"after the delete: {resp.status}, {[fp(g) for g in got]}")
+    assert api(e, "DELETE", "/v1/secrets/gh?scope=org%3Dacme").status == 204
+    c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth("r1"))
+    c.close()
+    assert r.status == 403 and r.egress_reason == "secret_unavailable", (r.status, r.egress_reason)
+    # api.test's file pin on the same run was never disturbed
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth("r1"),
+                       e.config["runs"][0]["ca_cert_out"])
+    resp = helpers.request(c, "GET", f"/echo/{marker}-6", f"api.test:{world.U}")
+    c.close()
+    got = _bearer_seen(world, f"{marker}-6")
+    expect(resp.status == 200 and got == [f"Bearer {world.secrets['api_token']}"], "api.test pin")
+
+
+def test_reload_keeps_the_ca_and_the_resolved_pin(e, world, marker):
+    v = "sk-reload-" + pysecrets.token_hex(16)
+    put_secret(e, "gh", v, org="acme", project="web")
+    ca_file = e.config["runs"][0]["ca_cert_out"]
+    with open(ca_file) as f:
+        ca_before = f.read()
+    _rewrite(e, lambda c: c["runs"][0]["allow_hosts"].append("tunnel.test"))
+    _reload(e)
+    with open(ca_file) as f:
+        assert f.read() == ca_before, "a reload that keeps the run must keep its CA"
+    _, resp = _get(e, world, f"/echo/store/{marker}")
+    got = _bearer_seen(world, marker)
+    expect(resp.status == 200 and got == [f"Bearer {v}"],
+           f"after the reload: {resp.status}, {[fp(g) for g in got]}")
+
+    # A reload that changes the run's scope resolves the pin again, by the new scope.
+    gv = "sk-globex-" + pysecrets.token_hex(16)
+    put_secret(e, "gh", gv, org="globex", project="web")
+    _rewrite(e, lambda c: c["runs"][0].__setitem__("scope", {"org": "globex", "project": "web"}))
+    _reload(e)
+    _, resp = _get(e, world, f"/echo/store/{marker}-g")
+    got = _bearer_seen(world, f"{marker}-g")
+    expect(resp.status == 200 and got == [f"Bearer {gv}"],
+           f"after the scope change: {resp.status}, {[fp(g) for g in got]}")
