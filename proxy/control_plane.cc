@@ -420,7 +420,7 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
     if (!tok) {
         return make_error("admin.token_file: " + tok.error());
     }
-    cp->admin_token_ = std::string((*tok)->reveal());
+    cp->admin_token_ = *tok;
 
     // Master key (KEK).
     if (cfg.kms_command) {
@@ -470,7 +470,17 @@ bool ControlPlane::authorized(std::string_view h) const {
     if (h.size() <= kBearer.size() || h.substr(0, kBearer.size()) != kBearer) {
         return false;
     }
-    return credstore::constant_time_equals(h.substr(kBearer.size()), admin_token_);
+    credstore::SecretPtr token;
+    {
+        std::lock_guard lock(token_mu_);
+        token = admin_token_;
+    }
+    return credstore::constant_time_equals(h.substr(kBearer.size()), token->reveal());
+}
+
+void ControlPlane::set_admin_token(credstore::SecretPtr token) {
+    std::lock_guard lock(token_mu_);
+    admin_token_ = std::move(token);
 }
 
 void ControlPlane::on_change(std::function<void()> cb) {

@@ -44,6 +44,9 @@ public:
 
     /// Constant-time check of "Bearer <token>" against admin.token_file.
     bool authorized(std::string_view authorization_header) const;
+    /// The admin token from now on (a reload re-read admin.token_file): the old one stops
+    /// working at once, and its bytes are wiped when the last check using it ends.
+    void set_admin_token(credstore::SecretPtr token);
 
     /// Routes one /v1 request. Never returns a secret value or a proxy token (except the
     /// new run's proxy_url, once, in POST /v1/runs).
@@ -95,7 +98,8 @@ private:
     std::shared_ptr<const Config> config_;
     std::unique_ptr<credstore::StateStore> store_;
     KeyRing keys_;
-    std::string admin_token_;
+    mutable std::mutex token_mu_;      // admin_token_: checked by the admin API, set by a reload
+    credstore::SecretPtr admin_token_;  // locked memory, wiped (credstore::SecretValue)
     std::string proxy_authority_;
     std::mutex mu_;        // serializes mutations (admin requests)
     std::mutex build_mu_;  // guards the caches below (build_runtime runs inside apply)

@@ -156,6 +156,14 @@ struct Server::Impl {
             spdlog::error("reload refused, keeping the running configuration: {}", cfg.error());
             return;
         }
+        // The admin token is re-read with the rest (an operator rotating a leaked token):
+        // unreadable, the whole reload is refused and the old token keeps working.
+        auto admin_token = credstore::load_secret_file(cfg->admin_token_file);
+        if (!admin_token) {
+            spdlog::error("reload refused, keeping the running configuration: admin.token_file: {}",
+                          admin_token.error());
+            return;
+        }
         auto current = shared.runtime.load();
         const std::string needs_restart = restart_keys(*current->config, *cfg);
         auto config = std::make_shared<const Config>(std::move(*cfg));
@@ -180,6 +188,7 @@ struct Server::Impl {
         }
         spdlog::set_level(spdlog::level::from_str(config->log_level));
         control->set_statics(*statics);
+        control->set_admin_token(std::move(*admin_token));
         publish_runtime();
         log_static_cas(**statics);
         if (!needs_restart.empty()) {
@@ -208,11 +217,6 @@ struct Server::Impl {
         changed(listen_text(old.transparent) != listen_text(next.transparent),
                 "listen.transparent");
         changed(old.admin.to_string() != next.admin.to_string(), "listen.admin");
-        // The admin API keeps the token it read at start (ControlPlane::open): a replaced
-        // token file is named too, so an operator who rotated a leaked token learns it.
-        changed(old.admin_token_file != next.admin_token_file ||
-                    admin_token_sha256 != file_sha256(next.admin_token_file),
-                "admin.token_file");
         changed(old.upstream_ca_file != next.upstream_ca_file, "upstream.ca_file");
         changed(old.state_backend != next.state_backend, "state.backend");
         changed(old.state_path != next.state_path, "state.path");
@@ -237,12 +241,6 @@ struct Server::Impl {
         return out;
     }
 
-    /// Hex SHA-256 of a file's contents (trailing newline stripped), or "" if unreadable.
-    static std::string file_sha256(const std::string& path) {
-        auto s = credstore::load_secret_file(path);
-        return s ? sha256_hex((*s)->reveal()) : std::string();
-    }
-    std::string admin_token_sha256;  // of admin.token_file as the admin API read it at start
 
     /// Says until when each process-lifetime run's CA is valid (at start and reload).
     static void log_static_cas(const Runtime& rt) {
@@ -465,7 +463,6 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
         throw std::runtime_error(control.error());
     }
     impl_->control = std::move(*control);
-    impl_->admin_token_sha256 = Impl::file_sha256(cfg.admin_token_file);
     Impl::log_static_cas(*runtime);
     auto pep = impl_->proxy_acceptor->local_endpoint();
     std::string host = pep.address().is_unspecified() ? "127.0.0.1" : pep.address().to_string();
