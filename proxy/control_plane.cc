@@ -959,6 +959,11 @@ void KeyRing::set_primary(const std::string& key_id) {
     }
 }
 
+void KeyRing::retire_all_but(const std::string& key_id) {
+    set_primary(key_id);
+    std::erase_if(providers_, [&](const auto& entry) { return entry.first != key_id; });
+}
+
 ApiResponse ControlPlane::explain(const std::string& id, std::string_view query) {
     std::string url_text = query_param(query, "url");
     std::string method = query_param(query, "method");
@@ -1092,6 +1097,7 @@ ApiResponse ControlPlane::rotate_keys() {
         auto next = credstore::open_master_key_file(next_path, !resuming);
         if (!next) return error(500, "kek_failed", next.error());
         std::string next_id = (*next)->key_id();
+        std::lock_guard build_lock(build_mu_);  // a concurrent build unseals with keys_
         if (keys_.find(next_id) == nullptr) {
             keys_.add(std::move(*next), false);
         }
@@ -1135,7 +1141,12 @@ ApiResponse ControlPlane::rotate_keys() {
             ::close(dfd);
         }
     }
-    keys_.set_primary(target->key_id());
+    {
+        // Every data key is wrapped by the new KEK now (and the file holds it): the old one
+        // unwraps nothing that is stored, so it leaves memory.
+        std::lock_guard build_lock(build_mu_);
+        keys_.retire_all_but(target->key_id());
+    }
     json::object out;
     out["kek_id"] = target->key_id();
     out["rewrapped"] = count;

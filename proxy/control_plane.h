@@ -25,6 +25,9 @@ public:
     credstore::KeyProvider& primary() { return *primary_; }
     credstore::KeyProvider* find(const std::string& key_id);
     void set_primary(const std::string& key_id);
+    /// Drops every key but `key_id` (made primary): a finished rotation's old KEK, whose
+    /// page is wiped and unmapped (FileKeyProvider), so nothing in memory unwraps with it.
+    void retire_all_but(const std::string& key_id);
 
 private:
     std::map<std::string, std::unique_ptr<credstore::KeyProvider>> providers_;
@@ -102,7 +105,8 @@ private:
     credstore::SecretPtr admin_token_;  // locked memory, wiped (credstore::SecretValue)
     std::string proxy_authority_;
     std::mutex mu_;        // serializes mutations (admin requests)
-    std::mutex build_mu_;  // guards the caches below (build_runtime runs inside apply)
+    std::mutex build_mu_;  // guards keys_' changes and the caches below (build_runtime runs
+                           // inside apply, and unseals with keys_)
     // secret_key + version + KEK → value; only values a built run uses (build_runtime evicts)
     std::map<std::string, credstore::SecretPtr> unsealed_;
     std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run

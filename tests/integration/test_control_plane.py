@@ -915,11 +915,15 @@ def test_kek_rotation(factory, world):
         return out
     before = state_bytes()
 
+    assert helpers.occurrences_in_memory(e.proc.pid, old_key) >= 1  # the scan finds a KEK
     r = ctl_ok(e, "keys", "rotate")
     assert "rewrapped" in r.out, r.out
     with open(mk, "rb") as f:
         new_key = f.read()
     assert len(new_key) == 32 and new_key != old_key, "master key file unchanged"
+    # The retired KEK unwraps nothing stored any more: its page is wiped and unmapped.
+    assert helpers.occurrences_in_memory(e.proc.pid, old_key) == 0, "old KEK left in memory"
+    assert helpers.occurrences_in_memory(e.proc.pid, new_key) >= 1
     assert stat.S_IMODE(os.stat(mk).st_mode) == 0o600
     assert not os.path.exists(mk + ".next")
     after = state_bytes()
