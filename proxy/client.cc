@@ -139,6 +139,68 @@ awaitable<void> idle_watchdog(Clock::time_point& last_activity, std::chrono::mil
     }
 }
 
+/// A CONNECT tunnel's first flight from the client, read (not forwarded) until it is known
+/// what it is: when it is a TLS ClientHello, its server name must be the CONNECT host, or the
+/// tunnel could front for a host the policy never allowed (SNI "forbidden.example" to the
+/// address of an allowed host on a shared CDN). Not TLS (a server-speaks-first protocol, or
+/// an SNI-less ClientHello) passes. Only the SNI can be checked on a blind tunnel; a Host
+/// header inside the TLS is seen only when the host is intercepted (policy.unpinned:
+/// intercept), where host agreement answers 421.
+struct FirstFlight {
+    std::string held;    // what the client sent so far: forwarded when accepted
+    std::string reason;  // "" = accepted; else sni_mismatch or bad_client_hello
+    bool eof = false;    // the client closed or failed before it was known
+};
+
+awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& early,
+                                         const std::string& host) {
+    FirstFlight f;
+    f.held.assign(static_cast<const char*>(early.data().data()), early.size());
+    early.consume(early.size());
+    using Status = tls::ClientHelloPeek::Status;
+    for (;;) {
+        const auto p = tls::peek_client_hello(std::span<const uint8_t>(
+            reinterpret_cast<const uint8_t*>(f.held.data()), f.held.size()));
+        if (p.status == Status::NotTls) {
+            co_return f;
+        }
+        if (p.status == Status::Malformed) {
+            f.reason = "bad_client_hello";
+            co_return f;
+        }
+        if (p.status == Status::Complete) {
+            if (p.sni) {
+                auto sni = policy::normalize_host(*p.sni);
+                if (!sni || *sni != host) {
+                    f.reason = "sni_mismatch";
+                }
+            }
+            co_return f;
+        }
+        // NeedMore. Wait for readability first: a tunnel whose client stays silent (the
+        // server speaks first) holds no buffer.
+        auto [wec] = co_await from.async_wait(tcp::socket::wait_read, use_nothrow);
+        if (wec) {
+            f.eof = true;
+            co_return f;
+        }
+        const size_t at = f.held.size();
+        f.held.resize(at + kTunnelBufferBytes);
+        auto [ec, n] = co_await from.async_read_some(net::buffer(f.held.data() + at,
+                                                                 kTunnelBufferBytes),
+                                                     use_nothrow);
+        f.held.resize(at + n);
+        if (ec) {
+            f.eof = true;
+            co_return f;
+        }
+        if (f.held.size() > tls::kMaxClientHello + 1024) {  // records' headers included
+            f.reason = "bad_client_hello";
+            co_return f;
+        }
+    }
+}
+
 awaitable<bool> announce_established(TcpStream& client) {
     static constexpr std::string_view kEstablished = "HTTP/1.1 200 Connection established\r\n\r\n";
     auto [ec, n] = co_await net::async_write(client.socket(), net::buffer(kEstablished), use_nothrow);
@@ -169,16 +231,59 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     }
     uint64_t up_bytes = 0;
     uint64_t down_bytes = 0;
-    if (buf.size() > 0) {  // bytes the client sent right behind the CONNECT
-        auto [wec, wn] = co_await net::async_write(d.stream->socket(), buf.data(), use_nothrow);
-        up_bytes += wn;
-        buf.consume(buf.size());
-    }
     auto last_activity = Clock::now();
     auto& cs = client.socket();
     auto& us = d.stream->socket();
-    co_await ((pump(cs, us, up_bytes, last_activity) && pump(us, cs, down_bytes, last_activity)) ||
+    std::string refused;
+    // Client to upstream. Behind a CONNECT the first flight is checked (read_first_flight)
+    // while the upstream's bytes flow the other way; on the transparent listener the SNI
+    // already chose the destination, and the bytes go as they come.
+    auto upward = [&]() -> awaitable<void> {
+        if (announce) {
+            FirstFlight first = co_await read_first_flight(cs, buf, scope.target.host);
+            if (!first.reason.empty()) {
+                refused = first.reason;
+                // A TLS fatal alert, as a server that does not serve the name would send:
+                // unrecognized_name (112), or decode_error (50) for a malformed ClientHello.
+                const char alert[] = {0x15, 0x03, 0x03, 0x00, 0x02, 0x02,
+                                      static_cast<char>(refused == "sni_mismatch" ? 112 : 50)};
+                co_await net::async_write(cs, net::buffer(alert, sizeof alert), use_nothrow);
+                error_code ignored;
+                cs.shutdown(tcp::socket::shutdown_both, ignored);
+                us.shutdown(tcp::socket::shutdown_both, ignored);
+                us.cancel(ignored);  // ends the other direction's wait at once
+                co_return;
+            }
+            if (!first.held.empty()) {
+                last_activity = Clock::now();
+                auto [wec, wn] = co_await net::async_write(us, net::buffer(first.held), use_nothrow);
+                up_bytes += wn;
+                if (wec) {
+                    co_return;
+                }
+            }
+            if (first.eof) {
+                error_code ignored;
+                us.shutdown(tcp::socket::shutdown_send, ignored);
+                co_return;
+            }
+        } else if (buf.size() > 0) {
+            auto [wec, wn] = co_await net::async_write(us, buf.data(), use_nothrow);
+            up_bytes += wn;
+            buf.consume(buf.size());
+        }
+        co_await pump(cs, us, up_bytes, last_activity);
+    };
+    co_await ((upward() && pump(us, cs, down_bytes, last_activity)) ||
               idle_watchdog(last_activity, rt.config->limits.idle_timeout));
+    if (!refused.empty()) {
+        spdlog::info("conn={} tunnel to {}:{} refused: {} (the TLS server name is not the "
+                     "CONNECT host)",
+                     scope.conn_id, scope.target.host, scope.target.port, refused);
+        audit_refusal(scope, scope.method, "", refused == "sni_mismatch" ? 421 : 400, refused,
+                      started);
+        co_return;
+    }
     AuditRecord rec;
     rec.run = scope.run->policy.id;
     rec.method = scope.method;

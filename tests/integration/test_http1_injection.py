@@ -332,6 +332,80 @@ def test_unpinned_tunnel_relays_blindly(world, egressd, marker):
     assert all(a["pin"] is None and a["secret"] is None for a in recs)
 
 
+def test_tunnel_refuses_a_client_hello_naming_another_host(world, egressd):
+    """Domain fronting by SNI: CONNECT an allowed host, then a TLS handshake naming another
+    (behind a shared CDN, the other host answers). The ClientHello is read before anything
+    goes upstream; a different server name gets a TLS unrecognized_name alert, a closed
+    connection and a 421 sni_mismatch audit record."""
+    for sni in ("api.test", "forbidden.example"):
+        c, r = helpers.proxy_connect(egressd.proxy_port, f"tunnel.test:{world.U}", world.auth())
+        assert r.status == 200, r
+        with pytest.raises(ssl.SSLError, match="UNRECOGNIZED_NAME"):
+            helpers.tls_wrap(c, sni, world.pki.ca, check_hostname=False)
+        c.close()
+    recs = egressd.wait_audit(lambda a: a.get("host") == "tunnel.test" and
+                              a.get("reason") == "sni_mismatch", count=2)
+    assert all(a["status"] == 421 and a["decision"] == "deny" and a["method"] == "CONNECT"
+               for a in recs), recs
+    # The same name in another case (and with a trailing dot) is the same host.
+    c, r = helpers.proxy_connect(egressd.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    t = helpers.tls_wrap(c, "TUNNEL.test", world.pki.ca, check_hostname=False)
+    t.close()
+
+
+def test_tunnel_refuses_a_malformed_client_hello(world, egressd):
+    c, r = helpers.proxy_connect(egressd.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    assert r.status == 200
+    # A TLS handshake record that holds a ServerHello (type 2), not a ClientHello.
+    c.send(b"\x16\x03\x01\x00\x06\x02\x00\x00\x02\x03\x03")
+    assert c.read_to_eof() == b"\x15\x03\x03\x00\x02\x02\x32"  # fatal decode_error
+    c.close()
+    egressd.wait_audit(lambda a: a.get("host") == "tunnel.test" and
+                       a.get("reason") == "bad_client_hello" and a.get("status") == 400)
+
+
+def test_tunnel_carries_what_is_not_tls(world, factory):
+    """The check reads only a TLS first flight: cleartext HTTP goes through, and a protocol
+    where the server speaks first (an SSH-like banner) is relayed before the client sends."""
+    import socket
+    import threading
+    banner_srv = socket.socket()
+    banner_srv.bind(("127.0.0.1", 0))
+    banner_srv.listen(4)
+    bport = banner_srv.getsockname()[1]
+
+    def serve():
+        try:
+            s, _ = banner_srv.accept()
+        except OSError:
+            return
+        with s:
+            s.sendall(b"SSH-2.0-itest\r\n")
+            data = s.recv(100)
+            s.sendall(b"echo:" + data)
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    e = factory.start(mutate=lambda c: c["policy"]["allowed_ports"].append(bport))
+    try:
+        c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{bport}", world.auth())
+        assert r.status == 200
+        assert c.read_until(b"\r\n") == b"SSH-2.0-itest\r\n"
+        c.send(b"SSH-2.0-client\r\n")
+        assert c.read_exact(len(b"echo:SSH-2.0-client\r\n")) == b"echo:SSH-2.0-client\r\n"
+        c.close()
+        th.join(5)
+        c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.plain.port}",
+                                     world.auth())
+        assert r.status == 200
+        resp = helpers.request(c, "GET", "/echo/plain-through-tunnel",
+                               f"tunnel.test:{world.plain.port}")
+        assert resp.status == 200
+        c.close()
+    finally:
+        banner_srv.close()
+
+
 @pytest.fixture(scope="module")
 def intercepting(factory):
     return factory.start(unpinned="intercept")
