@@ -533,6 +533,7 @@ public:
                        {"dns_timeout", set_timeout(l.dns_timeout)},
                        {"drain_timeout", set_timeout(l.drain_timeout)},
                        {"linger_timeout", set_timeout(l.linger_timeout)},
+                       {"upstream_idle_timeout", set_timeout(l.upstream_idle_timeout)},
                        {"connections_per_run", set_count(l.connections_per_run, 1, kMaxCount)},
                        {"h2_max_concurrent_streams",
                         set_count(l.h2_max_concurrent_streams, 1, kMaxCount)},

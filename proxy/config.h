@@ -39,6 +39,10 @@ struct Limits {
     // discarding the client's bytes after the answer before the close, so the client reads
     // the answer instead of a reset (a close with unread bytes resets the connection).
     std::chrono::milliseconds linger_timeout{2'000};
+    // An upstream connection kept for reuse (a pooled HTTP/1.1 connection, an HTTP/2 session
+    // with no open stream) is closed after this long unused: below common servers' own idle
+    // closes (nginx 75 s), so a reused connection is rarely one the server is closing.
+    std::chrono::milliseconds upstream_idle_timeout{30'000};
     size_t connections_per_run = 512;
     size_t h2_max_concurrent_streams = 100;
     // HTTP/2 defences (both legs use the same values where they apply).

@@ -162,7 +162,6 @@ Result<int64_t> get_int(const json::object& o, const char* key, const std::strin
     return n;
 }
 
-
 /// boost::json's allocator for request bodies: zeroes every block it frees, so a secret value
 /// leaves no copy behind, also when parsing fails halfway through or a string grows.
 class WipingResource final : public json::memory_resource {

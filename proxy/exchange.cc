@@ -122,6 +122,7 @@ H2ClientOptions h2_client_options(const Limits& l) {
     o.max_header_list_bytes = std::max<size_t>(l.max_header_bytes, l.h2_max_header_list_bytes);
     o.max_header_fields = std::max<size_t>(l.h2_max_header_fields, 100);
     o.io_timeout = l.idle_timeout;
+    o.idle_timeout = l.upstream_idle_timeout;
     return o;
 }
 
@@ -149,7 +150,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
             if (auto s = w.pool->acquire_h2(key)) {
                 co_return std::make_unique<H2Upstream>(std::move(*s), authority);
             }
-            if (auto c = w.pool->acquire(key, retryable)) {
+            if (auto c = w.pool->acquire(key, retryable, rt.config->limits.upstream_idle_timeout)) {
                 co_return make_h1_upstream(w, std::move(c), true, authority);
             }
         }

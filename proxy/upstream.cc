@@ -12,8 +12,6 @@ namespace egress::proxy {
 
 namespace {
 
-constexpr auto kMaxIdleAge = std::chrono::seconds(30);
-
 tcp::endpoint to_endpoint(const policy::IpAddress& ip, uint16_t port) {
     if (ip.is_v4()) {
         net::ip::address_v4::bytes_type b{};
@@ -157,7 +155,8 @@ std::string UpstreamPool::key(const std::string& run, const policy::HostPort& de
     return k;
 }
 
-std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retryable) {
+std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retryable,
+                                               std::chrono::milliseconds max_idle) {
     auto it = idle_.find(key);
     if (it == idle_.end()) {
         return nullptr;
@@ -169,7 +168,7 @@ std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retr
         q.pop_back();
         // Bytes already read (by our parser, or by OpenSSL's read-ahead: a close_notify that
         // came in behind the last response) mean the connection is not idle and clean.
-        if (now - conn->idle_since > kMaxIdleAge || conn->buffer.size() != 0 ||
+        if (now - conn->idle_since > max_idle || conn->buffer.size() != 0 ||
             SSL_has_pending(conn->stream->native_handle()) == 1) {
             continue;
         }

@@ -70,7 +70,9 @@ public:
     /// before any response byte, and its method is idempotent (proxy/exchange.cc); then a
     /// connection given back less than kFreshIdle ago is handed out without the peek that
     /// asks the kernel whether the peer closed or wrote while it idled.
-    std::unique_ptr<TlsConn> acquire(const std::string& key, bool retryable);
+    /// A connection idle longer than `max_idle` (limits.upstream_idle_timeout) is closed.
+    std::unique_ptr<TlsConn> acquire(const std::string& key, bool retryable,
+                                     std::chrono::milliseconds max_idle);
     /// See acquire. A peek costs a system call per request on a busy keep-alive connection.
     /// Its failure is retried anyway, and what it guards against comes later than this: a
     /// server closes an idle connection at its idle timeout (seconds; nginx 75 s, Node 5 s),

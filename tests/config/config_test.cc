@@ -74,6 +74,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.dns_timeout, d.limits.dns_timeout);
     EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(2'000));
+    EXPECT_EQ(c.limits.upstream_idle_timeout, milliseconds(30'000));
     EXPECT_EQ(c.limits.h2_connection_window, 0u);  // derived: 4 × h2_stream_window
     EXPECT_EQ(c.limits.connection_window(), 4 * c.limits.h2_stream_window);
     EXPECT_EQ(c.limits.connections_per_run, d.limits.connections_per_run);
@@ -148,6 +149,7 @@ limits:
   dns_timeout: 1s
   drain_timeout: 1h
   linger_timeout: 750ms
+  upstream_idle_timeout: 4s
   connections_per_run: 64
   h2_max_concurrent_streams: 50
   h2_max_header_list_bytes: 16384
@@ -247,6 +249,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.dns_timeout, milliseconds(1'000));
     EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(750));
+    EXPECT_EQ(c.limits.upstream_idle_timeout, milliseconds(4'000));
     EXPECT_EQ(c.limits.connection_window(), 131072u);
     EXPECT_EQ(c.limits.connections_per_run, 64u);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 50u);

@@ -144,3 +144,24 @@ def test_a_pooled_upstream_connection_is_registered_for_reads_only(world, factor
             assert masks[fd] & 0x1, f"upstream descriptor {fd}: events {masks[fd]:#x}"
     finally:
         c.close()
+
+
+def test_an_idle_pooled_connection_is_closed_after_upstream_idle_timeout(world, factory, marker):
+    """limits.upstream_idle_timeout: a pooled upstream connection unused for longer is not
+    reused (a new one is dialled); one used again sooner is."""
+    e = factory.start(mutate=lambda c: c["limits"].update({"upstream_idle_timeout": "1s"}))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        def get(tag):
+            before = world.upstream.server.connections
+            r = helpers.request(c, "GET", f"/echo/{marker}-{tag}", f"api.test:{world.U}")
+            assert r.status == 200, (r.status, r.egress_reason)
+            return world.upstream.server.connections - before
+
+        assert get("first") == 1
+        assert get("soon") == 0, "a connection idle for less than the timeout is reused"
+        time.sleep(1.5)
+        assert get("late") == 1, "a connection idle past upstream_idle_timeout was reused"
+        assert get("again") == 0
+    finally:
+        c.close()
