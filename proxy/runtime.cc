@@ -209,9 +209,12 @@ std::shared_ptr<Run> with_store_secrets(const Run& statics,
     run->sources = statics.sources;
     run->scope = statics.scope;
     // The file pins' unavailable hosts; the store pins' follow, for those left unresolved.
-    run->unavailable_pins.assign(
-        statics.unavailable_pins.begin(),
-        statics.unavailable_pins.end() - static_cast<std::ptrdiff_t>(statics.store_pins.size()));
+    const size_t file_unavailable =
+        statics.unavailable_pins.size() - std::min(statics.unavailable_pins.size(),
+                                                   statics.store_pins.size());
+    run->unavailable_pins.assign(statics.unavailable_pins.begin(),
+                                 statics.unavailable_pins.begin() +
+                                     static_cast<std::ptrdiff_t>(file_unavailable));
     const auto& file_pins = statics.policy.pins;
     size_t next_file = 0;
     for (size_t i = 0; i < statics.store_pins.size(); ++i) {

@@ -241,7 +241,6 @@ struct Server::Impl {
         return out;
     }
 
-
     /// Says until when each process-lifetime run's CA is valid (at start and reload).
     static void log_static_cas(const Runtime& rt) {
         for (const auto& [id, run] : rt.runs) {
