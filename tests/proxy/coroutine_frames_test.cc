@@ -28,8 +28,15 @@ void* operator new(std::size_t n) {
     }
     throw std::bad_alloc();
 }
+// The nothrow form too (std::stable_sort's temporary buffer uses it): otherwise it would come
+// from the sanitizer's or the library's allocator and reach the free() above.
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+    ++g_news;
+    return std::malloc(n == 0 ? 1 : n);
+}
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
 #pragma GCC diagnostic pop
 
 namespace egress::proxy {
