@@ -9,7 +9,6 @@ file egressd wrote for them when the module ends.
 """
 from __future__ import annotations
 
-import os
 import secrets as pysecrets
 from urllib.parse import quote
 
@@ -47,11 +46,25 @@ def _bearer_seen(world, marker: str) -> list[str]:
     return seen_auth(world.upstream, marker)
 
 
-def test_store_pin_follows_the_store_without_a_reload(e, world, marker):
-    # 1. Not in the store yet: the pinned host is refused, and the log says which key and why.
+def _expect_injected(e, world, tag: str, value: str, what: str, conn=None):
+    """GET /echo/store/<tag> (on `conn`, or a new tunnel): answered 200, and the upstream saw
+    exactly `Bearer value`. Returns the connection; messages name secrets by fingerprint."""
+    conn, resp = _get(e, world, f"/echo/store/{tag}", conn)
+    got = _bearer_seen(world, tag)
+    expect(resp.status == 200 and got == [f"Bearer {value}"],
+           f"want the {what} {fp(value)}: {resp.status}, {[fp(g) for g in got]}")
+    return conn
+
+
+def _expect_refused_unavailable(e, world):
     c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth("r1"))
     c.close()
     assert r.status == 403 and r.egress_reason == "secret_unavailable", (r.status, r.egress_reason)
+
+
+def test_store_pin_follows_the_store_without_a_reload(e, world, marker):
+    # 1. Not in the store yet: the pinned host is refused, and the log says which key and why.
+    _expect_refused_unavailable(e, world)
     log = e.stderr_text()
     assert (f"runs[0].pins[1].secret: no secret 'gh' for scope org=acme,project=web in the "
             f"store; pin for other.test:{world.U} disabled until the secret is put") in log, log[-3000:]
@@ -61,26 +74,17 @@ def test_store_pin_follows_the_store_without_a_reload(e, world, marker):
     put_secret(e, "gh", evil, org="globex")
     org_v = "sk-org-" + pysecrets.token_hex(16)
     put_secret(e, "gh", org_v, org="acme")
-    conn, resp = _get(e, world, f"/echo/store/{marker}-1")
-    assert resp.status == 200, resp.status
-    got = _bearer_seen(world, f"{marker}-1")
-    expect(got == [f"Bearer {org_v}"], f"want the org secret {fp(org_v)}, got {[fp(g) for g in got]}")
+    conn = _expect_injected(e, world, f"{marker}-1", org_v, "org secret")
 
     # 3. A more specific secret (the run's project) wins, on the same connection.
     proj_v = "sk-proj-" + pysecrets.token_hex(16)
     put_secret(e, "gh", proj_v, org="acme", project="web")
-    _, resp = _get(e, world, f"/echo/store/{marker}-2", conn)
-    assert resp.status == 200
-    got = _bearer_seen(world, f"{marker}-2")
-    expect(got == [f"Bearer {proj_v}"], f"want the project secret, got {[fp(g) for g in got]}")
+    _expect_injected(e, world, f"{marker}-2", proj_v, "project secret", conn)
 
     # 4. Rotated: the next request on the same connection carries the new value.
     rot_v = "sk-rot-" + pysecrets.token_hex(16)
     rotate_secret(e, "gh", rot_v, org="acme", project="web")
-    _, resp = _get(e, world, f"/echo/store/{marker}-3", conn)
-    assert resp.status == 200
-    got = _bearer_seen(world, f"{marker}-3")
-    expect(got == [f"Bearer {rot_v}"], f"want the rotated secret, got {[fp(g) for g in got]}")
+    _expect_injected(e, world, f"{marker}-3", rot_v, "rotated secret", conn)
 
     # 5. Explain names the store secret, its scope and version, and the scope chain.
     ex = api_ok(e, "GET", "/v1/runs/r1/explain?url=" +
@@ -94,14 +98,9 @@ def test_store_pin_follows_the_store_without_a_reload(e, world, marker):
 
     # 6. Deleted: back to the org's secret; that deleted too, the host is refused again.
     assert api(e, "DELETE", "/v1/secrets/gh?scope=" + quote("org=acme,project=web")).status == 204
-    _, resp = _get(e, world, f"/echo/store/{marker}-5")
-    got = _bearer_seen(world, f"{marker}-5")
-    expect(resp.status == 200 and got == [f"Bearer {org_v}"],
-           f"after the delete: {resp.status}, {[fp(g) for g in got]}")
+    _expect_injected(e, world, f"{marker}-5", org_v, "org secret after the delete").close()
     assert api(e, "DELETE", "/v1/secrets/gh?scope=org%3Dacme").status == 204
-    c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth("r1"))
-    c.close()
-    assert r.status == 403 and r.egress_reason == "secret_unavailable", (r.status, r.egress_reason)
+    _expect_refused_unavailable(e, world)
     # api.test's file pin on the same run was never disturbed
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth("r1"),
                        e.config["runs"][0]["ca_cert_out"])
@@ -121,17 +120,11 @@ def test_reload_keeps_the_ca_and_the_resolved_pin(e, world, marker):
     _reload(e)
     with open(ca_file) as f:
         assert f.read() == ca_before, "a reload that keeps the run must keep its CA"
-    _, resp = _get(e, world, f"/echo/store/{marker}")
-    got = _bearer_seen(world, marker)
-    expect(resp.status == 200 and got == [f"Bearer {v}"],
-           f"after the reload: {resp.status}, {[fp(g) for g in got]}")
+    _expect_injected(e, world, marker, v, "secret after the reload").close()
 
     # A reload that changes the run's scope resolves the pin again, by the new scope.
     gv = "sk-globex-" + pysecrets.token_hex(16)
     put_secret(e, "gh", gv, org="globex", project="web")
     _rewrite(e, lambda c: c["runs"][0].__setitem__("scope", {"org": "globex", "project": "web"}))
     _reload(e)
-    _, resp = _get(e, world, f"/echo/store/{marker}-g")
-    got = _bearer_seen(world, f"{marker}-g")
-    expect(resp.status == 200 and got == [f"Bearer {gv}"],
-           f"after the scope change: {resp.status}, {[fp(g) for g in got]}")
+    _expect_injected(e, world, f"{marker}-g", gv, "new scope's secret after the reload").close()
