@@ -42,8 +42,6 @@ bool host_is_loopback_name(std::string_view host_header, uint16_t port) {
     return !ec && addr.is_loopback();
 }
 
-constexpr size_t kMaxBodyBytes = 1 << 20;
-constexpr size_t kMaxHeadBytes = 16 * 1024;
 
 // A request may carry a secret value (POST/PUT /v1/secrets): the raw bytes read, the body and
 // every copy either makes while growing are zeroed when freed.
@@ -58,14 +56,18 @@ struct ReadErrorReply {
 
 /// The answer to a request that could not be read; nothing when there is nobody to answer (the
 /// peer closed, the connection failed or timed out).
-std::optional<ReadErrorReply> read_error_reply(const error_code& ec) {
+std::optional<ReadErrorReply> read_error_reply(const error_code& ec, const AdminLimits& limits) {
     if (ec == http::error::body_limit) {
         return ReadErrorReply{http::status::payload_too_large,
-                              R"({"error":"too_large","detail":"request body over 1 MiB"})"};
+                              R"({"error":"too_large","detail":"request body over )" +
+                                  std::to_string(limits.max_body_bytes) +
+                                  " bytes (admin.max_body_bytes)\"}"};
     }
     if (ec == http::error::header_limit) {
         return ReadErrorReply{http::status::request_header_fields_too_large,
-                              R"({"error":"too_large","detail":"request head over 16 KiB"})"};
+                              R"({"error":"too_large","detail":"request head over )" +
+                                  std::to_string(limits.max_header_bytes) +
+                                  " bytes (admin.max_header_bytes)\"}"};
     }
     if (ec.category() == http::make_error_code(http::error::bad_method).category() &&
         ec != http::error::end_of_stream && ec != http::error::partial_message) {
@@ -159,20 +161,22 @@ size_t ConnectionRegistry::close_run(const std::string& run, std::chrono::millis
 /// may still be sending (a body over the limit): closing with unread bytes would reset the
 /// connection, and the client might lose the answer, so what arrives for a moment is dropped.
 template <class Stream>
-awaitable<void> answer_and_close(Stream& stream, ReadErrorReply reply) {
+awaitable<void> answer_and_close(Stream& stream, ReadErrorReply reply, const AdminLimits& limits) {
     http::response<http::string_body> res{reply.status, 11};
     res.set(http::field::server, "egressd");
     res.set(http::field::content_type, "application/json");
     res.body() = std::move(reply.body);
     res.keep_alive(false);
     res.prepare_payload();
-    stream.expires_after(std::chrono::seconds(5));
+    stream.expires_after(limits.write_timeout);
     auto [wec, wn] = co_await http::async_write(stream, res, use_nothrow);
     if (wec) {
         co_return;
     }
     stream.expires_never();
-    co_await linger_close(stream.socket(), std::chrono::seconds(1), 4 * kMaxBodyBytes);
+    // A short grace, not a limit: the answer is already written; this only keeps a reset from
+    // overtaking it while a client still sends (at most four bodies' worth is dropped).
+    co_await linger_close(stream.socket(), std::chrono::seconds(1), 4 * limits.max_body_bytes);
 }
 
 template <class Socket>
@@ -183,17 +187,23 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
     const bool loopback = is_loopback_tcp(stream.socket(), port);
     WipingBuffer buf;
     for (;;) {
+        // The admin.* bounds as configured now (a reload applies to the next request).
+        AdminLimits limits;
+        if (auto rt = shared.runtime.load()) {
+            limits = rt->config->admin_limits;
+        }
         http::request_parser<WipingBody> parser;
-        parser.body_limit(kMaxBodyBytes);
-        parser.header_limit(kMaxHeadBytes);
-        stream.expires_after(std::chrono::seconds(30));
+        parser.body_limit(limits.max_body_bytes);
+        parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
+        // The whole request, and the wait for it on a keep-alive connection.
+        stream.expires_after(limits.read_timeout);
         auto [ec, n] = co_await http::async_read(stream, buf, parser, use_nothrow);
         // What was read stays in the buffer's block after it is consumed: shrink_to_fit moves
         // what is left (a pipelined request) to a new block and frees the old one, zeroed.
         buf.shrink_to_fit();
         if (ec) {
-            if (auto reply = read_error_reply(ec)) {
-                co_await answer_and_close(stream, std::move(*reply));
+            if (auto reply = read_error_reply(ec, limits)) {
+                co_await answer_and_close(stream, std::move(*reply), limits);
             }
             co_return;
         }
@@ -237,6 +247,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         }
         res.keep_alive(req.keep_alive());
         res.prepare_payload();
+        stream.expires_after(limits.write_timeout);
         auto [wec, wn] = co_await http::async_write(stream, res, use_nothrow);
         if (wec || !req.keep_alive()) {
             co_return;

@@ -220,7 +220,8 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
             w.shared.metrics.upstream_error(r->kind);
         }
         if (announce) {
-            co_await write_refusal(client, r->status, r->reason, false);
+            co_await write_refusal(client, rt.config->limits.refusal_timeout, r->status,
+                                   r->reason, false);
         }
         audit_refusal(scope, scope.method, "", r->status, r->reason, started);
         co_return;
@@ -311,7 +312,8 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
         // A client that pipelines its ClientHello behind CONNECT before the 200: the bytes
         // are already in our buffer and cannot be handed to OpenSSL's socket BIO. Refused
         // before the 200, so the client reads the refusal as the answer to its CONNECT.
-        co_await write_refusal(client, 400, "data_before_connect_response", false);
+        co_await write_refusal(client, scope.runtime->config->limits.refusal_timeout, 400,
+                               "data_before_connect_response", false);
         audit_refusal(scope, scope.method, "", 400, "data_before_connect_response", started);
         co_return;
     }
@@ -330,7 +332,8 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
                           leaf.error());
         }
         if (announce) {
-            co_await write_refusal(client, status, reason, false);
+            co_await write_refusal(client, scope.runtime->config->limits.refusal_timeout, status,
+                                   reason, false);
         }
         audit_refusal(scope, scope.method, "", status, reason, started);
         co_return;
@@ -429,25 +432,27 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
 
         auto id = identify(*rt, parser);
         if (!id.run) {
-            co_await write_refusal(stream, id.status, id.reason, false);
+            co_await write_refusal(stream, limits.refusal_timeout, id.status, id.reason, false);
             audit_refusal(scope, method, "", id.status, id.reason, started);
             co_return;
         }
         if (!scope.run) {
             scope.run = id.run;
             if (!admission.admit(id.run, limits.connections_per_run, stream.socket())) {
-                co_await write_refusal(stream, 429, "too_many_connections", false);
+                co_await write_refusal(stream, limits.refusal_timeout, 429,
+                                       "too_many_connections", false);
                 audit_refusal(scope, method, "", 429, "too_many_connections", started);
                 co_return;
             }
             if (!still_live(w, *id.run)) {
                 const char* reason = run_end_reason(*id.run);
-                co_await write_refusal(stream, 403, reason, false);
+                co_await write_refusal(stream, limits.refusal_timeout, 403, reason, false);
                 audit_refusal(scope, method, "", 403, reason, started);
                 co_return;
             }
         } else if (scope.run->policy.id != id.run->policy.id) {
-            co_await write_refusal(stream, 403, "identity_changed", false);
+            co_await write_refusal(stream, limits.refusal_timeout, 403, "identity_changed",
+                                   false);
             audit_refusal(scope, method, "", 403, "identity_changed", started);
             co_return;
         }
@@ -475,7 +480,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
             }
         }
         if (auto* r = std::get_if<Refusal>(&dest)) {
-            co_await write_refusal(stream, r->status, r->reason, false);
+            co_await write_refusal(stream, limits.refusal_timeout, r->status, r->reason, false);
             audit_refusal(scope, method, "", r->status, r->reason, started);
             co_return;
         }
@@ -491,7 +496,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                 reason = "secret_unavailable";
             }
             bool ka = !is_connect && parser.keep_alive() && parser.is_done();
-            co_await write_refusal(stream, 403, reason, ka);
+            co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka);
             audit_refusal(scope, method, is_connect ? "" : std::string(parser.target()), 403,
                           reason, started);
             if (!ka) {
@@ -625,12 +630,23 @@ awaitable<Peeked> peek_first_bytes(tcp::socket& socket, Clock::time_point deadli
 /// the port from the original destination (they must agree).
 awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t port,
                                      bool& unread) {
-    Shared& shared = scope.worker->shared;
-    const auto& limits = scope.runtime->config->limits;
+    Worker& w = *scope.worker;
+    Shared& shared = w.shared;
     beast::flat_buffer buf;
     bool first = true;
     for (;;) {
         const auto started = Clock::now();
+        // Each request reads the runtime as it is now (a reload's limits and policy apply to
+        // a keep-alive connection's next request, and it does not keep the one it began with).
+        if (scope.runtime != w.runtime()) {
+            scope.runtime = w.runtime();
+            // The run as this runtime has it (a reload rebuilds static runs' pins); a run that
+            // ended is refused by serve_exchange.
+            if (const auto* fresh = scope.runtime->lookup(scope.run->policy.id)) {
+                scope.run = *fresh;
+            }
+        }
+        const auto& limits = scope.runtime->config->limits;
         H1RequestParser parser;
         UnreadBodyNote note{parser, unread};
         auto got = co_await read_request_head(stream, buf, parser, first, limits);
@@ -652,7 +668,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
             reason = "host_mismatch";  // Host names another port than the one dialled
         }
         if (!reason.empty()) {
-            co_await write_refusal(stream, status, reason, false);
+            co_await write_refusal(stream, limits.refusal_timeout, status, reason, false);
             audit_refusal(scope, method, std::string(parser.target()), status, reason, started);
             co_return;
         }
@@ -661,7 +677,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
                                              scope.target, policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
             bool ka = parser.keep_alive() && parser.is_done();
-            co_await write_refusal(stream, 403, dd.reason, ka);
+            co_await write_refusal(stream, limits.refusal_timeout, 403, dd.reason, ka);
             audit_refusal(scope, method, std::string(parser.target()), 403, dd.reason, started);
             if (!ka) {
                 co_return;
@@ -691,11 +707,13 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
     const auto started = Clock::now();
     error_code ec;
     socket.set_option(tcp::no_delay(true), ec);
-    auto rt = w.runtime();
-    const auto& limits = rt->config->limits;
     Scope scope;
     scope.worker = &w;
-    scope.runtime = rt;
+    scope.runtime = w.runtime();
+    // Only until the connection is handed to its serving function below, which may move
+    // scope.runtime to a newer runtime (so this connection does not keep the one it began with).
+    const Runtime& rt = *scope.runtime;
+    const auto& limits = rt.config->limits;
     scope.conn_id = shared.next_conn_id.fetch_add(1);
     scope.method = "TLS";
     scope.proto_in = "transparent";
@@ -711,7 +729,7 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
         co_return;
     }
     // Identity: the run bound to the client's source address (or the sidecar's only run).
-    scope.run = rt->find_by_source(to_policy_address(peer.address()));
+    scope.run = rt.find_by_source(to_policy_address(peer.address()));
     if (!scope.run) {
         spdlog::info("conn={} transparent: no run for source {}", scope.conn_id,
                      peer.address().to_string());
@@ -760,7 +778,7 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
     }
     const std::string host = *norm;
     scope.target = policy::HostPort{host, original->port()};
-    auto dd = policy::decide_destination(rt->config->policy, scope.run->policy, scope.target,
+    auto dd = policy::decide_destination(rt.config->policy, scope.run->policy, scope.target,
                                          policy::Clock::now());
     if (dd.carry == policy::Carry::Deny) {
         std::string reason = dd.reason;

@@ -497,7 +497,13 @@ public:
                                           c.transparent = std::move(*a);
                                       }
                                   }}})},
-             {"admin", section({{"token_file", set_string(c.admin_token_file)}})},
+             {"admin",
+              section({{"token_file", set_string(c.admin_token_file)},
+                       {"max_body_bytes", set_count(c.admin_limits.max_body_bytes, 1024, 64 << 20)},
+                       {"max_header_bytes",
+                        set_count(c.admin_limits.max_header_bytes, 1024, 1 << 20)},
+                       {"read_timeout", set_timeout(c.admin_limits.read_timeout)},
+                       {"write_timeout", set_timeout(c.admin_limits.write_timeout)}})},
              {"state",
               [this, &c](const YAML::Node& v, const std::string& p) { parse_state(v, p, c); }},
              {"keys", section({{"master_key_file", set_string(c.master_key_file)},
@@ -533,6 +539,7 @@ public:
                        {"dns_timeout", set_timeout(l.dns_timeout)},
                        {"drain_timeout", set_timeout(l.drain_timeout)},
                        {"linger_timeout", set_timeout(l.linger_timeout)},
+                       {"refusal_timeout", set_timeout(l.refusal_timeout)},
                        {"upstream_idle_timeout", set_timeout(l.upstream_idle_timeout)},
                        {"connections_per_run", set_count(l.connections_per_run, 1, kMaxCount)},
                        {"h2_max_concurrent_streams",

@@ -39,6 +39,10 @@ struct Limits {
     // discarding the client's bytes after the answer before the close, so the client reads
     // the answer instead of a reset (a close with unread bytes resets the connection).
     std::chrono::milliseconds linger_timeout{2'000};
+    // egressd's own answer on an HTTP/1.1 connection (a refusal: 403, 407, 421, 429, 502...)
+    // must be written within this, or the connection is closed: a client that sends requests
+    // it never reads the answers of holds a connection slot no longer than this per answer.
+    std::chrono::milliseconds refusal_timeout{5'000};
     // An upstream connection kept for reuse (a pooled HTTP/1.1 connection, an HTTP/2 session
     // with no open stream) is closed after this long unused: below common servers' own idle
     // closes (nginx 75 s), so a reused connection is rarely one the server is closing.
@@ -104,6 +108,17 @@ struct RunConfig {
     std::string yaml_path;  // "runs[0]"
 };
 
+/// The admin API's own bounds (requests come from the control plane, not from sandboxes, but
+/// a stuck or hostile caller on the admin port must not hold a connection or memory forever).
+struct AdminLimits {
+    size_t max_body_bytes = 1 << 20;      // a request body (a secret put, a run); over it: 413
+    size_t max_header_bytes = 16 * 1024;  // a request head; over it: 431
+    // A whole request (head and body) must arrive within this; an idle keep-alive connection
+    // is closed after it.
+    std::chrono::milliseconds read_timeout{30'000};
+    std::chrono::milliseconds write_timeout{5'000};  // an answer must be written within this
+};
+
 struct AuditConfig {
     std::string path = "var/audit.jsonl";  // "-" = standard output
     bool durable = false;
@@ -114,6 +129,7 @@ struct Config {
     ListenAddress admin{"127.0.0.1", 9901, {}};
     std::optional<ListenAddress> transparent;
     std::string admin_token_file = "var/admin.token";
+    AdminLimits admin_limits;
     std::string state_backend = "file";
     std::string state_path = "var/state";
     std::vector<std::string> etcd_endpoints{"http://127.0.0.1:2379"};

@@ -18,7 +18,6 @@ namespace egress::proxy {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr auto kRefusalWriteTimeout = std::chrono::seconds(5);
 
 template <class Stream>
 auto& lowest(Stream& s) {
@@ -338,11 +337,12 @@ Outcome<policy::RequestHead> to_request_head(H1RequestParser& p, bool tls, bool 
 template <class Stream>
 class H1Downstream final : public Downstream {
 public:
-    H1Downstream(Stream& s, beast::flat_buffer& buf, H1RequestParser& p,
-                 std::chrono::milliseconds timeout, size_t framing_limit,
+    H1Downstream(Stream& s, beast::flat_buffer& buf, H1RequestParser& p, const Limits& limits,
                  const std::atomic<bool>& draining)
-        : s_(s), buf_(buf), p_(p), timeout_(timeout), framing_limit_(framing_limit),
-          draining_(draining), http10_(p.version() < 11) {
+        : s_(s), buf_(buf), p_(p), timeout_(limits.idle_timeout),
+          refusal_timeout_(limits.refusal_timeout), framing_limit_(limits.max_header_bytes),
+          draining_(draining),
+          http10_(p.version() < 11) {
         body_.none = p.is_done();
         if (auto cl = p.content_length()) {
             body_.length = *cl;
@@ -397,7 +397,7 @@ public:
         lowest(s_).expires_never();
     }
     awaitable<void> refuse(int status, const std::string& reason, bool keep_alive) override {
-        co_await write_refusal(s_, status, reason, keep_alive);
+        co_await write_refusal(s_, refusal_timeout_, status, reason, keep_alive);
     }
     awaitable<bool> send_head(const ResponseHead& rh) override {
         if (rh.status < 100 || rh.status > 999) {
@@ -466,6 +466,7 @@ private:
     beast::flat_buffer& buf_;
     H1RequestParser& p_;
     std::chrono::milliseconds timeout_;
+    std::chrono::milliseconds refusal_timeout_;
     size_t framing_limit_;
     const std::atomic<bool>& draining_;
     bool http10_;
@@ -713,11 +714,10 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
                                H1RequestParser& parser, Scope& scope, bool absolute_form) {
     const auto started = Clock::now();
     const auto& limits = scope.runtime->config->limits;
-    H1Downstream<ClientStream> down(client, cbuf, parser, limits.idle_timeout,
-                                    limits.max_header_bytes, scope.worker->shared.draining);
+    H1Downstream<ClientStream> down(client, cbuf, parser, limits, scope.worker->shared.draining);
     auto head_or = to_request_head(parser, scope.tls, absolute_form);
     if (auto* r = std::get_if<Refusal>(&head_or)) {
-        co_await write_refusal(client, r->status, r->reason, false);
+        co_await write_refusal(client, limits.refusal_timeout, r->status, r->reason, false);
         audit_refusal(scope, std::string(parser.method_string()), std::string(parser.target()),
                       r->status, r->reason, started);
         co_return false;
@@ -749,7 +749,8 @@ std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_head
 }
 
 template <class Stream>
-awaitable<void> write_refusal(Stream& s, int status, const std::string& reason, bool keep_alive) {
+awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int status,
+                              const std::string& reason, bool keep_alive) {
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
     res.set(http::field::server, "egressd");
     res.set(http::field::content_type, "text/plain; charset=utf-8");
@@ -765,13 +766,15 @@ awaitable<void> write_refusal(Stream& s, int status, const std::string& reason, 
                  reason + "\n";
     res.keep_alive(keep_alive);
     res.prepare_payload();
-    lowest(s).expires_after(kRefusalWriteTimeout);
+    lowest(s).expires_after(timeout);
     co_await http::async_write(s, res, use_nothrow);
     lowest(s).expires_never();
 }
 
-template awaitable<void> write_refusal<TcpStream>(TcpStream&, int, const std::string&, bool);
-template awaitable<void> write_refusal<TlsStream>(TlsStream&, int, const std::string&, bool);
+template awaitable<void> write_refusal<TcpStream>(TcpStream&, std::chrono::milliseconds, int,
+                                                  const std::string&, bool);
+template awaitable<void> write_refusal<TlsStream>(TlsStream&, std::chrono::milliseconds, int,
+                                                  const std::string&, bool);
 
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
@@ -823,7 +826,7 @@ awaitable<void> refuse_head(Stream& s, HeadRead result, Scope& scope, Clock::tim
         status = 431;
         reason = "header_too_large";
     }
-    co_await write_refusal(s, status, reason, false);
+    co_await write_refusal(s, scope.runtime->config->limits.refusal_timeout, status, reason, false);
     audit_refusal(scope, "", "", status, reason, started);
 }
 

@@ -53,6 +53,10 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.admin.to_string(), "127.0.0.1:9901");
     EXPECT_FALSE(c.transparent.has_value());
     EXPECT_EQ(c.admin_token_file, d.admin_token_file);
+    EXPECT_EQ(c.admin_limits.max_body_bytes, 1u << 20);
+    EXPECT_EQ(c.admin_limits.max_header_bytes, 16u * 1024);
+    EXPECT_EQ(c.admin_limits.read_timeout, milliseconds(30'000));
+    EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(5'000));
     EXPECT_EQ(c.state_backend, "file");
     EXPECT_EQ(c.state_path, d.state_path);
     EXPECT_EQ(c.etcd_endpoints, d.etcd_endpoints);
@@ -74,6 +78,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.dns_timeout, d.limits.dns_timeout);
     EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(2'000));
+    EXPECT_EQ(c.limits.refusal_timeout, milliseconds(5'000));
     EXPECT_EQ(c.limits.upstream_idle_timeout, milliseconds(30'000));
     EXPECT_EQ(c.limits.h2_connection_window, 0u);  // derived: 4 × h2_stream_window
     EXPECT_EQ(c.limits.connection_window(), 4 * c.limits.h2_stream_window);
@@ -122,6 +127,10 @@ listen:
   transparent: "[::1]:3129"
 admin:
   token_file: /etc/egressd/admin.token
+  max_body_bytes: 65536
+  max_header_bytes: 4096
+  read_timeout: 3s
+  write_timeout: 250ms
 state:
   backend: etcd
   path: /var/lib/egressd
@@ -149,6 +158,7 @@ limits:
   dns_timeout: 1s
   drain_timeout: 1h
   linger_timeout: 750ms
+  refusal_timeout: 1500ms
   upstream_idle_timeout: 4s
   connections_per_run: 64
   h2_max_concurrent_streams: 50
@@ -214,6 +224,10 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.transparent->port, 3129);
     EXPECT_EQ(c.transparent->to_string(), "[::1]:3129");
     EXPECT_EQ(c.admin_token_file, "/etc/egressd/admin.token");
+    EXPECT_EQ(c.admin_limits.max_body_bytes, 65536u);
+    EXPECT_EQ(c.admin_limits.max_header_bytes, 4096u);
+    EXPECT_EQ(c.admin_limits.read_timeout, milliseconds(3'000));
+    EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(250));
     EXPECT_EQ(c.state_backend, "etcd");
     EXPECT_EQ(c.state_path, "/var/lib/egressd");
     EXPECT_EQ(c.etcd_endpoints,
@@ -249,6 +263,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.dns_timeout, milliseconds(1'000));
     EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(750));
+    EXPECT_EQ(c.limits.refusal_timeout, milliseconds(1'500));
     EXPECT_EQ(c.limits.upstream_idle_timeout, milliseconds(4'000));
     EXPECT_EQ(c.limits.connection_window(), 131072u);
     EXPECT_EQ(c.limits.connections_per_run, 64u);
@@ -476,6 +491,16 @@ const ErrorRow kErrorRows[] = {
      "policy.allow_hosts: expected a list, got 'pypi.org'"},
     {"RunsNotAList", "runs: {id: a}\n", "runs: expected a list, got a mapping"},
     {"EmptyString", "admin: {token_file: ''}\n", "admin.token_file: must not be empty"},
+    {"AdminBodyLimitTooSmall", "admin: {max_body_bytes: 10}\n",
+     "admin.max_body_bytes: expected an integer in 1024..67108864"},
+    {"AdminHeadLimitTooLarge", "admin: {max_header_bytes: 1073741824}\n",
+     "admin.max_header_bytes: expected an integer in 1024..1048576"},
+    {"AdminZeroReadTimeout", "admin: {read_timeout: 0s}\n",
+     "admin.read_timeout: must be greater than 0"},
+    {"AdminBadWriteTimeout", "admin: {write_timeout: soon}\n",
+     "admin.write_timeout: bad duration 'soon'"},
+    {"ZeroRefusalTimeout", "limits: {refusal_timeout: 0ms}\n",
+     "limits.refusal_timeout: must be greater than 0"},
     {"TopLevelNotAMapping", "- a\n- b\n", "test.yaml: expected a mapping"},
     // durations
     {"BadDuration", "limits:\n  header_timeout: 10 parsecs\n",

@@ -84,6 +84,20 @@ class Egressd:
         with open(self.config_path, "w") as f:
             yaml.safe_dump(self.config, f, sort_keys=False)
 
+    def rewrite_config(self, mutate):
+        """Applies `mutate` to the config file egressd reads on SIGHUP (as it is on disk)."""
+        with open(self.config_path) as f:
+            cfg = yaml.safe_load(f)
+        mutate(cfg)
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+
+    def reload(self, expect: str = "reloaded"):
+        """SIGHUP, then waits for one more `expect` line in the log."""
+        before = self.stderr_text().count(expect)
+        self.proc.send_signal(signal.SIGHUP)
+        poll(lambda: self.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
+
     def check(self) -> subprocess.CompletedProcess:
         self.write_config()
         return subprocess.run([self.binary, "--check", "--config", self.config_path],
@@ -313,6 +327,44 @@ class Response:
 
     def raw_head(self) -> str:
         return "\n".join(f"{k}: {v}" for k, v in self.headers)
+
+
+def send_unread_until_cut(port: int, request: bytes, limit: int, deadline_s: float = 15.0):
+    """Sends `request` pipelined on one connection, up to `limit` times, and never reads the
+    answers (a small receive buffer), so the peer's writes of its answers stall. Returns the
+    seconds from the first send to the peer cutting the connection (a reset, or its end seen
+    without reading), or None if it was still open after `deadline_s`."""
+    import select
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.setblocking(False)
+    p = select.poll()
+    cut = select.POLLERR | select.POLLHUP | select.POLLRDHUP
+    p.register(s, select.POLLOUT | cut)
+    started = time.monotonic()
+    pending = b""
+    sent = 0
+    try:
+        while time.monotonic() - started < deadline_s:
+            if not pending and sent < limit:
+                batch = min(64, limit - sent)
+                pending, sent = request * batch, sent + batch
+            elif not pending:
+                p.modify(s, cut)  # all sent: wait for the cut alone
+            events = p.poll(100)
+            if any(ev & cut for _, ev in events):
+                return time.monotonic() - started
+            if pending and any(ev & select.POLLOUT for _, ev in events):
+                try:
+                    pending = pending[s.send(pending):]
+                except BlockingIOError:
+                    pass
+                except OSError:  # reset, broken pipe
+                    return time.monotonic() - started
+        return None
+    finally:
+        s.close()
 
 
 def read_response(c: Conn, head_request: bool = False, connect: bool = False) -> Response:

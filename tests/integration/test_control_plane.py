@@ -1309,6 +1309,66 @@ def test_unreadable_admin_request_gets_a_json_error(cp, case):
     assert api(cp, "GET", "/v1/secrets").status == 200  # and egressd serves on
 
 
+def _admin_limits(**kw):
+    return lambda c: c.setdefault("admin", {}).update(kw)
+
+
+def test_admin_size_limits_are_config_keys_and_reload(factory, world):
+    """admin.max_body_bytes and admin.max_header_bytes bound what the admin API reads (413 and
+    431 naming the key); under them requests are served, and a reload applies new values to
+    the next request on the same listener."""
+    e = factory.start(mutate=cp_mutate(world, extra=_admin_limits(max_body_bytes=4096,
+                                                                  max_header_bytes=2048)))
+    head = (f"POST /v1/secrets HTTP/1.1\r\nHost: 127.0.0.1:{e.admin_port}\r\n"
+            f"Authorization: Bearer {admin_token(e)}\r\nContent-Type: application/json\r\n")
+
+    def post(value: str, pad: int = 0) -> helpers.Response:
+        body = json.dumps({"name": "lim_" + pysecrets.token_hex(4), "scope": {"org": "acme"},
+                           "value": value}).encode()
+        extra = f"X-Pad: {'a' * pad}\r\n" if pad else ""
+        return _raw_admin(e, head + extra + f"Content-Length: {len(body)}\r\n\r\n", body)
+
+    big, small = sval("b" * 5000), sval("s" * 2000)
+    e.secrets["admin-limits-big"], e.secrets["admin-limits-small"] = big, small  # never written
+    r = post(big)
+    assert r.status == 413, (r.status, r.body[:300])
+    j = json.loads(r.body)
+    assert j["error"] == "too_large" and "4096 bytes (admin.max_body_bytes)" in j["detail"], j
+    r = post(small, pad=3000)
+    assert r.status == 431, (r.status, r.body[:300])
+    assert "2048 bytes (admin.max_header_bytes)" in json.loads(r.body)["detail"]
+    assert post(small, pad=1000).status == 201
+    e.rewrite_config(lambda c: c["admin"].__setitem__("max_body_bytes", 65536))
+    e.reload()
+    assert post(big).status == 201
+
+
+def test_admin_read_and_write_timeouts_are_config_keys(factory, world):
+    """admin.read_timeout closes a connection whose request does not arrive in time (a half
+    head, or an idle keep-alive connection); admin.write_timeout one that does not read its
+    answers (it was the read's 30 s before). The API keeps answering other clients."""
+    e = factory.start(mutate=cp_mutate(world, extra=_admin_limits(read_timeout="1s",
+                                                                  write_timeout="500ms")))
+    host = f"Host: 127.0.0.1:{e.admin_port}\r\n"
+    for first in (b"GET /healthz HTTP/1.1\r\n",  # half a head, then nothing
+                  f"GET /healthz HTTP/1.1\r\n{host}\r\n".encode()):  # answered, then idle
+        s = socket.create_connection(("127.0.0.1", e.admin_port), timeout=10)
+        started = time.monotonic()
+        s.sendall(first)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        waited = time.monotonic() - started
+        s.close()
+        assert 0.5 < waited < 5, (first, waited)
+        assert got in (b"",) or got.startswith(b"HTTP/1.1 200"), got[:100]
+    took = helpers.send_unread_until_cut(
+        e.admin_port, f"GET /metrics HTTP/1.1\r\n{host}\r\n".encode(), limit=20000)
+    assert took is not None, "the admin API kept a client that does not read its answers"
+    assert took < 4.0, took
+    assert api(e, "GET", "/v1/secrets").status == 200
+
+
 def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
     """The admin token and master key are written to a temp file, then renamed into place: a
     create interrupted by a crash leaves only the temp file, which the next start replaces."""

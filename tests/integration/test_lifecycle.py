@@ -12,8 +12,6 @@ import socket
 import subprocess
 import time
 
-import yaml
-
 import helpers
 from helpers import poll
 from clients import proxy_env, run_ca
@@ -21,22 +19,6 @@ from upstream import payload_sha256
 
 MiB = 1 << 20
 N_TRANSFERS = 50
-
-
-def _rewrite(e, mutate):
-    """Applies `mutate` to the config file egressd reads on SIGHUP."""
-    with open(e.config_path) as f:
-        cfg = yaml.safe_load(f)
-    mutate(cfg)
-    with open(e.config_path, "w") as f:
-        yaml.safe_dump(cfg, f, sort_keys=False)
-
-
-def _reload(e, expect: str = "reloaded"):
-    """SIGHUP, then waits for one more `expect` line in the log."""
-    before = e.stderr_text().count(expect)
-    e.proc.send_signal(signal.SIGHUP)
-    poll(lambda: e.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
 
 
 def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
@@ -108,9 +90,8 @@ def test_sighup_reload_valid_and_invalid(world, factory, marker):
         ca_before = f.read()
     with open(cfg_path, "w") as f:
         f.write(original)
-    _rewrite(e, lambda cfg: cfg["policy"]["allow_hosts"].append("other.test"))
-    e.proc.send_signal(signal.SIGHUP)
-    poll(lambda: "reloaded" in e.stderr_text(), 10, "reloaded log line")
+    e.rewrite_config(lambda cfg: cfg["policy"]["allow_hosts"].append("other.test"))
+    e.reload()
     c, r = helpers.proxy_connect(e.proxy_port, f"other.test:{world.U}", world.auth())
     assert r.status == 200, (r.status, r.egress_reason)
     c.close()
@@ -195,8 +176,8 @@ def test_keep_alive_connection_outlives_the_runtime_it_began_with(world, factory
     try:
         host = f"api.test:{world.U}"
         assert helpers.request(c, "GET", f"/echo/{marker}-0", host).status == 200
-        _rewrite(e, lambda cfg: cfg["limits"].update({"idle_timeout": "45s"}))
-        _reload(e)
+        e.rewrite_config(lambda cfg: cfg["limits"].update({"idle_timeout": "45s"}))
+        e.reload()
         for i in range(1, 4):  # the first moves the scope to the new runtime
             assert helpers.request(c, "GET", f"/echo/{marker}-{i}", host).status == 200
     finally:
@@ -218,8 +199,8 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
         c["runs"][0]["ttl"] = "1h"
         c["runs"][0]["pins"].append({"host": "new.test", "secret_file": empty,
                                      "inject": {"type": "bearer"}})
-    _rewrite(e, mutate)
-    _reload(e, "reload refused")
+    e.rewrite_config(mutate)
+    e.reload("reload refused")
     assert "secret_file" in e.stderr_text()
     with open(ca) as f:
         assert f.read() == before
@@ -231,8 +212,8 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
 
 def test_sigterm_uses_the_drain_timeout_of_the_last_reload(world, factory):
     e = factory.start()  # drain_timeout 2s
-    _rewrite(e, lambda c: c["limits"].update({"drain_timeout": "20s"}))
-    _reload(e)
+    e.rewrite_config(lambda c: c["limits"].update({"drain_timeout": "20s"}))
+    e.reload()
     c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
     assert r.status == 200
     e.proc.send_signal(signal.SIGTERM)
@@ -367,8 +348,8 @@ def test_static_run_ca_validity_and_its_expiry(world, factory, marker):
     c, r = helpers.proxy_connect(short.proxy_port, f"api.test:{world.U}", world.auth())
     assert (r.status, r.egress_reason) == (502, "leaf_mint_failed")
     c.close()
-    _rewrite(short, lambda c: c["limits"].update({"static_ca_validity": "1h"}))
-    _reload(short)
+    short.rewrite_config(lambda c: c["limits"].update({"static_ca_validity": "1h"}))
+    short.reload()
     with open(ca) as f:
         assert f.read() != before
     c = helpers.tunnel(short.proxy_port, "api.test", world.U, world.auth(), ca)
@@ -396,7 +377,7 @@ def test_sighup_reopens_the_audit_file_and_names_keys_that_need_a_restart(world,
     e.wait_audit(lambda r: f"{marker}-before" in r.get("path", ""))
     # logrotate: move the file away, SIGHUP; the next record goes to a new file at audit.path.
     os.rename(e.audit_path, e.audit_path + ".1")
-    _reload(e)
+    e.reload()
     assert "needs a restart" not in e.stderr_text()  # nothing changed
     get("rotated")
     e.wait_audit(lambda r: f"{marker}-rotated" in r.get("path", ""))
@@ -412,8 +393,8 @@ def test_sighup_reopens_the_audit_file_and_names_keys_that_need_a_restart(world,
         c["limits"].update({"dns_timeout": "3s", "leaf_cache_size": 10,
                             "leaf_mints_per_minute": 7})
         c["keys"]["kms_command"] = "/bin/false wrap"
-    _rewrite(e, mutate)
-    _reload(e)
+    e.rewrite_config(mutate)
+    e.reload()
     line = next(l for l in e.stderr_text().splitlines() if "needs a restart" in l)
     for key in ["audit.durable", "log.format", "resolver.servers",
                 "limits.dns_timeout", "limits.leaf_cache_size", "limits.leaf_mints_per_minute",
@@ -438,14 +419,14 @@ def test_sighup_rereads_the_admin_token(factory):
     new = "rotated-admin-token-" + os.urandom(16).hex()
     with open(token_file, "w") as f:
         f.write(new + "\n")
-    _reload(e)
+    e.reload()
     assert api(e, "GET", "/v1/secrets", token=old).status == 401
     assert api(e, "GET", "/v1/secrets", token=new).status == 200
     line = next(l for l in reversed(e.stderr_text().splitlines()) if "reload" in l)
     assert "admin.token_file" not in line, line  # applied, not "needs a restart"
 
     os.rename(token_file, token_file + ".gone")
-    _reload(e, expect="reload refused")
+    e.reload(expect="reload refused")
     assert "admin.token_file: " in e.stderr_text().splitlines()[-1]
     assert api(e, "GET", "/v1/secrets", token=new).status == 200
     os.rename(token_file + ".gone", token_file)

@@ -148,3 +148,20 @@ def test_max_header_bytes_bounds_chunk_lines_and_trailers(world, factory, marker
     r = helpers.read_response(c)
     c.close()
     assert r.status == 200
+
+
+def test_refusal_timeout_cuts_a_client_that_does_not_read_its_refusals(world, factory):
+    """A client pipelining requests egressd refuses (403, keep-alive) and never reading the
+    answers: once the refusals no longer fit the socket buffers, the one being written is
+    given limits.refusal_timeout and the connection is closed; other clients are served."""
+    e = factory.start(mutate=_limits(refusal_timeout="500ms"))
+    req = (f"GET http://unlisted.test:{world.U}/x HTTP/1.1\r\nHost: unlisted.test:{world.U}\r\n"
+           f"Proxy-Authorization: {world.auth()}\r\n\r\n").encode()
+    took = helpers.send_unread_until_cut(e.proxy_port, req, limit=40000)
+    assert took is not None, "egressd kept the connection of a client not reading its refusals"
+    assert took < 4.0, took  # 0.5 s from the stall (plus filling the buffers)
+    c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth())
+    c.close()
+    assert r.status == 200
+    assert e.wait_audit(lambda a: a.get("reason") == "host_not_allowed"
+                        and a.get("host") == "unlisted.test")

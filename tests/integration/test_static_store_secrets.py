@@ -16,7 +16,6 @@ import pytest
 
 import helpers
 from cp_helpers import api, api_ok, expect, fp, put_secret, rotate_secret, seen_auth
-from test_lifecycle import _reload, _rewrite
 
 
 def _store_pinned(world):
@@ -116,8 +115,8 @@ def test_reload_keeps_the_ca_and_the_resolved_pin(e, world, marker):
     ca_file = e.config["runs"][0]["ca_cert_out"]
     with open(ca_file) as f:
         ca_before = f.read()
-    _rewrite(e, lambda c: c["runs"][0]["allow_hosts"].append("tunnel.test"))
-    _reload(e)
+    e.rewrite_config(lambda c: c["runs"][0]["allow_hosts"].append("tunnel.test"))
+    e.reload()
     with open(ca_file) as f:
         assert f.read() == ca_before, "a reload that keeps the run must keep its CA"
     _expect_injected(e, world, marker, v, "secret after the reload").close()
@@ -125,6 +124,6 @@ def test_reload_keeps_the_ca_and_the_resolved_pin(e, world, marker):
     # A reload that changes the run's scope resolves the pin again, by the new scope.
     gv = "sk-globex-" + pysecrets.token_hex(16)
     put_secret(e, "gh", gv, org="globex", project="web")
-    _rewrite(e, lambda c: c["runs"][0].__setitem__("scope", {"org": "globex", "project": "web"}))
-    _reload(e)
+    e.rewrite_config(lambda c: c["runs"][0].__setitem__("scope", {"org": "globex", "project": "web"}))
+    e.reload()
     _expect_injected(e, world, f"{marker}-g", gv, "new scope's secret after the reload").close()

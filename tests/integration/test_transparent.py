@@ -128,6 +128,70 @@ def test_cleartext_http_is_served_without_a_credential(netns_setup, world, marke
     assert seen[0].header("authorization") == []  # a pinned host over cleartext: no credential
 
 
+def test_a_reload_applies_to_the_next_request_on_an_open_cleartext_connection(netns_setup,
+                                                                              world, marker):
+    """A keep-alive connection on the transparent listener reads the runtime per request: after
+    a reload that takes plain.test out of the run's pins and sets idle_timeout to 1s, that
+    connection's next request is refused and its next idle wait is 1 s (the build before kept
+    the limits, and the whole runtime, the connection began with: a 60 s wait)."""
+    e, sb, _ = netns_setup
+    flag = os.path.join(e.workdir, f"reloaded-{marker}")
+    script = f"""
+import os, socket, time
+s = socket.create_connection(("plain.test", {world.plain.port}), timeout=30)
+def get(tag):
+    s.sendall(("GET /echo?{marker}-" + tag + " HTTP/1.1\\r\\nHost: plain.test:{world.plain.port}"
+               "\\r\\n\\r\\n").encode())
+    data = b""
+    while b"\\r\\n\\r\\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\\r\\n\\r\\n")
+    n = int([l.split(b":")[1] for l in head.split(b"\\r\\n") if l.lower().startswith(b"content-length")][0])
+    while len(body) < n:
+        body += s.recv(65536)
+    print(head.split(b"\\r\\n")[0].decode(), flush=True)
+get("before")
+deadline = time.monotonic() + 20
+while not os.path.exists({flag!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+get("after")
+started = time.monotonic()
+left = s.recv(65536)  # egressd's idle close: b""
+print(f"closed {{left!r}} after {{time.monotonic() - started:.1f}}", flush=True)
+"""
+    proc = subprocess.Popen([SCRIPT, "exec", sb.name, "--", "python3", "-c", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=helpers.clean_env())
+    pins = [dict(p) for p in e.config["runs"][0]["pins"]]
+    limits = dict(e.config["limits"])
+
+    def reloaded(c):
+        c["runs"][0]["pins"] = [p for p in pins if not p["host"].startswith("plain.test")]
+        c["limits"]["idle_timeout"] = "1s"
+
+    def restored(c):
+        c["runs"][0]["pins"], c["limits"] = pins, limits
+    try:
+        helpers.poll(lambda: world.plain.find(f"{marker}-before"), 20, "the first request")
+        e.rewrite_config(reloaded)
+        e.reload()
+        open(flag, "w").close()
+        out, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        e.rewrite_config(restored)
+        e.reload()
+    assert proc.returncode == 0, err
+    lines = out.split("\n")
+    assert lines[:2] == ["HTTP/1.1 200 OK", "HTTP/1.1 403 Forbidden"], (out, err)
+    assert lines[2].startswith("closed b'' after "), out
+    assert float(lines[2].rsplit(" ", 1)[1]) < 5, out
+    assert world.plain.find(f"{marker}-after") == []
+    rec = e.wait_audit(lambda x: x.get("host") == "plain.test" and x.get("status") == 403)
+    assert rec[-1]["reason"] == "host_not_allowed", rec[-1]
+
+
 def test_other_ports_and_egressd_itself_are_unreachable(netns_setup, world):
     e, sb, _ = netns_setup
     admin_port = int(e.config["listen"]["admin"].rsplit(":", 1)[1])
