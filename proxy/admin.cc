@@ -93,9 +93,16 @@ bool is_loopback_tcp<tcp::socket>(tcp::socket& s, uint16_t& port) {
 
 }  // namespace
 
-uint64_t ConnectionRegistry::add(const std::string& run, net::any_io_executor ex,
+uint64_t ConnectionRegistry::add(const std::string& run, size_t limit, net::any_io_executor ex,
                                  std::weak_ptr<int> fd_token) {
     std::lock_guard lock(mu_);
+    auto& entries = by_run_[run];
+    if (entries.size() >= limit) {
+        if (entries.empty()) {
+            by_run_.erase(run);
+        }
+        return 0;
+    }
     uint64_t id = next_id_++;
     uint64_t inode = 0;
     if (auto fd = fd_token.lock()) {
@@ -104,7 +111,7 @@ uint64_t ConnectionRegistry::add(const std::string& run, net::any_io_executor ex
             inode = static_cast<uint64_t>(st.st_ino);
         }
     }
-    by_run_[run][id] = Entry{std::move(ex), std::move(fd_token), inode};
+    entries[id] = Entry{std::move(ex), std::move(fd_token), inode};
     return id;
 }
 

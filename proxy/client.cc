@@ -23,28 +23,30 @@ public:
     RunAdmission(const RunAdmission&) = delete;
     RunAdmission& operator=(const RunAdmission&) = delete;
 
-    /// False (nothing held) when the run is at its connection limit.
-    bool admit(std::shared_ptr<Run> run, size_t limit, tcp::socket& socket) {
-        if (run->connections.fetch_add(1) >= limit) {
-            run->connections.fetch_sub(1);
+    /// False (nothing held) when the run is at its connection limit. Holds the run's id, not
+    /// the Run: a connection that outlives a rebuild of its run (a rotated secret) does not
+    /// keep the old one's secrets in memory.
+    bool admit(const Run& run, size_t limit, tcp::socket& socket) {
+        fd_token_ = std::make_shared<int>(socket.native_handle());
+        registration_ =
+            shared_.connections.add(run.policy.id, limit, socket.get_executor(), fd_token_);
+        if (registration_ == 0) {
+            fd_token_.reset();
             return false;
         }
-        run_ = std::move(run);
-        fd_token_ = std::make_shared<int>(socket.native_handle());
-        registration_ = shared_.connections.add(run_->policy.id, socket.get_executor(), fd_token_);
+        run_id_ = run.policy.id;
         return true;
     }
     ~RunAdmission() {
         fd_token_.reset();  // same thread as any posted shutdown: the fd is never stale
-        if (run_) {
-            shared_.connections.remove(run_->policy.id, registration_);
-            run_->connections.fetch_sub(1);
+        if (registration_ != 0) {
+            shared_.connections.remove(run_id_, registration_);
         }
     }
 
 private:
     Shared& shared_;
-    std::shared_ptr<Run> run_;
+    std::string run_id_;
     std::shared_ptr<int> fd_token_;
     uint64_t registration_ = 0;
 };
@@ -236,6 +238,15 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     auto& cs = client.socket();
     auto& us = d.stream->socket();
     std::string refused;
+    const auto idle_timeout = rt.config->limits.idle_timeout;
+    const std::string run_id = scope.run->policy.id;
+    // Once the bytes flow, the tunnel needs neither the runtime nor its run (the audit names
+    // the run by id): one open for hours must not keep a replaced runtime, or the Run of a
+    // secret rotated since (its pins hold the old value), in memory. `rt` is not used after.
+    auto let_go = [&scope] {
+        scope.run.reset();
+        scope.runtime.reset();
+    };
     // Client to upstream. Behind a CONNECT the first flight is checked (read_first_flight)
     // while the upstream's bytes flow the other way; on the transparent listener the SNI
     // already chose the destination, and the bytes go as they come.
@@ -263,20 +274,24 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
                     co_return;
                 }
             }
+            let_go();
             if (first.eof) {
                 error_code ignored;
                 us.shutdown(tcp::socket::shutdown_send, ignored);
                 co_return;
             }
-        } else if (buf.size() > 0) {
-            auto [wec, wn] = co_await net::async_write(us, buf.data(), use_nothrow);
-            up_bytes += wn;
-            buf.consume(buf.size());
+        } else {
+            let_go();
+            if (buf.size() > 0) {
+                auto [wec, wn] = co_await net::async_write(us, buf.data(), use_nothrow);
+                up_bytes += wn;
+                buf.consume(buf.size());
+            }
         }
         co_await pump(cs, us, up_bytes, last_activity);
     };
     co_await ((upward() && pump(us, cs, down_bytes, last_activity)) ||
-              idle_watchdog(last_activity, rt.config->limits.idle_timeout));
+              idle_watchdog(last_activity, idle_timeout));
     if (!refused.empty()) {
         spdlog::info("conn={} tunnel to {}:{} refused: {} (the TLS server name is not the "
                      "CONNECT host)",
@@ -286,7 +301,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         co_return;
     }
     AuditRecord rec;
-    rec.run = scope.run->policy.id;
+    rec.run = run_id;
     rec.method = scope.method;
     rec.host = scope.target.host;
     rec.port = scope.target.port;
@@ -436,16 +451,18 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
             audit_refusal(scope, method, "", id.status, id.reason, started);
             co_return;
         }
+        // The run is held by the scope alone from here (moved out of `id`), so a tunnel or a
+        // connection that lets go of it (run_tunnel, serve_intercepted_h2) really does.
         if (!scope.run) {
-            scope.run = id.run;
-            if (!admission.admit(id.run, limits.connections_per_run, stream.socket())) {
+            scope.run = std::move(id.run);
+            if (!admission.admit(*scope.run, limits.connections_per_run, stream.socket())) {
                 co_await write_refusal(stream, limits.refusal_timeout, 429,
                                        "too_many_connections", false);
                 audit_refusal(scope, method, "", 429, "too_many_connections", started);
                 co_return;
             }
-            if (!still_live(w, *id.run)) {
-                const char* reason = run_end_reason(*id.run);
+            if (!still_live(w, *scope.run)) {
+                const char* reason = run_end_reason(*scope.run);
                 co_await write_refusal(stream, limits.refusal_timeout, 403, reason, false);
                 audit_refusal(scope, method, "", 403, reason, started);
                 co_return;
@@ -455,6 +472,8 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                                    false);
             audit_refusal(scope, method, "", 403, "identity_changed", started);
             co_return;
+        } else {
+            scope.run = std::move(id.run);  // the same run, maybe rebuilt since (a reload)
         }
 
         // Destination: CONNECT authority, or the absolute-form URI's authority.
@@ -737,7 +756,7 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
         co_return;
     }
     RunAdmission admission(shared);
-    if (!admission.admit(scope.run, limits.connections_per_run, socket)) {
+    if (!admission.admit(*scope.run, limits.connections_per_run, socket)) {
         audit_refusal(scope, "", "", 429, "too_many_connections", started);
         co_return;
     }

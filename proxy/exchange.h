@@ -155,7 +155,8 @@ std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> c
 std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_header,
                                                  const Limits& limits);
 
-/// Serves HTTP/2 on an intercepted TLS connection (ALPN "h2") until it closes.
+/// Serves HTTP/2 on an intercepted TLS connection (ALPN "h2") until it closes. Takes the
+/// scope's contents (moved out: the caller's scope is left empty).
 awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope);
 
 }  // namespace egress::proxy

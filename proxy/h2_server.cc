@@ -647,6 +647,22 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
     c->watchdog.cancel();
 }
 
+/// With no stream handler running (none holds an alias of the connection's scope, see
+/// stream_scope), the connection's scope takes the current runtime and run: an open connection
+/// keeps neither a replaced runtime nor the Run of a secret rotated since (its pins hold the
+/// old value) longer than a watchdog tick after its streams end. A run that ended is left as
+/// it is: its connections are being closed.
+void refresh_scope(Conn& c) {
+    const std::shared_ptr<const Runtime>& now = c.scope.worker->runtime();
+    if (c.scope.runtime == now) {
+        return;
+    }
+    if (const auto* fresh = now->lookup(c.scope.run->policy.id)) {
+        c.scope.run = *fresh;
+        c.scope.runtime = now;
+    }
+}
+
 awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
     while (!c->io.dead) {
         c->watchdog.expires_after(std::chrono::milliseconds(250));
@@ -694,6 +710,9 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
         bool idle = c->streams.empty() && c->handlers == 0;
         if (idle) {
             c->pool.trim();  // an idle connection holds no spare blocks
+        }
+        if (c->handlers == 0) {
+            refresh_scope(*c);
         }
         // Without handlers and heads under way, what streams are left only wait for the client
         // to take their responses: a client that neither sends nor reads for idle_timeout
@@ -760,8 +779,10 @@ bool start_session(Conn& c) {
 }  // namespace
 
 awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
-    auto c = std::make_shared<Conn>(client, scope);
-    c->limits = scope.runtime->config->limits;
+    // Moved, not copied: the caller's scope would otherwise keep the runtime and run the
+    // connection began with for its whole life (refresh_scope lets the connection's go).
+    auto c = std::make_shared<Conn>(client, std::move(scope));
+    c->limits = c->scope.runtime->config->limits;
     // Response bytes queued per connection, as the inbound direction's connection window:
     // a client that reads none of its streams pins this much, not streams x h2_stream_window.
     c->io.queue_budget = c->limits.connection_window();
@@ -774,7 +795,7 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
         std::set<net::steady_timer*>& set;
         net::steady_timer* timer;
         ~Registered() { set.erase(timer); }
-    } registered{scope.worker->h2_watchdogs, &c->watchdog};
+    } registered{c->scope.worker->h2_watchdogs, &c->watchdog};
     registered.set.insert(registered.timer);
 
     using namespace net::experimental::awaitable_operators;

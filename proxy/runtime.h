@@ -34,7 +34,6 @@ struct Run {
     /// hosts are refused with "secret_unavailable" instead of "host_not_allowed".
     std::vector<policy::HostPattern> unavailable_pins;
     std::vector<policy::Cidr> sources;  // transparent mode: client addresses bound to the run
-    std::atomic<size_t> connections{0};
 
     /// Static runs: pins on a store secret (`secret: NAME`), found by `scope` in the state
     /// store. As build_runtime() makes them they are not in policy.pins and their hosts are
@@ -52,8 +51,8 @@ struct Run {
 /// The served form of a static run with store pins: a new Run sharing `statics`' CA, leaf
 /// cache, token and sources, whose pins are its file pins with the store pins merged in config
 /// order, each given `values[i]` (store_pins[i]'s secret, or null: that pin's host is then
-/// refused as secret_unavailable). `injections` prepares the new pins. Its connection count
-/// starts at 0 (as a dynamic run's does when a rotated secret rebuilds it).
+/// refused as secret_unavailable). `injections` prepares the new pins. (Connections are
+/// counted by run id, ConnectionRegistry: the copy shares the static run's count.)
 std::shared_ptr<Run> with_store_secrets(const Run& statics,
                                         const std::vector<credstore::SecretPtr>& values,
                                         policy::InjectionCache& injections);

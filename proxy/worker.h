@@ -45,7 +45,12 @@ struct AwaitingAnswer {
 /// closed and reused by another socket (another thread's, e.g. the admin API's) is never hit.
 class ConnectionRegistry {
 public:
-    uint64_t add(const std::string& run, net::any_io_executor ex, std::weak_ptr<int> fd_token);
+    /// Registers a connection of `run` unless `limit` of its connections are registered
+    /// already: then 0, nothing registered (limits.connections_per_run). Counted by run id, so a
+    /// run rebuilt (a rotated secret, a reload) keeps its count, and a connection holds no
+    /// reference to the Run (its pins' secrets) it was admitted under.
+    uint64_t add(const std::string& run, size_t limit, net::any_io_executor ex,
+                 std::weak_ptr<int> fd_token);
     void remove(const std::string& run, uint64_t id);
     /// With `wait`, returns once every shutdown has run (or `wait` passed): a revoke answers
     /// after its run's connections are cut. Never with a wait from a worker's own thread.

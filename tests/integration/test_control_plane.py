@@ -1283,6 +1283,51 @@ def test_deleted_or_rotated_secret_leaves_memory(cp, world):
     assert n == 0, f"{n} copies of a deleted secret left in egressd's memory"
 
 
+def test_connections_left_open_do_not_keep_a_rotated_value(cp, world, marker):
+    """Connections of a run that stay open across a rotation of its secret do not keep the old
+    value in memory: a blind tunnel (once its bytes flow), an HTTP/1.1 keep-alive connection
+    after its next request, an HTTP/2 connection between streams. The build before kept it as
+    long as any of them was open (each connection held the Run it was admitted under). The
+    upstream answers /bytes, not /echo: an echoed credential is in the response bytes egressd
+    read, which are not wiped (README)."""
+    import types
+    from h2_helpers import H2Client
+    v1, v2 = sval("open1"), sval("open2")
+    name = "open_" + pysecrets.token_hex(4)
+    put_secret(cp, name, v1, org="acme")
+    run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), name)])
+    host = api_host(world)
+    t, r = helpers.proxy_connect(cp.proxy_port, f"tunnel.test:{world.U}", run.auth)
+    assert r.status == 200, (r.status, r.egress_reason)
+    t = helpers.tls_wrap(t, "tunnel.test", world.pki.ca)  # end to end: egressd sees no TLS
+    h1 = run.tunnel("api.test", world.U)
+    h2c = H2Client(cp, types.SimpleNamespace(auth=lambda _run: run.auth), "api.test", world.U,
+                   ca=run.ca_file)
+    try:
+        assert helpers.request(t, "GET", f"/bytes/64?{marker}-t1", f"tunnel.test:{world.U}").status == 200
+        assert helpers.request(h1, "GET", f"/bytes/64?{marker}-a1", host).status == 200
+        assert h2c.request(f"/bytes/64?{marker}-b1")["status"] == 200
+        expect(seen_auth(world.upstream, f"{marker}-a1") == [f"Bearer {v1}"], "v1 injected")
+        assert _copies(cp, v1, lambda n: n >= 1) >= 1
+        rotate_secret(cp, name, v2, org="acme")
+        assert helpers.request(h1, "GET", f"/bytes/64?{marker}-a2", host).status == 200
+        assert h2c.request(f"/bytes/64?{marker}-b2")["status"] == 200
+        expect(seen_auth(world.upstream, f"{marker}-a2") == [f"Bearer {v2}"], "h1: v2 injected")
+        expect(seen_auth(world.upstream, f"{marker}-b2") == [f"Bearer {v2}"], "h2: v2 injected")
+        n = _copies(cp, v1, lambda n: n == 0)
+        assert n == 0, f"{n} copies of the rotated-away value left while connections stay open"
+        # All three are still open and serve.
+        assert helpers.request(t, "GET", f"/bytes/64?{marker}-t2", f"tunnel.test:{world.U}").status == 200
+        assert helpers.request(h1, "GET", f"/bytes/64?{marker}-a3", host).status == 200
+        assert h2c.request(f"/bytes/64?{marker}-b3")["status"] == 200
+    finally:
+        t.close()
+        h1.close()
+        h2c.close()
+    assert cp.wait_audit(lambda a: a.get("reason") == "tunnel" and a.get("run") == run.id
+                         and a.get("host") == "tunnel.test")
+
+
 @pytest.mark.parametrize("case", ["body_over_limit", "head_over_limit", "malformed"])
 def test_unreadable_admin_request_gets_a_json_error(cp, case):
     """A request over the size limits or malformed is answered with a JSON error and the

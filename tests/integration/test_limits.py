@@ -165,3 +165,28 @@ def test_refusal_timeout_cuts_a_client_that_does_not_read_its_refusals(world, fa
     assert r.status == 200
     assert e.wait_audit(lambda a: a.get("reason") == "host_not_allowed"
                         and a.get("host") == "unlisted.test")
+
+
+def test_connections_per_run_counts_across_a_reload(world, factory):
+    """The count is kept by run id: a reload (which rebuilds the run) neither resets it, so
+    two held connections still fill a limit of 2, nor loses the slots they free."""
+    e = factory.start(mutate=_limits(connections_per_run=2))
+    ca = run_ca(e, "r1")
+    held = [helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca) for _ in range(2)]
+    try:
+        e.rewrite_config(lambda c: c["policy"]["allow_hosts"].append("other.test"))
+        e.reload()
+        c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth())
+        c.close()
+        assert (r.status, r.egress_reason) == (429, "too_many_connections")
+    finally:
+        for h in held:
+            h.close()
+    deadline = time.monotonic() + 5
+    while True:  # the closes are noticed asynchronously: bounded poll
+        c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth())
+        c.close()
+        if r.status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status == 200
