@@ -42,7 +42,6 @@ bool host_is_loopback_name(std::string_view host_header, uint16_t port) {
     return !ec && addr.is_loopback();
 }
 
-
 // A request may carry a secret value (POST/PUT /v1/secrets): the raw bytes read, the body and
 // every copy either makes while growing are zeroed when freed.
 using WipingBuffer = beast::basic_flat_buffer<egress::WipingAllocator<char>>;
