@@ -341,8 +341,7 @@ public:
                  const std::atomic<bool>& draining)
         : s_(s), buf_(buf), p_(p), timeout_(limits.idle_timeout),
           refusal_timeout_(limits.refusal_timeout), framing_limit_(limits.max_header_bytes),
-          draining_(draining),
-          http10_(p.version() < 11) {
+          draining_(draining), http10_(p.version() < 11) {
         body_.none = p.is_done();
         if (auto cl = p.content_length()) {
             body_.length = *cl;

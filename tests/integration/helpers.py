@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import signal
 import socket
 import ssl
@@ -334,7 +335,6 @@ def send_unread_until_cut(port: int, request: bytes, limit: int, deadline_s: flo
     answers (a small receive buffer), so the peer's writes of its answers stall. Returns the
     seconds from the first send to the peer cutting the connection (a reset, or its end seen
     without reading), or None if it was still open after `deadline_s`."""
-    import select
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
