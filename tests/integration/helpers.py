@@ -332,9 +332,12 @@ class Response:
 
 def send_unread_until_cut(port: int, request: bytes, limit: int, deadline_s: float = 15.0):
     """Sends `request` pipelined on one connection, up to `limit` times, and never reads the
-    answers (a small receive buffer), so the peer's writes of its answers stall. Returns the
-    seconds from the first send to the peer cutting the connection (a reset, or its end seen
-    without reading), or None if it was still open after `deadline_s`."""
+    answers (a small receive buffer), so the peer's writes of its answers stall, then its
+    reads. Returns the seconds from the last send the peer's side took (its reads had
+    stopped: its write was stuck) to the peer cutting the connection (a reset, or its end seen
+    without reading), or None if it was still open after `deadline_s`. Measured from the
+    stall, not from the start: how long filling the buffers takes depends on the build's speed
+    (a sanitizer's is several times slower)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", port))
@@ -342,7 +345,7 @@ def send_unread_until_cut(port: int, request: bytes, limit: int, deadline_s: flo
     p = select.poll()
     cut = select.POLLERR | select.POLLHUP | select.POLLRDHUP
     p.register(s, select.POLLOUT | cut)
-    started = time.monotonic()
+    started = last_progress = time.monotonic()
     pending = b""
     sent = 0
     try:
@@ -354,14 +357,16 @@ def send_unread_until_cut(port: int, request: bytes, limit: int, deadline_s: flo
                 p.modify(s, cut)  # all sent: wait for the cut alone
             events = p.poll(100)
             if any(ev & cut for _, ev in events):
-                return time.monotonic() - started
+                return time.monotonic() - last_progress
             if pending and any(ev & select.POLLOUT for _, ev in events):
                 try:
-                    pending = pending[s.send(pending):]
+                    n = s.send(pending)
                 except BlockingIOError:
-                    pass
+                    n = 0
                 except OSError:  # reset, broken pipe
-                    return time.monotonic() - started
+                    return time.monotonic() - last_progress
+                if n > 0:
+                    pending, last_progress = pending[n:], time.monotonic()
         return None
     finally:
         s.close()

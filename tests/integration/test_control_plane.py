@@ -1314,8 +1314,14 @@ def test_connections_left_open_do_not_keep_a_rotated_value(cp, world, marker):
         assert h2c.request(f"/bytes/64?{marker}-b2")["status"] == 200
         expect(seen_auth(world.upstream, f"{marker}-a2") == [f"Bearer {v2}"], "h1: v2 injected")
         expect(seen_auth(world.upstream, f"{marker}-b2") == [f"Bearer {v2}"], "h2: v2 injected")
+        last_use = time.monotonic()
         n = _copies(cp, v1, lambda n: n == 0)
         assert n == 0, f"{n} copies of the rotated-away value left while connections stay open"
+        if time.monotonic() - last_use > 25:
+            # The test upstream closes a connection idle for 30 s, and egressd then closes the
+            # tunnel: past that the connections may have closed before the scan ended.
+            pytest.skip("the memory scan took over 25 s (a sanitizer's build): cannot show the "
+                        "connections were still open when it found no copy")
         # All three are still open and serve.
         assert helpers.request(t, "GET", f"/bytes/64?{marker}-t2", f"tunnel.test:{world.U}").status == 200
         assert helpers.request(h1, "GET", f"/bytes/64?{marker}-a3", host).status == 200
@@ -1410,7 +1416,7 @@ def test_admin_read_and_write_timeouts_are_config_keys(factory, world):
     took = helpers.send_unread_until_cut(
         e.admin_port, f"GET /metrics HTTP/1.1\r\n{host}\r\n".encode(), limit=20000)
     assert took is not None, "the admin API kept a client that does not read its answers"
-    assert took < 4.0, took
+    assert took < 3.0, took  # ~0.5 s from the stall
     assert api(e, "GET", "/v1/secrets").status == 200
 
 
