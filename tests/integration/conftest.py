@@ -107,6 +107,8 @@ def base_config(w: World, wd: str, *, unpinned: str = "tunnel", single_anonymous
     U = w.U
     pp = proxy_port or helpers_free_port()
     ap = admin_port or helpers_free_port()
+    while ap == pp and not admin_port:  # two picks of a free port can return the same one
+        ap = helpers_free_port()
     var = os.path.join(wd, "var")
     tok_files = {}
     for run, tok in w.tokens.items():
