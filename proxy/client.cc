@@ -657,14 +657,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
         const auto started = Clock::now();
         // Each request reads the runtime as it is now (a reload's limits and policy apply to
         // a keep-alive connection's next request, and it does not keep the one it began with).
-        if (scope.runtime != w.runtime()) {
-            scope.runtime = w.runtime();
-            // The run as this runtime has it (a reload rebuilds static runs' pins); a run that
-            // ended is refused by serve_exchange.
-            if (const auto* fresh = scope.runtime->lookup(scope.run->policy.id)) {
-                scope.run = *fresh;
-            }
-        }
+        refresh_scope(scope);
         const auto& limits = scope.runtime->config->limits;
         H1RequestParser parser;
         UnreadBodyNote note{parser, unread};

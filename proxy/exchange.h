@@ -155,6 +155,11 @@ std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> c
 std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_header,
                                                  const Limits& limits);
 
+/// Points the scope at its worker's current runtime and that runtime's copy of the scope's
+/// run, when the runtime changed and the run is still in it. A run that ended is left as it
+/// is: serve_exchange refuses its next request, and its connections are being closed.
+void refresh_scope(Scope& scope);
+
 /// Serves HTTP/2 on an intercepted TLS connection (ALPN "h2") until it closes. Takes the
 /// scope's contents (moved out: the caller's scope is left empty).
 awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope);

@@ -647,22 +647,6 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
     c->watchdog.cancel();
 }
 
-/// With no stream handler running (none holds an alias of the connection's scope, see
-/// stream_scope), the connection's scope takes the current runtime and run: an open connection
-/// keeps neither a replaced runtime nor the Run of a secret rotated since (its pins hold the
-/// old value) longer than a watchdog tick after its streams end. A run that ended is left as
-/// it is: its connections are being closed.
-void refresh_scope(Conn& c) {
-    const std::shared_ptr<const Runtime>& now = c.scope.worker->runtime();
-    if (c.scope.runtime == now) {
-        return;
-    }
-    if (const auto* fresh = now->lookup(c.scope.run->policy.id)) {
-        c.scope.run = *fresh;
-        c.scope.runtime = now;
-    }
-}
-
 awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
     while (!c->io.dead) {
         c->watchdog.expires_after(std::chrono::milliseconds(250));
@@ -711,8 +695,12 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
         if (idle) {
             c->pool.trim();  // an idle connection holds no spare blocks
         }
+        // With no stream handler running (none holds an alias of the connection's scope, see
+        // stream_scope), the scope takes the current runtime and run: an open connection keeps
+        // neither a replaced runtime nor the Run of a secret rotated since (its pins hold the
+        // old value) longer than a tick after its streams end.
         if (c->handlers == 0) {
-            refresh_scope(*c);
+            refresh_scope(c->scope);
         }
         // Without handlers and heads under way, what streams are left only wait for the client
         // to take their responses: a client that neither sends nor reads for idle_timeout
