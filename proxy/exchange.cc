@@ -318,17 +318,6 @@ void audit_refusal(Scope& scope, const std::string& method, const std::string& p
     record_denial(scope, rec);
 }
 
-void refresh_scope(Scope& scope) {
-    const std::shared_ptr<const Runtime>& now = scope.worker->runtime();
-    if (scope.runtime == now) {
-        return;
-    }
-    if (const auto* fresh = now->lookup(scope.run->policy.id)) {
-        scope.run = *fresh;
-        scope.runtime = now;
-    }
-}
-
 awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope& scope,
                                Clock::time_point started) {
     Worker& w = *scope.worker;

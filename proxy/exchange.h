@@ -158,7 +158,17 @@ std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_head
 /// Points the scope at its worker's current runtime and that runtime's copy of the scope's
 /// run, when the runtime changed and the run is still in it. A run that ended is left as it
 /// is: serve_exchange refuses its next request, and its connections are being closed.
-void refresh_scope(Scope& scope);
+/// Inline: the fuzz targets link h2_server.cc without exchange.cc.
+inline void refresh_scope(Scope& scope) {
+    const std::shared_ptr<const Runtime>& now = scope.worker->runtime();
+    if (scope.runtime == now || !scope.run) {
+        return;
+    }
+    if (const auto* fresh = now->lookup(scope.run->policy.id)) {
+        scope.run = *fresh;
+        scope.runtime = now;
+    }
+}
 
 /// Serves HTTP/2 on an intercepted TLS connection (ALPN "h2") until it closes. Takes the
 /// scope's contents (moved out: the caller's scope is left empty).
