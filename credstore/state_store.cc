@@ -519,6 +519,42 @@ Result<StateSnapshot> snapshot_from_json(const std::string& text) {
     return snap;
 }
 
+std::string secret_record_to_json(const SealedSecret& s) {
+    return json::serialize(sealed_to_json(s));
+}
+
+std::string run_record_to_json(const RunRecord& r) {
+    return json::serialize(run_to_json(r));
+}
+
+Result<SealedSecret> secret_record_from_json(std::string_view text) {
+    boost::system::error_code ec;
+    const json::value v = json::parse(text, ec);
+    if (ec) {
+        return make_error("invalid JSON: " + ec.message());
+    }
+    Reader reader;
+    SealedSecret out;
+    if (!reader.sealed(v, "secret", out)) {
+        return make_error(reader.error());
+    }
+    return out;
+}
+
+Result<RunRecord> run_record_from_json(std::string_view text) {
+    boost::system::error_code ec;
+    const json::value v = json::parse(text, ec);
+    if (ec) {
+        return make_error("invalid JSON: " + ec.message());
+    }
+    Reader reader;
+    RunRecord out;
+    if (!reader.run(v, "run", out)) {
+        return make_error(reader.error());
+    }
+    return out;
+}
+
 // ---- FileStateStore ------------------------------------------------------------------------
 
 Result<std::unique_ptr<FileStateStore>> FileStateStore::open(const std::string& dir) {

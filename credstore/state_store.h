@@ -1,8 +1,8 @@
 #pragma once
 // Control-plane state: sealed secrets, runs and their pins. Readers take immutable snapshots
 // (common/published.h); updates are applied atomically and durably.
-// Backends: FileStateStore (embedded default, state.path); an etcd backend implements the
-// same interface later.
+// Backends: FileStateStore (embedded default, state.path) and the etcd backend
+// (credstore/etcd_store.h, a fleet of replicas sharing one state).
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -99,6 +99,12 @@ Result<StateSnapshot> apply_mutations(const StateSnapshot& base,
 /// JSON (de)serialization of a snapshot (boost::json), shared by every backend.
 std::string snapshot_to_json(const StateSnapshot& s);
 Result<StateSnapshot> snapshot_from_json(const std::string& text);
+
+/// One record on its own (the etcd backend keeps one key per secret and per run).
+std::string secret_record_to_json(const SealedSecret& s);
+std::string run_record_to_json(const RunRecord& r);
+Result<SealedSecret> secret_record_from_json(std::string_view text);
+Result<RunRecord> run_record_from_json(std::string_view text);
 
 /// File backend: the whole state in `<dir>/state.json`, rewritten on every apply with
 /// write-temp, fsync, rename, fsync-dir, so a kill -9 at any moment leaves either the old or

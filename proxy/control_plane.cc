@@ -18,6 +18,7 @@
 
 #include "common/secure_zero.h"
 #include "policy/header_rules.h"
+#include "proxy/etcd_store.h"
 #include "tls/run_ca.h"
 
 namespace egress::proxy {
@@ -66,6 +67,16 @@ ApiResponse error(int status, std::string_view err, std::string_view detail) {
 }
 
 ApiResponse ok(int status, const json::value& v) { return {status, json::serialize(v)}; }
+
+/// A failed store write, by the prefix its error starts with: "not_found" 404, "conflict"
+/// 409 (a concurrent change won), "etcd unreachable" 503 (retry later), anything else 500.
+ApiResponse store_error(const std::string& e) {
+    auto starts = [&](std::string_view p) { return e.rfind(p, 0) == 0; };
+    if (starts("not_found")) return error(404, "not_found", e);
+    if (starts("conflict")) return error(409, "conflict", e);
+    if (starts("etcd unreachable")) return error(503, "store_unavailable", e);
+    return error(500, "store_failed", e);
+}
 
 json::value scope_json(const Scope& s) {
     json::object o;
@@ -446,15 +457,22 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         }
     }
 
-    if (cfg.state_backend != "file") {
-        return make_error("state.backend: '" + cfg.state_backend +
-                          "' is not available in this build (use file)");
+    if (cfg.state_backend == "etcd") {
+        EtcdOptions etcd;
+        etcd.endpoints = cfg.etcd_endpoints;
+        etcd.prefix = cfg.etcd_prefix;
+        auto store = open_etcd_store(etcd);
+        if (!store) {
+            return make_error("state.etcd.endpoints: " + store.error());
+        }
+        cp->store_ = std::move(*store);
+    } else {
+        auto store = credstore::FileStateStore::open(cfg.state_path);
+        if (!store) {
+            return make_error("state.path: " + store.error());
+        }
+        cp->store_ = std::move(*store);
     }
-    auto store = credstore::FileStateStore::open(cfg.state_path);
-    if (!store) {
-        return make_error("state.path: " + store.error());
-    }
-    cp->store_ = std::move(*store);
     if (std::filesystem::exists(cfg.master_key_file + ".next", fec)) {
         auto r = cp->rotate_keys();
         if (r.status >= 300) {
@@ -598,7 +616,7 @@ ApiResponse ControlPlane::store_secret(const std::string& name, const Scope& sco
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutSecret;
     m.secret = *sealed;
-    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    if (auto r = store_->apply({m}); !r) return store_error(r.error());
     return ok(status, secret_meta_json(*sealed));
 }
 
@@ -624,11 +642,7 @@ ApiResponse ControlPlane::delete_secret(const std::string& name, std::string_vie
         m.scope = *sc;
     }
     std::lock_guard lock(mu_);
-    auto r = store_->apply({m});
-    if (!r) {
-        bool nf = r.error().rfind("not_found", 0) == 0;
-        return error(nf ? 404 : 500, nf ? "not_found" : "store_failed", r.error());
-    }
+    if (auto r = store_->apply({m}); !r) return store_error(r.error());
     return {204, ""};
 }
 
@@ -868,7 +882,7 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
     m.run = run;
-    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    if (auto r = store_->apply({m}); !r) return store_error(r.error());
 
     json::object out;
     out["id"] = run.id;
@@ -931,7 +945,7 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
     m.run = run;
-    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    if (auto r = store_->apply({m}); !r) return store_error(r.error());
     return ok(201, pin_json(*p));
 }
 
@@ -945,7 +959,7 @@ ApiResponse ControlPlane::revoke_run(const std::string& id) {
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
     m.run = run;
-    if (auto r = store_->apply({m}); !r) return error(500, "store_failed", r.error());
+    if (auto r = store_->apply({m}); !r) return store_error(r.error());
     json::object out;
     out["id"] = id;
     out["revoked"] = true;
@@ -1089,6 +1103,14 @@ ApiResponse ControlPlane::rotate_keys() {
     }
     credstore::KeyProvider* target = &keys_.primary();
     const bool file_kek = !cfg->kms_command.has_value();
+    if (file_kek && cfg->state_backend == "etcd") {
+        // The new key would exist on this replica only: the others could no longer unseal
+        // what it re-wraps. A fleet rotates through keys.kms_command (one KMS for all).
+        return error(409, "conflict",
+                     "key rotation with a master key file is not available with "
+                     "state.backend etcd: every replica would need the new key first; use "
+                     "keys.kms_command");
+    }
     const std::string next_path = cfg->master_key_file + ".next";
     std::error_code fec;
     if (file_kek) {
@@ -1128,7 +1150,7 @@ ApiResponse ControlPlane::rotate_keys() {
         m.run.ca_key = *r;
         muts.push_back(m);
     }
-    if (auto r = store_->apply(muts); !r) return error(500, "store_failed", r.error());
+    if (auto r = store_->apply(muts); !r) return store_error(r.error());
     if (file_kek) {
         // Only now that every data key is wrapped by the new KEK does it replace the old one.
         std::filesystem::rename(next_path, cfg->master_key_file, fec);

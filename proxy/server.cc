@@ -122,9 +122,15 @@ struct Server::Impl {
     std::unique_ptr<net::local::stream_protocol::acceptor> admin_unix_acceptor;
     size_t next_worker = 0;
 
+    /// Serializes publish_runtime(): it runs on the admin thread (API writes, reload, sweep)
+    /// and, with state.backend etcd, on the store's watch thread. Building and publishing
+    /// under one lock keeps an older build from being published after a newer one.
+    std::mutex publish_mu;
+
     /// Rebuilds the data path's runtime after a control-plane change and closes the open
     /// connections of runs that are gone (revoked, expired, deleted).
     void publish_runtime() {
+        std::lock_guard lock(publish_mu);
         BuildWarnings warnings;
         auto next = control->build_runtime(&warnings);
         for (const auto& w : warnings.lines) {

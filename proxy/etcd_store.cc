@@ -1,0 +1,639 @@
+#include "proxy/etcd_store.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include <boost/asio.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <boost/json.hpp>
+#include <boost/url/parse.hpp>
+#include <spdlog/spdlog.h>
+
+#include "common/published.h"
+#include "credstore/envelope.h"
+#include "credstore/etcd_layout.h"
+
+namespace egress::proxy {
+
+namespace {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+namespace json = boost::json;
+using net::awaitable;
+using net::ip::tcp;
+using credstore::StateSnapshot;
+using credstore::etcd::View;
+constexpr auto nothrow = net::as_tuple(net::use_awaitable);
+
+// etcd's default --max-txn-ops; a larger change is refused before it is sent.
+constexpr size_t kMaxTxnOps = 128;
+// A transaction that lost a race to another replica is planned again on the fresher view.
+constexpr int kMaxAttempts = 8;
+// The etcd answer to one unary call (a range of the whole state included).
+constexpr uint64_t kMaxAnswerBytes = 256u << 20;
+
+struct Endpoint {
+    std::string text;  // as configured, for messages
+    std::string host;
+    std::string port;
+};
+
+Result<Endpoint> parse_endpoint(const std::string& text) {
+    auto u = boost::urls::parse_uri(text);
+    if (!u) {
+        return make_error("'" + text + "' is not a URL");
+    }
+    if (u->scheme() != "http") {
+        return make_error("'" + text +
+                          "': only http:// endpoints are supported (TLS to etcd is not built "
+                          "yet: reach etcd on a trusted network or through a local TLS proxy)");
+    }
+    if (u->host().empty()) {
+        return make_error("'" + text + "' names no host");
+    }
+    std::string host = u->host();
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+        host = host.substr(1, host.size() - 2);
+    }
+    return Endpoint{text, host, u->has_port() ? std::string(u->port()) : "2379"};
+}
+
+std::string b64(std::string_view s) { return credstore::base64_encode(s); }
+
+int64_t int_field(const json::object& o, std::string_view key) {
+    // The gateway writes int64 fields as strings ("revision": "12"), proto3 leaves zeros out.
+    const json::value* v = o.if_contains(key);
+    if (v == nullptr) {
+        return 0;
+    }
+    if (v->is_int64()) {
+        return v->as_int64();
+    }
+    if (v->is_uint64()) {
+        return static_cast<int64_t>(v->as_uint64());
+    }
+    if (v->is_string()) {
+        try {
+            return std::stoll(std::string(v->as_string()));
+        } catch (...) {
+            return 0;
+        }
+    }
+    return 0;
+}
+
+int64_t header_revision(const json::object& answer) {
+    const json::value* h = answer.if_contains("header");
+    return h != nullptr && h->is_object() ? int_field(h->as_object(), "revision") : 0;
+}
+
+Result<std::string> string_b64(const json::object& o, std::string_view key) {
+    const json::value* v = o.if_contains(key);
+    if (v == nullptr) {
+        return std::string();
+    }
+    if (!v->is_string()) {
+        return make_error(std::string(key) + " is not a string");
+    }
+    return credstore::base64_decode(v->as_string());
+}
+
+// Request bodies are built outside the coroutines: GCC 12 miscompiles braced json::object
+// initializer lists inside a coroutine body ("array used as initializer").
+std::string lease_body(int64_t ttl) {
+    json::object o;
+    o["TTL"] = ttl;
+    return json::serialize(o);
+}
+
+std::string txn_body(const credstore::etcd::TxnPlan& plan, const std::vector<int64_t>& leases) {
+    json::array compare;
+    for (const auto& [key, rev] : plan.expect) {
+        json::object c;
+        c["key"] = b64(key);
+        c["target"] = "MOD";
+        c["result"] = "EQUAL";
+        c["mod_revision"] = std::to_string(rev);
+        compare.push_back(std::move(c));
+    }
+    json::array success;
+    for (size_t i = 0; i < plan.puts.size(); ++i) {
+        json::object put;
+        put["key"] = b64(plan.puts[i].key);
+        put["value"] = b64(plan.puts[i].value);
+        if (leases[i] != 0) {
+            put["lease"] = std::to_string(leases[i]);
+        }
+        json::object op;
+        op["request_put"] = std::move(put);
+        success.push_back(std::move(op));
+    }
+    for (const auto& key : plan.deletes) {
+        json::object del;
+        del["key"] = b64(key);
+        json::object op;
+        op["request_delete_range"] = std::move(del);
+        success.push_back(std::move(op));
+    }
+    json::object txn;
+    txn["compare"] = std::move(compare);
+    txn["success"] = std::move(success);
+    return json::serialize(txn);
+}
+
+std::string range_body(const std::string& key, const std::string& range_end) {
+    json::object o;
+    o["key"] = b64(key);
+    o["range_end"] = b64(range_end);
+    return json::serialize(o);
+}
+
+std::string watch_body(const std::string& key, const std::string& range_end, int64_t from) {
+    json::object create;
+    create["key"] = b64(key);
+    create["range_end"] = b64(range_end);
+    create["start_revision"] = std::to_string(from);
+    json::object o;
+    o["create_request"] = std::move(create);
+    return json::serialize(o);
+}
+
+class EtcdStateStore final : public credstore::StateStore {
+public:
+    explicit EtcdStateStore(EtcdOptions options, std::vector<Endpoint> endpoints)
+        : options_(std::move(options)),
+          endpoints_(std::move(endpoints)),
+          range_end_(credstore::etcd::prefix_range_end(options_.prefix)) {
+        current_.store(std::make_shared<const StateSnapshot>());
+    }
+
+    ~EtcdStateStore() override {
+        stopping_ = true;
+        ioc_.stop();
+        if (thread_.joinable()) {
+            thread_.join();
+        }
+    }
+
+    Result<bool> start() {
+        thread_ = std::thread([this] {
+            auto guard = net::make_work_guard(ioc_);
+            ioc_.run();
+        });
+        auto loaded = run_sync(load());
+        if (!loaded) {
+            return make_error(loaded.error());
+        }
+        install(std::make_shared<View>(std::move(*loaded)), false);
+        net::co_spawn(ioc_, watch_loop(), net::detached);
+        return true;
+    }
+
+    std::shared_ptr<const StateSnapshot> snapshot() const override { return current_.load(); }
+
+    Result<uint64_t> apply(const std::vector<credstore::Mutation>& mutations) override {
+        std::lock_guard write_lock(write_mu_);
+        for (int attempt = 0; attempt < kMaxAttempts; ++attempt) {
+            std::shared_ptr<const View> base;
+            {
+                std::lock_guard lock(mu_);
+                base = view_;
+            }
+            Result<StateSnapshot> next = credstore::apply_mutations(*base->snap, mutations);
+            if (!next) {
+                return make_error(next.error());
+            }
+            credstore::etcd::TxnPlan plan = credstore::etcd::plan_txn(*base, *next, options_.prefix);
+            if (plan.empty()) {
+                return base->snap->revision;
+            }
+            if (plan.ops() > kMaxTxnOps) {
+                return make_error("etcd: the change writes " + std::to_string(plan.ops()) +
+                                  " records, more than the " + std::to_string(kMaxTxnOps) +
+                                  " one etcd transaction takes (--max-txn-ops)");
+            }
+            auto done = run_sync(commit(std::move(plan)));
+            if (!done) {
+                return make_error(done.error());
+            }
+            const auto [revision, succeeded] = *done;
+            // Both ways, this replica's view must reach the transaction's revision: to show
+            // its own write, or the write that beat it (the next attempt plans on that).
+            if (!wait_seen(revision)) {
+                if (succeeded) {
+                    spdlog::warn("etcd: revision {} written, but the watch has not delivered it "
+                                 "within {} ms; this replica shows it when it does",
+                                 revision, options_.request_timeout.count());
+                    return static_cast<uint64_t>(revision);
+                }
+                return make_error("etcd: the watch did not deliver revision " +
+                                  std::to_string(revision) + " in time; try again");
+            }
+            if (succeeded) {
+                return static_cast<uint64_t>(revision);
+            }
+        }
+        return make_error("conflict: other replicas kept changing the same records in etcd; "
+                          "try again");
+    }
+
+    void on_change(std::function<void(std::shared_ptr<const StateSnapshot>)> cb) override {
+        std::lock_guard lock(mu_);
+        listeners_.push_back(std::move(cb));
+    }
+
+private:
+    using Listener = std::function<void(std::shared_ptr<const StateSnapshot>)>;
+
+    // ---- sync bridge (callers are admin threads, never the store's own thread) ---------
+    template <typename T>
+    T run_sync(awaitable<T> op) {
+        std::promise<T> done;
+        auto answer = done.get_future();
+        net::co_spawn(
+            ioc_,
+            [&done, op = std::move(op)]() mutable -> awaitable<void> {
+                done.set_value(co_await std::move(op));
+            },
+            [&done](std::exception_ptr e) {
+                if (e) {
+                    done.set_exception(e);
+                }
+            });
+        return answer.get();
+    }
+
+    /// Blocks until the watch has published `revision` and its listeners have run.
+    bool wait_seen(int64_t revision) {
+        std::unique_lock lock(mu_);
+        return seen_cv_.wait_for(lock, options_.request_timeout,
+                                 [&] { return seen_revision_ >= revision; });
+    }
+
+    // ---- unary calls ----------------------------------------------------------------------
+    awaitable<Result<json::object>> call(std::string_view path, std::string body) {
+        std::string failures;
+        const size_t n = endpoints_.size();
+        const size_t first = preferred_;
+        for (size_t i = 0; i < n; ++i) {
+            const size_t idx = (first + i) % n;
+            auto r = co_await call_one(endpoints_[idx], path, body);
+            if (r) {
+                preferred_ = idx;
+                co_return r;
+            }
+            failures += (failures.empty() ? "" : "; ") + r.error();
+        }
+        co_return make_error("etcd unreachable: " + failures);
+    }
+
+    awaitable<Result<json::object>> call_one(const Endpoint& ep, std::string_view path,
+                                             const std::string& body) {
+        beast::tcp_stream stream(ioc_);
+        tcp::resolver resolver(ioc_);
+        auto [rec, results] = co_await resolver.async_resolve(ep.host, ep.port, nothrow);
+        if (rec) {
+            co_return make_error(ep.text + ": " + rec.message());
+        }
+        stream.expires_after(options_.request_timeout);
+        auto [cec, connected] = co_await stream.async_connect(results, nothrow);
+        if (cec) {
+            co_return make_error(ep.text + ": " + cec.message());
+        }
+        http::request<http::string_body> req{http::verb::post, path, 11};
+        req.set(http::field::host, ep.host + ":" + ep.port);
+        req.set(http::field::content_type, "application/json");
+        req.body() = body;
+        req.prepare_payload();
+        auto [wec, written] = co_await http::async_write(stream, req, nothrow);
+        if (wec) {
+            co_return make_error(ep.text + ": " + wec.message());
+        }
+        beast::flat_buffer buf;
+        http::response_parser<http::string_body> parser;
+        parser.body_limit(kMaxAnswerBytes);
+        auto [rdec, read] = co_await http::async_read(stream, buf, parser, nothrow);
+        if (rdec) {
+            co_return make_error(ep.text + ": " + rdec.message());
+        }
+        const auto& res = parser.get();
+        boost::system::error_code jec;
+        json::value v = json::parse(res.body(), jec);
+        if (res.result() != http::status::ok) {
+            std::string what = "HTTP " + std::to_string(res.result_int());
+            if (!jec && v.is_object()) {
+                if (const json::value* m = v.as_object().if_contains("message");
+                    m != nullptr && m->is_string()) {
+                    what += ": " + std::string(m->as_string());
+                }
+            }
+            co_return make_error(ep.text + std::string(path) + ": " + what);
+        }
+        if (jec || !v.is_object()) {
+            co_return make_error(ep.text + std::string(path) + ": answer is not a JSON object");
+        }
+        co_return std::move(v.as_object());
+    }
+
+    // ---- the state ------------------------------------------------------------------------
+    /// Reads every record under the prefix (one consistent revision).
+    awaitable<Result<View>> load() {
+        auto r = co_await call("/v3/kv/range", range_body(options_.prefix, range_end_));
+        if (!r) {
+            co_return make_error(r.error());
+        }
+        StateSnapshot snap;
+        View view;
+        if (const json::value* kvs = r->if_contains("kvs"); kvs != nullptr && kvs->is_array()) {
+            for (const json::value& kv : kvs->as_array()) {
+                apply_event(snap, view.mod_revisions, kv, false);
+            }
+        }
+        snap.revision = static_cast<uint64_t>(header_revision(*r));
+        view.snap = std::make_shared<const StateSnapshot>(std::move(snap));
+        co_return view;
+    }
+
+    /// One key-value of a range or watch answer into the state; a bad record is logged and
+    /// skipped (the rest of the fleet's state keeps serving).
+    void apply_event(StateSnapshot& snap, std::map<std::string, int64_t>& revs,
+                     const json::value& kv_value, bool deleted) {
+        if (!kv_value.is_object()) {
+            return;
+        }
+        const json::object& kv = kv_value.as_object();
+        auto key = string_b64(kv, "key");
+        auto value = string_b64(kv, "value");
+        if (!key || !value) {
+            spdlog::error("etcd: a key or value is not base64; skipped");
+            return;
+        }
+        auto r = credstore::etcd::apply_kv(
+            snap, revs, options_.prefix, *key,
+            deleted ? std::nullopt : std::optional<std::string_view>(*value),
+            int_field(kv, "mod_revision"));
+        if (!r) {
+            spdlog::error("etcd: record skipped: {}", r.error());
+        }
+    }
+
+    /// Makes `view` this replica's state, runs the listeners, then lets apply() callers
+    /// waiting for its revision go. Runs on the store's thread (or in start(), before it
+    /// serves anyone), so listeners see revisions in order.
+    void install(std::shared_ptr<const View> view, bool notify) {
+        std::vector<Listener> listeners;
+        {
+            std::lock_guard lock(mu_);
+            view_ = view;
+            listeners = listeners_;
+        }
+        current_.store(view->snap);
+        if (notify) {
+            for (const auto& l : listeners) {
+                l(view->snap);
+            }
+        }
+        {
+            std::lock_guard lock(mu_);
+            seen_revision_ = std::max<int64_t>(seen_revision_,
+                                               static_cast<int64_t>(view->snap->revision));
+        }
+        seen_cv_.notify_all();
+    }
+
+    // ---- writes -----------------------------------------------------------------------------
+    /// Sends the plan as one transaction; returns (revision, succeeded).
+    awaitable<Result<std::pair<int64_t, bool>>> commit(credstore::etcd::TxnPlan plan) {
+        const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count();
+        std::vector<int64_t> leases(plan.puts.size(), 0);
+        for (size_t i = 0; i < plan.puts.size(); ++i) {
+            if (const auto& expires = plan.puts[i].run_expires_at) {
+                const int64_t ttl =
+                    std::max<int64_t>(*expires - now, 0) + options_.lease_grace.count();
+                auto lease = co_await call("/v3/lease/grant", lease_body(ttl));
+                if (!lease) {
+                    co_return make_error(lease.error());
+                }
+                leases[i] = int_field(*lease, "ID");
+            }
+        }
+        auto r = co_await call("/v3/kv/txn", txn_body(plan, leases));
+        if (!r) {
+            co_return make_error(r.error());
+        }
+        const json::value* ok = r->if_contains("succeeded");
+        const bool succeeded = ok != nullptr && ok->is_bool() && ok->as_bool();
+        co_return std::pair<int64_t, bool>{header_revision(*r), succeeded};
+    }
+
+    // ---- the watch --------------------------------------------------------------------------
+    awaitable<void> watch_loop() {
+        std::chrono::milliseconds backoff{100};
+        bool resync = false;  // the first watch starts from the state start() loaded
+        for (;;) {
+            if (stopping_) {
+                co_return;
+            }
+            if (resync) {
+                // After a broken watch: the whole state again (deletions while away, a
+                // compaction past our revision), then watch from there.
+                auto loaded = co_await load();
+                if (!loaded) {
+                    spdlog::warn("etcd: resync failed ({}); retrying in {} ms", loaded.error(),
+                                 backoff.count());
+                    co_await sleep(backoff);
+                    backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+                    continue;
+                }
+                install(std::make_shared<View>(std::move(*loaded)), true);
+                spdlog::info("etcd: resynchronized at revision {}", current_.load()->revision);
+            }
+            resync = true;
+            std::string why = co_await watch(static_cast<int64_t>(current_.load()->revision) + 1,
+                                             backoff);
+            if (stopping_) {
+                co_return;
+            }
+            spdlog::warn("etcd: watch ended ({}); resynchronizing", why);
+            co_await sleep(backoff);
+        }
+    }
+
+    awaitable<void> sleep(std::chrono::milliseconds d) {
+        net::steady_timer t(ioc_);
+        t.expires_after(d);
+        co_await t.async_wait(nothrow);
+    }
+
+    /// Streams watch events from `from_revision` until the stream breaks; returns why.
+    awaitable<std::string> watch(int64_t from_revision, std::chrono::milliseconds& backoff) {
+        const Endpoint& ep = endpoints_[preferred_ % endpoints_.size()];
+        beast::tcp_stream stream(ioc_);
+        tcp::resolver resolver(ioc_);
+        auto [rec, results] = co_await resolver.async_resolve(ep.host, ep.port, nothrow);
+        if (rec) {
+            co_return ep.text + ": " + rec.message();
+        }
+        stream.expires_after(options_.request_timeout);
+        auto [cec, connected] = co_await stream.async_connect(results, nothrow);
+        if (cec) {
+            preferred_ = (preferred_ + 1) % endpoints_.size();
+            co_return ep.text + ": " + cec.message();
+        }
+        http::request<http::string_body> req{http::verb::post, "/v3/watch", 11};
+        req.set(http::field::host, ep.host + ":" + ep.port);
+        req.set(http::field::content_type, "application/json");
+        req.body() = watch_body(options_.prefix, range_end_, from_revision);
+        req.prepare_payload();
+        auto [wec, written] = co_await http::async_write(stream, req, nothrow);
+        if (wec) {
+            co_return ep.text + ": " + wec.message();
+        }
+        beast::flat_buffer buf;
+        http::response_parser<http::buffer_body> parser;
+        parser.body_limit(boost::none);
+        auto [hec, head] = co_await http::async_read_header(stream, buf, parser, nothrow);
+        if (hec) {
+            co_return ep.text + ": " + hec.message();
+        }
+        if (parser.get().result() != http::status::ok) {
+            co_return ep.text + "/v3/watch: HTTP " + std::to_string(parser.get().result_int());
+        }
+        stream.expires_never();  // a quiet fleet sends nothing for hours
+        json::stream_parser messages;
+        std::array<char, 16384> piece;
+        for (;;) {
+            parser.get().body().data = piece.data();
+            parser.get().body().size = piece.size();
+            auto [ec, n] = co_await http::async_read_some(stream, buf, parser, nothrow);
+            if (ec == http::error::need_buffer) {
+                ec = {};
+            }
+            const size_t got = piece.size() - parser.get().body().size;
+            std::string_view data(piece.data(), got);
+            while (!data.empty()) {
+                boost::system::error_code jec;
+                const size_t used = messages.write_some(data.data(), data.size(), jec);
+                if (jec) {
+                    co_return "a watch message is not JSON: " + jec.message();
+                }
+                data.remove_prefix(used);
+                if (messages.done()) {
+                    json::value msg = messages.release();
+                    messages.reset();
+                    if (std::string bad = on_watch_message(msg); !bad.empty()) {
+                        co_return bad;
+                    }
+                    backoff = std::chrono::milliseconds(100);  // the watch works
+                }
+            }
+            if (ec) {
+                co_return ep.text + ": " + ec.message();
+            }
+            if (parser.is_done()) {
+                co_return "etcd closed the watch";
+            }
+        }
+    }
+
+    /// One watch answer: applies its events as one new view. Returns why the watch must be
+    /// restarted, or "".
+    std::string on_watch_message(const json::value& msg) {
+        const json::object* o = msg.if_object();
+        const json::value* result = o != nullptr ? o->if_contains("result") : nullptr;
+        if (result == nullptr || !result->is_object()) {
+            if (o != nullptr && o->contains("error")) {
+                return "etcd: " + json::serialize(o->at("error"));
+            }
+            return "a watch message without a result";
+        }
+        const json::object& res = result->as_object();
+        if (const json::value* c = res.if_contains("canceled"); c != nullptr && c->is_bool() &&
+                                                                c->as_bool()) {
+            return "the watch was canceled (compact revision " +
+                   std::to_string(int_field(res, "compact_revision")) + ")";
+        }
+        const json::value* events = res.if_contains("events");
+        if (events == nullptr || !events->is_array() || events->as_array().empty()) {
+            return "";  // created, or a progress notification
+        }
+        std::shared_ptr<const View> base;
+        {
+            std::lock_guard lock(mu_);
+            base = view_;
+        }
+        StateSnapshot snap = *base->snap;
+        std::map<std::string, int64_t> revs = base->mod_revisions;
+        for (const json::value& ev : events->as_array()) {
+            if (!ev.is_object()) {
+                continue;
+            }
+            const json::value* type = ev.as_object().if_contains("type");
+            const bool deleted = type != nullptr && type->is_string() && type->as_string() == "DELETE";
+            if (const json::value* kv = ev.as_object().if_contains("kv"); kv != nullptr) {
+                apply_event(snap, revs, *kv, deleted);
+            }
+        }
+        const int64_t revision = header_revision(res);
+        snap.revision = static_cast<uint64_t>(std::max<int64_t>(
+            revision, static_cast<int64_t>(base->snap->revision)));
+        auto next = std::make_shared<View>();
+        next->snap = std::make_shared<const StateSnapshot>(std::move(snap));
+        next->mod_revisions = std::move(revs);
+        install(std::move(next), true);
+        return "";
+    }
+
+    EtcdOptions options_;
+    std::vector<Endpoint> endpoints_;
+    std::string range_end_;
+    std::atomic<size_t> preferred_{0};
+    std::atomic<bool> stopping_{false};
+
+    std::mutex write_mu_;  // one apply() at a time on this replica
+    mutable std::mutex mu_;
+    std::condition_variable seen_cv_;
+    std::shared_ptr<const View> view_ = std::make_shared<const View>();  // guarded by mu_
+    int64_t seen_revision_ = 0;                                         // guarded by mu_
+    std::vector<Listener> listeners_;                                   // guarded by mu_
+    Published<const StateSnapshot> current_;
+
+    std::thread thread_;
+    // Last: destroyed first, with the coroutine frames it owns (they use the members above).
+    net::io_context ioc_{1};
+};
+
+}  // namespace
+
+Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdOptions& options) {
+    if (options.endpoints.empty()) {
+        return make_error("no endpoint");
+    }
+    if (options.prefix.empty()) {
+        return make_error("the prefix must not be empty");
+    }
+    std::vector<Endpoint> endpoints;
+    for (const auto& text : options.endpoints) {
+        auto ep = parse_endpoint(text);
+        if (!ep) {
+            return make_error(ep.error());
+        }
+        endpoints.push_back(std::move(*ep));
+    }
+    auto store = std::make_unique<EtcdStateStore>(options, std::move(endpoints));
+    if (auto s = store->start(); !s) {
+        return make_error(s.error());
+    }
+    return std::unique_ptr<credstore::StateStore>(std::move(store));
+}
+
+}  // namespace egress::proxy

@@ -1,0 +1,39 @@
+#pragma once
+// The etcd state backend (state.backend: etcd): a fleet of replicas shares secrets, runs and
+// run CAs through one etcd cluster. Talks to etcd's v3 JSON gateway (/v3/kv/range, /v3/kv/txn,
+// /v3/lease/grant, /v3/watch) over HTTP/1.1 with Beast: no gRPC stack for four calls.
+//
+// - Reads never touch etcd: snapshot() is the view the watch keeps current.
+// - apply() computes the next state from that view, writes the changed records in one
+//   transaction guarded by their mod revisions (a concurrent write to the same record makes
+//   it retry on the fresher view), then waits until the watch has brought this replica to
+//   the transaction's revision, so its own writes are visible when apply() returns.
+// - A run's key holds an etcd lease that ends lease_grace after the run, so the records of
+//   runs nobody sweeps (every replica down) do not pile up; the replicas' own sweep deletes
+//   an expired run first, and every replica sees the deletion through its watch.
+// - Listeners run on the store's own thread, in revision order.
+// - etcd unreachable: reads keep the last view (the data path keeps serving), writes fail
+//   with an error naming etcd, and the watch reconnects and resynchronizes by itself.
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/result.h"
+#include "credstore/state_store.h"
+
+namespace egress::proxy {
+
+struct EtcdOptions {
+    std::vector<std::string> endpoints;  // http://host:port, tried in order
+    std::string prefix = "/egressd/";
+    std::chrono::milliseconds request_timeout{5000};
+    std::chrono::seconds lease_grace{60};
+};
+
+/// Connects, loads the state under the prefix and starts the watch. Errors name what failed
+/// (an endpoint that is not http://host:port, no endpoint reachable, a record that does not
+/// parse is only logged).
+Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdOptions& options);
+
+}  // namespace egress::proxy
