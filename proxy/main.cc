@@ -24,16 +24,12 @@ constexpr const char* kUsage =
     "                  the bad keys)\n";
 
 /// What a start would refuse beyond the parse, checked without side effects (no listener,
-/// no file written, no store opened): the state backend, every static run (token and secret
-/// files, CA), the upstream CA bundle. Errors name the key, one per line.
+/// no file written, no store opened, so etcd is not contacted): every static run (token and
+/// secret files, CA), the upstream CA bundle. Errors name the key, one per line.
 std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
                          egress::proxy::BuildWarnings& warnings) {
     std::string errors;
     auto add = [&](const std::string& e) { errors += (errors.empty() ? "" : "\n") + e; };
-    if (config->state_backend != "file") {  // the same refusal as ControlPlane::open
-        add("state.backend: '" + config->state_backend +
-            "' is not available in this build (use file)");
-    }
     if (auto rt = egress::proxy::build_runtime(config, warnings); !rt) {
         add(rt.error());
     }

@@ -134,7 +134,7 @@ admin:
 state:
   backend: etcd
   path: /var/lib/egressd
-  etcd: {endpoints: [http://10.0.0.1:2379, https://10.0.0.2:2379], prefix: /e/}
+  etcd: {endpoints: [http://10.0.0.1:2379, http://10.0.0.2:2379], prefix: /e/}
 keys:
   master_key_file: /etc/egressd/master.key
   kms_command: /usr/bin/unwrap-key
@@ -231,7 +231,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.state_backend, "etcd");
     EXPECT_EQ(c.state_path, "/var/lib/egressd");
     EXPECT_EQ(c.etcd_endpoints,
-              (std::vector<std::string>{"http://10.0.0.1:2379", "https://10.0.0.2:2379"}));
+              (std::vector<std::string>{"http://10.0.0.1:2379", "http://10.0.0.2:2379"}));
     EXPECT_EQ(c.etcd_prefix, "/e/");
     EXPECT_EQ(c.master_key_file, "/etc/egressd/master.key");
     EXPECT_EQ(c.kms_command, "/usr/bin/unwrap-key");
@@ -466,6 +466,10 @@ const ErrorRow kErrorRows[] = {
     {"UnknownNestedKey", "limits:\n  header_timeuot: 5s\n", "limits.header_timeuot: unknown key"},
     {"UnknownEtcdKey", "state: {etcd: {endpoint: [http://x]}}\n",
      "state.etcd.endpoint: unknown key"},
+    {"EtcdOverTls", "state: {backend: etcd, etcd: {endpoints: [https://10.0.0.2:2379]}}\n",
+     "state.etcd.endpoints[0]: https:// (TLS to etcd) is not supported yet"},
+    {"EtcdEmptyPrefix", "state: {backend: etcd, etcd: {prefix: ''}}\n",
+     "state.etcd.prefix: must not be empty"},
     {"UnknownRunKey", "runs:\n  - id: a\n    tokenfile: x\n", "runs[0].tokenfile: unknown key"},
     {"UnknownPinKey",
      run_with_pin("        secret: s\n        inject: {type: bearer}\n"
@@ -528,7 +532,7 @@ const ErrorRow kErrorRows[] = {
      "resolver.overrides.a.test: must list at least one address"},
     {"BadDnsServer", "resolver: {servers: ['127.0.0.1:0']}\n", "resolver.servers[0]: bad port"},
     {"BadEtcdEndpoint", "state: {etcd: {endpoints: [10.0.0.1:2379]}}\n",
-     "state.etcd.endpoints[0]: expected an http:// or https:// URL"},
+     "state.etcd.endpoints[0]: expected an http://host:port URL"},
     // enumerations
     {"BadUnpinned", "policy: {unpinned: block}\n",
      "policy.unpinned: unknown value 'block' (expected tunnel or intercept)"},
