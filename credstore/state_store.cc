@@ -391,12 +391,28 @@ Result<StateSnapshot> apply_mutations(const StateSnapshot& base,
     StateSnapshot next = base;
     for (const Mutation& m : mutations) {
         switch (m.kind) {
-            case Mutation::Kind::PutSecret:
+            case Mutation::Kind::PutSecret: {
                 if (m.secret.name.empty()) {
                     return make_error("invalid: secret name is empty");
                 }
-                next.secrets[secret_key(m.secret.name, m.secret.scope)] = m.secret;
+                const std::string key = secret_key(m.secret.name, m.secret.scope);
+                if (m.expect_version) {
+                    auto it = next.secrets.find(key);
+                    const uint64_t now = it == next.secrets.end() ? 0 : it->second.version;
+                    if (now != *m.expect_version) {
+                        return make_error(
+                            "conflict: secret " + describe(m.secret.name, m.secret.scope) +
+                            (now == 0 ? " was deleted"
+                                      : (*m.expect_version == 0
+                                             ? " already exists"
+                                             : " changed (now version " + std::to_string(now) +
+                                                   ")")) +
+                            " meanwhile; try again");
+                    }
+                }
+                next.secrets[key] = m.secret;
                 break;
+            }
             case Mutation::Kind::DeleteSecret: {
                 if (m.scope) {
                     if (next.secrets.erase(secret_key(m.name, *m.scope)) == 0) {
@@ -418,12 +434,23 @@ Result<StateSnapshot> apply_mutations(const StateSnapshot& base,
                 }
                 break;
             }
-            case Mutation::Kind::PutRun:
+            case Mutation::Kind::PutRun: {
                 if (m.run.id.empty()) {
                     return make_error("invalid: run id is empty");
                 }
+                if (m.expect_run) {
+                    auto it = next.runs.find(m.run.id);
+                    if (it == next.runs.end()) {
+                        return make_error("not_found: run " + m.run.id);
+                    }
+                    if (run_to_json(it->second) != run_to_json(*m.expect_run)) {
+                        return make_error("conflict: run " + m.run.id +
+                                          " changed meanwhile; try again");
+                    }
+                }
                 next.runs[m.run.id] = m.run;
                 break;
+            }
             case Mutation::Kind::DeleteRun:
                 if (next.runs.erase(m.run_id) == 0) {
                     return make_error("not_found: run " + m.run_id);

@@ -77,6 +77,13 @@ struct Mutation {
     RunRecord run;                       // PutRun (insert or replace)
     std::string run_id;                  // DeleteRun
     std::vector<SealedSecret> secrets;   // ReplaceSecrets (KEK rotation: all at once)
+    /// Read-modify-write guards, checked against the state the change is applied to (with
+    /// several replicas, etcd's, not the snapshot the caller read): a mismatch is a
+    /// "conflict: ..." error and nothing is applied.
+    /// PutSecret: the version the stored secret must have now (0: it must not exist).
+    std::optional<uint64_t> expect_version;
+    /// PutRun: the record the change was made from; the stored run must still equal it.
+    std::optional<RunRecord> expect_run;
 };
 
 class StateStore {

@@ -616,6 +616,9 @@ ApiResponse ControlPlane::store_secret(const std::string& name, const Scope& sco
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutSecret;
     m.secret = *sealed;
+    // Versions are consecutive: another replica that rotated meanwhile makes this a 409
+    // instead of two values under one version.
+    m.expect_version = version - 1;
     if (auto r = store_->apply({m}); !r) return store_error(r.error());
     return ok(status, secret_meta_json(*sealed));
 }
@@ -945,21 +948,33 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
     m.run = run;
+    m.expect_run = it->second;  // a revoke or pin elsewhere meanwhile is not overwritten
     if (auto r = store_->apply({m}); !r) return store_error(r.error());
     return ok(201, pin_json(*p));
 }
 
 ApiResponse ControlPlane::revoke_run(const std::string& id) {
     std::lock_guard lock(mu_);
-    auto snap = store_->snapshot();
-    auto it = snap->runs.find(id);
-    if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
-    auto run = it->second;
-    run.revoked = true;
-    credstore::Mutation m;
-    m.kind = credstore::Mutation::Kind::PutRun;
-    m.run = run;
-    if (auto r = store_->apply({m}); !r) return store_error(r.error());
+    // A revoke must not be lost to, nor undo, a concurrent change of the run on another
+    // replica (a pin added from the record before the revoke): guarded by the record it
+    // was made from, and made again from the newer record when one won.
+    for (int attempt = 0;; ++attempt) {
+        auto snap = store_->snapshot();
+        auto it = snap->runs.find(id);
+        if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+        credstore::Mutation m;
+        m.kind = credstore::Mutation::Kind::PutRun;
+        m.run = it->second;
+        m.run.revoked = true;
+        m.expect_run = it->second;
+        auto r = store_->apply({m});
+        if (r) {
+            break;
+        }
+        if (attempt >= 4 || r.error().rfind("conflict", 0) != 0) {
+            return store_error(r.error());
+        }
+    }
     json::object out;
     out["id"] = id;
     out["revoked"] = true;
@@ -1148,6 +1163,7 @@ ApiResponse ControlPlane::rotate_keys() {
         m.kind = credstore::Mutation::Kind::PutRun;
         m.run = run;
         m.run.ca_key = *r;
+        m.expect_run = run;  // a run revoked elsewhere meanwhile is not un-revoked
         muts.push_back(m);
     }
     if (auto r = store_->apply(muts); !r) return store_error(r.error());

@@ -224,20 +224,21 @@ public:
                 return make_error(done.error());
             }
             const auto [revision, succeeded] = *done;
-            // Both ways, this replica's view must reach the transaction's revision: to show
-            // its own write, or the write that beat it (the next attempt plans on that).
-            if (!wait_seen(revision)) {
-                if (succeeded) {
-                    spdlog::warn("etcd: revision {} written, but the watch has not delivered it "
-                                 "within {} ms; this replica shows it when it does",
-                                 revision, options_.request_timeout.count());
-                    return static_cast<uint64_t>(revision);
-                }
-                return make_error("etcd: the watch did not deliver revision " +
-                                  std::to_string(revision) + " in time; try again");
-            }
+            // Written: this replica shows its own write before answering, normally through
+            // the watch (which also runs the listeners), else by reading the state again.
             if (succeeded) {
+                if (!wait_seen(revision)) {
+                    spdlog::warn("etcd: the watch has not delivered revision {} within {} ms; "
+                                 "reading the state", revision, options_.request_timeout.count());
+                    (void)run_sync(resync());
+                }
                 return static_cast<uint64_t>(revision);
+            }
+            // Another write to the same records won: plan again on the state that has it. Not
+            // by waiting for the watch: the answer's revision may be a write to other keys of
+            // the cluster, which never comes through a watch of this prefix.
+            if (auto fresh = run_sync(resync()); !fresh) {
+                return make_error(fresh.error());
             }
         }
         return make_error("conflict: other replicas kept changing the same records in etcd; "
@@ -361,6 +362,17 @@ private:
         co_return view;
     }
 
+    /// Reads the whole state and makes it this replica's view (on the store's thread, so
+    /// listeners stay in order; watch events it already holds are skipped when they come).
+    awaitable<Result<bool>> resync() {
+        auto loaded = co_await load();
+        if (!loaded) {
+            co_return make_error(loaded.error());
+        }
+        install(std::make_shared<View>(std::move(*loaded)), true);
+        co_return true;
+    }
+
     /// One key-value of a range or watch answer into the state; a bad record is logged and
     /// skipped (the rest of the fleet's state keeps serving).
     void apply_event(StateSnapshot& snap, std::map<std::string, int64_t>& revs,
@@ -438,26 +450,24 @@ private:
     // ---- the watch --------------------------------------------------------------------------
     awaitable<void> watch_loop() {
         std::chrono::milliseconds backoff{100};
-        bool resync = false;  // the first watch starts from the state start() loaded
+        bool read_first = false;  // the first watch starts from the state start() loaded
         for (;;) {
             if (stopping_) {
                 co_return;
             }
-            if (resync) {
+            if (read_first) {
                 // After a broken watch: the whole state again (deletions while away, a
                 // compaction past our revision), then watch from there.
-                auto loaded = co_await load();
-                if (!loaded) {
-                    spdlog::warn("etcd: resync failed ({}); retrying in {} ms", loaded.error(),
+                if (auto r = co_await resync(); !r) {
+                    spdlog::warn("etcd: resync failed ({}); retrying in {} ms", r.error(),
                                  backoff.count());
                     co_await sleep(backoff);
                     backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
                     continue;
                 }
-                install(std::make_shared<View>(std::move(*loaded)), true);
                 spdlog::info("etcd: resynchronized at revision {}", current_.load()->revision);
             }
-            resync = true;
+            read_first = true;
             std::string why = co_await watch(static_cast<int64_t>(current_.load()->revision) + 1,
                                              backoff);
             if (stopping_) {
@@ -573,15 +583,21 @@ private:
         }
         StateSnapshot snap = *base->snap;
         std::map<std::string, int64_t> revs = base->mod_revisions;
+        const auto held = static_cast<int64_t>(base->snap->revision);
+        bool changed = false;
         for (const json::value& ev : events->as_array()) {
-            if (!ev.is_object()) {
-                continue;
+            const json::value* kv = ev.is_object() ? ev.as_object().if_contains("kv") : nullptr;
+            if (kv == nullptr || !kv->is_object() ||
+                int_field(kv->as_object(), "mod_revision") <= held) {
+                continue;  // already in the view (a resync read past it)
             }
             const json::value* type = ev.as_object().if_contains("type");
             const bool deleted = type != nullptr && type->is_string() && type->as_string() == "DELETE";
-            if (const json::value* kv = ev.as_object().if_contains("kv"); kv != nullptr) {
-                apply_event(snap, revs, *kv, deleted);
-            }
+            apply_event(snap, revs, *kv, deleted);
+            changed = true;
+        }
+        if (!changed) {
+            return "";
         }
         const int64_t revision = header_revision(res);
         snap.revision = static_cast<uint64_t>(std::max<int64_t>(

@@ -567,3 +567,60 @@ TEST(FileStateStore, KillNineLeavesAConsistentCompleteStore) {
 
 }  // namespace
 }  // namespace egress::credstore
+
+namespace egress::credstore {
+namespace {
+
+// Read-modify-write guards: what keeps two replicas (state.backend etcd) from losing each
+// other's changes. Checked against the state the change is applied to.
+TEST(ApplyMutations, APutSecretExpectingAVersionIsAConflictWhenTheStoredOneMoved) {
+    StateSnapshot base;
+    base.secrets[secret_key("gh", scope("acme"))] = fake_secret("gh", scope("acme"), 3);
+    Mutation rotate = put_secret(fake_secret("gh", scope("acme"), 4));
+    rotate.expect_version = 3;
+    auto ok = apply_mutations(base, {rotate});
+    ASSERT_TRUE(ok.ok()) << ok.error();
+    EXPECT_EQ(ok->secrets.at(secret_key("gh", scope("acme"))).version, 4U);
+
+    // Another writer already stored version 4: a second "3 → 4" must not replace it.
+    auto late = apply_mutations(*ok, {rotate});
+    ASSERT_FALSE(late.ok());
+    EXPECT_EQ(late.error(), "conflict: secret gh (org=acme) changed (now version 4) meanwhile; "
+                            "try again");
+
+    Mutation create = put_secret(fake_secret("gh", scope("acme"), 1));
+    create.expect_version = 0;
+    auto exists = apply_mutations(base, {create});
+    ASSERT_FALSE(exists.ok());
+    EXPECT_NE(exists.error().find("already exists"), std::string::npos) << exists.error();
+    auto gone = apply_mutations(StateSnapshot{}, {rotate});
+    ASSERT_FALSE(gone.ok());
+    EXPECT_NE(gone.error().find("was deleted"), std::string::npos) << gone.error();
+}
+
+TEST(ApplyMutations, APutRunExpectingARecordIsAConflictWhenTheStoredOneChanged) {
+    StateSnapshot base;
+    RunRecord read = full_run("run_1");
+    read.revoked = false;
+    base.runs["run_1"] = read;
+
+    // Another replica revoked the run after this one read it to add a pin.
+    StateSnapshot revoked = base;
+    revoked.runs["run_1"].revoked = true;
+    Mutation add_pin = put_run(read);
+    add_pin.run.pins.pop_back();
+    add_pin.expect_run = read;
+    auto lost = apply_mutations(revoked, {add_pin});
+    ASSERT_FALSE(lost.ok());
+    EXPECT_EQ(lost.error(), "conflict: run run_1 changed meanwhile; try again");
+
+    auto fine = apply_mutations(base, {add_pin});
+    ASSERT_TRUE(fine.ok()) << fine.error();
+    EXPECT_EQ(fine->runs.at("run_1").pins.size(), read.pins.size() - 1);
+    auto absent = apply_mutations(StateSnapshot{}, {add_pin});
+    ASSERT_FALSE(absent.ok());
+    EXPECT_EQ(absent.error(), "not_found: run run_1");
+}
+
+}  // namespace
+}  // namespace egress::credstore
