@@ -1213,13 +1213,7 @@ size_t ControlPlane::sweep_expired() {
             m.run_id = id;
             muts.push_back(m);
             std::lock_guard build_lock(build_mu_);
-            if (swept_.emplace(id, run.token_sha256).second) {
-                swept_order_.push_back(id);
-            }
-            while (swept_order_.size() > 4096) {  // remember recent ones only
-                swept_.erase(swept_order_.front());
-                swept_order_.pop_front();
-            }
+            remember_swept(id, run.token_sha256);
         }
     }
     if (muts.empty()) return 0;
@@ -1290,9 +1284,31 @@ void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& sna
     static_built_ = std::move(next);
 }
 
+void ControlPlane::remember_swept(const std::string& id, const std::string& token_sha) {
+    if (swept_.emplace(id, token_sha).second) {
+        swept_order_.push_back(id);
+    }
+    while (swept_order_.size() > 4096) {  // remember recent ones only
+        swept_.erase(swept_order_.front());
+        swept_order_.pop_front();
+    }
+}
+
 Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings* warnings) {
     std::lock_guard lock(build_mu_);
     auto snap = store_->snapshot();
+    {
+        const int64_t now = unix_now();
+        for (const auto& [id, seen] : last_built_runs_) {
+            if (snap->runs.count(id) == 0 && seen.second <= now) {
+                remember_swept(id, seen.first);
+            }
+        }
+        last_built_runs_.clear();
+        for (const auto& [id, rec] : snap->runs) {
+            last_built_runs_[id] = {rec.token_sha256, rec.expires_at};
+        }
+    }
     auto rt = std::make_shared<Runtime>();
     rt->config = statics_->config;
     rt->addresses = statics_->addresses;

@@ -119,6 +119,11 @@ private:
     std::map<std::string, std::string> fingerprints_;      // run id → what it was built from
     std::map<std::string, std::string> swept_;             // swept run id → token SHA-256
     std::deque<std::string> swept_order_;                  // bounds swept_ (oldest first)
+    /// Run id → (token SHA-256, expires_at) at the last build: a run that leaves the store
+    /// after its expiry, swept by another replica (state.backend etcd), is remembered as
+    /// swept here too, so its token gets 403 run_expired on every replica, not 407.
+    std::map<std::string, std::pair<std::string, int64_t>> last_built_runs_;
+    void remember_swept(const std::string& id, const std::string& token_sha);  // build_mu_ held
 };
 
 }  // namespace egress::proxy

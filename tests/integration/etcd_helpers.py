@@ -1,0 +1,185 @@
+"""A throwaway single-member etcd for the fleet tests (Debian's etcd-server: /usr/bin/etcd 3.4).
+
+It listens on 127.0.0.1 only (client and peer ports picked free), keeps its data in a temp
+folder, and can be stopped and started again on the same ports and data (an outage). Tests
+read it through its JSON gateway (POST /v3/kv/range; keys and values are base64).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+
+import helpers
+from upstream import free_port
+
+DEADLINE_READY_S = 15.0
+
+
+def etcd_bin() -> str | None:
+    """The etcd binary ($EGRESS_ETCD_BIN, then PATH, then /usr/bin/etcd), or None."""
+    b = os.environ.get("EGRESS_ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
+    return b if os.access(b, os.X_OK) else None
+
+
+def require_etcd_bin() -> str:
+    """The etcd binary; without one the fleet tests are skipped, except in CI (CI=true), where
+    .ci/run installs etcd-server and a missing binary is a failure, not a silent skip."""
+    b = etcd_bin()
+    if b is None:
+        why = "etcd not installed (apt-get install etcd-server): the fleet tests need it"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
+    return b
+
+
+def b64(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return base64.b64encode(data).decode()
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """etcd's range_end for "every key starting with prefix": the prefix with its last byte
+    incremented (trailing 0xff bytes dropped)."""
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return b"\0"  # every key
+
+
+def _strip_zero_tail(data: bytes, block: int = 1 << 20) -> bytes:
+    """data without its zero-filled tail (etcd preallocates 64 MB WAL files), found a block at
+    a time (comparing whole blocks is far faster than bytes.rstrip)."""
+    zeros = bytes(block)
+    end = len(data)
+    while end >= block and data[end - block:end] == zeros:
+        end -= block
+    return data[:end].rstrip(b"\0")
+
+
+class Etcd:
+    def __init__(self, binary: str, workdir: str):
+        self.binary = binary
+        self.workdir = workdir
+        self.data_dir = os.path.join(workdir, "data")
+        self.log_path = os.path.join(workdir, "etcd.log")
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        while self.peer_port == self.client_port:
+            self.peer_port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def command(self) -> list[str]:
+        c, p = self.client_port, self.peer_port
+        return [self.binary, "--name", "t", "--data-dir", self.data_dir,
+                "--listen-client-urls", f"http://127.0.0.1:{c}",
+                "--advertise-client-urls", f"http://127.0.0.1:{c}",
+                "--listen-peer-urls", f"http://127.0.0.1:{p}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
+                "--initial-cluster", f"t=http://127.0.0.1:{p}",
+                "--initial-cluster-state", "new",
+                "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "Etcd":
+        """Starts etcd (again: same ports, same data) and waits for /health."""
+        assert not self.running(), "etcd is already running"
+        os.makedirs(self.workdir, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        env = {k: v for k, v in helpers.clean_env().items() if not k.startswith("ETCD")}
+        self.proc = subprocess.Popen(self.command(), cwd=self.workdir, stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=self._log, env=env,
+                                     preexec_fn=helpers._die_with_parent)
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = DEADLINE_READY_S):
+        def healthy():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"etcd exited with {self.proc.returncode} before healthy; "
+                                     f"log:\n{self.log_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    return r.status == 200 and json.loads(r.read()).get("health") == "true"
+            except (OSError, ValueError):
+                return False
+        helpers.poll(healthy, timeout, "etcd /health", interval=0.05)
+
+    def stop(self, timeout: float = 10.0):
+        """SIGTERM (SIGKILL if it lingers) and wait: its ports are closed when this returns."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self._log is not None and not self._log.closed:
+            self._log.close()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    # -- reading the store ------------------------------------------------------------------
+    def _post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def range(self, prefix: str) -> list[dict]:
+        """Every key under prefix: [{"key": str, "value": bytes, "lease": int}], decoded."""
+        p = prefix.encode()
+        j = self._post("/v3/kv/range", {"key": b64(p), "range_end": b64(prefix_end(p))})
+        out = []
+        for kv in j.get("kvs", []):
+            out.append({"key": base64.b64decode(kv["key"]).decode(errors="replace"),
+                        "value": base64.b64decode(kv.get("value", "")),
+                        "lease": int(kv.get("lease", 0))})
+        return out
+
+    def keys(self, prefix: str) -> list[str]:
+        return [kv["key"] for kv in self.range(prefix)]
+
+    def dump(self, prefix: str) -> bytes:
+        """Every key and value under prefix, decoded, one "key\\tvalue" record a line."""
+        return b"\n".join(kv["key"].encode() + b"\t" + kv["value"] for kv in self.range(prefix))
+
+    def on_disk(self) -> bytes:
+        """Everything etcd keeps on disk (WAL, snapshots, bbolt) and its log, concatenated."""
+        out = []
+        for root, _dirs, names in os.walk(self.workdir):
+            for n in names:
+                try:
+                    with open(os.path.join(root, n), "rb") as f:
+                        out.append(_strip_zero_tail(f.read()))
+                except OSError:
+                    pass
+        return b"".join(out)

@@ -1,0 +1,594 @@
+"""A fleet: replicas sharing secrets, runs and run CAs through etcd (`state.backend: etcd`).
+
+DESIGN: "many replicas behind a Service share secrets and runs through etcd; a run is an etcd
+lease, so expiry and revocation reach every replica through a watch, within a second".
+
+One etcd (etcd_helpers.Etcd, loopback only, temp data) serves the module; each test starts
+two replicas, A and B, on a key prefix of its own (no test sees another's state). The replicas
+share one master key (each has its own copy of the file, as each pod mounts the same Secret),
+so each unseals the other's secrets and run CA keys; each keeps its own ports, audit file and
+admin token. A run's proxy URL names the replica that created it: `on(run, replica)` is the
+same run (token, CA file) through another replica.
+
+Secret values never reach the test output (cp_helpers.expect, fingerprints only); the factory
+greps every file each replica wrote for them when the module ends, and
+test_no_secret_value_reaches_etcd_or_any_output greps etcd's keys, values and files too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import secrets as pysecrets
+import select
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+import helpers
+from cp_helpers import (SEEN, DynRun, api, api_ok, bearer_pin, contains_any, cp_mutate,
+                        create_run, expect, fp, get_via, put_secret, rotate_secret, seen_auth)
+from etcd_helpers import Etcd, require_etcd_bin
+
+# DESIGN's bound for a change made on one replica to reach every other (the watch). A
+# sanitizer build rebuilds its runtime several times slower: the bound is doubled there.
+PROPAGATE_S = 1.0 * (2 if helpers.SANITIZER else 1)
+
+
+def sval(tag: str) -> str:
+    return f"flv-{tag}-" + pysecrets.token_hex(16)
+
+
+def api_host(w) -> str:
+    return f"api.test:{w.U}"
+
+
+# ---------------------------------------------------------------------------------------------
+# etcd and the fleet
+
+
+@pytest.fixture(scope="module")
+def etcd(world):
+    """One etcd for the module (skipped without the binary, a failure when CI=true)."""
+    e = Etcd(require_etcd_bin(), world.new_dir("etcd-")).start()
+    yield e
+    e.stop()
+
+
+@dataclass
+class Fleet:
+    a: helpers.Egressd
+    b: helpers.Egressd
+    prefix: str
+    etcd: Etcd
+
+
+def etcd_state(prefix: str, endpoints: list[str]):
+    def extra(cfg: dict):
+        cfg["state"]["backend"] = "etcd"
+        cfg["state"]["etcd"] = {"endpoints": list(endpoints), "prefix": prefix}
+    return extra
+
+
+def make_replica(factory, world, prefix: str, endpoints: list[str],
+                 master_key: bytes) -> helpers.Egressd:
+    """A replica of the fleet, not started: the control-plane config on the etcd backend, the
+    fleet's master key written to its own keys.master_key_file (32 bytes, 0600)."""
+    e = factory.make(mutate=cp_mutate(world, extra=etcd_state(prefix, endpoints)))
+    mk = e.config["keys"]["master_key_file"]
+    os.makedirs(os.path.dirname(mk), mode=0o700, exist_ok=True)
+    fd = os.open(mk, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(master_key)
+    os.chmod(mk, 0o600)
+    return e
+
+
+def start_replica(factory, e: helpers.Egressd) -> helpers.Egressd:
+    e.start()
+    factory.started.append(e)  # the factory checks its exit status and leaks at module end
+    return e
+
+
+@pytest.fixture
+def fleet(factory, world, etcd, request):
+    """Replicas A and B on a fresh key prefix; stopped when the test ends."""
+    if not etcd.running():  # a test that stopped it failed before starting it again
+        etcd.start()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", request.node.name)[:40]
+    prefix = f"/egressd-test-{slug}-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    a = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key))
+    b = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key))
+    yield Fleet(a, b, prefix, etcd)
+    for e in (a, b):
+        if e.alive():
+            e.stop()
+
+
+def on(run: DynRun, e: helpers.Egressd) -> DynRun:
+    """The same run (id, token, CA file) used through replica e."""
+    return dataclasses.replace(run, proxy_port=e.proxy_port)
+
+
+def wait_run_known(e: helpers.Egressd, run_id: str, timeout: float = PROPAGATE_S) -> float:
+    """Polls GET /v1/runs/ID on e until 200; returns how long it took."""
+    t0 = time.monotonic()
+    helpers.poll(lambda: api(e, "GET", f"/v1/runs/{run_id}").status == 200, timeout,
+                 f"run {run_id} on replica :{e.admin_port}", interval=0.02)
+    return time.monotonic() - t0
+
+
+def secret_names(e: helpers.Egressd) -> list[str]:
+    return [s["name"] for s in api_ok(e, "GET", "/v1/secrets")["secrets"]]
+
+
+def injected(world, run: DynRun, value: str, tag: str) -> bool:
+    """One GET /echo through the run (a new tunnel): 200 and exactly `Bearer value` upstream."""
+    marker = f"m-{tag}-" + pysecrets.token_hex(4)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    expect(resp.status == 200, f"GET through :{run.proxy_port} -> {resp.status} "
+                               f"{resp.egress_reason}")
+    return seen_auth(world.upstream, marker) == [f"Bearer {value}"]
+
+
+def connect_status(run: DynRun, target: str) -> tuple[int, str | None]:
+    c, resp = helpers.proxy_connect(run.proxy_port, target, run.auth)
+    c.close()
+    return resp.status, resp.egress_reason
+
+
+def closed_by_peer(c: helpers.Conn) -> bool:
+    """True once the peer has closed c (EOF or reset), without sending anything on it."""
+    s = c.sock
+    pending = s.pending() if isinstance(s, ssl.SSLSocket) else 0
+    if not pending and not select.select([s], [], [], 0)[0]:
+        return False
+    old = s.gettimeout()
+    try:
+        s.settimeout(0.05)
+        data = s.recv(1)
+    except (ssl.SSLWantReadError, socket.timeout):  # a TLS record with no data (a ticket)
+        return False
+    except (OSError, ssl.SSLError):
+        return True
+    finally:
+        try:
+            s.settimeout(old)
+        except OSError:
+            pass
+    assert not data, f"unexpected bytes on an idle connection: {data!r}"
+    return True
+
+
+def refused_or_closed(c: helpers.Conn, host: str, path: str):
+    """The next request on an open connection: (status, reason), or (None, "closed")."""
+    try:
+        r = helpers.request(c, "GET", path, host)
+        return r.status, r.egress_reason
+    except (ConnectionError, ssl.SSLError, OSError, ValueError):
+        return None, "closed"
+
+
+# ---------------------------------------------------------------------------------------------
+# sharing
+
+
+def test_a_run_created_on_one_replica_serves_on_another(fleet, world, marker):
+    """A secret and a pinned run created on A are on B within a second (same pins, same CA),
+    and a real client through B, with the run's token and trusting the CA A handed out, gets
+    the credential injected."""
+    a, b = fleet.a, fleet.b
+    v = sval("share")
+    put_secret(a, "fleet_tok", v, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "fleet_tok")])
+    took = wait_run_known(b, run.id)
+    shown_a = api_ok(a, "GET", f"/v1/runs/{run.id}")
+    shown_b = api_ok(b, "GET", f"/v1/runs/{run.id}")
+    for k in ("id", "scope", "pins", "allow_hosts", "expires_at", "revoked", "ca_pem"):
+        assert shown_b.get(k) == shown_a.get(k), f"B shows another {k} than A"
+    assert shown_b["ca_pem"] == run.reply["ca_pem"], "B does not use the run CA A handed out"
+    assert "fleet_tok" in secret_names(b), "B does not list the secret put on A"
+
+    url = f"https://api.test:{world.U}/echo/{marker}"
+    r = helpers.curl(["-x", b.proxy_url(run.id, run.token), "--cacert", run.ca_file,
+                      "-o", "/dev/null", "-w", "%{http_code}", url], timeout=20)
+    assert r.returncode == 0, f"curl through B: rc {r.returncode}: {r.stderr.decode()[-500:]}"
+    assert r.stdout == b"200", f"curl through B: HTTP {r.stdout!r}"
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"],
+           f"B did not inject the secret put on A ({fp(v)}); the run reached B in {took:.2f}s")
+    # the helpers' own client too, and A serves it as well
+    expect(injected(world, on(run, b), v, "share-b"), "B: not injected (raw tunnel)")
+    expect(injected(world, run, v, "share-a"), "A: not injected")
+
+
+def test_revocation_on_one_replica_reaches_the_other_within_a_second(fleet, world):
+    """A run created on A and revoked on B: within a second A refuses the run's token with
+    403 run_revoked, cuts the blind tunnel that was open on it, and sends nothing more on the
+    intercepted connection that was open."""
+    a, b = fleet.a, fleet.b
+    v = sval("rev")
+    put_secret(a, "rev_tok", v, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rev_tok")],
+                     allow=["tunnel.test"])
+    wait_run_known(b, run.id)
+    marker = "m-fleet-rev-" + pysecrets.token_hex(3)
+    intercepted = run.tunnel("api.test", world.U)
+    assert helpers.request(intercepted, "GET", f"/echo/{marker}", api_host(world)).status == 200
+    c, resp = helpers.proxy_connect(a.proxy_port, f"tunnel.test:{world.U}", run.auth)
+    assert resp.status == 200, (resp.status, resp.egress_reason)
+    blind = helpers.tls_wrap(c, "tunnel.test", world.pki.ca)
+    assert helpers.request(blind, "GET", f"/echo/{marker}-b", f"tunnel.test:{world.U}") \
+        .status == 200
+    assert not closed_by_peer(blind) and not closed_by_peer(intercepted)
+
+    api_ok(b, "DELETE", f"/v1/runs/{run.id}")
+    t0 = time.monotonic()
+
+    def refused_on_a():
+        st = connect_status(run, api_host(world))
+        return st if st[0] != 200 else None
+    st = helpers.poll(refused_on_a, PROPAGATE_S, "A to refuse the run revoked on B")
+    assert st == (403, "run_revoked"), \
+        f"A refused the revoked run with {st} after {time.monotonic() - t0:.2f}s"
+    helpers.poll(lambda: closed_by_peer(blind), PROPAGATE_S,
+                 "A to close the blind tunnel of the run revoked on B", interval=0.02)
+    st = refused_or_closed(intercepted, api_host(world), f"/echo/{marker}-after")
+    assert st in ((None, "closed"), (403, "run_revoked")), st
+    assert not world.upstream.find(f"{marker}-after"), "a request went out on A after the revoke"
+    intercepted.close()
+    blind.close()
+    # B refuses it too, both show it revoked, and a new tunnel on A is refused as well.
+    assert connect_status(on(run, b), api_host(world)) == (403, "run_revoked")
+    assert connect_status(run, f"tunnel.test:{world.U}") == (403, "run_revoked")
+    for e in (a, b):
+        assert api_ok(e, "GET", f"/v1/runs/{run.id}")["revoked"] is True
+
+
+def test_a_rotated_secret_applies_on_every_replica(fleet, world):
+    """A secret rotated on A: B's next requests inject the new value within a bound, on a
+    keep-alive connection opened before the rotation and on a new one."""
+    a, b = fleet.a, fleet.b
+    v1, v2 = sval("rot1"), sval("rot2")
+    put_secret(a, "rot_tok", v1, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rot_tok")])
+    wait_run_known(b, run.id)
+    rb = on(run, b)
+    conn = rb.tunnel("api.test", world.U)
+    marker = "m-fleet-rot-" + pysecrets.token_hex(3)
+    assert helpers.request(conn, "GET", f"/echo/{marker}-0", api_host(world)).status == 200
+    expect(seen_auth(world.upstream, f"{marker}-0") == [f"Bearer {v1}"], "B: v1 not injected")
+
+    rotate_secret(a, "rot_tok", v2, org="acme")
+    n = [0]
+
+    def b_sends_v2():
+        n[0] += 1
+        m = f"{marker}-{n[0]}"
+        r = helpers.request(conn, "GET", f"/echo/{m}", api_host(world))
+        assert r.status == 200, (r.status, r.egress_reason)
+        got = seen_auth(world.upstream, m)
+        expect(got in ([f"Bearer {v1}"], [f"Bearer {v2}"]),
+               "B injected neither the old nor the new value")
+        return got == [f"Bearer {v2}"]
+    helpers.poll(b_sends_v2, 2.0 * PROPAGATE_S, "B to inject the value rotated on A",
+                 interval=0.05)
+    conn.close()
+    expect(injected(world, rb, v2, "rot-b-new"), "B: a new connection did not get v2")
+    expect(injected(world, run, v2, "rot-a-new"), "A: not v2 after its own rotation")
+    versions = {s["name"]: s["version"] for s in api_ok(b, "GET", "/v1/secrets")["secrets"]}
+    assert versions.get("rot_tok") == 2, versions
+
+
+def test_a_restarted_replica_loads_the_fleet_state(fleet, world):
+    """A is stopped; meanwhile B creates a run and rotates the secret. A, started again, serves
+    the run created before (same CA) and the one created while it was down, with the value
+    rotated while it was down, as soon as it is ready."""
+    a, b = fleet.a, fleet.b
+    v1, v2 = sval("rs1"), sval("rs2")
+    put_secret(a, "rs_tok", v1, org="acme")
+    before = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rs_tok")])
+    wait_run_known(b, before.id)
+    assert a.stop() == 0, a.stderr_text()[-2000:]
+
+    during = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "rs_tok")])
+    rotate_secret(b, "rs_tok", v2, org="acme")
+    expect(injected(world, during, v2, "rs-b"), "B: run created while A was down: not v2")
+
+    a.start()
+    for run in (before, during):
+        r = api(a, "GET", f"/v1/runs/{run.id}")
+        assert r.status == 200, f"restarted A does not know run {run.id}: {r.status}"
+        assert r.json["ca_pem"] == run.reply["ca_pem"], f"run {run.id}: another CA on A"
+        expect(injected(world, on(run, a), v2, "rs-a"),
+               f"restarted A: run {run.id} does not inject the value rotated while it was down")
+    expect(injected(world, on(before, b), v2, "rs-b2"), "B: run from before: not v2")
+
+
+# ---------------------------------------------------------------------------------------------
+# failures
+
+
+def test_an_etcd_outage_keeps_the_data_path_serving(fleet, world):
+    """etcd stops: both replicas keep injecting for the runs they hold; an admin write answers
+    a 5xx JSON error naming etcd, and nothing dies. etcd back: within a bound a write on A
+    succeeds and reaches B (B's watch resumed); the write refused during the outage is
+    nowhere."""
+    a, b = fleet.a, fleet.b
+    v = sval("out")
+    put_secret(a, "out_tok", v, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "out_tok")])
+    wait_run_known(b, run.id)
+
+    fleet.etcd.stop()
+    try:
+        expect(injected(world, run, v, "out-a0"), "A: not injected just after etcd stopped")
+        time.sleep(1.5)  # long enough for both replicas to have seen their watch break
+        expect(injected(world, run, v, "out-a1"), "A: not injected during the etcd outage")
+        expect(injected(world, on(run, b), v, "out-b1"), "B: not injected during the outage")
+
+        t0 = time.monotonic()
+        r = api(a, "POST", "/v1/secrets", {"name": "during_outage", "scope": {"org": "acme"},
+                                           "value": sval("lost")}, timeout=30)
+        took = time.monotonic() - t0
+        assert 500 <= r.status < 600, f"admin write with etcd down -> {r.status}: {r.body[:300]!r}"
+        assert r.headers.get("content-type", "").startswith("application/json"), r.headers
+        j = r.json
+        assert set(j) == {"error", "detail"} and j["error"], j
+        assert "etcd" in j["detail"].lower(), f"the error does not name etcd: {j}"
+        assert took < 15, f"the write with etcd down took {took:.1f}s to fail"
+        assert a.alive() and b.alive(), "a replica died with etcd down"
+        assert api(a, "GET", "/healthz", token=None).status == 200
+        expect(injected(world, run, v, "out-a2"), "A: not injected after the failed write")
+    finally:
+        fleet.etcd.start()
+
+    n = [0]
+
+    def write_succeeds():
+        n[0] += 1
+        name = f"after_outage_{n[0]}"
+        r = api(a, "POST", "/v1/secrets", {"name": name, "scope": {"org": "acme"},
+                                           "value": sval("back")}, timeout=30)
+        return name if r.status == 201 else None
+    name = helpers.poll(write_succeeds, 15.0, "an admin write on A after etcd came back",
+                        interval=0.25)
+    helpers.poll(lambda: name in secret_names(b), 5.0,
+                 f"B to see {name} written on A after the outage (its watch resumed)")
+    for e in (a, b):
+        assert "during_outage" not in secret_names(e), "the refused write was applied"
+    expect(injected(world, on(run, b), v, "out-b2"), "B: not injected after the outage")
+    # and a change made on B after the outage reaches A (A's watch resumed too)
+    put_secret(b, "after_outage_b", sval("back-b"), org="acme")
+    helpers.poll(lambda: "after_outage_b" in secret_names(a), 5.0,
+                 "A to see a secret written on B after the outage")
+
+
+def test_concurrent_writes_from_two_replicas_all_land(fleet, world):
+    """Two writers, one per replica, each put 10 secrets at once: every write lands, and both
+    replicas list all 20 (each once, version 1); one put on A is injected by a run on B."""
+    a, b = fleet.a, fleet.b
+    names = {a: [f"conc_a_{i:02d}" for i in range(10)], b: [f"conc_b_{i:02d}" for i in range(10)]}
+    values = {n: sval(n) for ns in names.values() for n in ns}
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    def writer(e):
+        try:
+            start.wait(timeout=10)
+            for n in names[e]:
+                put_secret(e, n, values[n], org="acme")
+        except Exception as ex:  # noqa: BLE001 - reported below (no value in the message)
+            errors.append(f"{type(ex).__name__}: {ex}")
+    threads = [threading.Thread(target=writer, args=(e,)) for e in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a writer is stuck"
+    assert not errors, errors
+    want = set(values)
+    for e in (a, b):
+        helpers.poll(lambda: want <= set(secret_names(e)), 2.0 * PROPAGATE_S,
+                     f"all 20 secrets listed on :{e.admin_port}")
+        listed = [s for s in api_ok(e, "GET", "/v1/secrets")["secrets"] if s["name"] in want]
+        assert len(listed) == 20, sorted(s["name"] for s in listed)
+        assert all(s["version"] == 1 for s in listed), listed
+    run = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "conc_a_09")])
+    expect(injected(world, run, values["conc_a_09"], "conc"),
+           "B did not inject a secret written on A")
+
+
+def test_concurrent_rotations_of_one_secret_never_share_a_version(fleet, world):
+    """Two writers rotate the SAME secret at once, one per replica: each answer is 200 with a
+    version no other 200 has, or 409 conflict (the other replica's rotation won the race; no
+    value is silently overwritten under one version), and both replicas end on version
+    1 + the number of 200s, injecting the value that version was answered for."""
+    a, b = fleet.a, fleet.b
+    put_secret(a, "race_tok", sval("race-0"), org="acme")
+    helpers.poll(lambda: "race_tok" in secret_names(b), PROPAGATE_S, "B to list race_tok")
+    answers: list[tuple[int, int | None, str]] = []  # (status, version, value)
+    lock = threading.Lock()
+    start = threading.Barrier(2)
+
+    def writer(e, tag):
+        start.wait(timeout=10)
+        for i in range(8):
+            v = sval(f"race-{tag}{i}")
+            e.secrets[f"cp:race_tok:{fp(v)}"] = v  # never in egressd's output
+            r = api(e, "PUT", "/v1/secrets/race_tok", {"scope": {"org": "acme"}, "value": v})
+            with lock:
+                answers.append((r.status, r.json.get("version") if r.status == 200 else None,
+                                v if r.status == 200 else r.body.decode(errors="replace")))
+    threads = [threading.Thread(target=writer, args=(e, t)) for e, t in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a writer is stuck"
+    bad = [(s, body[:200]) for s, _, body in answers if s not in (200, 409)]
+    assert not bad, bad
+    conflicts = [body for s, _, body in answers if s == 409]
+    assert all('"conflict"' in body for body in conflicts), conflicts[:2]
+    versions = [ver for s, ver, _ in answers if s == 200]
+    assert len(versions) == len(set(versions)), f"two 200s share a version: {sorted(versions)}"
+    final = 1 + len(versions)
+    assert max(versions) == final, (sorted(versions), final)
+    last_value = next(v for s, ver, v in answers if s == 200 and ver == final)
+    for e in (a, b):
+        helpers.poll(lambda: [s["version"] for s in api_ok(e, "GET", "/v1/secrets")["secrets"]
+                              if s["name"] == "race_tok"] == [final],
+                     2.0 * PROPAGATE_S, f":{e.admin_port} to show version {final}")
+    run = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "race_tok")])
+    expect(injected(world, run, last_value, "race"),
+           "B does not inject the value of the last version answered")
+    expect(injected(world, on(run, a), last_value, "race-a"),
+           "A does not inject the value of the last version answered")
+
+
+def test_a_revoke_racing_a_pin_on_another_replica_is_never_undone(fleet, world):
+    """A revoke on one replica and a pin added on the other at the same moment, five times:
+    whichever lands first, the run ends revoked on both replicas (a pin made from the record
+    before the revoke is refused with 409 or applied before it, never written over it)."""
+    a, b = fleet.a, fleet.b
+    put_secret(a, "rv_tok", sval("rv"), org="acme")
+    for i in range(5):
+        run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rv_tok")])
+        wait_run_known(b, run.id)
+        start = threading.Barrier(2)
+        status: dict[str, int] = {}
+
+        def revoke():
+            start.wait(timeout=10)
+            status["revoke"] = api(b, "DELETE", f"/v1/runs/{run.id}").status
+
+        def pin():
+            start.wait(timeout=10)
+            status["pin"] = api(a, "POST", f"/v1/runs/{run.id}/pins",
+                                bearer_pin(api_host(world), "rv_tok", path_prefixes=[f"/p{i}/"])
+                                ).status
+        threads = [threading.Thread(target=f) for f in (revoke, pin)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert status.get("revoke") == 200, status
+        assert status.get("pin") in (201, 409), status
+        for e in (a, b):
+            helpers.poll(lambda: api_ok(e, "GET", f"/v1/runs/{run.id}")["revoked"] is True,
+                         2.0 * PROPAGATE_S, f"run {run.id} revoked on :{e.admin_port}")
+        # and it stays so: nothing in flight can write the unrevoked record back
+        time.sleep(0.2)
+        for e in (a, b):
+            assert api_ok(e, "GET", f"/v1/runs/{run.id}")["revoked"] is True, (i, e.admin_port)
+
+
+def test_an_expired_run_is_refused_everywhere_and_leaves_etcd(fleet, world):
+    """A run with a 3 s ttl: its keys in etcd are bound to a lease; once it expires both
+    replicas refuse its token with 403 run_expired, also after one replica's sweep deleted it
+    from etcd (the other remembers a run that left after its expiry), and its keys leave etcd
+    within seconds; then neither replica shows it."""
+    a, b = fleet.a, fleet.b
+    v = sval("exp")
+    put_secret(a, "exp_tok", v, org="acme")
+    # ttl 3: expires_at is whole seconds, so the run lives 2 to 3 s: time for B to see it.
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "exp_tok")], ttl=3)
+    wait_run_known(b, run.id)
+    expect(injected(world, on(run, b), v, "exp-b"), "B: not injected before expiry")
+    keys = [kv for kv in fleet.etcd.range(fleet.prefix) if run.id in kv["key"]]
+    assert keys, f"no key under {fleet.prefix} names {run.id}: {fleet.etcd.keys(fleet.prefix)}"
+    unleased = [kv["key"] for kv in keys if not kv["lease"]]
+    assert not unleased, f"run keys without a lease (a run is an etcd lease): {unleased}"
+
+    def refusal_ok(st) -> bool:
+        return st == (403, "run_expired")
+
+    for e in (a, b):
+        def refused(e=e):
+            st = connect_status(on(run, e), api_host(world))
+            return st if st[0] != 200 else None
+        st = helpers.poll(refused, 5.0 * PROPAGATE_S,
+                          f"replica :{e.proxy_port} to refuse the expired run", interval=0.05)
+        assert refusal_ok(st), f"replica :{e.proxy_port} refused the expired run with {st}"
+    helpers.poll(lambda: not [k for k in fleet.etcd.keys(fleet.prefix) if run.id in k], 10.0,
+                 f"the keys of expired run {run.id} to leave etcd", interval=0.2)
+    for e in (a, b):
+        helpers.poll(lambda: api(e, "GET", f"/v1/runs/{run.id}").status == 404,
+                     2.0 * PROPAGATE_S, f"replica :{e.admin_port} to forget the expired run")
+        st = connect_status(on(run, e), api_host(world))
+        assert refusal_ok(st), f"replica :{e.proxy_port}: expired run, gone from etcd: {st}"
+    # the secret it used is still there (only the run went with its lease)
+    assert "exp_tok" in secret_names(a) and "exp_tok" in secret_names(b)
+
+
+def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
+    """After puts and a rotation on both replicas, runs and traffic through both: no value (in
+    clear, base64 or JSON-escaped) is in any key or value under the prefix, in etcd's files or
+    log, in an admin response, or in anything either replica wrote. The names are there
+    (metadata is not secret), so the dump is the real state."""
+    a, b = fleet.a, fleet.b
+    vals = {"nv_a": sval("nva"), "nv_b": sval("nvb"), "nv_b2": sval("nvb2")}
+    put_secret(a, "nv_tok_a", vals["nv_a"], org="acme")
+    put_secret(b, "nv_tok_b", vals["nv_b"], org="acme", project="web")
+    rotate_secret(b, "nv_tok_b", vals["nv_b2"], org="acme", project="web")
+    hdr = {"host": f"hdr.test:{world.U}", "secret": "nv_tok_b",
+           "inject": {"type": "header", "name": "x-api-key", "template": "Key {secret}"}}
+    run = create_run(a, world, {"org": "acme", "project": "web"},
+                     [bearer_pin(api_host(world), "nv_tok_a"), hdr])
+    wait_run_known(b, run.id)
+    for e in (a, b):
+        expect(injected(world, on(run, e), vals["nv_a"], "nv"), "not injected")
+        marker = "m-nv-hdr-" + pysecrets.token_hex(3)
+        c, resp = get_via(on(run, e), "hdr.test", world.U, f"/echo/{marker}")
+        c.close()
+        assert resp.status == 200
+        got = [v_ for r in world.upstream.find(marker) for v_ in r.header("x-api-key")]
+        expect(got == [f"Key {vals['nv_b2']}"], "header pin: not the rotated value")
+        expect(not contains_any(resp.body, vals), "an echoed value came back unscrubbed")
+
+    dump = fleet.etcd.dump(fleet.prefix)
+    assert b"nv_tok_a" in dump and b"nv_tok_b" in dump and run.id.encode() in dump, \
+        f"the etcd dump misses the fleet's records: {fleet.etcd.keys(fleet.prefix)}"
+    found = contains_any(dump, vals)
+    expect(not found, f"secret values in etcd under {fleet.prefix}: {found}")
+    every = dict(world.secrets)  # every value put by any test of this module, and the files'
+    every.update(vals)
+    found = contains_any(fleet.etcd.on_disk(), every)
+    expect(not found, f"secret values in etcd's files or log: {len(found)} of them")
+    leaked = [what for what, body in SEEN if contains_any(body, every)]
+    expect(not leaked, f"secret values in admin responses: {leaked}")
+    for e in (a, b):
+        leaks = e.leaks()
+        expect(not leaks, f"replica :{e.admin_port} wrote secret bytes: {[p for p, _ in leaks]}")
+
+
+def test_an_unreachable_etcd_is_a_clear_start_error(factory, world):
+    """An endpoint where nothing listens: egressd does not serve on a state it cannot load; it
+    exits non-zero within seconds and says which key to fix."""
+    e = make_replica(factory, world, f"/egressd-test-down-{pysecrets.token_hex(3)}/",
+                     [f"http://127.0.0.1:{world.closed_port}"], os.urandom(32))
+    e.write_config()
+    t0 = time.monotonic()
+    with open(e.stderr_path, "wb") as err:
+        p = subprocess.Popen([e.binary, "--config", e.config_path], cwd=e.workdir,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                             env=helpers.clean_env(), preexec_fn=helpers._die_with_parent)
+        try:
+            rc = p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+            pytest.fail(f"egressd still running 15 s after start with etcd unreachable; "
+                        f"stderr:\n{e.stderr_text()[-2000:]}", pytrace=False)
+    took = time.monotonic() - t0
+    stderr = e.stderr_text()
+    assert rc != 0, f"egressd exited 0 with etcd unreachable; stderr:\n{stderr[-2000:]}"
+    assert "state.etcd.endpoints" in stderr, f"stderr does not name the key: {stderr[-2000:]!r}"
+    assert took < 15
+    assert not e.leaks()
