@@ -96,6 +96,9 @@ public:
     virtual Result<uint64_t> apply(const std::vector<Mutation>& mutations) = 0;
     /// Called (on the applying thread) after each successful apply with the new snapshot.
     virtual void on_change(std::function<void(std::shared_ptr<const StateSnapshot>)> cb) = 0;
+    /// Stops calling listeners (a backend with a thread of its own joins it); apply() fails
+    /// afterwards. For shutdown: listeners use what their owner is about to destroy.
+    virtual void stop() {}
 };
 
 /// Applies mutations to a copy of `base` (pure; shared by every backend). Errors:

@@ -504,6 +504,8 @@ void ControlPlane::on_change(std::function<void()> cb) {
     store_->on_change([cb = std::move(cb)](auto) { cb(); });
 }
 
+void ControlPlane::stop_store() { store_->stop(); }
+
 ApiResponse ControlPlane::handle(std::string_view method, std::string_view target,
                                  std::string_view body) {
     auto url = boost::urls::parse_origin_form(target);

@@ -72,6 +72,9 @@ public:
 
     /// Subscribes to store changes (after apply): used to rebuild and publish the runtime.
     void on_change(std::function<void()> cb);
+    /// No on_change callback runs after this returns (the etcd store's watch thread is
+    /// joined); store writes fail afterwards. Called first at shutdown.
+    void stop_store();
 
     credstore::StateStore& store() { return *store_; }
 

@@ -122,6 +122,14 @@ struct Server::Impl {
     std::unique_ptr<net::local::stream_protocol::acceptor> admin_unix_acceptor;
     size_t next_worker = 0;
 
+    ~Impl() {
+        // With state.backend etcd the store's own thread calls publish_runtime(), which
+        // uses the workers: it is stopped before any member is destroyed.
+        if (control) {
+            control->stop_store();
+        }
+    }
+
     /// Serializes publish_runtime(): it runs on the admin thread (API writes, reload, sweep)
     /// and, with state.backend etcd, on the store's watch thread. Building and publishing
     /// under one lock keeps an older build from being published after a newer one.
