@@ -1299,6 +1299,7 @@ void ControlPlane::remember_swept(const std::string& id, const std::string& toke
 Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings* warnings) {
     std::lock_guard lock(build_mu_);
     auto snap = store_->snapshot();
+    built_revision_.store(snap->revision);
     {
         const int64_t now = unix_now();
         for (const auto& [id, seen] : last_built_runs_) {

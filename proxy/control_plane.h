@@ -2,6 +2,7 @@
 // The control plane: admin API routes over the state store, and the data path's view of
 // dynamic runs. No Asio here: routes are plain functions of (method, target, body), so they
 // are unit-testable without sockets; proxy/admin.cc carries them over HTTP.
+#include <atomic>
 #include <deque>
 #include <functional>
 #include <map>
@@ -75,6 +76,8 @@ public:
     /// No on_change callback runs after this returns (the etcd store's watch thread is
     /// joined); store writes fail afterwards. Called first at shutdown.
     void stop_store();
+    /// The revision of the state the last build_runtime() read.
+    uint64_t built_revision() const { return built_revision_.load(); }
 
     credstore::StateStore& store() { return *store_; }
 
@@ -126,6 +129,7 @@ private:
     /// after its expiry, swept by another replica (state.backend etcd), is remembered as
     /// swept here too, so its token gets 403 run_expired on every replica, not 407.
     std::map<std::string, std::pair<std::string, int64_t>> last_built_runs_;
+    std::atomic<uint64_t> built_revision_{0};
     void remember_swept(const std::string& id, const std::string& token_sha);  // build_mu_ held
 };
 

@@ -85,6 +85,8 @@ std::string Metrics::render() const {
     o << "# TYPE egressd_active_connections gauge\negressd_active_connections "
       << active_connections.load() << "\n";
     o << "# TYPE egressd_runs_active gauge\negressd_runs_active " << runs_active.load() << "\n";
+    o << "# TYPE egressd_state_revision gauge\negressd_state_revision " << state_revision.load()
+      << "\n";
     o << "# TYPE egressd_certs_minted_total counter\negressd_certs_minted_total "
       << certs_minted.load() << "\n";
     o << "# TYPE egressd_cert_cache_hits_total counter\negressd_cert_cache_hits_total "

@@ -44,6 +44,9 @@ public:
     void upstream_error(const std::string& kind);
     std::atomic<int64_t> active_connections{0};
     std::atomic<int64_t> runs_active{0};
+    /// The state store revision the data path serves (etcd's revision with state.backend
+    /// etcd: replicas of one fleet converge on the same value; a lagging one shows).
+    std::atomic<uint64_t> state_revision{0};
     std::atomic<uint64_t> certs_minted{0};
     std::atomic<uint64_t> cert_cache_hits{0};
 

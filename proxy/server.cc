@@ -160,6 +160,7 @@ struct Server::Impl {
             }
         }
         shared.metrics.runs_active.store(static_cast<int64_t>((*next)->runs.size()));
+        shared.metrics.state_revision.store(control->built_revision());
     }
 
     /// SIGHUP: re-read the config; apply it atomically or refuse it and keep the old one.
@@ -484,8 +485,9 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     }
     impl_->control->set_proxy_authority(host + ":" + std::to_string(pep.port()));
     s.control = impl_->control.get();
-    impl_->publish_runtime();
+    // Listener first: a change the etcd watch brings in between is then built either way.
     impl_->control->on_change([impl = impl_.get()] { impl->publish_runtime(); });
+    impl_->publish_runtime();
 }
 
 Server::~Server() = default;

@@ -165,6 +165,13 @@ class Etcd:
                         "lease": int(kv.get("lease", 0))})
         return out
 
+    def max_mod_revision(self, prefix: str) -> int:
+        """The revision of the newest write under prefix still held (0: none)."""
+        p = prefix.encode()
+        j = self._post("/v3/kv/range", {"key": b64(p), "range_end": b64(prefix_end(p)),
+                                        "keys_only": True})
+        return max((int(kv.get("mod_revision", 0)) for kv in j.get("kvs", [])), default=0)
+
     def keys(self, prefix: str) -> list[str]:
         return [kv["key"] for kv in self.range(prefix)]
 

@@ -124,6 +124,15 @@ def wait_run_known(e: helpers.Egressd, run_id: str, timeout: float = PROPAGATE_S
     return time.monotonic() - t0
 
 
+def state_revision(e: helpers.Egressd) -> int:
+    """egressd_state_revision from e's /metrics."""
+    got = e.admin_get("/metrics")
+    assert got and got[0] == 200, got
+    m = re.search(rb"^egressd_state_revision (\d+)$", got[1], re.M)
+    assert m, "no egressd_state_revision in /metrics"
+    return int(m.group(1))
+
+
 def secret_names(e: helpers.Egressd) -> list[str]:
     return [s["name"] for s in api_ok(e, "GET", "/v1/secrets")["secrets"]]
 
@@ -403,6 +412,12 @@ def test_concurrent_writes_from_two_replicas_all_land(fleet, world):
     run = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "conc_a_09")])
     expect(injected(world, run, values["conc_a_09"], "conc"),
            "B did not inject a secret written on A")
+    # egressd_state_revision: each replica serves a state at least as new as the last write
+    newest = fleet.etcd.max_mod_revision(fleet.prefix)
+    assert newest > 0
+    for e in (a, b):
+        helpers.poll(lambda: state_revision(e) >= newest, 2.0 * PROPAGATE_S,
+                     f":{e.admin_port} egressd_state_revision to reach {newest}")
 
 
 def test_concurrent_rotations_of_one_secret_never_share_a_version(fleet, world):
