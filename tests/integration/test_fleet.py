@@ -116,11 +116,15 @@ def on(run: DynRun, e: helpers.Egressd) -> DynRun:
     return dataclasses.replace(run, proxy_port=e.proxy_port)
 
 
-def wait_run_known(e: helpers.Egressd, run_id: str, timeout: float = PROPAGATE_S) -> float:
-    """Polls GET /v1/runs/ID on e until 200; returns how long it took."""
+def wait_run_known(e: helpers.Egressd, run: DynRun, world,
+                   timeout: float = PROPAGATE_S) -> float:
+    """Polls e until it knows the run both in its admin API (GET /v1/runs/ID 200) and on its
+    data path (a CONNECT with the run's token is admitted: the runtime is rebuilt after the
+    state arrives); returns how long it took."""
     t0 = time.monotonic()
-    helpers.poll(lambda: api(e, "GET", f"/v1/runs/{run_id}").status == 200, timeout,
-                 f"run {run_id} on replica :{e.admin_port}", interval=0.02)
+    helpers.poll(lambda: api(e, "GET", f"/v1/runs/{run.id}").status == 200
+                 and connect_status(on(run, e), api_host(world))[0] == 200, timeout,
+                 f"run {run.id} on replica :{e.admin_port}", interval=0.02)
     return time.monotonic() - t0
 
 
@@ -197,7 +201,7 @@ def test_a_run_created_on_one_replica_serves_on_another(fleet, world, marker):
     v = sval("share")
     put_secret(a, "fleet_tok", v, org="acme")
     run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "fleet_tok")])
-    took = wait_run_known(b, run.id)
+    took = wait_run_known(b, run, world)
     shown_a = api_ok(a, "GET", f"/v1/runs/{run.id}")
     shown_b = api_ok(b, "GET", f"/v1/runs/{run.id}")
     for k in ("id", "scope", "pins", "allow_hosts", "expires_at", "revoked", "ca_pem"):
@@ -226,7 +230,7 @@ def test_revocation_on_one_replica_reaches_the_other_within_a_second(fleet, worl
     put_secret(a, "rev_tok", v, org="acme")
     run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rev_tok")],
                      allow=["tunnel.test"])
-    wait_run_known(b, run.id)
+    wait_run_known(b, run, world)
     marker = "m-fleet-rev-" + pysecrets.token_hex(3)
     intercepted = run.tunnel("api.test", world.U)
     assert helpers.request(intercepted, "GET", f"/echo/{marker}", api_host(world)).status == 200
@@ -267,7 +271,7 @@ def test_a_rotated_secret_applies_on_every_replica(fleet, world):
     v1, v2 = sval("rot1"), sval("rot2")
     put_secret(a, "rot_tok", v1, org="acme")
     run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rot_tok")])
-    wait_run_known(b, run.id)
+    wait_run_known(b, run, world)
     rb = on(run, b)
     conn = rb.tunnel("api.test", world.U)
     marker = "m-fleet-rot-" + pysecrets.token_hex(3)
@@ -303,7 +307,7 @@ def test_a_restarted_replica_loads_the_fleet_state(fleet, world):
     v1, v2 = sval("rs1"), sval("rs2")
     put_secret(a, "rs_tok", v1, org="acme")
     before = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rs_tok")])
-    wait_run_known(b, before.id)
+    wait_run_known(b, before, world)
     assert a.stop() == 0, a.stderr_text()[-2000:]
 
     during = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "rs_tok")])
@@ -333,7 +337,7 @@ def test_an_etcd_outage_keeps_the_data_path_serving(fleet, world):
     v = sval("out")
     put_secret(a, "out_tok", v, org="acme")
     run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "out_tok")])
-    wait_run_known(b, run.id)
+    wait_run_known(b, run, world)
 
     fleet.etcd.stop()
     try:
@@ -475,7 +479,7 @@ def test_a_revoke_racing_a_pin_on_another_replica_is_never_undone(fleet, world):
     put_secret(a, "rv_tok", sval("rv"), org="acme")
     for i in range(5):
         run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rv_tok")])
-        wait_run_known(b, run.id)
+        wait_run_known(b, run, world)
         start = threading.Barrier(2)
         status: dict[str, int] = {}
 
@@ -514,7 +518,7 @@ def test_an_expired_run_is_refused_everywhere_and_leaves_etcd(fleet, world):
     put_secret(a, "exp_tok", v, org="acme")
     # ttl 3: expires_at is whole seconds, so the run lives 2 to 3 s: time for B to see it.
     run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "exp_tok")], ttl=3)
-    wait_run_known(b, run.id)
+    wait_run_known(b, run, world)
     expect(injected(world, on(run, b), v, "exp-b"), "B: not injected before expiry")
     keys = [kv for kv in fleet.etcd.range(fleet.prefix) if run.id in kv["key"]]
     assert keys, f"no key under {fleet.prefix} names {run.id}: {fleet.etcd.keys(fleet.prefix)}"
@@ -556,7 +560,7 @@ def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
            "inject": {"type": "header", "name": "x-api-key", "template": "Key {secret}"}}
     run = create_run(a, world, {"org": "acme", "project": "web"},
                      [bearer_pin(api_host(world), "nv_tok_a"), hdr])
-    wait_run_known(b, run.id)
+    wait_run_known(b, run, world)
     for e in (a, b):
         expect(injected(world, on(run, e), vals["nv_a"], "nv"), "not injected")
         marker = "m-nv-hdr-" + pysecrets.token_hex(3)
