@@ -307,18 +307,25 @@ private:
         const size_t first = preferred_;
         for (size_t i = 0; i < n; ++i) {
             const size_t idx = (first + i) % n;
-            auto r = co_await call_one(endpoints_[idx], path, body);
+            bool refused = false;
+            auto r = co_await call_one(endpoints_[idx], path, body, refused);
             if (r) {
                 preferred_ = idx;
                 co_return r;
+            }
+            if (refused) {  // another member would refuse it too
+                co_return make_error("etcd refused the request: " + r.error());
             }
             failures += (failures.empty() ? "" : "; ") + r.error();
         }
         co_return make_error("etcd unreachable: " + failures);
     }
 
+    /// One call on one member. `refused`: etcd answered 4xx (a request it will not take from
+    /// any member); anything else (no connection, a timeout, 5xx: no leader, shutting down)
+    /// is worth the next endpoint.
     awaitable<Result<json::object>> call_one(const Endpoint& ep, std::string_view path,
-                                             const std::string& body) {
+                                             const std::string& body, bool& refused) {
         beast::tcp_stream stream(ioc_);
         tcp::resolver resolver(ioc_);
         auto [rec, results] = co_await resolver.async_resolve(ep.host, ep.port, nothrow);
@@ -357,6 +364,7 @@ private:
                     what += ": " + std::string(m->as_string());
                 }
             }
+            refused = res.result_int() >= 400 && res.result_int() < 500;
             co_return make_error(ep.text + std::string(path) + ": " + what);
         }
         if (jec || !v.is_object()) {

@@ -69,8 +69,9 @@ def _strip_zero_tail(data: bytes, block: int = 1 << 20) -> bytes:
 
 
 class Etcd:
-    def __init__(self, binary: str, workdir: str):
+    def __init__(self, binary: str, workdir: str, extra_args: list[str] = ()):
         self.binary = binary
+        self.extra_args = list(extra_args)
         self.workdir = workdir
         self.data_dir = os.path.join(workdir, "data")
         self.log_path = os.path.join(workdir, "etcd.log")
@@ -94,7 +95,8 @@ class Etcd:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
                 "--initial-cluster", f"t=http://127.0.0.1:{p}",
                 "--initial-cluster-state", "new",
-                "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error"]
+                "--logger", "zap", "--log-outputs", "stderr", "--log-level", "error",
+                *self.extra_args]
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "Etcd":

@@ -587,6 +587,32 @@ def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
         expect(not leaks, f"replica :{e.admin_port} wrote secret bytes: {[p for p, _ in leaks]}")
 
 
+def test_a_write_etcd_refuses_is_not_taken_for_an_outage(factory, world):
+    """etcd answering 4xx (here a record over its --max-request-bytes) is a refusal, not an
+    outage: 500 store_failed saying etcd refused it (not 503 store_unavailable, and not
+    retried on the next endpoint); the replica keeps serving writes that fit."""
+    small = Etcd(require_etcd_bin(), world.new_dir("etcd-small-"),
+                 ["--max-request-bytes", "4096"]).start()
+    try:
+        a = start_replica(factory, make_replica(factory, world, "/egressd-refuse/",
+                                                [small.url, small.url], os.urandom(32)))
+        big = sval("big") + "x" * 8000
+        a.secrets[f"cp:big:{fp(big)}"] = big
+        r = api(a, "POST", "/v1/secrets", {"name": "big", "scope": {"org": "acme"},
+                                           "value": big})
+        assert r.status == 500, (r.status, r.body[:300])
+        j = r.json
+        assert j["error"] == "store_failed", j
+        assert j["detail"].startswith("etcd refused the request: "), j["detail"]
+        assert "too large" in j["detail"], j["detail"]
+        assert "big" not in secret_names(a)
+        put_secret(a, "fits", sval("fits"), org="acme")
+        assert "fits" in secret_names(a)
+        a.stop()
+    finally:
+        small.stop()
+
+
 def test_an_unreachable_etcd_is_a_clear_start_error(factory, world):
     """An endpoint where nothing listens: egressd does not serve on a state it cannot load; it
     exits non-zero within seconds and says which key to fix."""
