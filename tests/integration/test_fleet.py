@@ -587,6 +587,26 @@ def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
         expect(not leaks, f"replica :{e.admin_port} wrote secret bytes: {[p for p, _ in leaks]}")
 
 
+def test_an_endpoint_that_is_down_is_skipped(factory, world, etcd):
+    """Endpoints are tried in order: a replica whose first endpoint has nothing listening
+    starts, writes and watches through the second (another replica sees its writes, and it
+    sees the other's)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    prefix = f"/egressd-failover-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    a = start_replica(factory, make_replica(factory, world, prefix, [dead, etcd.url], key))
+    b = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key))
+    put_secret(a, "from_a", sval("fa"), org="acme")
+    helpers.poll(lambda: "from_a" in secret_names(b), PROPAGATE_S, "B to see A's write")
+    put_secret(b, "from_b", sval("fb"), org="acme")
+    helpers.poll(lambda: "from_b" in secret_names(a), PROPAGATE_S, "A to see B's write")
+    for e in (a, b):
+        e.stop()
+
+
 def test_a_write_etcd_refuses_is_not_taken_for_an_outage(factory, world):
     """etcd answering 4xx (here a record over its --max-request-bytes) is a refusal, not an
     outage: 500 store_failed saying etcd refused it (not 503 store_unavailable, and not
