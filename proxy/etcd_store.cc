@@ -505,6 +505,9 @@ private:
             }
             spdlog::warn("etcd: watch ended ({}); resynchronizing", why);
             co_await sleep(backoff);
+            // A watch that delivered something reset it to 100 ms; one that keeps ending at
+            // once (refused, cancelled) backs off up to 2 s instead of spinning.
+            backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
         }
     }
 
@@ -614,25 +617,28 @@ private:
         }
         StateSnapshot snap = *base->snap;
         std::map<std::string, int64_t> revs = base->mod_revisions;
+        // The view's revision is that of the newest event it holds, not the answer's header
+        // (the cluster's revision, which may count writes to other keys or events still to
+        // come): events at or below it are skipped as already held.
         const auto held = static_cast<int64_t>(base->snap->revision);
-        bool changed = false;
+        int64_t newest = held;
         for (const json::value& ev : events->as_array()) {
             const json::value* kv = ev.is_object() ? ev.as_object().if_contains("kv") : nullptr;
-            if (kv == nullptr || !kv->is_object() ||
-                int_field(kv->as_object(), "mod_revision") <= held) {
+            const int64_t rev = kv != nullptr && kv->is_object()
+                                    ? int_field(kv->as_object(), "mod_revision")
+                                    : 0;
+            if (rev <= held) {
                 continue;  // already in the view (a resync read past it)
             }
             const json::value* type = ev.as_object().if_contains("type");
             const bool deleted = type != nullptr && type->is_string() && type->as_string() == "DELETE";
             apply_event(snap, revs, *kv, deleted);
-            changed = true;
+            newest = std::max(newest, rev);
         }
-        if (!changed) {
+        if (newest == held) {
             return "";
         }
-        const int64_t revision = header_revision(res);
-        snap.revision = static_cast<uint64_t>(std::max<int64_t>(
-            revision, static_cast<int64_t>(base->snap->revision)));
+        snap.revision = static_cast<uint64_t>(newest);
         auto next = std::make_shared<View>();
         next->snap = std::make_shared<const StateSnapshot>(std::move(snap));
         next->mod_revisions = std::move(revs);
