@@ -554,32 +554,33 @@ std::string run_record_to_json(const RunRecord& r) {
     return json::serialize(run_to_json(r));
 }
 
-Result<SealedSecret> secret_record_from_json(std::string_view text) {
+namespace {
+
+/// One record's JSON through the Reader member that reads it (`sealed` or `run`).
+template <class T>
+Result<T> record_from_json(std::string_view text, const char* path,
+                           bool (Reader::*read)(const json::value&, const std::string&, T&)) {
     boost::system::error_code ec;
     const json::value v = json::parse(text, ec);
     if (ec) {
         return make_error("invalid JSON: " + ec.message());
     }
     Reader reader;
-    SealedSecret out;
-    if (!reader.sealed(v, "secret", out)) {
+    T out;
+    if (!(reader.*read)(v, path, out)) {
         return make_error(reader.error());
     }
     return out;
 }
 
+}  // namespace
+
+Result<SealedSecret> secret_record_from_json(std::string_view text) {
+    return record_from_json<SealedSecret>(text, "secret", &Reader::sealed);
+}
+
 Result<RunRecord> run_record_from_json(std::string_view text) {
-    boost::system::error_code ec;
-    const json::value v = json::parse(text, ec);
-    if (ec) {
-        return make_error("invalid JSON: " + ec.message());
-    }
-    Reader reader;
-    RunRecord out;
-    if (!reader.run(v, "run", out)) {
-        return make_error(reader.error());
-    }
-    return out;
+    return record_from_json<RunRecord>(text, "run", &Reader::run);
 }
 
 // ---- FileStateStore ------------------------------------------------------------------------

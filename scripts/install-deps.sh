@@ -16,3 +16,8 @@ $SUDO apt-get install -y --no-install-recommends \
   nghttp2-client nghttp2-server \
   python3-dnslib iproute2 iptables etcd-server etcd-client \
   clang-14 libclang-rt-14-dev llvm-14
+# etcd-server is there for tests/integration/test_fleet.py, which starts its own etcd on
+# loopback; the system service the package enables (where systemd runs) is not wanted.
+if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+  $SUDO systemctl disable --now etcd >/dev/null 2>&1 || true
+fi

@@ -5,22 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include "records.h"
+
 namespace egress::credstore::etcd {
 namespace {
 
 const std::string kPrefix = "/egressd/";
 
 SealedSecret secret(const std::string& name, const std::string& org, uint64_t version = 1) {
-    SealedSecret s;
-    s.name = name;
-    s.scope = Scope{org, "", "", ""};
-    s.version = version;
-    s.created_at = "2026-01-02T03:04:05Z";
-    s.kek_id = "file:0123abcd";
-    s.wrapped_dek = "d3JhcHBlZA==";
-    s.nonce = "bm9uY2Vub25jZTEy";
-    s.ciphertext = "Y2lwaGVy" + std::to_string(version);
-    return s;
+    return test_records::fake_secret(name, Scope{org, "", "", ""}, version);
 }
 
 RunRecord run(const std::string& id, int64_t expires_at = 1700001800) {

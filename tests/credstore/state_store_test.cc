@@ -13,6 +13,8 @@
 #include <sstream>
 #include <thread>
 
+#include "records.h"
+
 namespace egress::credstore {
 namespace {
 
@@ -48,19 +50,7 @@ Scope scope(std::string org, std::string project = "", std::string user = "",
     return Scope{std::move(org), std::move(project), std::move(user), std::move(workflow)};
 }
 
-// A sealed secret with placeholder blobs: the store never looks inside them.
-SealedSecret fake_secret(const std::string& name, const Scope& s, uint64_t version = 1) {
-    SealedSecret out;
-    out.name = name;
-    out.scope = s;
-    out.version = version;
-    out.created_at = "2026-01-02T03:04:05Z";
-    out.kek_id = "file:0123abcd";
-    out.wrapped_dek = "d3JhcHBlZA==";
-    out.nonce = "bm9uY2Vub25jZTEy";
-    out.ciphertext = "Y2lwaGVy" + std::to_string(version);
-    return out;
-}
+using test_records::fake_secret;  // a sealed secret with placeholder blobs
 
 Mutation put_secret(const SealedSecret& s) {
     Mutation m;

@@ -146,6 +146,15 @@ def api_ok(e, method, path, body=None, status=(200, 201, 204)) -> dict | None:
     return r.json
 
 
+def refused_or_closed(c: helpers.Conn, host: str, path: str):
+    """The next request on an open connection: (status, reason), or (None, "closed")."""
+    try:
+        r = helpers.request(c, "GET", path, host)
+        return r.status, r.egress_reason
+    except (ConnectionError, ssl.SSLError, OSError, ValueError):
+        return None, "closed"
+
+
 def put_secret(e, name: str, value: str, **scope) -> dict:
     scope = scope or {"org": "acme"}
     r = api(e, "POST", "/v1/secrets", {"name": name, "scope": scope, "value": value})

@@ -143,11 +143,7 @@ class Etcd:
         return self.proc is not None and self.proc.poll() is None
 
     def log_text(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return helpers.file_text(self.log_path)
 
     # -- reading the store ------------------------------------------------------------------
     def _post(self, path: str, body: dict) -> dict:

@@ -35,6 +35,15 @@ def poll(pred, timeout: float, what: str, interval: float = 0.02):
         time.sleep(interval)
 
 
+def file_text(path: str) -> str:
+    """A log file's text ("" when it cannot be read); bytes that are not UTF-8 replaced."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def clean_env(**extra) -> dict:
     """The environment for client subprocesses and egressd: no proxy or CA variables
     inherited, and no allocator tunables (egressd adds its own: proxy/malloc_tuning.h)."""
@@ -170,11 +179,7 @@ class Egressd:
 
     # -- observation ------------------------------------------------------------------------
     def stderr_text(self) -> str:
-        try:
-            with open(self.stderr_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return file_text(self.stderr_path)
 
     def vm_hwm_kib(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:

@@ -23,8 +23,8 @@ import pytest
 import helpers
 from cp_helpers import (SEEN, GitServer, admin_token, api, api_ok, bearer_pin, contains_any,
                         create_run, ctl, ctl_ok, cp_mutate, egressctl_bin, expect, get_via,
-                        make_bare_repo, make_leaf, master_key_file, put_secret, rotate_secret,
-                        seen_auth, state_dir)
+                        make_bare_repo, make_leaf, master_key_file, put_secret,
+                        refused_or_closed, rotate_secret, seen_auth, state_dir)
 
 
 def sval(tag: str) -> str:
@@ -565,15 +565,6 @@ def test_pins_sharing_a_secret_follow_its_rotation(cp, world):
     expect(auth_seen("basic.test") == basic(v2), "basic.test: not basic(v2) after the rebuild")
 
 
-def _refused_or_closed(c: helpers.Conn, host: str, path: str):
-    """The next request on an open connection: (status or None when the connection closed)."""
-    try:
-        r = helpers.request(c, "GET", path, host)
-        return r.status, r.egress_reason
-    except (ConnectionError, ssl.SSLError, OSError, ValueError):
-        return None, "closed"
-
-
 def test_run_expiry(cp, world, api_secret):
     run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), "api_tok")], ttl=2)
     pin_exp = run.reply["pins"][0]["expires_at"]
@@ -588,7 +579,7 @@ def test_run_expiry(cp, world, api_secret):
     results = []
 
     def refused_on_open():
-        st, why = _refused_or_closed(open_conn, api_host(world), f"/echo/{marker}-k")
+        st, why = refused_or_closed(open_conn, api_host(world), f"/echo/{marker}-k")
         results.append((st, why))
         return st != 200
     helpers.poll(refused_on_open, 8.0, "the open connection to be refused after expiry",
@@ -641,12 +632,12 @@ def test_revocation_closes_open_connections_and_refuses_new_ones(cp, world, api_
     out = ctl_ok(cp, "run", "revoke", run.id).out
     assert f"run {run.id} revoked" in out
 
-    st, why = _refused_or_closed(intercepted, api_host(world), f"/echo/{marker}-after")
+    st, why = refused_or_closed(intercepted, api_host(world), f"/echo/{marker}-after")
     assert st in (None, 403), (st, why)
     if st == 403:
         assert why == "run_revoked"
     assert not seen_auth(world.upstream, f"{marker}-after"), "a request went out after revoke"
-    st, why = _refused_or_closed(blind, f"tunnel.test:{world.U}", f"/echo/{marker}-b-after")
+    st, why = refused_or_closed(blind, f"tunnel.test:{world.U}", f"/echo/{marker}-b-after")
     assert st is None, f"blind tunnel still open after revocation: {st}"
     assert not world.upstream.find(f"{marker}-b-after")
     for target in (api_host(world), f"tunnel.test:{world.U}"):

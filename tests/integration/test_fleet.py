@@ -32,7 +32,8 @@ import pytest
 
 import helpers
 from cp_helpers import (SEEN, DynRun, api, api_ok, bearer_pin, contains_any, cp_mutate,
-                        create_run, expect, fp, get_via, put_secret, rotate_secret, seen_auth)
+                        create_run, expect, fp, get_via, put_secret, refused_or_closed,
+                        rotate_secret, seen_auth)
 from etcd_helpers import Etcd, require_etcd_bin
 
 # DESIGN's bound for a change made on one replica to reach every other (the watch). A
@@ -178,15 +179,6 @@ def closed_by_peer(c: helpers.Conn) -> bool:
             pass
     assert not data, f"unexpected bytes on an idle connection: {data!r}"
     return True
-
-
-def refused_or_closed(c: helpers.Conn, host: str, path: str):
-    """The next request on an open connection: (status, reason), or (None, "closed")."""
-    try:
-        r = helpers.request(c, "GET", path, host)
-        return r.status, r.egress_reason
-    except (ConnectionError, ssl.SSLError, OSError, ValueError):
-        return None, "closed"
 
 
 # ---------------------------------------------------------------------------------------------
