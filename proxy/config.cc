@@ -597,13 +597,9 @@ public:
             c.etcd_endpoints =
                 list_of<std::string>(v, p, [this](const YAML::Node& n, const std::string& np) {
                     auto s = string(n, np);
-                    if (s && s->rfind("https://", 0) == 0) {
-                        // Said here, not at start: --check catches it too.
-                        error(np, "https:// (TLS to etcd) is not supported yet: reach etcd "
-                                  "over http:// on a trusted network (or a local TLS proxy)");
-                        s.reset();
-                    } else if (s && s->rfind("http://", 0) != 0) {
-                        error(np, "expected an http://host:port URL, got " + quoted(*s));
+                    if (s && s->rfind("http://", 0) != 0 && s->rfind("https://", 0) != 0) {
+                        error(np, "expected an http:// or https://host:port URL, got " +
+                                      quoted(*s));
                         s.reset();
                     }
                     return s;
@@ -614,13 +610,56 @@ public:
             {{"backend",
               set_choice<std::string>(c.state_backend, {"file", "etcd"}, {"file", "etcd"})},
              {"path", set_string(c.state_path)},
-             {"etcd", section({{"endpoints", endpoints}, {"prefix", set_string(c.etcd_prefix)}})}});
+             {"etcd",
+              section({{"endpoints", endpoints},
+                       {"prefix", set_string(c.etcd_prefix)},
+                       {"timeout",
+                        [this, &c](const YAML::Node& v, const std::string& p) {
+                            auto d = duration(v, p);
+                            if (d && (*d < std::chrono::milliseconds(100) ||
+                                      *d > std::chrono::minutes(10))) {
+                                error(p, "must be between 100ms and 10m");
+                            } else if (d) {
+                                c.etcd_timeout = *d;
+                            }
+                        }},
+                       {"lease_grace",
+                        [this, &c](const YAML::Node& v, const std::string& p) {
+                            auto d = duration(v, p);
+                            if (d && (d->count() % 1000 != 0 || *d > std::chrono::hours(24))) {
+                                error(p, "must be a whole number of seconds, at most 24h");
+                            } else if (d) {
+                                c.etcd_lease_grace =
+                                    std::chrono::duration_cast<std::chrono::seconds>(*d);
+                            }
+                        }},
+                       {"ca_file", set_string(c.etcd_ca_file)},
+                       {"cert_file", set_optional_string(c.etcd_cert_file)},
+                       {"key_file", set_optional_string(c.etcd_key_file)}})}});
         if (c.etcd_prefix.empty()) {
             error(join_path(path, "etcd.prefix"), "must not be empty");
         }
         if (endpoints_set && c.state_backend == "etcd" && c.etcd_endpoints.empty()) {
             error(join_path(path, "etcd.endpoints"),
                   "must not be empty when state.backend is etcd");
+        }
+        if (c.etcd_ca_file.empty()) {
+            error(join_path(path, "etcd.ca_file"),
+                  "must not be empty (\"system\" for the system store)");
+        }
+        if (c.etcd_cert_file.has_value() != c.etcd_key_file.has_value()) {
+            error(join_path(path, c.etcd_cert_file ? "etcd.key_file" : "etcd.cert_file"),
+                  "must be set with " +
+                      std::string(c.etcd_cert_file ? "etcd.cert_file" : "etcd.key_file") +
+                      " (a client certificate needs both)");
+        }
+        const bool any_tls =
+            std::any_of(c.etcd_endpoints.begin(), c.etcd_endpoints.end(),
+                        [](const std::string& e) { return e.rfind("https://", 0) == 0; });
+        if (c.state_backend == "etcd" && c.etcd_cert_file && !any_tls) {
+            error(join_path(path, "etcd.cert_file"),
+                  "is set but no state.etcd.endpoints entry is https:// (a client certificate "
+                  "is sent only over TLS)");
         }
     }
 

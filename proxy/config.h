@@ -134,6 +134,18 @@ struct Config {
     std::string state_path = "var/state";
     std::vector<std::string> etcd_endpoints{"http://127.0.0.1:2379"};
     std::string etcd_prefix = "/egressd/";
+    // How long one call to etcd may take (connect, answer), and so how long a write waits
+    // for an etcd that stalls before it answers 503, and for its own change to come back
+    // through the watch.
+    std::chrono::milliseconds etcd_timeout{5000};
+    // How long a run's etcd lease outlives the run: its keys stay that long after expiry,
+    // so replicas whose clocks are a little behind still see it expire, not vanish.
+    std::chrono::seconds etcd_lease_grace{60};
+    // https:// endpoints: the CAs that verify etcd's certificate ("system": the system
+    // store), and a client certificate for an etcd with --client-cert-auth (both or neither).
+    std::string etcd_ca_file = "system";
+    std::optional<std::string> etcd_cert_file;
+    std::optional<std::string> etcd_key_file;
     std::string master_key_file = "var/master.key";
     std::optional<std::string> kms_command;
     std::string upstream_ca_file = "system";

@@ -458,12 +458,9 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
     }
 
     if (cfg.state_backend == "etcd") {
-        EtcdOptions etcd;
-        etcd.endpoints = cfg.etcd_endpoints;
-        etcd.prefix = cfg.etcd_prefix;
-        auto store = open_etcd_store(etcd);
+        auto store = open_etcd_store(etcd_options(cfg));
         if (!store) {
-            return make_error("state.etcd.endpoints: " + store.error());
+            return make_error(store.error());  // names the state.etcd key to fix
         }
         cp->store_ = std::move(*store);
     } else {

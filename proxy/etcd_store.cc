@@ -4,6 +4,7 @@
 #include <netinet/tcp.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -21,6 +22,8 @@
 #include "common/published.h"
 #include "credstore/envelope.h"
 #include "credstore/etcd_layout.h"
+#include "proxy/tls_socket.h"
+#include "tls/contexts.h"
 
 namespace egress::proxy {
 
@@ -47,6 +50,7 @@ struct Endpoint {
     std::string text;  // as configured, for messages
     std::string host;
     std::string port;
+    bool tls = false;  // https://
 };
 
 Result<Endpoint> parse_endpoint(const std::string& text) {
@@ -54,10 +58,8 @@ Result<Endpoint> parse_endpoint(const std::string& text) {
     if (!u) {
         return make_error("'" + text + "' is not a URL");
     }
-    if (u->scheme() != "http") {
-        return make_error("'" + text +
-                          "': only http:// endpoints are supported (TLS to etcd is not built "
-                          "yet: reach etcd on a trusted network or through a local TLS proxy)");
+    if (u->scheme() != "http" && u->scheme() != "https") {
+        return make_error("'" + text + "': expected an http:// or https:// URL");
     }
     if (u->host().empty()) {
         return make_error("'" + text + "' names no host");
@@ -66,7 +68,8 @@ Result<Endpoint> parse_endpoint(const std::string& text) {
     if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
         host = host.substr(1, host.size() - 2);
     }
-    return Endpoint{text, host, u->has_port() ? std::string(u->port()) : "2379"};
+    return Endpoint{text, host, u->has_port() ? std::string(u->port()) : "2379",
+                    u->scheme() == "https"};
 }
 
 std::string b64(std::string_view s) { return credstore::base64_encode(s); }
@@ -184,9 +187,11 @@ std::string watch_body(const std::string& key, const std::string& range_end, int
 
 class EtcdStateStore final : public credstore::StateStore {
 public:
-    explicit EtcdStateStore(EtcdOptions options, std::vector<Endpoint> endpoints)
+    EtcdStateStore(EtcdOptions options, std::vector<Endpoint> endpoints,
+                   std::unique_ptr<net::ssl::context> tls_ctx)
         : options_(std::move(options)),
           endpoints_(std::move(endpoints)),
+          tls_ctx_(std::move(tls_ctx)),
           range_end_(credstore::etcd::prefix_range_end(options_.prefix)) {
         current_.store(std::make_shared<const StateSnapshot>());
     }
@@ -301,6 +306,8 @@ private:
     }
 
     // ---- unary calls ----------------------------------------------------------------------
+    using Clock = std::chrono::steady_clock;
+
     awaitable<Result<json::object>> call(std::string_view path, std::string body) {
         std::string failures;
         const size_t n = endpoints_.size();
@@ -323,20 +330,70 @@ private:
 
     /// One call on one member. `refused`: etcd answered 4xx (a request it will not take from
     /// any member); anything else (no connection, a timeout, 5xx: no leader, shutting down)
-    /// is worth the next endpoint.
+    /// is worth the next endpoint. options_.request_timeout bounds the whole call.
     awaitable<Result<json::object>> call_one(const Endpoint& ep, std::string_view path,
                                              const std::string& body, bool& refused) {
-        beast::tcp_stream stream(ioc_);
+        const auto deadline = Clock::now() + options_.request_timeout;
+        beast::tcp_stream tcp(ioc_);
+        if (std::string bad = co_await dial(ep, tcp, deadline); !bad.empty()) {
+            co_return make_error(bad);
+        }
+        if (!ep.tls) {
+            co_return co_await exchange(tcp, ep, path, body, refused, deadline);
+        }
+        TlsSocket tls(std::move(tcp), *tls_ctx_);
+        if (std::string bad = co_await handshake(ep, tls, deadline); !bad.empty()) {
+            co_return make_error(bad);
+        }
+        co_return co_await exchange(tls, ep, path, body, refused, deadline);
+    }
+
+    static Clock::duration left(Clock::time_point deadline) {
+        return std::max(deadline - Clock::now(), Clock::duration::zero());
+    }
+
+    /// A TCP connection to `ep` within the deadline; "" or why not.
+    awaitable<std::string> dial(const Endpoint& ep, beast::tcp_stream& stream,
+                                Clock::time_point deadline) {
         tcp::resolver resolver(ioc_);
         auto [rec, results] = co_await resolver.async_resolve(ep.host, ep.port, nothrow);
         if (rec) {
-            co_return make_error(ep.text + ": " + rec.message());
+            co_return ep.text + ": " + rec.message();
         }
-        stream.expires_after(options_.request_timeout);
+        stream.expires_after(left(deadline));
         auto [cec, connected] = co_await stream.async_connect(results, nothrow);
         if (cec) {
-            co_return make_error(ep.text + ": " + cec.message());
+            co_return ep.text + ": " + cec.message();
         }
+        co_return "";
+    }
+
+    /// The TLS handshake of an https:// endpoint: etcd's certificate must be valid for the
+    /// endpoint's host (name or IP) and chain to state.etcd.ca_file. "" or why not.
+    awaitable<std::string> handshake(const Endpoint& ep, TlsSocket& stream,
+                                     Clock::time_point deadline) {
+        SSL* ssl = stream.native_handle();
+        if (auto ok = tls::prepare_client(ssl, ep.host); !ok) {
+            co_return ep.text + ": " + ok.error();
+        }
+        stream.expires_after(left(deadline));
+        auto [ec] = co_await stream.async_handshake(net::ssl::stream_base::client, nothrow);
+        if (ec) {
+            const long verify = SSL_get_verify_result(ssl);
+            co_return ep.text + ": TLS handshake: " + ec.message() +
+                (verify != X509_V_OK
+                     ? std::string(" (certificate: ") + X509_verify_cert_error_string(verify) + ")"
+                     : std::string());
+        }
+        co_return "";
+    }
+
+    /// One request and its answer on a connected stream (TCP or TLS).
+    template <class Stream>
+    awaitable<Result<json::object>> exchange(Stream& stream, const Endpoint& ep,
+                                             std::string_view path, const std::string& body,
+                                             bool& refused, Clock::time_point deadline) {
+        stream.expires_after(left(deadline));
         http::request<http::string_body> req{http::verb::post, path, 11};
         req.set(http::field::host, ep.host + ":" + ep.port);
         req.set(http::field::content_type, "application/json");
@@ -520,19 +577,29 @@ private:
     /// Streams watch events from `from_revision` until the stream breaks; returns why.
     awaitable<std::string> watch(int64_t from_revision, std::chrono::milliseconds& backoff) {
         const Endpoint& ep = endpoints_[preferred_ % endpoints_.size()];
-        beast::tcp_stream stream(ioc_);
-        tcp::resolver resolver(ioc_);
-        auto [rec, results] = co_await resolver.async_resolve(ep.host, ep.port, nothrow);
-        if (rec) {
-            co_return ep.text + ": " + rec.message();
+        const auto deadline = Clock::now() + options_.request_timeout;
+        beast::tcp_stream tcp(ioc_);
+        std::string bad = co_await dial(ep, tcp, deadline);
+        if (bad.empty()) {
+            keep_alive(tcp.socket().native_handle());
+            if (!ep.tls) {
+                co_return co_await watch_on(tcp, ep, from_revision, backoff, deadline);
+            }
+            TlsSocket tls(std::move(tcp), *tls_ctx_);
+            bad = co_await handshake(ep, tls, deadline);
+            if (bad.empty()) {
+                co_return co_await watch_on(tls, ep, from_revision, backoff, deadline);
+            }
         }
-        stream.expires_after(options_.request_timeout);
-        auto [cec, connected] = co_await stream.async_connect(results, nothrow);
-        if (cec) {
-            preferred_ = (preferred_ + 1) % endpoints_.size();
-            co_return ep.text + ": " + cec.message();
-        }
-        keep_alive(stream.socket().native_handle());
+        preferred_ = (preferred_ + 1) % endpoints_.size();
+        co_return bad;
+    }
+
+    template <class Stream>
+    awaitable<std::string> watch_on(Stream& stream, const Endpoint& ep, int64_t from_revision,
+                                    std::chrono::milliseconds& backoff,
+                                    Clock::time_point deadline) {
+        stream.expires_after(left(deadline));
         http::request<http::string_body> req{http::verb::post, "/v3/watch", 11};
         req.set(http::field::host, ep.host + ":" + ep.port);
         req.set(http::field::content_type, "application/json");
@@ -648,6 +715,7 @@ private:
 
     EtcdOptions options_;
     std::vector<Endpoint> endpoints_;
+    std::unique_ptr<net::ssl::context> tls_ctx_;  // set when an endpoint is https://
     std::string range_end_;
     std::atomic<size_t> preferred_{0};
     std::atomic<bool> stopping_{false};
@@ -667,24 +735,66 @@ private:
 
 }  // namespace
 
+EtcdOptions etcd_options(const Config& cfg) {
+    EtcdOptions o;
+    o.endpoints = cfg.etcd_endpoints;
+    o.prefix = cfg.etcd_prefix;
+    o.request_timeout = cfg.etcd_timeout;
+    o.lease_grace = cfg.etcd_lease_grace;
+    o.ca_file = cfg.etcd_ca_file;
+    o.cert_file = cfg.etcd_cert_file;
+    o.key_file = cfg.etcd_key_file;
+    return o;
+}
+
+Result<tls::SslCtxPtr> etcd_tls_context(const EtcdOptions& options) {
+    const bool any_tls =
+        std::any_of(options.endpoints.begin(), options.endpoints.end(),
+                    [](const std::string& e) { return e.rfind("https://", 0) == 0; });
+    if (!any_tls) {
+        return tls::SslCtxPtr();
+    }
+    auto ctx = tls::make_client_context(options.ca_file, {"http/1.1"});
+    if (!ctx) {
+        return make_error("state.etcd.ca_file: " + ctx.error());
+    }
+    if (options.cert_file && options.key_file) {
+        if (auto ok =
+                tls::use_client_certificate(ctx->get(), *options.cert_file, *options.key_file);
+            !ok) {
+            return make_error("state.etcd.cert_file / key_file: " + ok.error());
+        }
+    }
+    return std::move(*ctx);
+}
+
 Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdOptions& options) {
     if (options.endpoints.empty()) {
-        return make_error("no endpoint");
+        return make_error("state.etcd.endpoints: no endpoint");
     }
     if (options.prefix.empty()) {
-        return make_error("the prefix must not be empty");
+        return make_error("state.etcd.prefix: must not be empty");
     }
     std::vector<Endpoint> endpoints;
     for (const auto& text : options.endpoints) {
         auto ep = parse_endpoint(text);
         if (!ep) {
-            return make_error(ep.error());
+            return make_error("state.etcd.endpoints: " + ep.error());
         }
         endpoints.push_back(std::move(*ep));
     }
-    auto store = std::make_unique<EtcdStateStore>(options, std::move(endpoints));
+    auto ctx = etcd_tls_context(options);
+    if (!ctx) {
+        return make_error(ctx.error());
+    }
+    std::unique_ptr<net::ssl::context> tls_ctx;
+    if (*ctx) {
+        tls_ctx = std::make_unique<net::ssl::context>(ctx->release());
+    }
+    auto store =
+        std::make_unique<EtcdStateStore>(options, std::move(endpoints), std::move(tls_ctx));
     if (auto s = store->start(); !s) {
-        return make_error(s.error());
+        return make_error("state.etcd.endpoints: " + s.error());
     }
     return std::unique_ptr<credstore::StateStore>(std::move(store));
 }

@@ -14,13 +14,18 @@
 // - Listeners run on the store's own thread, in revision order.
 // - etcd unreachable: reads keep the last view (the data path keeps serving), writes fail
 //   with an error naming etcd, and the watch reconnects and resynchronizes by itself.
+// - https:// endpoints: TLS 1.2+, etcd's certificate verified for the endpoint's host (name or
+//   IP) against ca_file, and a client certificate for an etcd with --client-cert-auth.
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/result.h"
 #include "credstore/state_store.h"
+#include "proxy/config.h"
+#include "tls/openssl_ptr.h"
 
 namespace egress::proxy {
 
@@ -29,7 +34,20 @@ struct EtcdOptions {
     std::string prefix = "/egressd/";
     std::chrono::milliseconds request_timeout{5000};
     std::chrono::seconds lease_grace{60};
+    // https:// endpoints: verify etcd's certificate against these CAs ("system": the system
+    // store); a client certificate (cert_file and key_file) if etcd asks for one.
+    std::string ca_file = "system";
+    std::optional<std::string> cert_file;
+    std::optional<std::string> key_file;
 };
+
+/// The state.etcd keys of `cfg` as store options.
+EtcdOptions etcd_options(const Config& cfg);
+
+/// The TLS client context of the https:// endpoints (null when none is https://): TLS 1.2+,
+/// state.etcd.ca_file's CAs, the client certificate if one is set. Errors name the key;
+/// `egressd --check` calls it too (it reads files, dials nothing).
+Result<tls::SslCtxPtr> etcd_tls_context(const EtcdOptions& options);
 
 /// Connects, loads the state under the prefix and starts the watch. Errors name what failed
 /// (an endpoint that is not http://host:port, no endpoint reachable, a record that does not

@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "proxy/config.h"
+#include "proxy/etcd_store.h"
 #include "proxy/logging.h"
 #include "proxy/malloc_tuning.h"
 #include "proxy/runtime.h"
@@ -25,7 +26,8 @@ constexpr const char* kUsage =
 
 /// What a start would refuse beyond the parse, checked without side effects (no listener,
 /// no file written, no store opened, so etcd is not contacted): every static run (token and
-/// secret files, CA), the upstream CA bundle. Errors name the key, one per line.
+/// secret files, CA), the upstream CA bundle, etcd's TLS files. Errors name the key, one per
+/// line.
 std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
                          egress::proxy::BuildWarnings& warnings) {
     std::string errors;
@@ -36,6 +38,12 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
     auto ctx = egress::tls::make_client_context(config->upstream_ca_file, {"http/1.1"});
     if (!ctx) {
         add("upstream.ca_file: " + ctx.error());
+    }
+    if (config->state_backend == "etcd") {
+        if (auto etcd = egress::proxy::etcd_tls_context(egress::proxy::etcd_options(*config));
+            !etcd) {
+            add(etcd.error());
+        }
     }
     return errors;
 }

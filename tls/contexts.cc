@@ -147,14 +147,14 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
         settle_certificates(SSL_CTX_get_cert_store(ctx.get()));
     } else {
         if (ca_file.empty()) {
-            return make_error("upstream CA file is empty (use \"system\" for the system store)");
+            return make_error("CA file is empty (use \"system\" for the system store)");
         }
         if (SSL_CTX_load_verify_locations(ctx.get(), ca_file.c_str(), nullptr) != 1) {
-            return ssl_error("cannot load upstream CA file '" + ca_file + "'");
+            return ssl_error("cannot load CA file '" + ca_file + "'");
         }
         if (settle_certificates(SSL_CTX_get_cert_store(ctx.get())) == 0) {
             ERR_clear_error();
-            return make_error("upstream CA file '" + ca_file + "' contains no certificate");
+            return make_error("CA file '" + ca_file + "' contains no certificate");
         }
     }
     X509_VERIFY_PARAM_set_hostflags(SSL_CTX_get0_param(ctx.get()),
@@ -168,6 +168,21 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
         return ssl_error("setting the client ALPN list failed");  // note: 0 means success
     }
     return ctx;
+}
+
+Result<bool> use_client_certificate(SSL_CTX* ctx, const std::string& cert_file,
+                                    const std::string& key_file) {
+    if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
+        return ssl_error("cannot load certificate file '" + cert_file + "'");
+    }
+    if (SSL_CTX_use_PrivateKey_file(ctx, key_file.c_str(), SSL_FILETYPE_PEM) != 1) {
+        return ssl_error("cannot load key file '" + key_file + "'");
+    }
+    if (SSL_CTX_check_private_key(ctx) != 1) {
+        return ssl_error("key file '" + key_file + "' does not match certificate file '" +
+                         cert_file + "'");
+    }
+    return true;
 }
 
 Result<bool> prepare_client(SSL* ssl, const std::string& host_in) {

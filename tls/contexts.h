@@ -25,6 +25,11 @@ Result<bool> use_leaf(SSL* ssl, const Leaf& leaf);
 /// ClientSessionCache attached per connection (tls/session_cache.h), ALPN list `alpn`.
 Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<std::string> alpn);
 
+/// A client certificate for every connection of `ctx` (a peer that asks for one, such as an
+/// etcd with --client-cert-auth): the PEM chain in `cert_file`, its key in `key_file`.
+Result<bool> use_client_certificate(SSL_CTX* ctx, const std::string& cert_file,
+                                    const std::string& key_file);
+
 /// Per-connection upstream setup: SNI (names only, not IP literals) and hostname (or IP)
 /// verification against `host` via X509_VERIFY_PARAM, so the handshake fails unless the
 /// certificate is valid for exactly that host.

@@ -61,6 +61,11 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.state_path, d.state_path);
     EXPECT_EQ(c.etcd_endpoints, d.etcd_endpoints);
     EXPECT_EQ(c.etcd_prefix, d.etcd_prefix);
+    EXPECT_EQ(c.etcd_timeout, milliseconds(5'000));
+    EXPECT_EQ(c.etcd_lease_grace, std::chrono::seconds(60));
+    EXPECT_EQ(c.etcd_ca_file, "system");
+    EXPECT_FALSE(c.etcd_cert_file.has_value());
+    EXPECT_FALSE(c.etcd_key_file.has_value());
     EXPECT_EQ(c.master_key_file, d.master_key_file);
     EXPECT_FALSE(c.kms_command.has_value());
     EXPECT_EQ(c.upstream_ca_file, "system");
@@ -134,7 +139,9 @@ admin:
 state:
   backend: etcd
   path: /var/lib/egressd
-  etcd: {endpoints: [http://10.0.0.1:2379, http://10.0.0.2:2379], prefix: /e/}
+  etcd: {endpoints: [https://10.0.0.1:2379, http://10.0.0.2:2379], prefix: /e/, timeout: 750ms,
+         lease_grace: 2m, ca_file: /etc/egressd/etcd-ca.pem, cert_file: /etc/egressd/etcd.pem,
+         key_file: /etc/egressd/etcd.key}
 keys:
   master_key_file: /etc/egressd/master.key
   kms_command: /usr/bin/unwrap-key
@@ -231,8 +238,13 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.state_backend, "etcd");
     EXPECT_EQ(c.state_path, "/var/lib/egressd");
     EXPECT_EQ(c.etcd_endpoints,
-              (std::vector<std::string>{"http://10.0.0.1:2379", "http://10.0.0.2:2379"}));
+              (std::vector<std::string>{"https://10.0.0.1:2379", "http://10.0.0.2:2379"}));
     EXPECT_EQ(c.etcd_prefix, "/e/");
+    EXPECT_EQ(c.etcd_timeout, milliseconds(750));
+    EXPECT_EQ(c.etcd_lease_grace, std::chrono::seconds(120));
+    EXPECT_EQ(c.etcd_ca_file, "/etc/egressd/etcd-ca.pem");
+    EXPECT_EQ(c.etcd_cert_file, "/etc/egressd/etcd.pem");
+    EXPECT_EQ(c.etcd_key_file, "/etc/egressd/etcd.key");
     EXPECT_EQ(c.master_key_file, "/etc/egressd/master.key");
     EXPECT_EQ(c.kms_command, "/usr/bin/unwrap-key");
     EXPECT_EQ(c.upstream_ca_file, "/etc/egressd/upstream-ca.pem");
@@ -466,10 +478,26 @@ const ErrorRow kErrorRows[] = {
     {"UnknownNestedKey", "limits:\n  header_timeuot: 5s\n", "limits.header_timeuot: unknown key"},
     {"UnknownEtcdKey", "state: {etcd: {endpoint: [http://x]}}\n",
      "state.etcd.endpoint: unknown key"},
-    {"EtcdOverTls", "state: {backend: etcd, etcd: {endpoints: [https://10.0.0.2:2379]}}\n",
-     "state.etcd.endpoints[0]: https:// (TLS to etcd) is not supported yet"},
+    {"EtcdCertWithoutKey",
+     "state: {backend: etcd, etcd: {endpoints: [https://10.0.0.2:2379], cert_file: /c.pem}}\n",
+     "state.etcd.key_file: must be set with etcd.cert_file"},
+    {"EtcdKeyWithoutCert",
+     "state: {backend: etcd, etcd: {endpoints: [https://10.0.0.2:2379], key_file: /c.key}}\n",
+     "state.etcd.cert_file: must be set with etcd.key_file"},
+    {"EtcdClientCertWithoutTls",
+     "state: {backend: etcd, etcd: {endpoints: [http://10.0.0.2:2379], cert_file: /c.pem, "
+     "key_file: /c.key}}\n",
+     "state.etcd.cert_file: is set but no state.etcd.endpoints entry is https://"},
+    {"EtcdEmptyCaFile", "state: {etcd: {ca_file: ''}}\n", "state.etcd.ca_file: must not be empty"},
     {"EtcdEmptyPrefix", "state: {backend: etcd, etcd: {prefix: ''}}\n",
      "state.etcd.prefix: must not be empty"},
+    {"EtcdTimeoutTooShort", "state: {etcd: {timeout: 10ms}}\n",
+     "state.etcd.timeout: must be between 100ms and 10m"},
+    {"EtcdTimeoutNotADuration", "state: {etcd: {timeout: soon}}\n", "state.etcd.timeout: "},
+    {"EtcdLeaseGraceFraction", "state: {etcd: {lease_grace: 1500ms}}\n",
+     "state.etcd.lease_grace: must be a whole number of seconds"},
+    {"EtcdLeaseGraceTooLong", "state: {etcd: {lease_grace: 48h}}\n",
+     "state.etcd.lease_grace: must be a whole number of seconds, at most 24h"},
     {"UnknownRunKey", "runs:\n  - id: a\n    tokenfile: x\n", "runs[0].tokenfile: unknown key"},
     {"UnknownPinKey",
      run_with_pin("        secret: s\n        inject: {type: bearer}\n"
@@ -532,7 +560,7 @@ const ErrorRow kErrorRows[] = {
      "resolver.overrides.a.test: must list at least one address"},
     {"BadDnsServer", "resolver: {servers: ['127.0.0.1:0']}\n", "resolver.servers[0]: bad port"},
     {"BadEtcdEndpoint", "state: {etcd: {endpoints: [10.0.0.1:2379]}}\n",
-     "state.etcd.endpoints[0]: expected an http://host:port URL"},
+     "state.etcd.endpoints[0]: expected an http:// or https://host:port URL"},
     // enumerations
     {"BadUnpinned", "policy: {unpinned: block}\n",
      "policy.unpinned: unknown value 'block' (expected tunnel or intercept)"},

@@ -405,7 +405,7 @@ class GitServer:
 
 def make_leaf(pki_dir: str, name: str, hosts: list[str]) -> tuple[str, str]:
     """A server certificate for `hosts`, signed by the integration test CA."""
-    upstream._make_leaf(pki_dir, "testca", name, hosts)
+    upstream.make_leaf(pki_dir, "testca", name, hosts)
     return os.path.join(pki_dir, f"{name}.pem"), os.path.join(pki_dir, f"{name}.key")
 
 

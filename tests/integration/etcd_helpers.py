@@ -7,10 +7,12 @@ read it through its JSON gateway (POST /v3/kv/range; keys and values are base64)
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import urllib.request
 
@@ -68,10 +70,34 @@ def _strip_zero_tail(data: bytes, block: int = 1 << 20) -> bytes:
     return data[:end].rstrip(b"\0")
 
 
+@dataclasses.dataclass
+class EtcdTls:
+    """An etcd serving its client port over TLS with client certificates required
+    (--client-cert-auth): cert/key its own (serverAuth and clientAuth: etcd 3.4's gateway dials
+    its gRPC server with it; its only name is localhost, no IP), ca the CA both sides trust,
+    client_cert/client_key what the tests' own reads present."""
+    ca: str
+    cert: str
+    key: str
+    client_cert: str
+    client_key: str
+
+    def args(self) -> list[str]:
+        return ["--cert-file", self.cert, "--key-file", self.key,
+                "--trusted-ca-file", self.ca, "--client-cert-auth"]
+
+    def context(self) -> ssl.SSLContext:
+        c = ssl.create_default_context(cafile=self.ca)
+        c.load_cert_chain(self.client_cert, self.client_key)
+        return c
+
+
 class Etcd:
-    def __init__(self, binary: str, workdir: str, extra_args: list[str] = ()):
+    def __init__(self, binary: str, workdir: str, extra_args: list[str] = (),
+                 tls: EtcdTls | None = None):
         self.binary = binary
-        self.extra_args = list(extra_args)
+        self.tls = tls
+        self.extra_args = list(extra_args) + (tls.args() if tls else [])
         self.workdir = workdir
         self.data_dir = os.path.join(workdir, "data")
         self.log_path = os.path.join(workdir, "etcd.log")
@@ -84,13 +110,22 @@ class Etcd:
 
     @property
     def url(self) -> str:
+        """http://127.0.0.1:PORT; with TLS https://localhost:PORT (the name its certificate
+        holds; it listens on 127.0.0.1 either way)."""
+        if self.tls:
+            return f"https://localhost:{self.client_port}"
         return f"http://127.0.0.1:{self.client_port}"
 
+    def _open(self, req, timeout: float):
+        return urllib.request.urlopen(req, timeout=timeout,
+                                      context=self.tls.context() if self.tls else None)
+
     def command(self) -> list[str]:
-        c, p = self.client_port, self.peer_port
+        p = self.peer_port
         return [self.binary, "--name", "t", "--data-dir", self.data_dir,
-                "--listen-client-urls", f"http://127.0.0.1:{c}",
-                "--advertise-client-urls", f"http://127.0.0.1:{c}",
+                "--listen-client-urls",
+                f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}",
+                "--advertise-client-urls", self.url,
                 "--listen-peer-urls", f"http://127.0.0.1:{p}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}",
                 "--initial-cluster", f"t=http://127.0.0.1:{p}",
@@ -121,7 +156,7 @@ class Etcd:
                 raise AssertionError(f"etcd exited with {self.proc.returncode} before healthy; "
                                      f"log:\n{self.log_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                with self._open(self.url + "/health", 1) as r:
                     return r.status == 200 and json.loads(r.read()).get("health") == "true"
             except (OSError, ValueError):
                 return False
@@ -149,7 +184,7 @@ class Etcd:
     def _post(self, path: str, body: dict) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(req, timeout=5) as r:
+        with self._open(req, 5) as r:
             return json.loads(r.read())
 
     def range(self, prefix: str) -> list[dict]:
@@ -169,6 +204,10 @@ class Etcd:
         j = self._post("/v3/kv/range", {"key": b64(p), "range_end": b64(prefix_end(p)),
                                         "keys_only": True})
         return max((int(kv.get("mod_revision", 0)) for kv in j.get("kvs", [])), default=0)
+
+    def lease_granted_ttl(self, lease: int) -> int:
+        """The TTL (seconds) lease was granted with; -1 for a lease that is gone."""
+        return int(self._post("/v3/lease/timetolive", {"ID": lease}).get("grantedTTL", -1))
 
     def keys(self, prefix: str) -> list[str]:
         return [kv["key"] for kv in self.range(prefix)]

@@ -21,20 +21,23 @@ import os
 import re
 import secrets as pysecrets
 import select
+import signal
 import socket
 import ssl
 import subprocess
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import pytest
 
 import helpers
+import upstream
 from cp_helpers import (SEEN, DynRun, api, api_ok, bearer_pin, contains_any, cp_mutate,
                         create_run, expect, fp, get_via, put_secret, refused_or_closed,
                         rotate_secret, seen_auth)
-from etcd_helpers import Etcd, require_etcd_bin
+from etcd_helpers import Etcd, EtcdTls, require_etcd_bin
 
 # DESIGN's bound for a change made on one replica to reach every other (the watch). A
 # sanitizer build rebuilds its runtime several times slower: the bound is doubled there.
@@ -69,18 +72,19 @@ class Fleet:
     etcd: Etcd
 
 
-def etcd_state(prefix: str, endpoints: list[str]):
+def etcd_state(prefix: str, endpoints: list[str], **etcd_keys):
     def extra(cfg: dict):
         cfg["state"]["backend"] = "etcd"
-        cfg["state"]["etcd"] = {"endpoints": list(endpoints), "prefix": prefix}
+        cfg["state"]["etcd"] = {"endpoints": list(endpoints), "prefix": prefix, **etcd_keys}
     return extra
 
 
 def make_replica(factory, world, prefix: str, endpoints: list[str],
-                 master_key: bytes) -> helpers.Egressd:
-    """A replica of the fleet, not started: the control-plane config on the etcd backend, the
-    fleet's master key written to its own keys.master_key_file (32 bytes, 0600)."""
-    e = factory.make(mutate=cp_mutate(world, extra=etcd_state(prefix, endpoints)))
+                 master_key: bytes, **etcd_keys) -> helpers.Egressd:
+    """A replica of the fleet, not started: the control-plane config on the etcd backend
+    (etcd_keys: more state.etcd keys), the fleet's master key written to its own
+    keys.master_key_file (32 bytes, 0600)."""
+    e = factory.make(mutate=cp_mutate(world, extra=etcd_state(prefix, endpoints, **etcd_keys)))
     mk = e.config["keys"]["master_key_file"]
     os.makedirs(os.path.dirname(mk), mode=0o700, exist_ok=True)
     fd = os.open(mk, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -625,27 +629,165 @@ def test_a_write_etcd_refuses_is_not_taken_for_an_outage(factory, world):
         small.stop()
 
 
-def test_an_unreachable_etcd_is_a_clear_start_error(factory, world):
-    """An endpoint where nothing listens: egressd does not serve on a state it cannot load; it
-    exits non-zero within seconds and says which key to fix."""
-    e = make_replica(factory, world, f"/egressd-test-down-{pysecrets.token_hex(3)}/",
-                     [f"http://127.0.0.1:{world.closed_port}"], os.urandom(32))
+def test_state_etcd_timeout_bounds_a_write_to_a_stalled_etcd(factory, world):
+    """An etcd that accepts connections but answers nothing (SIGSTOP: the kernel still
+    completes the handshake) holds a write for state.etcd.timeout, here 400 ms, not the 5 s
+    default: the write answers 503 store_unavailable naming the endpoint well before 5 s, the
+    replica keeps serving, and once etcd runs again writes land."""
+    stalled = Etcd(require_etcd_bin(), world.new_dir("etcd-stall-")).start()
+    try:
+        a = start_replica(factory, make_replica(
+            factory, world, "/egressd-stall/", [stalled.url], os.urandom(32), timeout="400ms"))
+        put_secret(a, "before", sval("before"), org="acme")
+        os.kill(stalled.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = api(a, "POST", "/v1/secrets", {"name": "stalled", "scope": {"org": "acme"},
+                                               "value": sval("stalled")}, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status == 503, (r.status, r.body[:300])
+            assert r.json["error"] == "store_unavailable", r.json
+            assert stalled.url.removeprefix("http://") in r.json["detail"], r.json
+            assert took < 3.0, f"the write to a stalled etcd took {took:.1f}s (timeout 400ms)"
+            assert api(a, "GET", "/healthz", token=None).status == 200
+        finally:
+            os.kill(stalled.proc.pid, signal.SIGCONT)
+        n = [0]
+
+        def write_lands():
+            n[0] += 1
+            r = api(a, "POST", "/v1/secrets", {"name": f"after_{n[0]}", "scope": {"org": "acme"},
+                                               "value": sval("after")}, timeout=30)
+            return r.status == 201
+        helpers.poll(write_lands, 15.0, "a write after etcd resumed", interval=0.25)
+        a.stop()
+    finally:
+        stalled.stop()
+
+
+def test_state_etcd_lease_grace_sets_how_long_a_run_outlives_its_expiry(fleet, factory, world):
+    """A run's keys are on a lease granted for the run's remaining life plus
+    state.etcd.lease_grace: 60 s by default (replica A), 5 s on a replica configured so."""
+    with open(fleet.a.config["keys"]["master_key_file"], "rb") as f:
+        key = f.read()
+    short = start_replica(factory, make_replica(factory, world, fleet.prefix,
+                                                [fleet.etcd.url], key, lease_grace="5s"))
+    for e, grace in ((fleet.a, 60), (short, 5)):
+        run = create_run(e, world, {"org": "acme"}, [], ttl=30)
+        leases = {kv["lease"] for kv in fleet.etcd.range(fleet.prefix) if run.id in kv["key"]}
+        assert len(leases) == 1 and 0 not in leases, leases
+        granted = fleet.etcd.lease_granted_ttl(leases.pop())
+        # expires_at is whole seconds: the run has 29 to 30 s left when its lease is granted
+        assert 28 + grace <= granted <= 31 + grace, (e.admin_port, grace, granted)
+    short.stop()
+
+
+def start_fails(e: helpers.Egressd, within: float = 15.0) -> str:
+    """Starts e, expecting it to exit non-zero within `within` seconds; its stderr."""
     e.write_config()
-    t0 = time.monotonic()
     with open(e.stderr_path, "wb") as err:
         p = subprocess.Popen([e.binary, "--config", e.config_path], cwd=e.workdir,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                              env=helpers.clean_env(), preexec_fn=helpers._die_with_parent)
         try:
-            rc = p.wait(timeout=15)
+            rc = p.wait(timeout=within)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=10)
-            pytest.fail(f"egressd still running 15 s after start with etcd unreachable; "
+            pytest.fail(f"egressd still running {within:.0f} s after start; "
                         f"stderr:\n{e.stderr_text()[-2000:]}", pytrace=False)
-    took = time.monotonic() - t0
     stderr = e.stderr_text()
-    assert rc != 0, f"egressd exited 0 with etcd unreachable; stderr:\n{stderr[-2000:]}"
-    assert "state.etcd.endpoints" in stderr, f"stderr does not name the key: {stderr[-2000:]!r}"
-    assert took < 15
+    assert rc != 0, f"egressd exited 0; stderr:\n{stderr[-2000:]}"
     assert not e.leaks()
+    return stderr
+
+
+def test_an_unreachable_etcd_is_a_clear_start_error(factory, world):
+    """An endpoint where nothing listens: egressd does not serve on a state it cannot load; it
+    exits non-zero within seconds and says which key to fix."""
+    e = make_replica(factory, world, f"/egressd-test-down-{pysecrets.token_hex(3)}/",
+                     [f"http://127.0.0.1:{world.closed_port}"], os.urandom(32))
+    stderr = start_fails(e)
+    assert "state.etcd.endpoints" in stderr, f"stderr does not name the key: {stderr[-2000:]!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS to etcd
+
+
+@pytest.fixture(scope="module")
+def etcd_tls(world):
+    """An etcd on https:// that requires a client certificate (--client-cert-auth), its
+    certificates from the test CA; the client certificate egressd presents; and one from a CA
+    etcd does not trust."""
+    d = world.pki.dir
+    upstream.make_leaf(d, "testca", "etcd-server", ["localhost"], "serverAuth,clientAuth",
+                       ips=False)
+    upstream.make_leaf(d, "testca", "etcd-client", ["egressd"], "clientAuth")
+    upstream.make_leaf(d, "untrustedca", "etcd-stranger", ["egressd"], "clientAuth")
+    j = lambda n: os.path.join(d, n)  # noqa: E731
+    tls = EtcdTls(world.pki.ca, j("etcd-server.pem"), j("etcd-server.key"),
+                  j("etcd-client.pem"), j("etcd-client.key"))
+    e = Etcd(require_etcd_bin(), world.new_dir("etcd-tls-"), tls=tls).start()
+    yield e
+    e.stop()
+
+
+def tls_keys(world, cert: str = "etcd-client") -> dict:
+    d = world.pki.dir
+    return {"ca_file": world.pki.ca, "cert_file": os.path.join(d, f"{cert}.pem"),
+            "key_file": os.path.join(d, f"{cert}.key")}
+
+
+def test_a_fleet_over_tls_with_client_certificates(factory, world, etcd_tls):
+    """Two replicas reach an etcd that speaks only TLS and requires a client certificate:
+    they verify its certificate (state.etcd.ca_file), present theirs (cert_file, key_file),
+    and share secrets and runs as over http:// (a run made on A injects on B). The port
+    refuses cleartext, so nothing went over it in the clear."""
+    assert etcd_tls.url.startswith("https://")
+    with pytest.raises(OSError):  # cleartext HTTP on the TLS port gets no answer
+        urllib.request.urlopen("http://" + etcd_tls.url.removeprefix("https://") + "/health",
+                               timeout=2).read()
+    prefix = f"/egressd-tls-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    a = start_replica(factory, make_replica(factory, world, prefix, [etcd_tls.url], key,
+                                            **tls_keys(world)))
+    b = start_replica(factory, make_replica(factory, world, prefix, [etcd_tls.url], key,
+                                            **tls_keys(world)))
+    v = sval("tls")
+    put_secret(a, "tls_tok", v, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "tls_tok")])
+    wait_run_known(b, run, world)
+    expect(injected(world, on(run, b), v, "tls-b"), "B: not injected for a run made on A")
+    assert any(run.id in k for k in etcd_tls.keys(prefix)), etcd_tls.keys(prefix)
+    for e in (a, b):
+        e.stop()
+
+
+@pytest.mark.parametrize("case", ["untrusted_server", "wrong_name", "no_client_cert",
+                                  "untrusted_client"])
+def test_etcd_tls_failures_are_clear_start_errors(factory, world, etcd_tls, case):
+    """A TLS setup that cannot work is an exit at start naming the key, never a replica
+    serving without its state: etcd's certificate from a CA state.etcd.ca_file does not hold;
+    an endpoint (127.0.0.1) that etcd's certificate (localhost only) does not name; no client
+    certificate, or one from a CA etcd does not trust, for an etcd that requires one."""
+    keys = tls_keys(world)
+    url = etcd_tls.url
+    if case == "untrusted_server":
+        keys["ca_file"] = world.pki.untrusted_ca
+    elif case == "wrong_name":
+        url = url.replace("localhost", "127.0.0.1")
+    elif case == "no_client_cert":
+        del keys["cert_file"], keys["key_file"]
+    else:
+        keys.update(tls_keys(world, "etcd-stranger"))
+    e = make_replica(factory, world, f"/egressd-tls-bad-{pysecrets.token_hex(3)}/", [url],
+                     os.urandom(32), **keys)
+    stderr = start_fails(e)
+    assert "state.etcd.endpoints" in stderr, stderr[-2000:]
+    assert url in stderr, stderr[-2000:]
+    if case in ("untrusted_server", "wrong_name"):
+        assert "TLS handshake" in stderr and "certificate verify failed" in stderr, \
+            stderr[-2000:]
+    if case == "wrong_name":
+        assert "IP address mismatch" in stderr, stderr[-2000:]

@@ -88,15 +88,18 @@ def _make_ca(d: str, name: str) -> None:
              "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
 
 
-def _make_leaf(d: str, ca: str, name: str, hosts: list[str]) -> None:
+def make_leaf(d: str, ca: str, name: str, hosts: list[str], eku: str = "serverAuth",
+              ips: bool = True) -> None:
+    """{name}.pem / {name}.key in d, signed by {ca}.pem: SANs hosts (and 127.0.0.1 and ::1
+    unless not ips); extendedKeyUsage eku ("serverAuth", "clientAuth" or both, comma-separated)."""
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", f"{name}.key", cwd=d)
     _openssl("req", "-new", "-key", f"{name}.key", "-subj", f"/CN={hosts[0]}",
              "-out", f"{name}.csr", cwd=d)
-    sans = ",".join([f"DNS:{h}" for h in hosts] + ["IP:127.0.0.1", "IP:::1"])
+    sans = ",".join([f"DNS:{h}" for h in hosts] + (["IP:127.0.0.1", "IP:::1"] if ips else []))
     with open(os.path.join(d, f"{name}.ext"), "w") as f:
         f.write("basicConstraints=critical,CA:FALSE\n"
                 "keyUsage=critical,digitalSignature\n"
-                "extendedKeyUsage=serverAuth\n"
+                f"extendedKeyUsage={eku}\n"
                 f"subjectAltName={sans}\n")
     _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
              "-CAcreateserial", "-days", "2", "-sha256", "-extfile", f"{name}.ext",
@@ -117,9 +120,9 @@ class Pki:
 def make_pki(d: str) -> Pki:
     os.makedirs(d, exist_ok=True)
     _make_ca(d, "testca")
-    _make_leaf(d, "testca", "server", SAN_HOSTS)
+    make_leaf(d, "testca", "server", SAN_HOSTS)
     _make_ca(d, "untrustedca")
-    _make_leaf(d, "untrustedca", "bad", SAN_HOSTS)
+    make_leaf(d, "untrustedca", "bad", SAN_HOSTS)
     j = lambda n: os.path.join(d, n)  # noqa: E731
     return Pki(d, j("testca.pem"), j("server.pem"), j("server.key"), j("untrustedca.pem"),
                j("bad.pem"), j("bad.key"))
