@@ -862,11 +862,15 @@ public:
                                          return path_prefix(n, np);
                                      });
                              }},
-                            {"methods", [&](const YAML::Node& v, const std::string& p) {
+                            {"methods",
+                             [&](const YAML::Node& v, const std::string& p) {
                                  pin.methods = list_of<std::string>(
                                      v, p, [this](const YAML::Node& n, const std::string& np) {
                                          return method(n, np);
                                      });
+                             }},
+                            {"headers", [&](const YAML::Node& v, const std::string& p) {
+                                 pin.extra_headers = header_map(v, p);
                              }}});
         if (node.IsNull()) {
             error(path, "expected a mapping, got null");
@@ -891,7 +895,38 @@ public:
             return std::nullopt;
         }
         pin.inject = std::move(*inject);
+        // The same rules as a pin made through the admin API (at most 20, no transport or
+        // X-Egress-* header, not the injected one, no CR/LF/NUL).
+        auto checked = policy::validate_extra_headers(pin.extra_headers, pin.inject);
+        if (!checked) {
+            errors.push_back(path + "." + checked.error());
+            return std::nullopt;
+        }
+        pin.extra_headers = std::move(*checked);
         return pin;
+    }
+
+    /// A mapping of header name to value, in document order (checked by the caller).
+    std::vector<policy::Header> header_map(const YAML::Node& node, const std::string& path) {
+        std::vector<policy::Header> out;
+        if (node.IsNull()) {
+            return out;
+        }
+        if (!node.IsMap()) {
+            error(path, "expected a mapping of header name to value, got " + describe(node));
+            return out;
+        }
+        for (const auto& kv : node) {
+            if (!kv.first.IsScalar()) {
+                error(path, "keys must be header names, got " + describe(kv.first));
+                continue;
+            }
+            const std::string name = kv.first.Scalar();
+            if (auto value = string(kv.second, join_path(path, name))) {
+                out.push_back({name, std::move(*value)});
+            }
+        }
+        return out;
     }
 
     /// Returns the run and whether it is valid; an invalid run still carries its id and

@@ -90,6 +90,8 @@ struct PinConfig {
     policy::InjectSpec inject;
     std::vector<std::string> path_prefixes;
     std::vector<std::string> methods;  // uppercased
+    // Static headers set with the credential (lowercase names; validate_extra_headers).
+    std::vector<policy::Header> extra_headers;
     std::string yaml_path;             // "runs[0].pins[1]" for error messages
 };
 

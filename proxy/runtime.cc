@@ -123,6 +123,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             pin.path_prefixes = pc.path_prefixes;
             pin.methods = pc.methods;
             pin.inject = pc.inject;
+            pin.extra_headers = pc.extra_headers;
             pin.expires_at = run->policy.expires_at;
             if (!pc.secret_file.empty()) {
                 pin.secret_name = std::filesystem::path(pc.secret_file).filename().string();

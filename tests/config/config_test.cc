@@ -208,6 +208,7 @@ runs:
       - host: registry.example.test:8443
         secret: npm_token
         inject: {type: basic, username: ci}
+        headers: {X-Registry-Client: egressd, Accept: application/json}
       - host: "*.api.example.test"
         secret: key
         inject: {type: header, name: X-Api-Key, template: "Token {secret}"}
@@ -331,6 +332,12 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_TRUE(basic.secret_file.empty());
     EXPECT_EQ(basic.inject.type, policy::InjectType::Basic);
     EXPECT_EQ(basic.inject.username, "ci");
+    ASSERT_EQ(basic.extra_headers.size(), 2u);  // document order, names lowercased
+    EXPECT_EQ(basic.extra_headers[0].name, "x-registry-client");
+    EXPECT_EQ(basic.extra_headers[0].value, "egressd");
+    EXPECT_EQ(basic.extra_headers[1].name, "accept");
+    EXPECT_EQ(basic.extra_headers[1].value, "application/json");
+    EXPECT_TRUE(bearer.extra_headers.empty());
 
     const PinConfig& header = a.pins[2];
     EXPECT_TRUE(header.host.wildcard());
@@ -588,6 +595,25 @@ const ErrorRow kErrorRows[] = {
      run_with_pin("        secret: s\n        inject: {type: bearer, username: u}\n"),
      "runs[0].pins[0].inject.username: only valid with type basic"},
     {"InjectMissing", run_with_pin("        secret: s\n"), "runs[0].pins[0].inject: required"},
+    {"PinHeadersNotAMap",
+     run_with_pin("        secret: s\n        inject: {type: bearer}\n        headers: [a]\n"),
+     "runs[0].pins[0].headers: expected a mapping of header name to value"},
+    {"PinHeaderTransport",
+     run_with_pin("        secret: s\n        inject: {type: bearer}\n"
+                  "        headers: {Content-Length: '5'}\n"),
+     "runs[0].pins[0].headers.content-length: transport and proxy headers cannot be set"},
+    {"PinHeaderIsTheInjectedOne",
+     run_with_pin("        secret: s\n        inject: {type: bearer}\n"
+                  "        headers: {Authorization: x}\n"),
+     "runs[0].pins[0].headers.authorization: is the injected credential header"},
+    {"PinHeaderEgressNamespace",
+     run_with_pin("        secret: s\n        inject: {type: bearer}\n"
+                  "        headers: {X-Egress-Run: other}\n"),
+     "runs[0].pins[0].headers.x-egress-run: transport and proxy headers cannot be set"},
+    {"PinHeaderValueNotAString",
+     run_with_pin("        secret: s\n        inject: {type: bearer}\n"
+                  "        headers: {X-A: [1]}\n"),
+     "runs[0].pins[0].headers.X-A: expected a string"},
     {"InjectTypeMissing", run_with_pin("        secret: s\n        inject: {username: u}\n"),
      "runs[0].pins[0].inject.type: required"},
     // pins

@@ -116,6 +116,27 @@ def test_header_curl_and_requests(world, egressd, marker):
     assert only(world.upstream.find(marker + "-r"), marker).header("X-Api-Key") == [want]
 
 
+def test_static_pin_headers_are_set_with_the_credential(world, factory, marker):
+    """runs[].pins[].headers: static headers set on every request the pin injects, replacing
+    (not merging with) what the client sent; a request the pin does not cover (another host)
+    gets none of them."""
+    extra = {"X-Api-Version": "2022-11-28", "Accept": "application/vnd.itest+json"}
+
+    def add(c):
+        c["runs"][0]["pins"][2]["headers"] = dict(extra)  # the hdr.test pin
+    e = factory.start(add)
+    curl_json(world, e, f"https://hdr.test:{world.U}/echo/{marker}-h",
+              "-H", "X-Api-Version: client-chosen", "-H", "Accept: text/plain")
+    up = only(world.upstream.find(marker + "-h"), marker)
+    assert up.header("X-Api-Key") == ["Key " + world.secrets["hdr_key"]]
+    assert up.header("X-Api-Version") == [extra["X-Api-Version"]]
+    assert up.header("Accept") == [extra["Accept"]]
+    curl_json(world, e, f"https://api.test:{world.U}/echo/{marker}-a",
+              "-H", "X-Api-Version: client-chosen")
+    up = only(world.upstream.find(marker + "-a"), marker)
+    assert up.header("X-Api-Version") == ["client-chosen"]
+
+
 def test_client_value_of_injected_header_is_replaced_not_merged(world, egressd, marker):
     curl_json(world, egressd, f"https://api.test:{world.U}/echo/{marker}-a",
               "-H", "Authorization: Bearer client-supplied", "-H", "authorization: Basic Zm9vOmJhcg==")
