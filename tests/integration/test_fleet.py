@@ -16,6 +16,7 @@ test_no_secret_value_reaches_etcd_or_any_output greps etcd's keys, values and fi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -31,6 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
 import helpers
 import upstream
@@ -80,11 +82,15 @@ def etcd_state(prefix: str, endpoints: list[str], **etcd_keys):
 
 
 def make_replica(factory, world, prefix: str, endpoints: list[str],
-                 master_key: bytes, **etcd_keys) -> helpers.Egressd:
+                 master_key: bytes, *, then=None, **etcd_keys) -> helpers.Egressd:
     """A replica of the fleet, not started: the control-plane config on the etcd backend
-    (etcd_keys: more state.etcd keys), the fleet's master key written to its own
-    keys.master_key_file (32 bytes, 0600)."""
-    e = factory.make(mutate=cp_mutate(world, extra=etcd_state(prefix, endpoints, **etcd_keys)))
+    (etcd_keys: more state.etcd keys; then: a last change to the config), the fleet's master
+    key written to its own keys.master_key_file (32 bytes, 0600)."""
+    def extra(cfg: dict):
+        etcd_state(prefix, endpoints, **etcd_keys)(cfg)
+        if then:
+            then(cfg)
+    e = factory.make(mutate=cp_mutate(world, extra=extra))
     mk = e.config["keys"]["master_key_file"]
     os.makedirs(os.path.dirname(mk), mode=0o700, exist_ok=True)
     fd = os.open(mk, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -760,6 +766,46 @@ def test_a_fleet_over_tls_with_client_certificates(factory, world, etcd_tls):
     wait_run_known(b, run, world)
     expect(injected(world, on(run, b), v, "tls-b"), "B: not injected for a run made on A")
     assert any(run.id in k for k in etcd_tls.keys(prefix)), etcd_tls.keys(prefix)
+    for e in (a, b):
+        e.stop()
+
+
+FLEET_EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs",
+                             "fleet.yaml")
+
+
+def test_the_fleet_example_config_runs_a_fleet(factory, world, etcd_tls):
+    """configs/fleet.yaml as shipped, with only what names this machine replaced (listen
+    ports, admin token, master key and audit files, the test resolver and upstream CA, the
+    loopback network and ports the test upstream uses, the etcd endpoint and its certificate
+    files), runs two replicas over TLS to etcd that serve a run made on the other."""
+    with open(FLEET_EXAMPLE) as f:
+        example = yaml.safe_load(f)
+    assert example["state"]["backend"] == "etcd"
+    assert all(u.startswith("https://") for u in example["state"]["etcd"]["endpoints"])
+    assert example["runs"] == []
+
+    def as_example(cfg: dict):
+        local = {k: cfg[k] for k in ("listen", "admin", "keys", "audit", "resolver", "upstream")}
+        reach = {k: cfg["policy"][k] for k in ("allow_networks", "allowed_ports")}
+        etcd = cfg["state"]["etcd"]
+        cfg.clear()
+        cfg.update(copy.deepcopy(example))
+        cfg.update(local)
+        cfg["policy"].update(reach)
+        for k in ("endpoints", "prefix", "ca_file", "cert_file", "key_file"):
+            cfg["state"]["etcd"][k] = etcd[k]
+    prefix = f"/egressd-example-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    a, b = (start_replica(factory, make_replica(factory, world, prefix, [etcd_tls.url], key,
+                                                then=as_example, **tls_keys(world)))
+            for _ in range(2))
+    assert a.config["state"]["etcd"]["timeout"] == example["state"]["etcd"]["timeout"]
+    v = sval("example")
+    put_secret(a, "ex_tok", v, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "ex_tok")])
+    wait_run_known(b, run, world)
+    expect(injected(world, on(run, b), v, "example-b"), "B: not injected for a run made on A")
     for e in (a, b):
         e.stop()
 
