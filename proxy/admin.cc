@@ -218,9 +218,16 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         res.set(http::field::server, "egressd");
         res.set(http::field::content_type, "application/json");
         std::string_view target = req.target();
+        const bool probe = target == "/healthz" || target == "/readyz" || target == "/metrics";
+        // Probes and scrapers GET; a body answered to HEAD would break its framing.
+        const bool get = req.method() == http::verb::get;
         if (loopback && !host_is_loopback_name(req[http::field::host], port)) {
             res.result(http::status::forbidden);
             res.body() = R"({"error":"forbidden_host","detail":"Host must be a loopback name with this port"})";
+        } else if (probe && !get) {
+            res.result(http::status::method_not_allowed);
+            res.set(http::field::allow, "GET");
+            res.body() = R"({"error":"method_not_allowed","detail":"allowed: GET"})";
         } else if (target == "/healthz") {
             res.set(http::field::content_type, "text/plain");
             res.body() = "ok\n";
@@ -244,6 +251,9 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
                 auto r = shared.control->handle(req.method_string(), target, req.body());
                 res.result(static_cast<http::status>(r.status));
                 res.body() = std::move(r.body);
+                if (!r.allow.empty()) {
+                    res.set(http::field::allow, r.allow);
+                }
             }
             // The request body may hold a secret value: wipe it.
             egress::secure_zero(req.body().data(), req.body().size());

@@ -63,10 +63,10 @@ ApiResponse error(int status, std::string_view err, std::string_view detail) {
     json::object o;
     o["error"] = err;
     o["detail"] = detail;
-    return {status, json::serialize(o)};
+    return {status, json::serialize(o), {}};
 }
 
-ApiResponse ok(int status, const json::value& v) { return {status, json::serialize(v)}; }
+ApiResponse ok(int status, const json::value& v) { return {status, json::serialize(v), {}}; }
 
 /// A failed store write, by the prefix its error starts with: "not_found" 404, "conflict"
 /// 409 (a concurrent change won), "etcd unreachable" 503 (retry later), anything else 500.
@@ -515,25 +515,46 @@ ApiResponse ControlPlane::handle(std::string_view method, std::string_view targe
     }
     std::string_view query =
         url->has_query() ? std::string_view(url->encoded_query()) : std::string_view();
-    if (seg.size() < 2 || seg[0] != "v1") {
-        return error(404, "not_found", "no such route");
+    // The route first, then the method: a known path with another method is 405 with the
+    // methods it takes, not 404.
+    const size_t n = seg.size();
+    const bool v1 = n >= 2 && seg[0] == "v1";
+    const bool secrets = v1 && seg[1] == "secrets";
+    const bool runs = v1 && seg[1] == "runs";
+    const char* allow = nullptr;
+    if (secrets && n == 2) {
+        if (method == "POST") return create_secret(body);
+        if (method == "GET") return list_secrets();
+        allow = "GET, POST";
+    } else if (secrets && n == 3) {
+        if (method == "PUT") return rotate_secret(seg[2], body);
+        if (method == "DELETE") return delete_secret(seg[2], query);
+        allow = "PUT, DELETE";
+    } else if (runs && n == 2) {
+        if (method == "POST") return create_run(body);
+        allow = "POST";
+    } else if (runs && n == 3) {
+        if (method == "GET") return show_run(seg[2]);
+        if (method == "DELETE") return revoke_run(seg[2]);
+        allow = "GET, DELETE";
+    } else if (runs && n == 4 && seg[3] == "pins") {
+        if (method == "POST") return add_pin(seg[2], body);
+        allow = "POST";
+    } else if (runs && n == 4 && seg[3] == "explain") {
+        if (method == "GET") return explain(seg[2], query);
+        allow = "GET";
+    } else if (v1 && n == 3 && seg[1] == "keys" && seg[2] == "rotate") {
+        if (method == "POST") return rotate_keys();
+        allow = "POST";
     }
-    if (seg[1] == "secrets") {
-        if (seg.size() == 2 && method == "POST") return create_secret(body);
-        if (seg.size() == 2 && method == "GET") return list_secrets();
-        if (seg.size() == 3 && method == "PUT") return rotate_secret(seg[2], body);
-        if (seg.size() == 3 && method == "DELETE") return delete_secret(seg[2], query);
-    } else if (seg[1] == "runs") {
-        if (seg.size() == 2 && method == "POST") return create_run(body);
-        if (seg.size() == 3 && method == "GET") return show_run(seg[2]);
-        if (seg.size() == 3 && method == "DELETE") return revoke_run(seg[2]);
-        if (seg.size() == 4 && seg[3] == "pins" && method == "POST") return add_pin(seg[2], body);
-        if (seg.size() == 4 && seg[3] == "explain" && method == "GET") return explain(seg[2], query);
-    } else if (seg[1] == "keys" && seg.size() == 3 && seg[2] == "rotate" && method == "POST") {
-        return rotate_keys();
+    const std::string route = std::string(method) + " " + std::string(url->encoded_path());
+    if (allow == nullptr) {
+        return error(404, "not_found", "no such route: " + route);
     }
-    return error(404, "not_found", "no such route: " + std::string(method) + " " +
-                                       std::string(url->encoded_path()));
+    ApiResponse r = error(405, "method_not_allowed",
+                          "no such route: " + route + " (allowed: " + allow + ")");
+    r.allow = allow;
+    return r;
 }
 
 Result<credstore::SecretPtr> ControlPlane::unseal_cached(const credstore::SealedSecret& s) {
@@ -645,7 +666,7 @@ ApiResponse ControlPlane::delete_secret(const std::string& name, std::string_vie
     }
     std::lock_guard lock(mu_);
     if (auto r = store_->apply({m}); !r) return store_error(r.error());
-    return {204, ""};
+    return {204, "", {}};
 }
 
 namespace {

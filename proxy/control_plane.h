@@ -38,6 +38,7 @@ private:
 struct ApiResponse {
     int status = 200;
     std::string body;  // JSON
+    std::string allow;  // 405: the route's methods, for the Allow header (RFC 9110 15.5.6)
 };
 
 class ControlPlane {

@@ -270,6 +270,32 @@ def test_unknown_routes_and_objects_are_404(cp):
     assert r.status == 404 and r.json["error"] == "not_found"
 
 
+@pytest.mark.parametrize("method, path, allow", [
+    ("PATCH", "/v1/secrets", "GET, POST"),
+    ("GET", "/v1/secrets/some_name", "PUT, DELETE"),
+    ("GET", "/v1/runs", "POST"),
+    ("PUT", "/v1/runs/run_x", "GET, DELETE"),
+    ("GET", "/v1/runs/run_x/pins", "POST"),
+    ("POST", "/v1/runs/run_x/explain", "GET"),
+    ("GET", "/v1/keys/rotate", "POST"),
+    ("POST", "/healthz", "GET"),
+    ("DELETE", "/metrics", "GET"),
+    ("PUT", "/readyz", "GET"),
+])
+def test_a_known_route_with_another_method_is_405_with_allow(cp, method, path, allow):
+    """A route that exists answers another method with 405 method_not_allowed and an Allow
+    header listing its methods (RFC 9110 15.5.6), not 404; nothing is changed."""
+    before = api(cp, "GET", "/v1/secrets").body
+    r = api(cp, method, path, {} if method in ("PUT", "POST", "PATCH") else None)
+    assert r.status == 405, (method, path, r.status, r.body[:200])
+    assert r.json["error"] == "method_not_allowed", r.json
+    assert r.headers.get("allow") == allow, r.headers
+    assert api(cp, "GET", "/v1/secrets").body == before
+    # the token is still checked first on /v1: without it, 401 says nothing about routes
+    if path.startswith("/v1/"):
+        assert api(cp, method, path, token=None).status == 401
+
+
 # ---------------------------------------------------------------------------------------------
 # secrets never come back; ciphertext at rest
 
