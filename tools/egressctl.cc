@@ -79,7 +79,13 @@ const char* kUsage =
     "  secret rm NAME [--scope ...]\n"
     "  run create --scope org=ORG [--scope project=P] [--scope user=U] [--scope workflow=W]\n"
     "             [--pin HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME[:TEMPLATE]]...\n"
-    "             [--allow HOST]... [--ttl 30m] [--env] [--ca-out FILE]\n"
+    "             [PIN OPTIONS] [--allow HOST]... [--ttl 30m] [--env] [--ca-out FILE]\n"
+    "  run pin ID --pin HOST[:PORT]=SECRET:TYPE [PIN OPTIONS] [--ttl 10m]\n"
+    "                     add a pin to a run (its ttl never past the run's end)\n"
+    "    PIN OPTIONS narrow every --pin of the command:\n"
+    "      --path PREFIX    only paths under PREFIX (repeatable)\n"
+    "      --method M       only method M (repeatable)\n"
+    "      --header N=V     a static header set with the credential (repeatable)\n"
     "  run show ID\n"
     "  run revoke ID\n"
     "  run explain ID URL [--method M] [--json]\n"
@@ -744,8 +750,58 @@ std::string write_ca(const std::string& path, const std::string& pem) {
     return abs.string();
 }
 
+/// The --pin specs of a command, each narrowed by --path, --method and --header.
+json::array pins_from(const Args& a) {
+    json::array paths;
+    for (const auto& p : a.all("path")) {
+        if (p.empty() || p[0] != '/') throw Usage("--path '" + p + "': must start with /");
+        paths.push_back(json::string(p));
+    }
+    json::array methods;
+    for (const auto& m : a.all("method")) {
+        if (m.empty()) throw Usage("--method needs a method");
+        methods.push_back(json::string(m));
+    }
+    json::object headers;
+    for (const auto& h : a.all("header")) {
+        auto eq = h.find('=');
+        if (eq == std::string::npos || eq == 0) {
+            throw Usage("--header '" + h.substr(0, h.find('=')) + "': expected NAME=VALUE");
+        }
+        headers[h.substr(0, eq)] = h.substr(eq + 1);
+    }
+    json::array pins;
+    for (const auto& p : a.all("pin")) {
+        json::object pin = parse_pin(p);
+        if (!paths.empty()) pin["path_prefixes"] = paths;
+        if (!methods.empty()) pin["methods"] = methods;
+        if (!headers.empty()) pin["headers"] = headers;
+        pins.push_back(std::move(pin));
+    }
+    if (pins.empty() && (!paths.empty() || !methods.empty() || !headers.empty())) {
+        throw Usage("--path, --method and --header narrow a --pin; none given");
+    }
+    return pins;
+}
+
+int cmd_run_pin(const Ctx& ctx, const std::vector<std::string>& rest) {
+    auto a = parse_args(rest, {"pin", "path", "method", "header", "ttl"}, {});
+    want_pos(a, 1, "run ID");
+    json::array pins = pins_from(a);
+    if (pins.size() != 1) throw Usage("run pin takes exactly one --pin");
+    json::object pin = std::move(pins[0].as_object());
+    if (auto ttl = a.one("ttl")) pin["ttl_seconds"] = parse_duration(*ttl);
+    std::string body = json::serialize(pin);
+    auto r = ctx.client().call(http::verb::post, target({"v1", "runs", a.pos[0], "pins"}), &body);
+    expect(r, {200, 201});
+    pretty(std::cout, parse_reply(r));
+    std::cout << "\n";
+    return 0;
+}
+
 int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
-    auto a = parse_args(rest, {"scope", "pin", "allow", "ttl", "ca-out"}, {"env", "json"});
+    auto a = parse_args(rest, {"scope", "pin", "path", "method", "header", "allow", "ttl", "ca-out"},
+                        {"env", "json"});
     want_pos(a, 0, "");
     json::object req;
     req["scope"] = parse_scopes(a.all("scope"), true);
@@ -756,9 +812,7 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
         allow.push_back(json::string(h));
     }
     if (!allow.empty()) req["allow_hosts"] = allow;
-    json::array pins;
-    for (const auto& p : a.all("pin")) pins.push_back(parse_pin(p));
-    req["pins"] = pins;
+    req["pins"] = pins_from(a);
     const bool env = a.flag("env");
     auto ca_out = a.one("ca-out");
     if (env && !ca_out) ca_out = kDefaultCaOut;
@@ -940,10 +994,11 @@ int dispatch(const std::vector<std::string>& argv) {
     }
     if (group == "run") {
         if (sub == "create") return cmd_run_create(ctx, rest_from(2));
+        if (sub == "pin") return cmd_run_pin(ctx, rest_from(2));
         if (sub == "show") return cmd_run_show(ctx, rest_from(2));
         if (sub == "revoke") return cmd_run_revoke(ctx, rest_from(2));
         if (sub == "explain") return cmd_run_explain(ctx, rest_from(2));
-        throw Usage(sub.empty() ? "run: missing subcommand (create, show, revoke, explain)"
+        throw Usage(sub.empty() ? "run: missing subcommand (create, pin, show, revoke, explain)"
                                 : "run: unknown subcommand '" + sub + "'");
     }
     if (group == "keys") {

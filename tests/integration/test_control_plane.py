@@ -839,6 +839,48 @@ def test_egressctl_run_create_show_revoke(cp, world, api_secret):
     assert json.loads(ctl_ok(cp, "run", "show", j["id"]).out)["revoked"] is True
 
 
+def test_egressctl_narrowed_pins_and_run_pin(cp, world, api_secret):
+    """--path, --method and --header narrow the command's pins (the run DESIGN shows: one
+    path prefix, GET only, 10 minutes); `run pin` adds one pin to a run, with its own ttl
+    (never past the run's end); both as the API stores them. Usage errors exit 2."""
+    r = ctl_ok(cp, "run", "create", "--scope", "org=acme",
+               "--pin", f"{api_host(world)}=api_tok:bearer",
+               "--path", "/repos/acme/", "--method", "GET",
+               "--header", "X-Api-Version=2022-11-28", "--ttl", "10m")
+    j = json.loads(r.out)
+    [pin] = j["pins"]
+    assert pin["path_prefixes"] == ["/repos/acme/"] and pin["methods"] == ["GET"], pin
+    assert pin["headers"] == ["x-api-version"], pin  # names only, as the API shows them
+    # (a pin added later stays inside the names the run's CA was constrained to at creation)
+    r = ctl_ok(cp, "run", "pin", j["id"], "--pin", f"{api_host(world)}=api_tok:header:X-Key",
+               "--path", "/upload/", "--method", "POST", "--ttl", "2m")
+    added = json.loads(r.out)
+    show = json.loads(ctl_ok(cp, "run", "show", j["id"]).out)
+    assert len(show["pins"]) == 2, show["pins"]
+    new = [p for p in show["pins"] if p["path_prefixes"] == ["/upload/"]]
+    assert len(new) == 1 and new[0]["methods"] == ["POST"], show["pins"]
+    assert new[0]["inject"] == {"type": "header", "name": "x-key", "template": "{secret}"}, new
+    assert added["id"] == new[0]["id"], (added, new)
+    import calendar
+    ttl = (calendar.timegm(time.strptime(new[0]["expires_at"], "%Y-%m-%dT%H:%M:%SZ"))
+           - calendar.timegm(time.strptime(show["created_at"], "%Y-%m-%dT%H:%M:%SZ")))
+    assert 100 <= ttl <= 125, ttl
+    for args in (["run", "create", "--scope", "org=acme", "--path", "/x"],
+                 ["run", "create", "--scope", "org=acme", "--pin", "a.test=api_tok:bearer",
+                  "--path", "nope"],
+                 ["run", "create", "--scope", "org=acme", "--pin", "a.test=api_tok:bearer",
+                  "--header", "novalue"],
+                 ["run", "pin", j["id"]],
+                 ["run", "pin", j["id"], "--pin", "a.test=api_tok:bearer",
+                  "--pin", "b.test=api_tok:bearer"],
+                 ["run", "pin", "--pin", "a.test=api_tok:bearer"]):
+        r = ctl(cp, *args)
+        assert r.returncode == 2, (args, r.returncode, r.err)
+        assert r.err.startswith("egressctl: ") and r.err.count("\n") == 1, (args, r.err)
+    r = ctl(cp, "run", "pin", "run_doesnotexist", "--pin", "a.test=api_tok:bearer")
+    assert r.returncode == 1 and r.err.startswith("egressctl: 404"), r.err
+
+
 def test_egressctl_env_output_is_shell_safe(cp, world, api_secret, tmp_path):
     ca = tmp_path / "it's a dir" / "ca.pem"
     ca.parent.mkdir()
