@@ -261,7 +261,7 @@ bool spells_target(std::string_view authority, const HostPort& target, uint16_t 
     return ec == std::errc() && target.port != 0 && rest == std::string_view(buf, end);
 }
 
-Result<HostPattern> HostPattern::parse(std::string_view text) {
+Result<HostPattern> HostPattern::parse(std::string_view text, Scope scope) {
     Result<SplitAuthority> split = split_authority(text);
     if (!split) {
         return make_error("host pattern: " + split.error());
@@ -277,9 +277,15 @@ Result<HostPattern> HostPattern::parse(std::string_view text) {
         return make_error("host pattern: " + norm.error());
     }
     p.host_ = std::move(*norm);
+    p.subtree_ = scope == Scope::Subtree;
     if (p.wildcard_) {
-        if (p.host_.find(':') != std::string::npos || split_labels(p.host_).size() < 2) {
-            return make_error("host pattern: a wildcard needs at least two labels after it");
+        // An allow pattern as broad as "*.com" would open a whole TLD; a deny pattern may be
+        // ("*.internal").
+        const size_t min_labels = p.subtree_ ? 1 : 2;
+        if (p.host_.find(':') != std::string::npos || split_labels(p.host_).size() < min_labels) {
+            return make_error(min_labels == 2
+                                  ? "host pattern: a wildcard needs at least two labels after it"
+                                  : "host pattern: a wildcard needs a label after it");
         }
         // A wildcard over a numeric host makes no sense ("*.1.2.3.4").
         const std::vector<std::string_view> labels = split_labels(p.host_);
@@ -305,7 +311,7 @@ bool HostPattern::matches_host(std::string_view host) const {
     if (!wildcard_) {
         return host == host_;
     }
-    // Exactly one extra, non-empty label in front of the suffix.
+    // One extra, non-empty label in front of the suffix (Subtree: one or more).
     if (host.size() < host_.size() + 2 || !host.ends_with(host_)) {
         return false;
     }
@@ -314,7 +320,7 @@ bool HostPattern::matches_host(std::string_view host) const {
         return false;
     }
     const std::string_view label = head.substr(0, head.size() - 1);
-    return !label.empty() && label.find('.') == std::string_view::npos;
+    return !label.empty() && (subtree_ || label.find('.') == std::string_view::npos);
 }
 
 bool HostPattern::matches(const HostPort& hp) const {

@@ -54,7 +54,11 @@ bool spells_target(std::string_view authority, const HostPort& target, uint16_t 
 /// are refused at load.
 class HostPattern {
 public:
-    static Result<HostPattern> parse(std::string_view text);
+    /// OneLabel: allow lists and pins ("*.a.b" matches "x.a.b" only; "*.b" refused).
+    /// Subtree: deny lists, where broader is safer ("*.b" allowed, and "*.a.b" matches
+    /// "x.a.b" and "y.x.a.b" alike).
+    enum class Scope : uint8_t { OneLabel, Subtree };
+    static Result<HostPattern> parse(std::string_view text, Scope scope = Scope::OneLabel);
 
     /// `host` must already be normalized.
     bool matches_host(std::string_view host) const;
@@ -72,6 +76,7 @@ private:
     std::string text_;
     std::string host_;  // exact host, or the suffix after "*." for a wildcard
     bool wildcard_ = false;
+    bool subtree_ = false;  // Scope::Subtree
     std::optional<uint16_t> port_;
 };
 

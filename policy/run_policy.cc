@@ -292,6 +292,11 @@ DestinationDecision decide_destination(const GlobalPolicy& global, const RunPoli
         d.reason = "run_expired";
         return d;
     }
+    if (std::any_of(global.deny_hosts.begin(), global.deny_hosts.end(),
+                    [&](const HostPattern& p) { return p.matches(dest); })) {
+        d.reason = "host_denied";
+        return d;
+    }
     d.pinned = find_pin(run, dest.host, [&](const Pin& pin) {
                    return pin_live(pin, now) && pattern_allows(pin.host, dest, global);
                }) != nullptr;

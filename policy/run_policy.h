@@ -133,13 +133,17 @@ struct GlobalPolicy {
     Unpinned unpinned = Unpinned::Tunnel;
     std::vector<HostPattern> allow_hosts;
     std::vector<uint16_t> allowed_ports{443};
+    /// Hosts no run may reach, whatever its pins and allow lists say (policy.deny_hosts): a
+    /// pattern without a port denies every port, one with a port only that port.
+    std::vector<HostPattern> deny_hosts;
 };
 
 enum class Carry : uint8_t { Deny, Tunnel, Intercept };
 
 struct DestinationDecision {
     Carry carry = Carry::Deny;
-    /// Deny reasons: "run_expired", "run_revoked", "host_not_allowed", "port_not_allowed".
+    /// Deny reasons: "run_expired", "run_revoked", "host_denied", "host_not_allowed",
+    /// "port_not_allowed".
     std::string reason;
     bool pinned = false;  // some live pin of the run matches host (and port)
 };
@@ -152,7 +156,8 @@ void index_pins(RunPolicy& run);
 /// A host is pinned when a live pin matches it; allowed when the run's or the global allow
 /// list matches it. Pinned → Intercept. Allowed, unpinned → global.unpinned. Otherwise Deny.
 /// Port rule: a matching pattern that names its own port allows that port; a pattern without
-/// a port allows `allowed_ports` only. Expired or revoked runs are denied.
+/// a port allows `allowed_ports` only. Expired or revoked runs are denied, and so is a host
+/// global.deny_hosts names, before any pin or allow list is looked at.
 DestinationDecision decide_destination(const GlobalPolicy& global, const RunPolicy& run,
                                        const HostPort& dest, TimePoint now);
 

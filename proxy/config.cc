@@ -356,13 +356,14 @@ public:
         return std::nullopt;
     }
 
-    std::optional<policy::HostPattern> host_pattern(const YAML::Node& node,
-                                                    const std::string& path) {
+    std::optional<policy::HostPattern> host_pattern(
+        const YAML::Node& node, const std::string& path,
+        policy::HostPattern::Scope scope = policy::HostPattern::Scope::OneLabel) {
         auto s = string(node, path);
         if (!s) {
             return std::nullopt;
         }
-        auto pattern = policy::HostPattern::parse(*s);
+        auto pattern = policy::HostPattern::parse(*s, scope);
         if (!pattern) {
             error(path, pattern.error());
             return std::nullopt;
@@ -450,11 +451,13 @@ public:
         };
     }
 
-    Handler set_patterns(std::vector<policy::HostPattern>& out) {
-        return [this, &out](const YAML::Node& v, const std::string& p) {
+    Handler set_patterns(std::vector<policy::HostPattern>& out,
+                         policy::HostPattern::Scope scope = policy::HostPattern::Scope::OneLabel) {
+        return [this, &out, scope](const YAML::Node& v, const std::string& p) {
             out = list_of<policy::HostPattern>(
-                v, p,
-                [this](const YAML::Node& n, const std::string& np) { return host_pattern(n, np); });
+                v, p, [this, scope](const YAML::Node& n, const std::string& np) {
+                    return host_pattern(n, np, scope);
+                });
         };
     }
 
@@ -520,6 +523,8 @@ public:
              {"policy", section({{"unpinned", set_choice(c.policy.unpinned, {"tunnel", "intercept"},
                                                          {Unpinned::Tunnel, Unpinned::Intercept})},
                                  {"allow_hosts", set_patterns(c.policy.allow_hosts)},
+                                 {"deny_hosts", set_patterns(c.policy.deny_hosts,
+                                                             policy::HostPattern::Scope::Subtree)},
                                  {"allow_networks", set_cidrs(c.allow_networks)},
                                  {"allowed_ports",
                                   [this, &c](const YAML::Node& v, const std::string& p) {

@@ -73,6 +73,7 @@ void expect_default(const Config& c) {
     EXPECT_TRUE(c.resolver_servers.empty());
     EXPECT_EQ(c.policy.unpinned, policy::Unpinned::Tunnel);
     EXPECT_TRUE(c.policy.allow_hosts.empty());
+    EXPECT_TRUE(c.policy.deny_hosts.empty());
     EXPECT_EQ(c.policy.allowed_ports, std::vector<uint16_t>{443});
     EXPECT_TRUE(c.allow_networks.empty());
     EXPECT_EQ(c.limits.max_header_bytes, d.limits.max_header_bytes);
@@ -154,6 +155,7 @@ resolver:
 policy:
   unpinned: intercept
   allow_hosts: [pypi.org, "*.s3.amazonaws.com", "files.example.test:8443"]
+  deny_hosts: ["*.internal", "private.s3.amazonaws.com"]
   allow_networks: [127.0.0.1/32, "fd00::/8"]
   allowed_ports: [443, 8443]
 limits:
@@ -260,6 +262,12 @@ TEST(ConfigParse, FullConfigRoundTrip) {
               (std::vector<std::string>{"127.0.0.1:5353", "10.0.0.53", "[::1]:53"}));
 
     EXPECT_EQ(c.policy.unpinned, policy::Unpinned::Intercept);
+    ASSERT_EQ(c.policy.deny_hosts.size(), 2u);
+    EXPECT_TRUE(c.policy.deny_hosts[0].matches_host("metadata.google.internal"));  // any depth
+    EXPECT_TRUE(c.policy.deny_hosts[0].matches_host("a.internal"));
+    EXPECT_FALSE(c.policy.deny_hosts[0].matches_host("internal"));
+    EXPECT_TRUE(c.policy.deny_hosts[1].matches_host("private.s3.amazonaws.com"));
+    EXPECT_FALSE(c.policy.deny_hosts[1].matches_host("public.s3.amazonaws.com"));
     ASSERT_EQ(c.policy.allow_hosts.size(), 3u);
     EXPECT_TRUE(c.policy.allow_hosts[1].wildcard());
     EXPECT_EQ(c.policy.allow_hosts[2].port(), 8443);

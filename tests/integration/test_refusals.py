@@ -114,6 +114,27 @@ def test_host_not_allowed_403(world, egressd, marker):
     assert "403" in str(ei.value)
 
 
+def test_host_denied_403_overrides_pins_and_allow_lists(world, factory, marker):
+    """policy.deny_hosts wins over a run's pin and over the allow lists: a pinned host and a
+    globally allowed one, both listed, get 403 host_denied at CONNECT and nothing goes
+    upstream; a pinned host not listed is served. A reload that drops the list lets the
+    pinned host through again (the policy is re-read per request)."""
+    e = factory.start(lambda c: c["policy"].update(deny_hosts=["api.test", "tunnel.test"]))
+    connect_refused(e, f"api.test:{world.U}", world.auth(), 403, "host_denied")
+    connect_refused(e, f"tunnel.test:{world.U}", world.auth(), 403, "host_denied")
+    audited(e, "host_denied", 403, host="api.test", method="CONNECT")
+    res = curl_via(world, e, f"https://api.test:{world.U}/echo/{marker}-denied")
+    assert res.returncode != 0 and b"403" in res.stderr, res.stderr
+    assert not world.upstream.find(marker + "-denied")
+    ok = in_tunnel(e, world, "basic.test", world.U, path=f"/echo/{marker}-basic")
+    assert ok.status == 200, ok.status
+    e.rewrite_config(lambda c: c["policy"].pop("deny_hosts"))
+    e.reload()
+    r = in_tunnel(e, world, "api.test", world.U, path=f"/echo/{marker}-after")
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert world.upstream.find(marker + "-after")
+
+
 def test_port_not_allowed_403(world, egressd):
     port = free_port()
     while port in egressd.config["policy"]["allowed_ports"]:

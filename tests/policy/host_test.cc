@@ -181,6 +181,27 @@ TEST(HostPattern, RefusesBadPatterns) {
     }
 }
 
+TEST(HostPattern, SubtreeScopeForDenyLists) {
+    using Scope = HostPattern::Scope;
+    // Broad wildcards are refused for allow lists but fine for deny lists...
+    EXPECT_FALSE(HostPattern::parse("*.internal").ok());
+    Result<HostPattern> d = HostPattern::parse("*.internal", Scope::Subtree);
+    ASSERT_TRUE(d.ok()) << d.error();
+    // ... where a wildcard covers every depth below its suffix, never the suffix itself.
+    EXPECT_TRUE(d->matches_host("a.internal"));
+    EXPECT_TRUE(d->matches_host("metadata.google.internal"));
+    EXPECT_FALSE(d->matches_host("internal"));
+    EXPECT_FALSE(d->matches_host("notinternal"));
+    EXPECT_FALSE(d->matches_host("a.internal.test"));
+    Result<HostPattern> allow = HostPattern::parse("*.a.test");
+    ASSERT_TRUE(allow.ok());
+    EXPECT_FALSE(allow->matches_host("x.y.a.test"));  // one label only for allow lists
+    // What is malformed stays malformed in either scope.
+    for (const char* bad : {"*", "*.", "a.*.b", "*.1.2.3.4", "a.b:0", ""}) {
+        EXPECT_FALSE(HostPattern::parse(bad, Scope::Subtree).ok()) << bad;
+    }
+}
+
 TEST(HostPattern, ParsesAndNormalizes) {
     Result<HostPattern> p = HostPattern::parse("*.S3.AmazonAWS.com.:8443");
     ASSERT_TRUE(p.ok()) << p.error();

@@ -135,6 +135,11 @@ TEST_P(DecideDestinationTest, Decides) {
     run.expires_at = kNow + minutes(30);
     run.allow_hosts = {pattern("*.npmjs.test")};
     run.pins = {make_pin("p1", "api.github.com"), make_pin("p2", "*.s3.test:9000")};
+    // Denied whatever the pins and allow lists say: one name under an allowed wildcard, one
+    // pinned bucket on one port only.
+    global.deny_hosts = {pattern("evil.npmjs.test"), pattern("secret.s3.test:9000"),
+                         *HostPattern::parse("*.corp.test", HostPattern::Scope::Subtree)};
+    run.allow_hosts.push_back(pattern("*.a.corp.test"));
     Pin expired = make_pin("p3", "old.test");
     expired.expires_at = kNow;
     run.pins.push_back(expired);
@@ -158,7 +163,16 @@ INSTANTIATE_TEST_SUITE_P(
         DestCase{"allowed_own_port", "files.test", 8443, Carry::Tunnel, "", false},
         DestCase{"allowed_wrong_port", "files.test", 443, Carry::Deny, "port_not_allowed", false},
         DestCase{"expired_pin", "old.test", 443, Carry::Deny, "host_not_allowed", false},
-        DestCase{"unknown", "evil.test", 443, Carry::Deny, "host_not_allowed", false}),
+        DestCase{"unknown", "evil.test", 443, Carry::Deny, "host_not_allowed", false},
+        DestCase{"denied_under_allowed_wildcard", "evil.npmjs.test", 443, Carry::Deny,
+                 "host_denied", false},
+        DestCase{"denied_pinned_port", "secret.s3.test", 9000, Carry::Deny, "host_denied",
+                 false},
+        DestCase{"denied_pattern_other_port", "secret.s3.test", 443, Carry::Deny,
+                 "port_not_allowed", false},
+        DestCase{"sibling_of_denied", "ok.s3.test", 9000, Carry::Intercept, "", true},
+        DestCase{"denied_subtree_deep", "x.a.corp.test", 443, Carry::Deny, "host_denied",
+                 false}),
     [](const ::testing::TestParamInfo<DestCase>& info) { return info.param.name; });
 
 TEST(DecideDestination, InterceptModeAndRunState) {
