@@ -254,31 +254,6 @@ void drop_governed_trailers(Headers& trailers, const policy::Decision& d) {
     });
 }
 
-/// Links a wait for a response head into its worker's list for as long as it lives.
-class AwaitingGuard {
-public:
-    AwaitingGuard(Worker& w, Upstream* up) : w_(w) {
-        node_.up = up;
-        node_.next = w.awaiting;
-        if (w.awaiting != nullptr) {
-            w.awaiting->prev = &node_;
-        }
-        w.awaiting = &node_;
-    }
-    ~AwaitingGuard() {
-        (node_.prev != nullptr ? node_.prev->next : w_.awaiting) = node_.next;
-        if (node_.next != nullptr) {
-            node_.next->prev = node_.prev;
-        }
-    }
-    AwaitingGuard(const AwaitingGuard&) = delete;
-    AwaitingGuard& operator=(const AwaitingGuard&) = delete;
-
-private:
-    Worker& w_;
-    AwaitingAnswer node_;
-};
-
 /// The one audit record, metrics and log line of a refused request (`rec` complete).
 void record_denial(Scope& scope, const AuditRecord& rec) {
     auto& shared = scope.worker->shared;
@@ -294,9 +269,12 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
 
 }  // namespace
 
-void Worker::abort_awaiting() {
-    for (AwaitingAnswer* a = awaiting; a != nullptr; a = a->next) {
-        a->up->abort();  // completions are posted: the list does not change under the walk
+void Worker::cut_all() {
+    for (Cuttable* c = cuttable; c != nullptr; c = c->next) {
+        c->cut(c->arg);  // completions are posted: the list does not change under the walk
+    }
+    if (resolver) {
+        resolver->cancel_all();
     }
 }
 
@@ -538,7 +516,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         {
             Outcome<ResponseHead> got = Refusal{};
             {
-                AwaitingGuard awaiting(w, up.get());
+                CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); },
+                             up.get());
                 down.abort_with(up.get());
                 got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
                 down.abort_with(nullptr);

@@ -169,6 +169,12 @@ struct Resolver::Impl {
     }
 };
 
+void Resolver::cancel_all() {
+    if (impl_->channel != nullptr) {
+        ares_cancel(impl_->channel);  // each callback runs with ARES_ECANCELLED
+    }
+}
+
 Resolver::Resolver(net::io_context& ioc, std::vector<std::string> servers,
                    std::map<std::string, AddrList> overrides, std::chrono::milliseconds timeout)
     : impl_(std::make_unique<Impl>(ioc, std::move(overrides), timeout)) {

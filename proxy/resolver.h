@@ -32,6 +32,9 @@ public:
     /// Must be awaited on this resolver's io_context.
     boost::asio::awaitable<Result<std::vector<policy::IpAddress>>> resolve(std::string host);
 
+    /// Fails every lookup in flight at once ("dns_failure: ... cancelled"): the drain's cut.
+    void cancel_all();
+
 private:
     struct Impl;
     std::unique_ptr<Impl> impl_;

@@ -559,10 +559,11 @@ int Server::run() {
                     spdlog::warn("drain timeout: closing {} in-flight requests and tunnels", n);
                     s.drain_cut.store(true);
                     s.connections.close_all();
-                    // A request whose client is shut down does not notice while it waits for
-                    // a silent upstream's answer: that wait is cut too.
+                    // A request whose client is shut down does not notice while it waits on
+                    // a silent upstream (its DNS answer, connect, TLS handshake or response
+                    // head): those waits are cut too.
                     for (auto& w : impl_->workers) {
-                        net::post(w->ioc, [w = w.get()] { w->abort_awaiting(); });
+                        net::post(w->ioc, [w = w.get()] { w->cut_all(); });
                     }
                     co_await impl_->wait_inflight(std::chrono::steady_clock::now() +
                                                   kDrainCutGrace);

@@ -40,6 +40,10 @@ bool is_self(const Shared& s, const tcp::endpoint& ep) {
     return false;
 }
 
+/// A dial the drain's cut ended (Worker::cut_all): audited as drain_timeout, like the work
+/// the cut ends elsewhere; the client's connection is already shut down.
+Refusal drain_cut_refusal() { return Refusal{503, "drain_timeout", ""}; }
+
 }  // namespace
 
 awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
@@ -48,6 +52,9 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
     auto addrs = co_await w.resolver->resolve(dest.host);
     if (!addrs) {
         spdlog::info("dns: {}: {}", dest.host, addrs.error());
+        if (w.shared.drain_cut.load(std::memory_order_relaxed)) {
+            co_return drain_cut_refusal();
+        }
         co_return Refusal{502, "dns_failure", "dns"};
     }
     std::vector<tcp::endpoint> endpoints;
@@ -68,7 +75,15 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
     for (const auto& ep : endpoints) {
         auto stream = std::make_unique<TcpStream>(w.ioc);
         stream->expires_after(limits.connect_timeout);
-        auto [ec] = co_await stream->async_connect(ep, use_nothrow);
+        error_code ec;
+        {
+            CutGuard cut(w, cancel_socket, &stream->socket());
+            std::tie(ec) = co_await stream->async_connect(ep, use_nothrow);
+        }
+        if (ec == net::error::operation_aborted &&
+            w.shared.drain_cut.load(std::memory_order_relaxed)) {
+            co_return drain_cut_refusal();
+        }
         if (!ec) {
             stream->socket().set_option(tcp::no_delay(true), ec);
             stream->expires_never();
@@ -117,7 +132,16 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
         w.tls_sessions->attach(ssl, session_key);  // offers the last ticket for this key
     }
     conn->stream->expires_after(rt.config->limits.tls_timeout);
-    auto [ec] = co_await conn->stream->async_handshake(ssl::stream_base::client, use_nothrow);
+    error_code ec;
+    {
+        CutGuard cut(w, cancel_socket, &conn->stream->socket());
+        std::tie(ec) = co_await conn->stream->async_handshake(ssl::stream_base::client,
+                                                              use_nothrow);
+    }
+    if (ec == net::error::operation_aborted &&
+        w.shared.drain_cut.load(std::memory_order_relaxed)) {
+        co_return drain_cut_refusal();
+    }
     if (ec) {
         if (ec == beast::error::timeout) {
             co_return Refusal{504, "upstream_tls_timeout", "tls_timeout"};

@@ -29,14 +29,18 @@ class UpstreamPool;
 class ControlPlane;
 class Upstream;
 
-/// A request waiting for its upstream's response head (serve_exchange), linked into its
-/// worker's list while it waits: the drain's cut aborts them (Worker::abort_awaiting), so a
-/// request on a silent upstream ends through its error path with its audit record. A node in
-/// the request's coroutine frame, linked and unlinked without an allocation.
-struct AwaitingAnswer {
-    Upstream* up = nullptr;
-    AwaitingAnswer* prev = nullptr;
-    AwaitingAnswer* next = nullptr;
+/// Work that waits on an upstream and that the drain's cut must end at once (Worker::cut_all):
+/// a request waiting for its upstream's response head, an upstream TCP connect or TLS
+/// handshake in progress. Shutting the client's connection down is not noticed there, so
+/// without the cut a request on a silent upstream outlived the drain without its audit
+/// record. A node in the waiting coroutine's frame, linked into its worker's list (CutGuard)
+/// without an allocation; `cut` must complete the wait through a posted handler (an abort, a
+/// socket cancel), never inline.
+struct Cuttable {
+    void (*cut)(void* arg) = nullptr;
+    void* arg = nullptr;
+    Cuttable* prev = nullptr;
+    Cuttable* next = nullptr;
 };
 
 /// Open client connections by run, so revoking a run closes them at once. close_run posts
@@ -142,10 +146,11 @@ struct Worker {
     /// at once instead of at its next 250 ms tick. Declared before ioc: a connection frame
     /// destroyed with the loop still unregisters itself.
     std::set<net::steady_timer*> h2_watchdogs;
-    /// Requests of this worker waiting for a response head (this worker's thread only).
-    AwaitingAnswer* awaiting = nullptr;
-    /// The drain's cut: every waiting request's upstream part is given up (Upstream::abort).
-    void abort_awaiting();
+    /// This worker's waits on upstreams (this worker's thread only; CutGuard).
+    Cuttable* cuttable = nullptr;
+    /// The drain's cut: every wait on an upstream ends now (each Cuttable's cut, and every
+    /// DNS lookup in flight), so each request ends through its error path with its record.
+    void cut_all();
     net::io_context ioc{1};
     Shared& shared;
     std::unique_ptr<Resolver> resolver;
@@ -198,5 +203,38 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& worker);
 /// Serves one admin connection (/healthz, /readyz, /metrics, /v1 control-plane API).
 template <class Socket>
 awaitable<void> serve_admin_client(Socket socket, Shared& shared);
+
+/// Links a wait into its worker's cut list (Worker::cuttable) for as long as it lives.
+class CutGuard {
+public:
+    CutGuard(Worker& w, void (*cut)(void*), void* arg) : w_(w) {
+        node_.cut = cut;
+        node_.arg = arg;
+        node_.next = w.cuttable;
+        if (w.cuttable != nullptr) {
+            w.cuttable->prev = &node_;
+        }
+        w.cuttable = &node_;
+    }
+    ~CutGuard() {
+        (node_.prev != nullptr ? node_.prev->next : w_.cuttable) = node_.next;
+        if (node_.next != nullptr) {
+            node_.next->prev = node_.prev;
+        }
+    }
+    CutGuard(const CutGuard&) = delete;
+    CutGuard& operator=(const CutGuard&) = delete;
+
+private:
+    Worker& w_;
+    Cuttable node_;
+};
+
+/// A Cuttable's cut for a socket waiting to connect or to be readable/writable: the wait
+/// completes with operation_aborted (the socket stays open; its owner closes it).
+inline void cancel_socket(void* socket) {
+    boost::system::error_code ec;
+    static_cast<net::ip::tcp::socket*>(socket)->cancel(ec);
+}
 
 }  // namespace egress::proxy

@@ -12,6 +12,8 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 import helpers
 from helpers import poll
 from clients import proxy_env, run_ca
@@ -282,6 +284,69 @@ def test_request_waiting_on_a_silent_upstream_at_drain_timeout_is_audited(world,
     recs = [r for r in e.audit_records() if r.get("path") == "/delay/9000"]
     assert len(recs) == 1, recs
     assert recs[0]["decision"] == "allow" and recs[0]["reason"] == "drain_timeout", recs
+
+
+@pytest.mark.parametrize("stage", ["tls_handshake", "dns"])
+def test_a_dial_still_waiting_at_drain_timeout_is_cut_and_audited(world, factory, stage):
+    """A request or tunnel whose upstream dial is still waiting at drain_timeout (a TLS
+    handshake with an upstream that accepts and never answers; a DNS lookup a silent server
+    never answers), with connect, TLS and DNS timeouts far beyond the drain: the drain's cut
+    ends the wait, so egressd exits within the drain (plus its 1 s grace) and the request has
+    its one audit record, reason drain_timeout."""
+    silent_dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent_dns.bind(("127.0.0.1", 0))  # takes queries, answers none
+
+    def slow(c):
+        c["limits"].update(tls_timeout="60s", connect_timeout="60s", dns_timeout="60s")
+        if stage == "dns":
+            c["resolver"]["servers"] = [f"127.0.0.1:{silent_dns.getsockname()[1]}"]
+    e = factory.start(mutate=slow)  # drain_timeout 2s
+    done = []
+    if stage == "tls_handshake":
+        target = f"slow.test:{world.silent.port}"  # pinned: egressd's own TLS handshake waits
+
+        def client():
+            c, r = helpers.proxy_connect(e.proxy_port, target, world.auth(), timeout=30)
+            if r.status == 200:
+                t = helpers.tls_wrap(c, "slow.test", run_ca(e, "r1"), timeout=30)
+                try:
+                    helpers.request(t, "GET", "/cut-in-dial", target)
+                except OSError:
+                    pass
+            done.append(r.status)
+    else:
+        target = f"nx-egressd-test.invalid:{world.U}"  # allowed, unpinned: a blind tunnel
+
+        def client():
+            try:
+                c, r = helpers.proxy_connect(e.proxy_port, target, world.auth(), timeout=30)
+                done.append(r.status)
+            except OSError as ex:
+                done.append(repr(ex))
+    import threading
+    accepted = len(world.silent.conns)
+    th = threading.Thread(target=client, daemon=True)
+    th.start()
+    try:
+        if stage == "tls_handshake":
+            poll(lambda: len(world.silent.conns) > accepted, 10,
+                 "egressd's dial to the silent upstream")
+        else:
+            silent_dns.settimeout(10)
+            assert silent_dns.recv(512, socket.MSG_PEEK), "no DNS query came"
+        t0 = time.monotonic()
+        e.proc.send_signal(signal.SIGTERM)
+        assert e.proc.wait(timeout=30) == 0
+        took = time.monotonic() - t0
+        th.join(10)
+    finally:
+        silent_dns.close()
+    assert took < 6, f"egressd took {took:.1f}s to stop: the dial was not cut"
+    assert "without an audit record" not in e.stderr_text(), e.stderr_text()[-1500:]
+    host = target.split(":")[0]
+    recs = [r for r in e.audit_records() if r.get("host") == host]
+    assert len(recs) == 1, recs
+    assert recs[0]["reason"] == "drain_timeout", recs
 
 
 def test_h2_stream_sent_after_sigterm_is_served_or_left_unprocessed(world, factory, marker):
