@@ -390,6 +390,64 @@ json::value pin_json(const credstore::PinRecord& p) {
     return o;
 }
 
+/// A static run's pin as a record, for pin_json: what the config made of it.
+credstore::PinRecord pin_record(const policy::Pin& p) {
+    credstore::PinRecord r;
+    r.id = p.id;
+    r.host = p.host.text();
+    r.secret = p.secret_name;
+    r.inject.type = p.inject.type == policy::InjectType::Bearer  ? "bearer"
+                    : p.inject.type == policy::InjectType::Basic ? "basic"
+                                                                 : "header";
+    r.inject.username = p.inject.username;
+    r.inject.name = p.inject.header_name;
+    r.inject.value_template = p.inject.value_template;
+    r.path_prefixes = p.path_prefixes;
+    r.methods = p.methods;
+    for (const auto& h : p.extra_headers) r.extra_headers.emplace_back(h.name, h.value);
+    r.expires_at = p.expires_at == policy::TimePoint::max()
+                       ? 0
+                       : std::chrono::duration_cast<std::chrono::seconds>(
+                             p.expires_at.time_since_epoch())
+                             .count();
+    return r;
+}
+
+/// GET /v1/runs/{id} of a static run (config `runs`): read-only, "static": true; no
+/// created_at, and expires_at null for a run as long as the process.
+json::object static_run_json(const Run& r) {
+    json::object out;
+    out["id"] = r.policy.id;
+    out["static"] = true;
+    out["scope"] = scope_json(r.scope);
+    const bool forever = r.policy.expires_at == policy::TimePoint::max();
+    const int64_t expires =
+        forever ? 0
+                : std::chrono::duration_cast<std::chrono::seconds>(
+                      r.policy.expires_at.time_since_epoch())
+                      .count();
+    out["expires_at"] = forever ? json::value(nullptr) : json::value(rfc3339(expires));
+    out["revoked"] = false;
+    out["expired"] = !forever && expires <= unix_now();
+    json::array allow;
+    for (const auto& h : r.policy.allow_hosts) allow.push_back(json::value(h.text()));
+    out["allow_hosts"] = allow;
+    json::array sources;
+    for (const auto& c : r.sources) sources.push_back(json::value(c.to_string()));
+    out["source_cidrs"] = sources;
+    json::array pins;
+    auto add = [&pins](const policy::Pin& p) {
+        json::value j = pin_json(pin_record(p));
+        if (p.expires_at == policy::TimePoint::max()) j.as_object()["expires_at"] = nullptr;
+        pins.push_back(std::move(j));
+    };
+    for (const auto& p : r.policy.pins) add(p);
+    for (const auto& sp : r.store_pins) add(sp.pin);  // `secret: NAME` pins, by the run's scope
+    out["pins"] = pins;
+    out["ca_pem"] = r.ca ? r.ca->cert_pem() : std::string();
+    return out;
+}
+
 }  // namespace
 
 void KeyRing::add(std::unique_ptr<credstore::KeyProvider> p, bool primary) {
@@ -920,13 +978,32 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     return ok(201, out);
 }
 
+std::shared_ptr<Run> ControlPlane::static_run(const std::string& id) {
+    std::shared_ptr<const Runtime> statics;
+    {
+        std::lock_guard lock(build_mu_);
+        statics = statics_;
+    }
+    return statics ? statics->find(id) : nullptr;
+}
+
+ApiResponse ControlPlane::static_run_refusal(const std::string& id) const {
+    return error(409, "conflict",
+                 "run '" + id + "' is a static run (the config's runs): change it there and "
+                 "reload (SIGHUP)");
+}
+
 ApiResponse ControlPlane::show_run(const std::string& id) {
     auto snap = store_->snapshot();
     auto it = snap->runs.find(id);
-    if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+    if (it == snap->runs.end()) {
+        if (auto r = static_run(id)) return ok(200, static_run_json(*r));
+        return error(404, "not_found", "no run '" + id + "'");
+    }
     const auto& r = it->second;
     json::object out;
     out["id"] = r.id;
+    out["static"] = false;
     out["scope"] = scope_json(r.scope);
     out["created_at"] = rfc3339(r.created_at);
     out["expires_at"] = rfc3339(r.expires_at);
@@ -945,7 +1022,10 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     std::lock_guard lock(mu_);
     auto snap = store_->snapshot();
     auto it = snap->runs.find(id);
-    if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+    if (it == snap->runs.end()) {
+        if (static_run(id)) return static_run_refusal(id);
+        return error(404, "not_found", "no run '" + id + "'");
+    }
     auto run = it->second;
     const int64_t now = unix_now();
     if (run.revoked || run.expires_at <= now) {
@@ -981,7 +1061,10 @@ ApiResponse ControlPlane::revoke_run(const std::string& id) {
     for (int attempt = 0;; ++attempt) {
         auto snap = store_->snapshot();
         auto it = snap->runs.find(id);
-        if (it == snap->runs.end()) return error(404, "not_found", "no run '" + id + "'");
+        if (it == snap->runs.end()) {
+            if (static_run(id)) return static_run_refusal(id);
+            return error(404, "not_found", "no run '" + id + "'");
+        }
         credstore::Mutation m;
         m.kind = credstore::Mutation::Kind::PutRun;
         m.run = it->second;

@@ -95,6 +95,10 @@ private:
     ApiResponse show_run(const std::string& id);
     ApiResponse add_pin(const std::string& id, std::string_view body);
     ApiResponse revoke_run(const std::string& id);
+    /// A run of the config (statics_), or null.
+    std::shared_ptr<Run> static_run(const std::string& id);
+    /// 409 for a change the API cannot make to a static run.
+    ApiResponse static_run_refusal(const std::string& id) const;
     ApiResponse explain(const std::string& id, std::string_view query);
     ApiResponse rotate_keys();
     std::shared_ptr<const Config> current_config();

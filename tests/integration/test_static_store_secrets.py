@@ -13,6 +13,7 @@ import secrets as pysecrets
 from urllib.parse import quote
 
 import pytest
+import yaml
 
 import helpers
 from cp_helpers import api, api_ok, expect, fp, put_secret, rotate_secret, seen_auth
@@ -127,3 +128,39 @@ def test_reload_keeps_the_ca_and_the_resolved_pin(e, world, marker):
     e.rewrite_config(lambda c: c["runs"][0].__setitem__("scope", {"org": "globex", "project": "web"}))
     e.reload()
     _expect_injected(e, world, f"{marker}-g", gv, "new scope's secret after the reload").close()
+
+
+def test_the_admin_api_shows_a_static_run_and_refuses_to_change_it(e, world):
+    """GET /v1/runs/{id} of a static run shows what the config made of it ("static": true,
+    its file and store pins with their secrets' names, no expiry for a run as long as the
+    process, its CA), never its token; a revoke or a pin added through the API is a 409 saying
+    to change the config and reload, not a 404; an unknown id is still 404."""
+    j = api_ok(e, "GET", "/v1/runs/r1")
+    assert j["static"] is True and j["id"] == "r1", j
+    with open(e.config_path) as f:  # as the last reload left it
+        cfg = yaml.safe_load(f)["runs"][0]
+    assert j["scope"] == cfg["scope"], (j["scope"], cfg["scope"])
+    assert j["expires_at"] is None and j["expired"] is False and j["revoked"] is False, j
+    hosts = [p["host"] for p in j["pins"]]
+    cfg_pins = cfg["pins"]
+    assert sorted(hosts) == sorted(p["host"] for p in cfg_pins), (hosts, cfg_pins)
+    store = [p for p in j["pins"] if p["host"] == f"other.test:{world.U}"]
+    assert len(store) == 1 and store[0]["secret"] == "gh", store
+    assert store[0]["inject"]["type"] == "bearer" and store[0]["expires_at"] is None, store
+    hdr = [p for p in j["pins"] if p["host"].startswith("hdr.test")]
+    assert hdr[0]["inject"] == {"type": "header", "name": "x-api-key",
+                                "template": "Key {secret}"}, hdr
+    with open(e.config["runs"][0]["ca_cert_out"]) as f:
+        assert j["ca_pem"] == f.read()
+    assert world.tokens["r1"] not in api(e, "GET", "/v1/runs/r1").body.decode()
+    for method, path, body in (("DELETE", "/v1/runs/r1", None),
+                               ("POST", "/v1/runs/r1/pins",
+                                {"host": f"api.test:{world.U}", "secret": "gh",
+                                 "inject": {"type": "bearer"}})):
+        r = api(e, method, path, body)
+        assert r.status == 409 and "static run" in r.json["detail"], (method, r.status, r.body)
+    assert api(e, "GET", "/v1/runs/r9").status == 404
+    # still serving (the refused revoke did nothing)
+    c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth("r1"))
+    c.close()
+    assert r.status == 200, r.status
