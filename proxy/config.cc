@@ -658,10 +658,7 @@ public:
                       std::string(c.etcd_cert_file ? "etcd.cert_file" : "etcd.key_file") +
                       " (a client certificate needs both)");
         }
-        const bool any_tls =
-            std::any_of(c.etcd_endpoints.begin(), c.etcd_endpoints.end(),
-                        [](const std::string& e) { return e.rfind("https://", 0) == 0; });
-        if (c.state_backend == "etcd" && c.etcd_cert_file && !any_tls) {
+        if (c.state_backend == "etcd" && c.etcd_cert_file && !has_https_endpoint(c.etcd_endpoints)) {
             error(join_path(path, "etcd.cert_file"),
                   "is set but no state.etcd.endpoints entry is https:// (a client certificate "
                   "is sent only over TLS)");

@@ -126,6 +126,16 @@ struct AuditConfig {
     bool durable = false;
 };
 
+/// Whether any of state.etcd.endpoints is https:// (TLS to etcd).
+inline bool has_https_endpoint(const std::vector<std::string>& endpoints) {
+    for (const auto& e : endpoints) {
+        if (e.rfind("https://", 0) == 0) {
+            return true;
+        }
+    }
+    return false;
+}
+
 struct Config {
     ListenAddress proxy{"127.0.0.1", 3128, {}};
     ListenAddress admin{"127.0.0.1", 9901, {}};

@@ -748,10 +748,7 @@ EtcdOptions etcd_options(const Config& cfg) {
 }
 
 Result<tls::SslCtxPtr> etcd_tls_context(const EtcdOptions& options) {
-    const bool any_tls =
-        std::any_of(options.endpoints.begin(), options.endpoints.end(),
-                    [](const std::string& e) { return e.rfind("https://", 0) == 0; });
-    if (!any_tls) {
+    if (!has_https_endpoint(options.endpoints)) {
         return tls::SslCtxPtr();
     }
     auto ctx = tls::make_client_context(options.ca_file, {"http/1.1"});
