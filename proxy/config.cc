@@ -638,6 +638,7 @@ public:
                                     std::chrono::duration_cast<std::chrono::seconds>(*d);
                             }
                         }},
+                       {"max_txn_ops", set_count(c.etcd_max_txn_ops, 1, 1'000'000)},
                        {"ca_file", set_string(c.etcd_ca_file)},
                        {"cert_file", set_optional_string(c.etcd_cert_file)},
                        {"key_file", set_optional_string(c.etcd_key_file)}})}});

@@ -153,6 +153,8 @@ struct Config {
     // How long a run's etcd lease outlives the run: its keys stay that long after expiry,
     // so replicas whose clocks are a little behind still see it expire, not vanish.
     std::chrono::seconds etcd_lease_grace{60};
+    // Records one etcd transaction may write; keep it at etcd's --max-txn-ops (default 128).
+    size_t etcd_max_txn_ops = 128;
     // https:// endpoints: the CAs that verify etcd's certificate ("system": the system
     // store), and a client certificate for an etcd with --client-cert-auth (both or neither).
     std::string etcd_ca_file = "system";

@@ -39,8 +39,6 @@ using credstore::StateSnapshot;
 using credstore::etcd::View;
 constexpr auto nothrow = net::as_tuple(net::use_awaitable);
 
-// etcd's default --max-txn-ops; a larger change is refused before it is sent.
-constexpr size_t kMaxTxnOps = 128;
 // A transaction that lost a race to another replica is planned again on the fresher view.
 constexpr int kMaxAttempts = 8;
 // The etcd answer to one unary call (a range of the whole state included).
@@ -241,10 +239,12 @@ public:
             if (plan.empty()) {
                 return base->snap->revision;
             }
-            if (plan.ops() > kMaxTxnOps) {
+            if (plan.ops() > options_.max_txn_ops) {
                 return make_error("etcd: the change writes " + std::to_string(plan.ops()) +
-                                  " records, more than the " + std::to_string(kMaxTxnOps) +
-                                  " one etcd transaction takes (--max-txn-ops)");
+                                  " records in one transaction, more than "
+                                  "state.etcd.max_txn_ops (" +
+                                  std::to_string(options_.max_txn_ops) +
+                                  "; raise it with etcd's --max-txn-ops)");
             }
             auto done = run_sync(commit(std::move(plan)));
             if (!done) {
@@ -741,6 +741,7 @@ EtcdOptions etcd_options(const Config& cfg) {
     o.prefix = cfg.etcd_prefix;
     o.request_timeout = cfg.etcd_timeout;
     o.lease_grace = cfg.etcd_lease_grace;
+    o.max_txn_ops = cfg.etcd_max_txn_ops;
     o.ca_file = cfg.etcd_ca_file;
     o.cert_file = cfg.etcd_cert_file;
     o.key_file = cfg.etcd_key_file;

@@ -34,6 +34,9 @@ struct EtcdOptions {
     std::string prefix = "/egressd/";
     std::chrono::milliseconds request_timeout{5000};
     std::chrono::seconds lease_grace{60};
+    // Records one transaction may write (etcd's --max-txn-ops, default 128): a larger change
+    // (a key rotation of a large state) is refused before it is sent.
+    size_t max_txn_ops = 128;
     // https:// endpoints: verify etcd's certificate against these CAs ("system": the system
     // store); a client certificate (cert_file and key_file) if etcd asks for one.
     std::string ca_file = "system";

@@ -238,6 +238,7 @@ struct Server::Impl {
         changed(old.etcd_endpoints != next.etcd_endpoints || old.etcd_prefix != next.etcd_prefix ||
                     old.etcd_timeout != next.etcd_timeout ||
                     old.etcd_lease_grace != next.etcd_lease_grace ||
+                    old.etcd_max_txn_ops != next.etcd_max_txn_ops ||
                     old.etcd_ca_file != next.etcd_ca_file ||
                     old.etcd_cert_file != next.etcd_cert_file ||
                     old.etcd_key_file != next.etcd_key_file,

@@ -63,6 +63,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.etcd_prefix, d.etcd_prefix);
     EXPECT_EQ(c.etcd_timeout, milliseconds(5'000));
     EXPECT_EQ(c.etcd_lease_grace, std::chrono::seconds(60));
+    EXPECT_EQ(c.etcd_max_txn_ops, 128u);
     EXPECT_EQ(c.etcd_ca_file, "system");
     EXPECT_FALSE(c.etcd_cert_file.has_value());
     EXPECT_FALSE(c.etcd_key_file.has_value());
@@ -141,7 +142,8 @@ state:
   backend: etcd
   path: /var/lib/egressd
   etcd: {endpoints: [https://10.0.0.1:2379, http://10.0.0.2:2379], prefix: /e/, timeout: 750ms,
-         lease_grace: 2m, ca_file: /etc/egressd/etcd-ca.pem, cert_file: /etc/egressd/etcd.pem,
+         lease_grace: 2m, max_txn_ops: 1024, ca_file: /etc/egressd/etcd-ca.pem,
+         cert_file: /etc/egressd/etcd.pem,
          key_file: /etc/egressd/etcd.key}
 keys:
   master_key_file: /etc/egressd/master.key
@@ -245,6 +247,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.etcd_prefix, "/e/");
     EXPECT_EQ(c.etcd_timeout, milliseconds(750));
     EXPECT_EQ(c.etcd_lease_grace, std::chrono::seconds(120));
+    EXPECT_EQ(c.etcd_max_txn_ops, 1024u);
     EXPECT_EQ(c.etcd_ca_file, "/etc/egressd/etcd-ca.pem");
     EXPECT_EQ(c.etcd_cert_file, "/etc/egressd/etcd.pem");
     EXPECT_EQ(c.etcd_key_file, "/etc/egressd/etcd.key");
@@ -509,6 +512,7 @@ const ErrorRow kErrorRows[] = {
     {"EtcdTimeoutTooShort", "state: {etcd: {timeout: 10ms}}\n",
      "state.etcd.timeout: must be between 100ms and 10m"},
     {"EtcdTimeoutNotADuration", "state: {etcd: {timeout: soon}}\n", "state.etcd.timeout: "},
+    {"EtcdMaxTxnOpsZero", "state: {etcd: {max_txn_ops: 0}}\n", "state.etcd.max_txn_ops: "},
     {"EtcdLeaseGraceFraction", "state: {etcd: {lease_grace: 1500ms}}\n",
      "state.etcd.lease_grace: must be a whole number of seconds"},
     {"EtcdLeaseGraceTooLong", "state: {etcd: {lease_grace: 48h}}\n",

@@ -26,6 +26,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -686,6 +687,51 @@ def test_state_etcd_lease_grace_sets_how_long_a_run_outlives_its_expiry(fleet, f
         # expires_at is whole seconds: the run has 29 to 30 s left when its lease is granted
         assert 28 + grace <= granted <= 31 + grace, (e.admin_port, grace, granted)
     short.stop()
+
+
+KMS_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
+
+
+def test_a_rotation_larger_than_state_etcd_max_txn_ops_waits_for_a_larger_bound(
+        factory, world, etcd):
+    """POST /v1/keys/rotate (through keys.kms_command, the fleet's way) re-wraps every record
+    in one etcd transaction. With more records than state.etcd.max_txn_ops it is refused
+    before anything is sent (500 naming the key; etcd unchanged; writes still work); a
+    replica whose bound allows them rotates the same state, and both keep injecting."""
+    kek = os.path.join(world.new_dir("kms-"), "kek")
+    with open(kek, "wb") as f:
+        f.write(os.urandom(32))
+    kms = f"{sys.executable} {KMS_STUB} {kek}"
+
+    def with_kms(cfg: dict):
+        cfg["keys"]["kms_command"] = kms
+    prefix = f"/egressd-txn-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    a = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key,
+                                            then=with_kms, max_txn_ops=3))
+    b = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key,
+                                            then=with_kms))
+    values = {f"txn_{i}": sval(f"txn{i}") for i in range(4)}
+    for name, v in values.items():
+        put_secret(a, name, v, org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "txn_0")])
+    before = etcd.dump(prefix)
+    r = api(a, "POST", "/v1/keys/rotate", timeout=30)
+    assert r.status == 500 and r.json["error"] == "store_failed", (r.status, r.body[:300])
+    assert "state.etcd.max_txn_ops (3;" in r.json["detail"], r.json["detail"]
+    assert etcd.dump(prefix) == before, "a refused rotation changed etcd"
+    put_secret(a, "after_refusal", sval("after"), org="acme")
+    wait_run_known(b, run, world)
+    r = api(b, "POST", "/v1/keys/rotate", timeout=30)
+    # five secrets (four, and the one put after the refusal) and the run's CA key
+    assert r.status == 200 and r.json["rewrapped"] == 6, (r.status, r.body[:300])
+    assert etcd.dump(prefix) != before
+    for e, tag in ((a, "txn-a"), (b, "txn-b")):
+        helpers.poll(lambda e=e, tag=tag: injected(world, on(run, e), values["txn_0"], tag),
+                     5.0 * PROPAGATE_S, f"replica :{e.proxy_port} to inject after the rotation",
+                     interval=0.2)
+    for e in (a, b):
+        e.stop()
 
 
 def start_fails(e: helpers.Egressd, within: float = 15.0) -> str:
