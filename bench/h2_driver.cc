@@ -207,6 +207,13 @@ net::awaitable<void> Http2Driver::worker(std::shared_ptr<H2ClientSession> sessio
       co_return;
     }
     const Exchange x = co_await exchange(*session, *stream);
+    if (x.failure && stream->refused() && !retried) {
+      // Refused unprocessed (RST_STREAM REFUSED_STREAM, or above the last stream id of a
+      // GOAWAY: nginx sends one after keepalive_requests streams). RFC 9113 8.7: the next
+      // session sends it, once, as a client does; not an error of the server's.
+      pending_.push_back(*ticket);
+      co_return;
+    }
     stream.reset();
     record(*ticket, x);
     ticket.reset();

@@ -44,6 +44,14 @@ std::string host_header(const policy::HostPort& hp, bool tls) {
     return h;
 }
 
+/// An upstream h2 stream refused unprocessed (H2ClientStream::refused): sent again.
+constexpr const char* kRefusedStream = "upstream_refused_stream";
+/// How many times one request is sent again after a refused stream. A GOAWAY'd session takes
+/// no new stream, so each retry after one goes to a newer session: many streams in flight on
+/// an upstream that serves few per connection need a few rounds (60 at 10 per connection:
+/// 5). The bound stops an upstream that refuses every stream from looping.
+constexpr int kMaxRefusedRetries = 10;
+
 /// An HTTP/2 stream on a pooled upstream session.
 class H2Upstream final : public Upstream, public PooledNew<H2Upstream> {
 public:
@@ -67,6 +75,9 @@ public:
                                                std::chrono::milliseconds wait) override {
         H2ClientResponse r;
         if (!co_await stream_->response(r, wait)) {
+            if (stream_->refused()) {
+                co_return Refusal{502, kRefusedStream, "response"};
+            }
             co_return Refusal{502, stream_->error_code() != 0 ? "upstream_reset"
                                                               : "upstream_bad_response",
                               "response"};
@@ -429,6 +440,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     std::optional<ResponseHead> resp;
     const auto& limits = rt.config->limits;
     bool early = false;  // the upstream answered before it took the whole request body
+    // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
+    // it: nginx sends one after keepalive_requests streams) did nothing with the request,
+    // which goes out again on another session, from the pool (RFC 9113 8.7). Only without a
+    // body: what was streamed of one is gone.
+    int refused_retries = 0;
+    bool refused = false;
     for (int attempt = 0;; ++attempt) {
         const bool may_retry = attempt == 0 && up->reused() && req_body.none;
         bool sent = co_await up->send_head(head, req_body);
@@ -532,6 +549,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 if (may_retry && r->reason != "upstream_timeout") {
                     goto retry;
                 }
+                refused = r->reason == kRefusedStream && req_body.none &&
+                          refused_retries < kMaxRefusedRetries;
+                if (refused) {
+                    ++refused_retries;
+                    goto retry;
+                }
                 co_await down.refuse(r->status, r->reason, false);
                 finish(r->status, r->reason, r->kind);
                 co_return false;
@@ -540,9 +563,14 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             break;
         }
     retry:
-        spdlog::debug("conn={} pooled upstream connection was closed; retrying", scope.conn_id);
+        spdlog::debug("conn={} {}; retrying", scope.conn_id,
+                      refused ? "upstream refused the stream unprocessed"
+                              : "pooled upstream connection was closed");
         up.reset();
-        auto again = co_await open_upstream(scope, false, false);
+        // A stale pooled connection is retried on a fresh one; a refused stream may go to any
+        // session with room (the refusing one takes none), so fifty refused at once share
+        // one new dial instead of making fifty.
+        auto again = co_await open_upstream(scope, refused, false);
         if (auto* r = std::get_if<Refusal>(&again)) {
             co_await down.refuse(r->status, r->reason, false);
             audit_refusal(scope, method, head.path, r->status, r->reason, started);

@@ -456,4 +456,6 @@ bool H2ClientStream::responded() const {
 
 uint32_t H2ClientStream::error_code() const { return state_->error; }
 
+bool H2ClientStream::refused() const { return state_->error == NGHTTP2_REFUSED_STREAM; }
+
 }  // namespace egress::proxy

@@ -84,6 +84,9 @@ public:
     bool responded() const;
     /// RST_STREAM error code when the stream was reset (0 otherwise).
     uint32_t error_code() const;
+    /// The peer refused the stream unprocessed (RST_STREAM REFUSED_STREAM, or above the
+    /// last stream id of its GOAWAY): RFC 9113 8.7, safe to send again elsewhere.
+    bool refused() const;
     void reset();
 
 private:

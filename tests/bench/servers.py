@@ -296,7 +296,10 @@ def closed_port() -> socket.socket:
 class H2Origin:
     """An HTTP/2 origin (python3-h2 over TLS, ALPN "h2" only) on 127.0.0.1, recording every
     request (method, path, headers, body length) and counting connections. ``/status/N``
-    answers N; every other path answers 200 with a small body."""
+    answers N; every other path answers 200 with a small body. With ``goaway_after = N`` a
+    connection answers N requests, then sends GOAWAY naming the last and closes (as nginx
+    after keepalive_requests): streams the client sent past it are refused unprocessed and
+    counted in ``refused``."""
 
     BODY = b"hello from h2 origin\n"
 
@@ -308,6 +311,8 @@ class H2Origin:
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str, list, int]] = []
         self.connections = 0
+        self.goaway_after = 0
+        self.refused = 0
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -345,13 +350,20 @@ class H2Origin:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
         conn.initiate_connection()
         streams: dict[int, list] = {}  # id -> [headers, body_len]
+        answered = 0
         try:
             conn_sock.sendall(conn.data_to_send())
             while True:
                 data = conn_sock.recv(65536)
                 if not data:
                     return
+                last = None
                 for ev in conn.receive_data(data):
+                    if last is not None and getattr(ev, "stream_id", 0) > last:
+                        if isinstance(ev, h2.events.RequestReceived):
+                            with self.lock:
+                                self.refused += 1
+                        continue
                     if isinstance(ev, h2.events.RequestReceived):
                         streams[ev.stream_id] = [
                             [(k.decode() if isinstance(k, bytes) else k,
@@ -363,9 +375,18 @@ class H2Origin:
                         conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
                     if isinstance(ev, h2.events.StreamEnded):
                         self._respond(conn, ev.stream_id, streams.pop(ev.stream_id, None))
+                        answered += 1
+                        if answered == self.goaway_after:
+                            last = ev.stream_id
                     elif isinstance(ev, h2.events.ConnectionTerminated):
                         conn_sock.sendall(conn.data_to_send())
                         return
+                if last is not None:
+                    with self.lock:
+                        self.refused += len([i for i in streams if i > last])
+                    conn.close_connection(last_stream_id=last)
+                    conn_sock.sendall(conn.data_to_send())
+                    return
                 out = conn.data_to_send()
                 if out:
                     conn_sock.sendall(out)

@@ -370,6 +370,24 @@ def test_h2_streams_are_concurrent(h2_origin, pki):
     assert out["requests"]["ok"] == 200 and h2_origin.connections == 1
 
 
+def test_h2_streams_refused_by_a_goaway_are_sent_again(pki):
+    """A server that sends GOAWAY after every 25 requests and closes (nginx's
+    keepalive_requests): the streams it refused unprocessed (past the GOAWAY's last stream)
+    go out again on the next connection, as a client does (RFC 9113 8.7), and are not errors
+    of the server's; every request is answered once."""
+    o = servers.H2Origin(pki)
+    o.goaway_after = 25
+    try:
+        out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 10, "--requests", 300,
+                         o.url("/g"))
+        assert out["requests"] == {"total": 300, "ok": 300, "errors": 0, "warmup": 0}, out
+        assert len(o.requests) == 300
+        assert o.connections >= 12, o.connections
+        assert o.refused > 0, "no stream was refused: the GOAWAY path was not exercised"
+    finally:
+        o.stop()
+
+
 def test_h2_errors_counted(h2_origin, pki):
     out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 4, "--requests", 40,
                      h2_origin.url("/status/503"), expect=1)

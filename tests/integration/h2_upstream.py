@@ -7,6 +7,14 @@ Endpoints (like upstream.Upstream):
     /reflect    the request's Authorization / X-Api-Key value in header x-seen and the body
     /status/N   an empty response with status N
 Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
+
+Refusals, as real servers make them (each stream refused is counted in `refused`, never in
+`requests`: nothing of it was processed):
+    goaway_after = N   after answering N requests on a connection, GOAWAY with the last of
+                       them as last_stream_id, then close (nginx after keepalive_requests):
+                       streams above it that were already sent are never answered
+    a path holding "/refuse-once/"  RST_STREAM REFUSED_STREAM the first time that path comes
+                                    (then answered as its route: /echo/refuse-once/X)
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import urllib.parse
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 
@@ -52,6 +61,9 @@ class H2Upstream:
         self.lock = threading.Lock()
         self.requests_seen: list[Seen] = []
         self.connections = 0
+        self.goaway_after = 0     # 0: never
+        self.refused = 0          # streams refused unprocessed (GOAWAY'd or REFUSED_STREAM)
+        self._refused_paths: set[str] = set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -102,6 +114,7 @@ class H2Upstream:
         conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100})
         s.sendall(conn.data_to_send())
         streams: dict[int, _Stream] = {}
+        served = [0]
         try:
             while not self._stop.is_set():
                 self._pump(conn, streams)
@@ -117,8 +130,34 @@ class H2Upstream:
                 except h2.exceptions.ProtocolError:
                     s.sendall(conn.data_to_send())
                     break
+                last = None
                 for ev in events:
+                    if last is not None and getattr(ev, "stream_id", 0) > last:
+                        # after our GOAWAY's last stream: never processed
+                        if isinstance(ev, h2.events.RequestReceived):
+                            with self.lock:
+                                self.refused += 1
+                        continue
                     self._event(conn, streams, ev, sni)
+                    if (self.goaway_after and isinstance(ev, h2.events.StreamEnded)
+                            and ev.stream_id in streams and streams[ev.stream_id].responded):
+                        served[0] += 1
+                        if served[0] == self.goaway_after:
+                            last = ev.stream_id
+                if last is not None:
+                    # Answers up to `last` first (h2 takes no frame after its GOAWAY), then
+                    # the GOAWAY, then the close: what the client sent above it is refused.
+                    while any(st.body_iter is not None for st in streams.values()):
+                        self._pump(conn, streams)
+                        s.sendall(conn.data_to_send())
+                    with self.lock:
+                        self.refused += len([sid for sid, st in streams.items()
+                                             if sid > last and not st.responded])
+                    conn.close_connection(last_stream_id=last)
+                    s.sendall(conn.data_to_send())
+                    # Streams the client had sent past `last` that are still in flight
+                    # (in this read or the next): refused too, counted at the client.
+                    break
                 s.sendall(conn.data_to_send())
         except (OSError, ssl.SSLError, ConnectionError):
             pass
@@ -153,6 +192,15 @@ class H2Upstream:
         st.responded = True
         p = st.pseudo
         path = p.get(":path", "/")
+        if "/refuse-once/" in path:
+            with self.lock:
+                first = path not in self._refused_paths
+                self._refused_paths.add(path)
+                if first:
+                    self.refused += 1
+            if first:
+                conn.reset_stream(st.sid, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+                return
         seen = Seen(p.get(":method", ""), path, st.regular, st.n)
         seen.authority = p.get(":authority")
         seen.trailers = st.trailers

@@ -16,6 +16,7 @@ import pytest
 import helpers
 from clients import proxy_env, run_ca
 from h2_helpers import H2Client, add_h2_pins, h2up, header  # noqa: F401 (fixture)
+from h2_upstream import H2Upstream
 from upstream import payload_sha256
 
 MiB = 1 << 20
@@ -277,3 +278,40 @@ def test_h2_streams_multiplexed_slow_reader_does_not_stall_others(world, e2, h2u
     assert held <= 65535, held  # the client's stream window was respected
     assert len(h2up.find(marker)) >= 6
     e2.check_peak_rss(64 * 1024)
+
+
+def test_streams_an_h2_upstream_refuses_unprocessed_are_sent_again(world, factory, marker):
+    """An h2 upstream that sends GOAWAY after every 10 requests (as nginx does after
+    keepalive_requests) and then closes: the streams egressd had already sent above its
+    last_stream_id were refused unprocessed (RFC 9113 8.7), and go out again on another
+    session. 60 concurrent GETs from one client connection all answer 200 with the credential,
+    each processed exactly once upstream; none is a 502. A stream refused with RST_STREAM
+    REFUSED_STREAM is sent again too."""
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    up.goaway_after = 10
+    try:
+        e = factory.start(add_h2_pins(world, up))
+        P = up.port
+        c = H2Client(e, world, "api.test", P)
+        sids = [c.headers(f"/echo/{marker}-{i}") for i in range(60)]
+        c.flush()
+        c.pump(until=lambda: all(c.responses[s]["ended"] or c.responses[s]["reset"] is not None
+                                 for s in sids), timeout=30)
+        statuses = [c.responses[s]["status"] for s in sids]
+        assert statuses == [200] * 60, (statuses, [(a.get("status"), a.get("reason"))
+                                                   for a in e.audit_records()
+                                                   if a.get("status") != 200][:5])
+        for i in range(60):
+            seen = [r for r in up.requests if r.path == f"/echo/{marker}-{i}"]
+            assert len(seen) == 1, (i, len(seen))
+            assert seen[0].header("authorization") == [f"Bearer {world.secrets['api_token']}"]
+        assert up.refused > 0, "no stream was refused: the GOAWAY path was not exercised"
+        assert up.connections >= 6, up.connections
+        r = c.request(f"/echo/refuse-once/{marker}")
+        assert r["status"] == 200, r
+        assert len(up.find(f"/echo/refuse-once/{marker}")) == 1
+        c.close()
+        assert not [a for a in e.audit_records() if a.get("status") == 502], \
+            [a for a in e.audit_records() if a.get("status") == 502][:3]
+    finally:
+        up.close()
