@@ -10,6 +10,9 @@
 # Environment:
 #   PATH_SUFFIX      upstream path (h1 or H2_UPSTREAM=nginx: json or 64k; nghttpd: 1k)
 #   H2_UPSTREAM      nginx: serve h2 from nginx (as bench/peers.sh does) instead of nghttpd
+#   NGINX_KEEPALIVE_REQUESTS  nginx's keepalive_requests (default 1000000; nginx's own default
+#                    is 1000): requests per upstream connection before nginx closes it (h2:
+#                    a GOAWAY, whose refused streams egressd sends again)
 #   BENCH_ARGS       more egress-bench options (e.g. --new-connection)
 #   EGRESSD_LIMITS   'key: value, ...' for a limits: section in egressd's config (e.g.
 #                    'max_upstream_idle_per_host: 0' makes every request dial the upstream)
@@ -72,7 +75,7 @@ error_log $W/nginx/logs/error.log warn;
 events { worker_connections 1024; }
 http {
   access_log off;
-  keepalive_requests 1000000;
+  keepalive_requests ${NGINX_KEEPALIVE_REQUESTS:-1000000};
   server {
     listen 127.0.0.1:$UP $1;
     ssl_certificate $W/up.pem;
