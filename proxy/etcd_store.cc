@@ -24,6 +24,7 @@
 #include "credstore/etcd_layout.h"
 #include "proxy/tls_socket.h"
 #include "tls/contexts.h"
+#include "tls/session_cache.h"
 
 namespace egress::proxy {
 
@@ -365,6 +366,10 @@ private:
         if (cec) {
             co_return ep.text + ": " + cec.message();
         }
+        // A request goes out in more than one write (head, body; TLS records): without
+        // TCP_NODELAY the second waits for the first's ACK, which etcd delays (40 ms).
+        boost::system::error_code nec;
+        stream.socket().set_option(tcp::no_delay(true), nec);
         co_return "";
     }
 
@@ -376,6 +381,9 @@ private:
         if (auto ok = tls::prepare_client(ssl, ep.host); !ok) {
             co_return ep.text + ": " + ok.error();
         }
+        // Every call is a connection of its own: resuming the member's last session spares
+        // each a full handshake and certificate check.
+        tls_sessions_.attach(ssl, ep.text);
         stream.expires_after(left(deadline));
         auto [ec] = co_await stream.async_handshake(net::ssl::stream_base::client, nothrow);
         if (ec) {
@@ -385,6 +393,8 @@ private:
                      ? std::string(" (certificate: ") + X509_verify_cert_error_string(verify) + ")"
                      : std::string());
         }
+        spdlog::debug("etcd: {}: {}, {}", ep.text, SSL_get_version(ssl),
+                      SSL_session_reused(ssl) == 1 ? "resumed" : "full handshake");
         co_return "";
     }
 
@@ -729,6 +739,9 @@ private:
     Published<const StateSnapshot> current_;
 
     std::thread thread_;
+    // TLS sessions by endpoint, for resumption (the store's thread only; outlives every SSL,
+    // which the coroutine frames hold).
+    tls::ClientSessionCache tls_sessions_{16};
     // Last: destroyed first, with the coroutine frames it owns (they use the members above).
     net::io_context ioc_{1};
 };

@@ -802,8 +802,11 @@ def test_a_fleet_over_tls_with_client_certificates(factory, world, etcd_tls):
                                timeout=2).read()
     prefix = f"/egressd-tls-{pysecrets.token_hex(3)}/"
     key = os.urandom(32)
+
+    def debug_log(cfg: dict):
+        cfg.setdefault("log", {})["level"] = "debug"
     a = start_replica(factory, make_replica(factory, world, prefix, [etcd_tls.url], key,
-                                            **tls_keys(world)))
+                                            then=debug_log, **tls_keys(world)))
     b = start_replica(factory, make_replica(factory, world, prefix, [etcd_tls.url], key,
                                             **tls_keys(world)))
     v = sval("tls")
@@ -812,6 +815,10 @@ def test_a_fleet_over_tls_with_client_certificates(factory, world, etcd_tls):
     wait_run_known(b, run, world)
     expect(injected(world, on(run, b), v, "tls-b"), "B: not injected for a run made on A")
     assert any(run.id in k for k in etcd_tls.keys(prefix)), etcd_tls.keys(prefix)
+    # each call is a connection of its own: after the first, they resume the TLS session
+    log = a.stderr_text()
+    assert "full handshake" in log and "resumed" in log, \
+        [line for line in log.splitlines() if "etcd: https" in line][:6]
     for e in (a, b):
         e.stop()
 
