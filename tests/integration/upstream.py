@@ -508,8 +508,35 @@ class SilentListener:
         self.sock.close()
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+
+
 def free_port() -> int:
-    """A port that was free a moment ago (bind to 0, read, close)."""
+    """A port that was free a moment ago, for a process started next to listen on. Picked
+    below the kernel's ephemeral range: a port from bind(0) is an ephemeral one, which any
+    outgoing connection (egressd's to etcd or an upstream, a client's) may take as its local
+    port before the process binds it ("Address already in use", seen under a loaded CI)."""
+    import random
+    low = 20000
+    if _EPHEMERAL_LOW - low >= 1000:
+        for _ in range(200):
+            port = random.randrange(low, _EPHEMERAL_LOW)
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+            finally:
+                s.close()
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
