@@ -599,7 +599,7 @@ public:
         bool endpoints_set = false;
         auto endpoints = [&](const YAML::Node& v, const std::string& p) {
             endpoints_set = true;
-            c.etcd_endpoints =
+            c.etcd.endpoints =
                 list_of<std::string>(v, p, [this](const YAML::Node& n, const std::string& np) {
                     auto s = string(n, np);
                     if (s && s->rfind("http://", 0) != 0 && s->rfind("https://", 0) != 0) {
@@ -617,7 +617,7 @@ public:
              {"path", set_string(c.state_path)},
              {"etcd",
               section({{"endpoints", endpoints},
-                       {"prefix", set_string(c.etcd_prefix)},
+                       {"prefix", set_string(c.etcd.prefix)},
                        {"timeout",
                         [this, &c](const YAML::Node& v, const std::string& p) {
                             auto d = duration(v, p);
@@ -625,7 +625,7 @@ public:
                                       *d > std::chrono::minutes(10))) {
                                 error(p, "must be between 100ms and 10m");
                             } else if (d) {
-                                c.etcd_timeout = *d;
+                                c.etcd.timeout = *d;
                             }
                         }},
                        {"lease_grace",
@@ -634,32 +634,33 @@ public:
                             if (d && (d->count() % 1000 != 0 || *d > std::chrono::hours(24))) {
                                 error(p, "must be a whole number of seconds, at most 24h");
                             } else if (d) {
-                                c.etcd_lease_grace =
+                                c.etcd.lease_grace =
                                     std::chrono::duration_cast<std::chrono::seconds>(*d);
                             }
                         }},
-                       {"max_txn_ops", set_count(c.etcd_max_txn_ops, 1, 1'000'000)},
-                       {"ca_file", set_string(c.etcd_ca_file)},
-                       {"cert_file", set_optional_string(c.etcd_cert_file)},
-                       {"key_file", set_optional_string(c.etcd_key_file)}})}});
-        if (c.etcd_prefix.empty()) {
+                       {"max_txn_ops", set_count(c.etcd.max_txn_ops, 1, 1'000'000)},
+                       {"ca_file", set_string(c.etcd.ca_file)},
+                       {"cert_file", set_optional_string(c.etcd.cert_file)},
+                       {"key_file", set_optional_string(c.etcd.key_file)}})}});
+        if (c.etcd.prefix.empty()) {
             error(join_path(path, "etcd.prefix"), "must not be empty");
         }
-        if (endpoints_set && c.state_backend == "etcd" && c.etcd_endpoints.empty()) {
+        if (endpoints_set && c.state_backend == "etcd" && c.etcd.endpoints.empty()) {
             error(join_path(path, "etcd.endpoints"),
                   "must not be empty when state.backend is etcd");
         }
-        if (c.etcd_ca_file.empty()) {
+        if (c.etcd.ca_file.empty()) {
             error(join_path(path, "etcd.ca_file"),
                   "must not be empty (\"system\" for the system store)");
         }
-        if (c.etcd_cert_file.has_value() != c.etcd_key_file.has_value()) {
-            error(join_path(path, c.etcd_cert_file ? "etcd.key_file" : "etcd.cert_file"),
+        if (c.etcd.cert_file.has_value() != c.etcd.key_file.has_value()) {
+            error(join_path(path, c.etcd.cert_file ? "etcd.key_file" : "etcd.cert_file"),
                   "must be set with " +
-                      std::string(c.etcd_cert_file ? "etcd.cert_file" : "etcd.key_file") +
+                      std::string(c.etcd.cert_file ? "etcd.cert_file" : "etcd.key_file") +
                       " (a client certificate needs both)");
         }
-        if (c.state_backend == "etcd" && c.etcd_cert_file && !has_https_endpoint(c.etcd_endpoints)) {
+        if (c.state_backend == "etcd" && c.etcd.cert_file &&
+            !has_https_endpoint(c.etcd.endpoints)) {
             error(join_path(path, "etcd.cert_file"),
                   "is set but no state.etcd.endpoints entry is https:// (a client certificate "
                   "is sent only over TLS)");

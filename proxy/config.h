@@ -126,6 +126,29 @@ struct AuditConfig {
     bool durable = false;
 };
 
+/// state.etcd: the fleet's etcd (state.backend: etcd; proxy/etcd_store.h takes it as is).
+struct EtcdConfig {
+    std::vector<std::string> endpoints{"http://127.0.0.1:2379"};  // http(s)://host:port, in order
+    std::string prefix = "/egressd/";
+    // How long one call to etcd may take (connect, answer), and so how long a write waits
+    // for an etcd that stalls before it answers 503, and for its own change to come back
+    // through the watch.
+    std::chrono::milliseconds timeout{5000};
+    // How long a run's etcd lease outlives the run: its keys stay that long after expiry,
+    // so replicas whose clocks are a little behind still see it expire, not vanish.
+    std::chrono::seconds lease_grace{60};
+    // Records one transaction may write; keep it at etcd's --max-txn-ops (default 128): a
+    // larger change (a key rotation of a large state) is refused before it is sent.
+    size_t max_txn_ops = 128;
+    // https:// endpoints: the CAs that verify etcd's certificate ("system": the system
+    // store), and a client certificate for an etcd with --client-cert-auth (both or neither).
+    std::string ca_file = "system";
+    std::optional<std::string> cert_file;
+    std::optional<std::string> key_file;
+
+    bool operator==(const EtcdConfig&) const = default;
+};
+
 /// Whether any of state.etcd.endpoints is https:// (TLS to etcd).
 inline bool has_https_endpoint(const std::vector<std::string>& endpoints) {
     for (const auto& e : endpoints) {
@@ -144,22 +167,7 @@ struct Config {
     AdminLimits admin_limits;
     std::string state_backend = "file";
     std::string state_path = "var/state";
-    std::vector<std::string> etcd_endpoints{"http://127.0.0.1:2379"};
-    std::string etcd_prefix = "/egressd/";
-    // How long one call to etcd may take (connect, answer), and so how long a write waits
-    // for an etcd that stalls before it answers 503, and for its own change to come back
-    // through the watch.
-    std::chrono::milliseconds etcd_timeout{5000};
-    // How long a run's etcd lease outlives the run: its keys stay that long after expiry,
-    // so replicas whose clocks are a little behind still see it expire, not vanish.
-    std::chrono::seconds etcd_lease_grace{60};
-    // Records one etcd transaction may write; keep it at etcd's --max-txn-ops (default 128).
-    size_t etcd_max_txn_ops = 128;
-    // https:// endpoints: the CAs that verify etcd's certificate ("system": the system
-    // store), and a client certificate for an etcd with --client-cert-auth (both or neither).
-    std::string etcd_ca_file = "system";
-    std::optional<std::string> etcd_cert_file;
-    std::optional<std::string> etcd_key_file;
+    EtcdConfig etcd;  // state.etcd (state.backend: etcd)
     std::string master_key_file = "var/master.key";
     std::optional<std::string> kms_command;
     std::string upstream_ca_file = "system";

@@ -516,7 +516,7 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
     }
 
     if (cfg.state_backend == "etcd") {
-        auto store = open_etcd_store(etcd_options(cfg));
+        auto store = open_etcd_store(cfg.etcd);
         if (!store) {
             return make_error(store.error());  // names the state.etcd key to fix
         }

@@ -186,7 +186,7 @@ std::string watch_body(const std::string& key, const std::string& range_end, int
 
 class EtcdStateStore final : public credstore::StateStore {
 public:
-    EtcdStateStore(EtcdOptions options, std::vector<Endpoint> endpoints,
+    EtcdStateStore(EtcdConfig options, std::vector<Endpoint> endpoints,
                    std::unique_ptr<net::ssl::context> tls_ctx)
         : options_(std::move(options)),
           endpoints_(std::move(endpoints)),
@@ -257,7 +257,7 @@ public:
             if (succeeded) {
                 if (!wait_seen(revision)) {
                     spdlog::warn("etcd: the watch has not delivered revision {} within {} ms; "
-                                 "reading the state", revision, options_.request_timeout.count());
+                                 "reading the state", revision, options_.timeout.count());
                     (void)run_sync(resync());
                 }
                 return static_cast<uint64_t>(revision);
@@ -302,7 +302,7 @@ private:
     /// Blocks until the watch has published `revision` and its listeners have run.
     bool wait_seen(int64_t revision) {
         std::unique_lock lock(mu_);
-        return seen_cv_.wait_for(lock, options_.request_timeout,
+        return seen_cv_.wait_for(lock, options_.timeout,
                                  [&] { return seen_revision_ >= revision; });
     }
 
@@ -331,10 +331,10 @@ private:
 
     /// One call on one member. `refused`: etcd answered 4xx (a request it will not take from
     /// any member); anything else (no connection, a timeout, 5xx: no leader, shutting down)
-    /// is worth the next endpoint. options_.request_timeout bounds the whole call.
+    /// is worth the next endpoint. options_.timeout bounds the whole call.
     awaitable<Result<json::object>> call_one(const Endpoint& ep, std::string_view path,
                                              const std::string& body, bool& refused) {
-        const auto deadline = Clock::now() + options_.request_timeout;
+        const auto deadline = Clock::now() + options_.timeout;
         beast::tcp_stream tcp(ioc_);
         if (std::string bad = co_await dial(ep, tcp, deadline); !bad.empty()) {
             co_return make_error(bad);
@@ -587,7 +587,7 @@ private:
     /// Streams watch events from `from_revision` until the stream breaks; returns why.
     awaitable<std::string> watch(int64_t from_revision, std::chrono::milliseconds& backoff) {
         const Endpoint& ep = endpoints_[preferred_ % endpoints_.size()];
-        const auto deadline = Clock::now() + options_.request_timeout;
+        const auto deadline = Clock::now() + options_.timeout;
         beast::tcp_stream tcp(ioc_);
         std::string bad = co_await dial(ep, tcp, deadline);
         if (bad.empty()) {
@@ -723,7 +723,7 @@ private:
         return "";
     }
 
-    EtcdOptions options_;
+    EtcdConfig options_;
     std::vector<Endpoint> endpoints_;
     std::unique_ptr<net::ssl::context> tls_ctx_;  // set when an endpoint is https://
     std::string range_end_;
@@ -748,20 +748,7 @@ private:
 
 }  // namespace
 
-EtcdOptions etcd_options(const Config& cfg) {
-    EtcdOptions o;
-    o.endpoints = cfg.etcd_endpoints;
-    o.prefix = cfg.etcd_prefix;
-    o.request_timeout = cfg.etcd_timeout;
-    o.lease_grace = cfg.etcd_lease_grace;
-    o.max_txn_ops = cfg.etcd_max_txn_ops;
-    o.ca_file = cfg.etcd_ca_file;
-    o.cert_file = cfg.etcd_cert_file;
-    o.key_file = cfg.etcd_key_file;
-    return o;
-}
-
-Result<tls::SslCtxPtr> etcd_tls_context(const EtcdOptions& options) {
+Result<tls::SslCtxPtr> etcd_tls_context(const EtcdConfig& options) {
     if (!has_https_endpoint(options.endpoints)) {
         return tls::SslCtxPtr();
     }
@@ -779,7 +766,7 @@ Result<tls::SslCtxPtr> etcd_tls_context(const EtcdOptions& options) {
     return std::move(*ctx);
 }
 
-Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdOptions& options) {
+Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdConfig& options) {
     if (options.endpoints.empty()) {
         return make_error("state.etcd.endpoints: no endpoint");
     }

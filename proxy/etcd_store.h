@@ -29,32 +29,14 @@
 
 namespace egress::proxy {
 
-struct EtcdOptions {
-    std::vector<std::string> endpoints;  // http://host:port, tried in order
-    std::string prefix = "/egressd/";
-    std::chrono::milliseconds request_timeout{5000};
-    std::chrono::seconds lease_grace{60};
-    // Records one transaction may write (etcd's --max-txn-ops, default 128): a larger change
-    // (a key rotation of a large state) is refused before it is sent.
-    size_t max_txn_ops = 128;
-    // https:// endpoints: verify etcd's certificate against these CAs ("system": the system
-    // store); a client certificate (cert_file and key_file) if etcd asks for one.
-    std::string ca_file = "system";
-    std::optional<std::string> cert_file;
-    std::optional<std::string> key_file;
-};
-
-/// The state.etcd keys of `cfg` as store options.
-EtcdOptions etcd_options(const Config& cfg);
-
 /// The TLS client context of the https:// endpoints (null when none is https://): TLS 1.2+,
 /// state.etcd.ca_file's CAs, the client certificate if one is set. Errors name the key;
 /// `egressd --check` calls it too (it reads files, dials nothing).
-Result<tls::SslCtxPtr> etcd_tls_context(const EtcdOptions& options);
+Result<tls::SslCtxPtr> etcd_tls_context(const EtcdConfig& options);
 
 /// Connects, loads the state under the prefix and starts the watch. Errors name what failed
 /// (an endpoint that is not http://host:port, no endpoint reachable, a record that does not
 /// parse is only logged).
-Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdOptions& options);
+Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdConfig& options);
 
 }  // namespace egress::proxy

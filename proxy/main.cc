@@ -40,7 +40,7 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
         add("upstream.ca_file: " + ctx.error());
     }
     if (config->state_backend == "etcd") {
-        if (auto etcd = egress::proxy::etcd_tls_context(egress::proxy::etcd_options(*config));
+        if (auto etcd = egress::proxy::etcd_tls_context(config->etcd);
             !etcd) {
             add(etcd.error());
         }

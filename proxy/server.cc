@@ -235,14 +235,7 @@ struct Server::Impl {
         changed(old.upstream_ca_file != next.upstream_ca_file, "upstream.ca_file");
         changed(old.state_backend != next.state_backend, "state.backend");
         changed(old.state_path != next.state_path, "state.path");
-        changed(old.etcd_endpoints != next.etcd_endpoints || old.etcd_prefix != next.etcd_prefix ||
-                    old.etcd_timeout != next.etcd_timeout ||
-                    old.etcd_lease_grace != next.etcd_lease_grace ||
-                    old.etcd_max_txn_ops != next.etcd_max_txn_ops ||
-                    old.etcd_ca_file != next.etcd_ca_file ||
-                    old.etcd_cert_file != next.etcd_cert_file ||
-                    old.etcd_key_file != next.etcd_key_file,
-                "state.etcd");
+        changed(old.etcd != next.etcd, "state.etcd");
         changed(old.master_key_file != next.master_key_file, "keys.master_key_file");
         changed(old.kms_command != next.kms_command, "keys.kms_command");
         changed(old.resolver_servers != next.resolver_servers, "resolver.servers");

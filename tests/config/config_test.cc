@@ -59,14 +59,14 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(5'000));
     EXPECT_EQ(c.state_backend, "file");
     EXPECT_EQ(c.state_path, d.state_path);
-    EXPECT_EQ(c.etcd_endpoints, d.etcd_endpoints);
-    EXPECT_EQ(c.etcd_prefix, d.etcd_prefix);
-    EXPECT_EQ(c.etcd_timeout, milliseconds(5'000));
-    EXPECT_EQ(c.etcd_lease_grace, std::chrono::seconds(60));
-    EXPECT_EQ(c.etcd_max_txn_ops, 128u);
-    EXPECT_EQ(c.etcd_ca_file, "system");
-    EXPECT_FALSE(c.etcd_cert_file.has_value());
-    EXPECT_FALSE(c.etcd_key_file.has_value());
+    EXPECT_EQ(c.etcd.endpoints, d.etcd.endpoints);
+    EXPECT_EQ(c.etcd.prefix, d.etcd.prefix);
+    EXPECT_EQ(c.etcd.timeout, milliseconds(5'000));
+    EXPECT_EQ(c.etcd.lease_grace, std::chrono::seconds(60));
+    EXPECT_EQ(c.etcd.max_txn_ops, 128u);
+    EXPECT_EQ(c.etcd.ca_file, "system");
+    EXPECT_FALSE(c.etcd.cert_file.has_value());
+    EXPECT_FALSE(c.etcd.key_file.has_value());
     EXPECT_EQ(c.master_key_file, d.master_key_file);
     EXPECT_FALSE(c.kms_command.has_value());
     EXPECT_EQ(c.upstream_ca_file, "system");
@@ -242,15 +242,15 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(250));
     EXPECT_EQ(c.state_backend, "etcd");
     EXPECT_EQ(c.state_path, "/var/lib/egressd");
-    EXPECT_EQ(c.etcd_endpoints,
+    EXPECT_EQ(c.etcd.endpoints,
               (std::vector<std::string>{"https://10.0.0.1:2379", "http://10.0.0.2:2379"}));
-    EXPECT_EQ(c.etcd_prefix, "/e/");
-    EXPECT_EQ(c.etcd_timeout, milliseconds(750));
-    EXPECT_EQ(c.etcd_lease_grace, std::chrono::seconds(120));
-    EXPECT_EQ(c.etcd_max_txn_ops, 1024u);
-    EXPECT_EQ(c.etcd_ca_file, "/etc/egressd/etcd-ca.pem");
-    EXPECT_EQ(c.etcd_cert_file, "/etc/egressd/etcd.pem");
-    EXPECT_EQ(c.etcd_key_file, "/etc/egressd/etcd.key");
+    EXPECT_EQ(c.etcd.prefix, "/e/");
+    EXPECT_EQ(c.etcd.timeout, milliseconds(750));
+    EXPECT_EQ(c.etcd.lease_grace, std::chrono::seconds(120));
+    EXPECT_EQ(c.etcd.max_txn_ops, 1024u);
+    EXPECT_EQ(c.etcd.ca_file, "/etc/egressd/etcd-ca.pem");
+    EXPECT_EQ(c.etcd.cert_file, "/etc/egressd/etcd.pem");
+    EXPECT_EQ(c.etcd.key_file, "/etc/egressd/etcd.key");
     EXPECT_EQ(c.master_key_file, "/etc/egressd/master.key");
     EXPECT_EQ(c.kms_command, "/usr/bin/unwrap-key");
     EXPECT_EQ(c.upstream_ca_file, "/etc/egressd/upstream-ca.pem");
