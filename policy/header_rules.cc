@@ -118,6 +118,16 @@ bool valid_header_value(std::string_view value) {
     });
 }
 
+bool asks_websocket(const std::vector<Header>& headers) {
+    bool upgrade = false;
+    for (const Header& h : headers) {
+        if (iequals(h.name, "upgrade") && named_in(h.value, "websocket")) {
+            upgrade = true;
+        }
+    }
+    return upgrade && named_in(connection_values(headers), "upgrade");
+}
+
 size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
     const std::string tokens = connection_values(headers);
     const size_t before = headers.size();

@@ -82,6 +82,11 @@ void inject(RequestHead& head, const Pin& pin, Decision& d) {
     head.set(inj.header, std::string(inj.value->reveal()));  // replaces, never merges
     head.never_index = inj.header;
     head.set("accept-encoding", "identity");
+    if (!head.upgrade.empty()) {
+        // No WebSocket extension: permessage-deflate would carry an echoed credential past
+        // the frame scrubber (policy/ws_frames.h), as a gzip body would past the body's.
+        head.remove("sec-websocket-extensions");
+    }
     for (const auto& h : pin.extra_headers) {  // validated at load: never transport headers
         head.set(h.name, h.value);
     }
@@ -125,6 +130,9 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
     const DestinationDecision dest = decide_destination(global, run, ctx.target, ctx.now);
     if (dest.carry == Carry::Deny) {
         return refuse(403, dest.reason);
+    }
+    if (!head.upgrade.empty() && !global.websocket) {
+        return refuse(403, "websocket_denied");
     }
 
     Decision d;

@@ -27,6 +27,12 @@ struct RequestHead {
     /// HPACK table it would be a target for compression-length probing by the sandbox's own
     /// requests. nghttp2 does so by itself only for "authorization" and short cookies.
     std::string never_index;
+    /// "websocket" when an HTTP/1.1 client asked to switch this request's connection to a
+    /// WebSocket (RFC 6455 4.1: GET, no body, "Upgrade: websocket", "Connection: upgrade");
+    /// "" otherwise. Upgrade and Connection are hop-by-hop and never in `headers`: the HTTP/1.1
+    /// upstream serializer writes them again from this. Other protocols (h2c...) are not
+    /// offered upstream: their Upgrade is dropped with the other hop-by-hop fields.
+    std::string upgrade;
 
     /// First value for `name` (lowercase), or nullptr.
     const std::string* find(std::string_view name) const;

@@ -136,6 +136,9 @@ struct GlobalPolicy {
     /// Hosts no run may reach, whatever its pins and allow lists say (policy.deny_hosts): a
     /// pattern without a port denies every port, one with a port only that port.
     std::vector<HostPattern> deny_hosts;
+    /// Whether a request may switch its connection to a WebSocket (policy.websocket): false
+    /// refuses every upgrade request (403 websocket_denied).
+    bool websocket = true;
 };
 
 enum class Carry : uint8_t { Deny, Tunnel, Intercept };

@@ -526,6 +526,7 @@ public:
                                  {"deny_hosts", set_patterns(c.policy.deny_hosts,
                                                              policy::HostPattern::Scope::Subtree)},
                                  {"allow_networks", set_cidrs(c.allow_networks)},
+                                 {"websocket", set_bool(c.policy.websocket)},
                                  {"allowed_ports",
                                   [this, &c](const YAML::Node& v, const std::string& p) {
                                       c.policy.allowed_ports = list_of<uint16_t>(

@@ -6,7 +6,9 @@
 #include <cstring>
 
 #include "policy/header_rules.h"
+#include "common/secure_zero.h"
 #include "policy/scrubber.h"
+#include "policy/ws_frames.h"
 #include "proxy/h2_client.h"
 #include "proxy/pool_allocator.h"
 
@@ -117,6 +119,7 @@ public:
             stream_->reset();
         }
     }
+    RawBytes* switched() override { return nullptr; }
 
 private:
     H2Pooled pooled_;
@@ -140,9 +143,11 @@ H2ClientOptions h2_client_options(const Limits& l) {
 /// Upstream for the agreed destination: an h2 session with room, a pooled h1 connection, or
 /// a fresh dial (vetted address, verified TLS, ALPN h2|http/1.1 negotiated on its own).
 /// `retryable`: the request has no body and an idempotent method, so a failure on a pooled
-/// connection before any response byte is sent again (UpstreamPool::acquire).
+/// connection before any response byte is sent again (UpstreamPool::acquire). `h1_only`: an
+/// HTTP/1.1 connection whatever the destination speaks (a WebSocket upgrade): no h2 session,
+/// and a dial of its own that offers http/1.1 alone.
 awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool allow_pool,
-                                                            bool retryable) {
+                                                            bool retryable, bool h1_only) {
     Worker& w = *scope.worker;
     const Runtime& rt = *scope.runtime;
     const auto& limits = rt.config->limits;
@@ -158,12 +163,21 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     auto ex = w.ioc.get_executor();
     for (int round = 0;; ++round) {
         if (allow_pool) {
+            if (h1_only) {
+                if (auto c = w.pool->acquire(key, retryable, limits.upstream_idle_timeout)) {
+                    co_return make_h1_upstream(w, std::move(c), true, authority);
+                }
+                break;
+            }
             if (auto s = w.pool->acquire_h2(key)) {
                 co_return std::make_unique<H2Upstream>(std::move(*s), authority);
             }
             if (auto c = w.pool->acquire(key, retryable, rt.config->limits.upstream_idle_timeout)) {
                 co_return make_h1_upstream(w, std::move(c), true, authority);
             }
+        }
+        if (h1_only) {
+            break;  // no h2 session to share: nothing to wait for
         }
         if (round < 8 && !w.pool->begin_dial(key, ex)) {
             co_await w.pool->wait_dial(key);
@@ -173,17 +187,24 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     }
     auto dialed = co_await dial_upstream(w, rt, scope.target);
     if (auto* r = std::get_if<Refusal>(&dialed)) {
-        w.pool->end_dial(key, std::nullopt);
+        if (!h1_only) {
+            w.pool->end_dial(key, std::nullopt);
+        }
         co_return *r;
     }
-    auto conn =
-        co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)), scope.target.host, key);
+    auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)),
+                                     scope.target.host, key, h1_only);
     if (auto* r = std::get_if<Refusal>(&conn)) {
-        w.pool->end_dial(key, std::nullopt);
+        if (!h1_only) {
+            w.pool->end_dial(key, std::nullopt);
+        }
         co_return *r;
     }
     auto& c = std::get<std::unique_ptr<TlsConn>>(conn);
     c->key = key;
+    if (h1_only) {
+        co_return make_h1_upstream(w, std::move(c), false, authority);
+    }
     if (c->alpn == "h2") {
         H2Pooled p{H2ClientSession::start(std::move(c->stream), h2_client_options(limits)), c->peer};
         w.pool->add_h2(key, p);
@@ -278,6 +299,85 @@ void record_denial(Scope& scope, const AuditRecord& rec) {
     }
 }
 
+/// Relays a connection that switched protocols (a WebSocket) both ways, until either side
+/// closes or fails, or neither sends anything for `idle` (limits.idle_timeout, as a blind
+/// tunnel). The upstream's bytes go through `ws` (its frames scrubbed) when it is set; the
+/// client's go as they come. Returns "" when a peer closed, else why the relay ended.
+awaitable<const char*> relay_switched(RawBytes& client, RawBytes& origin,
+                                      policy::WsServerScrubber* ws, AuditRecord& rec,
+                                      std::chrono::milliseconds idle) {
+    using namespace net::experimental::awaitable_operators;
+    auto last = Clock::now();
+    const char* why = "";
+    bool done = false;
+    net::steady_timer timer(co_await net::this_coro::executor);
+    // Whichever direction ends first ends the other and the watch: a WebSocket closes as a
+    // whole (its closing handshake is frames; the TCP or TLS close comes after it).
+    auto stop = [&] {
+        if (!done) {
+            done = true;
+            client.stop();
+            origin.stop();
+            timer.cancel();
+        }
+    };
+    auto upward = [&]() -> awaitable<void> {
+        for (;;) {
+            const std::span<char> in = co_await client.read();
+            if (in.empty()) {
+                break;
+            }
+            last = Clock::now();
+            if (!co_await origin.write({in.data(), in.size()})) {
+                break;
+            }
+            rec.bytes_in += in.size();
+        }
+        stop();
+    };
+    auto downward = [&]() -> awaitable<void> {
+        std::string out;
+        for (;;) {
+            const std::span<char> in = co_await origin.read();
+            if (in.empty()) {
+                break;
+            }
+            last = Clock::now();
+            std::string_view send(in.data(), in.size());
+            if (ws != nullptr) {
+                out.clear();
+                const bool ok = ws->feed(send, out);
+                egress::secure_zero(in.data(), in.size());  // an echoed secret, unscrubbed
+                if (!ok) {
+                    why = ws->error();
+                    break;
+                }
+                send = out;
+            }
+            if (!send.empty() && !co_await client.write(send)) {
+                break;
+            }
+            rec.bytes_out += in.size();
+        }
+        egress::secure_wipe(out);
+        stop();
+    };
+    auto watch = [&]() -> awaitable<void> {
+        while (!done) {
+            const auto deadline = last + idle;
+            if (Clock::now() >= deadline) {
+                why = "idle_timeout";
+                stop();
+                break;
+            }
+            timer.expires_at(deadline);
+            co_await timer.async_wait(use_nothrow);
+        }
+    };
+    co_await (upward() && downward() && watch());
+    co_return why;
+}
+
 }  // namespace
 
 void Worker::cut_all() {
@@ -357,6 +457,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         audit_refusal(scope, method, head.path, decision.status, decision.reason, started);
         co_return ka;
     }
+    // A WebSocket's frames are scrubbed with the same needles (policy/ws_frames.h).
+    const bool upgrade = !head.upgrade.empty();
+    std::shared_ptr<const policy::ScrubPlan> frame_plan;
+    if (upgrade) {
+        frame_plan = decision.scrub;
+    }
     // The needles (the secret, the injected value) are the pin's plan, shared and wiped with
     // it; what the scrubber holds back of this response is wiped by its destructor.
     policy::Scrubber scrubber(std::move(decision.scrub));
@@ -372,7 +478,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // so it leans on the retry only when the upstream closes in the instant after the peek.
     const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
                             method == "PUT" || method == "DELETE" || method == "TRACE";
-    auto opened = co_await open_upstream(scope, true, req_body.none && idempotent);
+    auto opened = co_await open_upstream(scope, true, req_body.none && idempotent, upgrade);
     if (auto* r = std::get_if<Refusal>(&opened)) {
         if (!r->kind.empty()) {
             shared.metrics.upstream_error(r->kind);
@@ -570,7 +676,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         // A stale pooled connection is retried on a fresh one; a refused stream may go to any
         // session with room (the refusing one takes none), so fifty refused at once share
         // one new dial instead of making fifty.
-        auto again = co_await open_upstream(scope, refused, false);
+        auto again = co_await open_upstream(scope, refused, false, upgrade);
         if (auto* r = std::get_if<Refusal>(&again)) {
             co_await down.refuse(r->status, r->reason, false);
             audit_refusal(scope, method, head.path, r->status, r->reason, started);
@@ -594,6 +700,36 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             finish(502, "upstream_encoded_response", "response");
             co_return false;
         }
+    }
+    if (resp->status == 101) {
+        // Only the switch this request asked for: a 101 nobody asked for (or to another
+        // protocol) would leave the client reading bytes it cannot frame.
+        const char* bad = nullptr;
+        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade)) {
+            bad = "upstream_bad_response";
+        } else if (scrubber.active() &&
+                   policy::find_header(resp->headers, "sec-websocket-extensions") != nullptr) {
+            bad = "upstream_websocket_extension";  // none was offered: frames we cannot read
+        }
+        if (bad != nullptr) {
+            co_await down.refuse(502, bad, false);
+            finish(502, bad, "response");
+            co_return false;
+        }
+        RawBytes* origin = up->switched();
+        RawBytes* client = origin != nullptr ? co_await down.switch_protocols(*resp) : nullptr;
+        if (client == nullptr) {
+            finish(101, "client_aborted", "");
+            co_return false;
+        }
+        std::optional<policy::WsServerScrubber> frames;
+        if (scrubber.active()) {
+            frames.emplace(std::move(frame_plan));
+        }
+        const char* why = co_await relay_switched(*client, *origin, frames ? &*frames : nullptr,
+                                                  rec, limits.idle_timeout);
+        finish(101, why, "");  // one record when the connection ends, as a tunnel's
+        co_return false;
     }
     if (!co_await down.send_head(*resp)) {
         finish(resp->status, "client_aborted", "");

@@ -70,6 +70,24 @@ struct ResponseHead {
     std::string reason;  // HTTP/1.1 reason phrase, if the upstream sent one
     Headers headers;     // names as the upstream sent them (h2: lowercase), hop-by-hop removed
     BodyInfo body;
+    /// A 101's Upgrade value (the protocol the connection switches to; hop-by-hop, so not in
+    /// `headers`); "" for any other response.
+    std::string upgrade;
+};
+
+/// The raw bytes of an HTTP/1.1 connection that switched protocols (a 101 to a WebSocket
+/// upgrade): what either peer sends, as it comes. One read and one write may be pending at
+/// once (the relay's two directions).
+class RawBytes {
+public:
+    virtual ~RawBytes() = default;
+    /// The next bytes the peer sent (bytes it sent behind its head first); valid until the
+    /// next read. Empty: the peer closed, failed, or stop() was called.
+    virtual awaitable<std::span<char>> read() = 0;
+    /// All of `data`, or false.
+    virtual awaitable<bool> write(std::string_view data) = 0;
+    /// Ends a pending read or write now (it fails) and every later one.
+    virtual void stop() = 0;
 };
 
 class Upstream;
@@ -105,6 +123,9 @@ public:
     virtual void abort_with(Upstream* up) = 0;
     /// Whether the client went away during the watch.
     virtual bool gone() const = 0;
+    /// Sends a 101 (`head.upgrade` set) and gives the connection's raw bytes from then on;
+    /// nullptr when it could not be sent or this protocol cannot switch (HTTP/2).
+    virtual awaitable<RawBytes*> switch_protocols(const ResponseHead& head) = 0;
 };
 
 /// The origin side of one request.
@@ -135,6 +156,8 @@ public:
     /// Gives the request up now (its client went away): a wait for the response head ends
     /// with a failure; an HTTP/1.1 connection is shut, an HTTP/2 stream reset (CANCEL).
     virtual void abort() = 0;
+    /// After a 101: the connection's raw bytes (never pooled again); nullptr on HTTP/2.
+    virtual RawBytes* switched() = 0;
 };
 
 /// One request, end to end: refresh the run, pipeline, upstream, relay, scrub, audit.

@@ -388,6 +388,8 @@ public:
         }
     }
     bool gone() const override { return st_->closed || c_->io.dead; }
+    /// HTTP/2 never switches (no Upgrade; RFC 8441's extended CONNECT is not offered).
+    awaitable<RawBytes*> switch_protocols(const ResponseHead&) override { co_return nullptr; }
 
     awaitable<BodyChunk> read_body() override {
         auto& st = *st_;

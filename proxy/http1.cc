@@ -70,7 +70,7 @@ std::string request_head_bytes(const policy::RequestHead& head, std::string_view
                                std::optional<uint64_t> length, bool chunked) {
     std::string out;
     const size_t bound = head.method.size() + head.path.size() + host.size() +
-                         fields_size(head.headers) + kFramingBytes + 32;
+                         fields_size(head.headers) + kFramingBytes + head.upgrade.size() + 64;
     append_bounded(out, bound, [&](TextCursor& c) {
         c.append(head.method);
         c.push_back(' ');
@@ -85,6 +85,11 @@ std::string request_head_bytes(const policy::RequestHead& head, std::string_view
             write_field(c, h.name, h.value);
         }
         write_framing(c, length, chunked);
+        if (!head.upgrade.empty()) {
+            c.lit("Connection: Upgrade\r\nUpgrade: ");
+            c.append(head.upgrade);
+            c.lit("\r\n");
+        }
         c.lit("\r\n");
     });
     return out;
@@ -320,6 +325,14 @@ Outcome<policy::RequestHead> to_request_head(H1RequestParser& p, bool tls, bool 
     }
     head.method = std::string(p.method_string());
     head.scheme = tls ? "https" : "http";
+    // A WebSocket handshake (RFC 6455 4.1) keeps its upgrade: an HTTP/1.1 GET without a body.
+    // Any other Upgrade (h2c, or one on a request with a body) goes the way of the other
+    // hop-by-hop fields, and the request is served as plain HTTP (RFC 9110 7.8 lets a proxy
+    // ignore it).
+    if (p.version() == 11 && p.method() == http::verb::get && p.is_done() &&
+        policy::asks_websocket(p.fields())) {
+        head.upgrade = "websocket";
+    }
     if (!absolute_form) {
         head.path = p.take_target();
     }
@@ -332,6 +345,52 @@ Outcome<policy::RequestHead> to_request_head(H1RequestParser& p, bool tls, bool 
     }
     return head;
 }
+
+/// A connection's raw bytes after a 101: first what `leftover` holds (bytes that came in
+/// behind the head, read with it), then reads of the stream itself. No deadline of its own:
+/// the relay's idle watch stops it (serve_exchange).
+template <class Stream>
+class StreamBytes final : public RawBytes {
+public:
+    StreamBytes(Stream& s, beast::flat_buffer& leftover) : s_(s), leftover_(leftover) {}
+    awaitable<std::span<char>> read() override {
+        if (stopped_) {
+            co_return std::span<char>();
+        }
+        if (!buf_) {
+            buf_ = acquire_relay_buffer();
+        }
+        if (leftover_.size() > 0) {
+            const size_t n = std::min(leftover_.size(), kRelayBufferBytes);
+            std::memcpy(buf_.get(), leftover_.data().data(), n);
+            leftover_.consume(n);
+            co_return std::span<char>(buf_.get(), n);
+        }
+        auto [ec, n] = co_await read_some(s_, net::buffer(buf_.get(), kRelayBufferBytes));
+        if (ec || stopped_) {
+            co_return std::span<char>();
+        }
+        co_return std::span<char>(buf_.get(), n);
+    }
+    awaitable<bool> write(std::string_view data) override {
+        if (stopped_) {
+            co_return false;
+        }
+        auto [ec, n] = co_await write_all(s_, net::buffer(data.data(), data.size()));
+        co_return !ec && !stopped_;
+    }
+    void stop() override {
+        stopped_ = true;
+        error_code ignored;
+        lowest(s_).socket().cancel(ignored);  // a pending read's or write's wait ends now
+    }
+
+private:
+    Stream& s_;
+    beast::flat_buffer& leftover_;
+    RelayBuffer buf_;
+    bool stopped_ = false;
+};
 
 /// The client side of one HTTP/1.1 request.
 template <class Stream>
@@ -402,7 +461,8 @@ public:
         if (rh.status < 100 || rh.status > 999) {
             co_return false;  // Beast's and nghttp2's parsers admit three digits only
         }
-        none_ = rh.body.none;
+        const bool switching = rh.status == 101 && !rh.upgrade.empty();
+        none_ = rh.body.none || switching;
         if (p_.body_unread()) {
             keep_alive_ = false;  // an early answer (the upstream's): the rest is not read
         }
@@ -418,7 +478,8 @@ public:
         const std::string_view reason =
             rh.reason.empty() ? std::string_view(http::obsolete_reason(static_cast<http::status>(rh.status)))
                               : std::string_view(rh.reason);
-        const size_t bound = reason.size() + fields_size(rh.headers) + kFramingBytes + 64;
+        const size_t bound =
+            reason.size() + fields_size(rh.headers) + kFramingBytes + rh.upgrade.size() + 64;
         append_bounded(head, bound, [&](TextCursor& c) {
             c.lit("HTTP/1.1 ");
             c.p = std::to_chars(c.p, c.p + 3, rh.status).ptr;  // three digits (checked above)
@@ -432,11 +493,17 @@ public:
                 }
                 write_field(c, h.name, h.value);
             }
-            if (!none_) {
-                write_framing(c, rh.body.length, chunked_);
-            }
-            if (!keep_alive_) {
-                c.lit("Connection: close\r\n");
+            if (switching) {
+                c.lit("Connection: Upgrade\r\nUpgrade: ");
+                c.append(rh.upgrade);
+                c.lit("\r\n");
+            } else {
+                if (!none_) {
+                    write_framing(c, rh.body.length, chunked_);
+                }
+                if (!keep_alive_) {
+                    c.lit("Connection: close\r\n");
+                }
             }
             c.lit("\r\n");
         });
@@ -450,6 +517,14 @@ public:
         auto [ec, n] = co_await write_all(s_, net::buffer(head));
         lowest(s_).expires_never();
         co_return !ec;
+    }
+    awaitable<RawBytes*> switch_protocols(const ResponseHead& rh) override {
+        if (rh.status != 101 || rh.upgrade.empty() || !co_await send_head(rh)) {
+            co_return nullptr;
+        }
+        keep_alive_ = false;  // the connection is the new protocol's until it closes
+        raw_.emplace(s_, buf_);
+        co_return &*raw_;
     }
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {
         if (none_) {
@@ -475,6 +550,7 @@ private:
     bool none_ = false;
     bool chunked_ = false;
     std::string held_head_;  // serialized response head awaiting the body (small bodies)
+    std::optional<StreamBytes<Stream>> raw_;  // after a 101
 
     struct Watch {
         Upstream* up = nullptr;  // null: not watching (the wait's late completion is ignored)
@@ -648,6 +724,11 @@ public:
         rh.status = rp_->status();
         rh.reason = std::string(rp_->reason());
         rh.headers = std::move(rp_->fields());
+        if (rh.status == 101) {
+            if (const auto* u = policy::find_header(rh.headers, "upgrade")) {
+                rh.upgrade = std::string(policy::trim_ows(*u));
+            }
+        }
         policy::strip_hop_by_hop(rh.headers);  // the request's rule: whole Connection tokens
         rh.body.none = rp_->is_done();
         if (!rp_->chunked()) {
@@ -671,6 +752,14 @@ public:
         error_code ignored;
         lowest(stream()).socket().shutdown(tcp::socket::shutdown_both, ignored);
         lowest(stream()).socket().cancel(ignored);
+    }
+    RawBytes* switched() override {
+        if (!rp_ || rp_->status() != 101) {
+            return nullptr;
+        }
+        request_done_ = false;  // never pooled: the connection speaks another protocol now
+        raw_.emplace(stream(), buffer());
+        return &*raw_;
     }
     void finish() override {
         // Only after a whole exchange: an upstream that answered early, before it took the
@@ -702,6 +791,7 @@ private:
     bool request_done_ = false;  // the whole request (head, body, trailers) went out
     std::optional<H1ResponseParser> rp_;
     RelayBuffer rbuf_;
+    std::optional<StreamBytes<Stream>> raw_;  // after a 101
 
 public:
     size_t max_header_bytes_ = 65536;

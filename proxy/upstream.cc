@@ -101,7 +101,8 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
 
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
                                                          const std::string& host,
-                                                         const std::string& session_key) {
+                                                         const std::string& session_key,
+                                                         bool h1_only) {
     auto conn = std::make_unique<TlsConn>();
     conn->peer = d.peer;
     // Asio added writability (EPOLLOUT) to the descriptor's registration to wait for the
@@ -127,6 +128,12 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     if (auto ok = tls::prepare_client(ssl, host); !ok) {
         spdlog::warn("tls setup for {}: {}", host, ok.error());
         co_return Refusal{502, "upstream_tls_failed", "tls"};
+    }
+    if (h1_only) {
+        static constexpr unsigned char kHttp11[] = "\x08http/1.1";
+        if (SSL_set_alpn_protos(ssl, kHttp11, sizeof kHttp11 - 1) != 0) {  // 0 is success
+            co_return Refusal{502, "upstream_tls_failed", "tls"};
+        }
     }
     if (w.tls_sessions) {
         w.tls_sessions->attach(ssl, session_key);  // offers the last ticket for this key

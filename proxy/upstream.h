@@ -47,10 +47,12 @@ struct TlsConn {
 
 /// Verified TLS over a dialed connection: SNI, hostname verification, tls_timeout. Offers
 /// the session last received under `session_key` (the pool key) and keeps what the server
-/// sends for the next connection (worker's tls_sessions).
+/// sends for the next connection (worker's tls_sessions). `h1_only`: ALPN offers http/1.1
+/// alone (a WebSocket upgrade needs an HTTP/1.1 connection).
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
                                                          const std::string& host,
-                                                         const std::string& session_key);
+                                                         const std::string& session_key,
+                                                         bool h1_only = false);
 
 /// A pooled HTTP/2 session and the vetted address it is connected to.
 struct H2Pooled {

@@ -153,3 +153,23 @@ TEST(StripHopByHop, NothingToStrip) {
 
 }  // namespace
 }  // namespace egress::policy
+
+namespace egress::policy {
+namespace {
+
+TEST(AsksWebsocket, NeedsBothTheUpgradeAndTheConnectionToken) {
+    using H = std::vector<Header>;
+    EXPECT_TRUE(asks_websocket(H{{"upgrade", "websocket"}, {"connection", "Upgrade"}}));
+    EXPECT_TRUE(asks_websocket(H{{"Upgrade", "WebSocket"}, {"Connection", "keep-alive, upgrade"}}));
+    EXPECT_TRUE(asks_websocket(
+        H{{"connection", "keep-alive"}, {"upgrade", "h2c, websocket"}, {"connection", "upgrade"}}));
+    EXPECT_FALSE(asks_websocket(H{{"upgrade", "websocket"}}));  // Connection must name it
+    EXPECT_FALSE(asks_websocket(H{{"connection", "upgrade"}}));
+    EXPECT_FALSE(asks_websocket(H{{"upgrade", "h2c"}, {"connection", "upgrade"}}));
+    EXPECT_FALSE(asks_websocket(H{{"upgrade", "websockets"}, {"connection", "upgrade"}}));
+    EXPECT_FALSE(asks_websocket(H{{"upgrade", "websocket"}, {"connection", "upgrades"}}));
+    EXPECT_FALSE(asks_websocket(H{{"x-upgrade", "websocket"}, {"connection", "upgrade"}}));
+}
+
+}  // namespace
+}  // namespace egress::policy

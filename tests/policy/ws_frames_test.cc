@@ -1,0 +1,144 @@
+#include "policy/ws_frames.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "tests/policy/scrubber_definition.h"
+
+namespace egress::policy {
+namespace {
+
+const std::vector<std::string> kNeedles = {"ghp_secretvalue0123"};
+
+std::shared_ptr<const ScrubPlan> plan() { return std::make_shared<const ScrubPlan>(kNeedles); }
+
+/// An unmasked server frame: FIN + opcode, the payload's length in the shortest form.
+std::string frame(std::string_view payload, uint8_t first = 0x81) {
+    std::string f(1, static_cast<char>(first));
+    const uint64_t n = payload.size();
+    if (n < 126) {
+        f.push_back(static_cast<char>(n));
+    } else if (n <= 0xffff) {
+        f.push_back(static_cast<char>(126));
+        f.push_back(static_cast<char>(n >> 8));
+        f.push_back(static_cast<char>(n & 0xff));
+    } else {
+        f.push_back(static_cast<char>(127));
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            f.push_back(static_cast<char>((n >> shift) & 0xff));
+        }
+    }
+    f.append(payload);
+    return f;
+}
+
+std::string scrubbed(std::string_view payload) {
+    return testing::scrub_definition(kNeedles, payload);
+}
+
+/// Feeds `stream` in pieces of `step` bytes; what came out after each piece is returned.
+std::string feed_in_steps(WsServerScrubber& s, std::string_view stream, size_t step) {
+    std::string out;
+    for (size_t at = 0; at < stream.size(); at += step) {
+        EXPECT_TRUE(s.feed(stream.substr(at, step), out)) << s.error();
+    }
+    return out;
+}
+
+TEST(WsServerScrubber, ReplacesAnEchoedSecretInsideTheFrameAndKeepsTheHeader) {
+    WsServerScrubber s(plan());
+    const std::string payload = "{\"echo\":\"Bearer ghp_secretvalue0123\"}";
+    std::string out;
+    ASSERT_TRUE(s.feed(frame(payload), out));
+    EXPECT_EQ(out, frame(scrubbed(payload)));
+    EXPECT_EQ(out.find("ghp_secretvalue0123"), std::string::npos);
+    EXPECT_EQ(s.frames(), 1u);
+}
+
+TEST(WsServerScrubber, EveryWayOfCuttingTheStreamGivesTheSameBytes) {
+    // Frames of the three length forms, a control frame between the pieces of a fragmented
+    // message, an empty frame, and secrets across the reads' cuts.
+    const std::string big(70'000, 'x');
+    const std::string medium = std::string(300, 'a') + "ghp_secretvalue0123" + std::string(200, 'b');
+    std::string stream = frame("ghp_secretvalue0123 first", 0x01) + frame("ping ghp_secretvalue0123", 0x89) +
+                         frame("", 0x80) + frame(medium, 0x82) + frame(big + "ghp_secretvalue0123", 0x82) +
+                         frame("close", 0x88);
+    std::string expected = frame(scrubbed("ghp_secretvalue0123 first"), 0x01) +
+                           frame(scrubbed("ping ghp_secretvalue0123"), 0x89) + frame("", 0x80) +
+                           frame(scrubbed(medium), 0x82) +
+                           frame(scrubbed(big + "ghp_secretvalue0123"), 0x82) + frame("close", 0x88);
+    for (size_t step : {1u, 2u, 3u, 7u, 64u, 4096u, 1u << 20}) {
+        WsServerScrubber s(plan());
+        EXPECT_EQ(feed_in_steps(s, stream, step), expected) << "pieces of " << step;
+        EXPECT_EQ(s.frames(), 6u);
+    }
+}
+
+TEST(WsServerScrubber, AFrameEndingInANeedlesPrefixIsNotHeldForTheNextFrame) {
+    // A body scrubber holds "ghp_sec" back until more bytes come; here the frame is over, and
+    // the server may say nothing more until the client answers.
+    WsServerScrubber s(plan());
+    const std::string payload = "token prefix ghp_sec";
+    std::string out;
+    ASSERT_TRUE(s.feed(frame(payload), out));
+    EXPECT_EQ(out, frame(payload));
+}
+
+TEST(WsServerScrubber, APayloadTailWaitsOnlyForTheRestOfItsFrame) {
+    WsServerScrubber s(plan());
+    const std::string payload = "x ghp_secretvalue0123 y";
+    const std::string f = frame(payload);
+    const size_t cut = f.find("ghp_") + 6;  // inside the secret
+    std::string out;
+    ASSERT_TRUE(s.feed(std::string_view(f).substr(0, cut), out));
+    EXPECT_EQ(out.size(), cut - 6) << "the bytes that may begin the secret wait";
+    ASSERT_TRUE(s.feed(std::string_view(f).substr(cut), out));
+    EXPECT_EQ(out, frame(scrubbed(payload)));
+}
+
+TEST(WsServerScrubber, HeaderBytesAreNeverRewritten) {
+    // A payload length whose bytes spell the secret's first bytes ("gh" = 0x67 0x68) is a
+    // header, not text: it passes as it is.
+    const std::vector<std::string> needles = {"gh"};
+    WsServerScrubber s(std::make_shared<const ScrubPlan>(needles));
+    std::string payload(0x6768, 'z');
+    std::string f = frame(payload, 0x82);
+    ASSERT_EQ(f.substr(2, 2), "gh");
+    std::string out;
+    ASSERT_TRUE(s.feed(f, out));
+    EXPECT_EQ(out, f);
+}
+
+TEST(WsServerScrubber, RefusesMaskedFramesAndReservedBits) {
+    {
+        WsServerScrubber s(plan());
+        std::string masked = frame("hi");
+        masked[1] = static_cast<char>(masked[1] | 0x80);
+        std::string out;
+        EXPECT_FALSE(s.feed(masked, out));
+        EXPECT_STREQ(s.error(), "upstream_masked_frame");
+        EXPECT_FALSE(s.feed(frame("later"), out)) << "the stream stays refused";
+    }
+    {
+        WsServerScrubber s(plan());
+        std::string out;
+        EXPECT_TRUE(s.feed(frame("ok"), out));
+        EXPECT_FALSE(s.feed(frame("deflated", 0xc1), out));  // RSV1: permessage-deflate
+        EXPECT_STREQ(s.error(), "upstream_reserved_bits");
+        EXPECT_EQ(out, frame("ok"));
+    }
+}
+
+TEST(WsServerScrubber, WithoutNeedlesTheBytesPassAsTheyCame) {
+    WsServerScrubber s(nullptr);
+    std::mt19937 rng(7);
+    std::string stream;
+    for (int i = 0; i < 50; ++i) {
+        stream += frame(std::string(rng() % 300, static_cast<char>('a' + i % 26)), 0x82);
+    }
+    EXPECT_EQ(feed_in_steps(s, stream, 13), stream);
+}
+
+}  // namespace
+}  // namespace egress::policy
