@@ -1,8 +1,22 @@
 #include "policy/ws_frames.h"
 
+#include <openssl/evp.h>
+#include <openssl/sha.h>
+
 #include <algorithm>
 
 namespace egress::policy {
+
+std::string websocket_accept(std::string_view key) {
+    static constexpr std::string_view kGuid = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
+    std::string input(key);
+    input.append(kGuid);
+    unsigned char digest[SHA_DIGEST_LENGTH];
+    SHA1(reinterpret_cast<const unsigned char*>(input.data()), input.size(), digest);
+    char out[4 * ((SHA_DIGEST_LENGTH + 2) / 3) + 1];
+    const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out), digest, SHA_DIGEST_LENGTH);
+    return std::string(out, static_cast<size_t>(n));
+}
 
 WsServerScrubber::WsServerScrubber(std::shared_ptr<const ScrubPlan> plan)
     : payload_(std::move(plan)) {}

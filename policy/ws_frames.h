@@ -23,6 +23,11 @@
 
 namespace egress::policy {
 
+/// Sec-WebSocket-Accept for a handshake's Sec-WebSocket-Key (RFC 6455 4.2.2): base64 of the
+/// SHA-1 of the key and the protocol's GUID. A 101 whose accept value is not this one does
+/// not come from a WebSocket server answering this handshake, and is not relayed.
+std::string websocket_accept(std::string_view key);
+
 class WsServerScrubber {
 public:
     explicit WsServerScrubber(std::shared_ptr<const ScrubPlan> plan);

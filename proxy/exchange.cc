@@ -705,7 +705,14 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         // Only the switch this request asked for: a 101 nobody asked for (or to another
         // protocol) would leave the client reading bytes it cannot frame.
         const char* bad = nullptr;
-        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade)) {
+        const std::string* key = head.find("sec-websocket-key");
+        const std::string* accept = policy::find_header(resp->headers, "sec-websocket-accept");
+        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade) || key == nullptr ||
+            accept == nullptr ||
+            policy::trim_ows(*accept) != policy::websocket_accept(policy::trim_ows(*key))) {
+            // Also a 101 whose accept value does not answer this handshake's key: whatever
+            // sent it (a status the client could choose, echoed by the upstream) is no
+            // WebSocket server, and an open relay to it would carry requests past the pipeline.
             bad = "upstream_bad_response";
         } else if (scrubber.active() &&
                    policy::find_header(resp->headers, "sec-websocket-extensions") != nullptr) {
@@ -717,7 +724,10 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             co_return false;
         }
         RawBytes* origin = up->switched();
-        RawBytes* client = origin != nullptr ? co_await down.switch_protocols(*resp) : nullptr;
+        RawBytes* client = nullptr;
+        if (origin != nullptr) {  // no co_await in a conditional operand (GCC 12)
+            client = co_await down.switch_protocols(*resp);
+        }
         if (client == nullptr) {
             finish(101, "client_aborted", "");
             co_return false;

@@ -519,7 +519,13 @@ public:
         co_return !ec;
     }
     awaitable<RawBytes*> switch_protocols(const ResponseHead& rh) override {
-        if (rh.status != 101 || rh.upgrade.empty() || !co_await send_head(rh)) {
+        if (rh.status != 101 || rh.upgrade.empty()) {
+            co_return nullptr;
+        }
+        // Not `|| !co_await` in one condition: GCC 12 miscompiles a co_await in a
+        // short-circuit operand (the resumed coroutine hit an illegal instruction).
+        const bool sent = co_await send_head(rh);
+        if (!sent) {
             co_return nullptr;
         }
         keep_alive_ = false;  // the connection is the new protocol's until it closes

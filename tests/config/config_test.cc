@@ -75,6 +75,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.policy.unpinned, policy::Unpinned::Tunnel);
     EXPECT_TRUE(c.policy.allow_hosts.empty());
     EXPECT_TRUE(c.policy.deny_hosts.empty());
+    EXPECT_TRUE(c.policy.websocket);
     EXPECT_EQ(c.policy.allowed_ports, std::vector<uint16_t>{443});
     EXPECT_TRUE(c.allow_networks.empty());
     EXPECT_EQ(c.limits.max_header_bytes, d.limits.max_header_bytes);
@@ -158,6 +159,7 @@ policy:
   unpinned: intercept
   allow_hosts: [pypi.org, "*.s3.amazonaws.com", "files.example.test:8443"]
   deny_hosts: ["*.internal", "private.s3.amazonaws.com"]
+  websocket: false
   allow_networks: [127.0.0.1/32, "fd00::/8"]
   allowed_ports: [443, 8443]
 limits:
@@ -265,6 +267,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
               (std::vector<std::string>{"127.0.0.1:5353", "10.0.0.53", "[::1]:53"}));
 
     EXPECT_EQ(c.policy.unpinned, policy::Unpinned::Intercept);
+    EXPECT_FALSE(c.policy.websocket);
     ASSERT_EQ(c.policy.deny_hosts.size(), 2u);
     EXPECT_TRUE(c.policy.deny_hosts[0].matches_host("metadata.google.internal"));  // any depth
     EXPECT_TRUE(c.policy.deny_hosts[0].matches_host("a.internal"));
@@ -538,6 +541,8 @@ const ErrorRow kErrorRows[] = {
      "limits.h2_max_concurrent_streams: expected an integer"},
     {"StringGotMapping", "audit: {path: {a: b}}\n", "audit.path: expected a string, got a mapping"},
     {"BoolGotString", "audit: {durable: maybe}\n", "audit.durable: expected true or false"},
+    {"WebsocketNotABool", "policy: {websocket: sometimes}\n",
+     "policy.websocket: expected true or false"},
     {"ListGotScalar", "policy: {allow_hosts: pypi.org}\n",
      "policy.allow_hosts: expected a list, got 'pypi.org'"},
     {"RunsNotAList", "runs: {id: a}\n", "runs: expected a list, got a mapping"},

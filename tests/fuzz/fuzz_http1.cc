@@ -104,6 +104,13 @@ void check_serialization(const policy::RequestHead& head, const std::string& hos
     } else if (chunked) {
         expect.emplace_back("transfer-encoding", "chunked");
     }
+    if (!head.upgrade.empty()) {  // a WebSocket handshake: its upgrade, written again
+        FUZZ_CHECK(head.upgrade == "websocket" && head.method == "GET" && (!length || *length == 0) &&
+                       !chunked,
+                   "an upgrade that is not a bodiless WebSocket GET");
+        expect.emplace_back("connection", "Upgrade");
+        expect.emplace_back("upgrade", head.upgrade);
+    }
     const std::string wire = request_head_bytes(head, host_header, length, chunked);
 
     Parser back;  // keeps the wire order (Beast's basic_fields groups equal names)

@@ -15,7 +15,8 @@
                      header X-Seen and into a chunked body, the value split across two chunks
                      (?split=1: one byte per chunk; ?cl=1: a Content-Length body instead)
     /redirect?to=U   302 to U
-    /status/N        an empty response with status N
+    /status/N        an empty response with status N (?upgrade=P: with "Upgrade: P";
+                     ?accept=A: with "Sec-WebSocket-Accept: A")
     /reflect-reason  401 whose reason phrase carries the request's Authorization value
     /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
 * ``SilentListener``: accepts TCP connections and never sends a byte.
@@ -385,7 +386,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif base == "/redirect":
             self._send(302, b"", "text/plain", [("Location", q.get("to", "/echo"))])
         elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():
-            self._send(int(parts[2]), b"", "text/plain")
+            # ?upgrade=P: also "Upgrade: P" (a server that lets its client choose a status and
+            # a header, as a smuggling attempt through a WebSocket upgrade would want).
+            extra = [("Upgrade", q["upgrade"]), ("Connection", "Upgrade")] if "upgrade" in q else []
+            if "accept" in q:
+                extra.append(("Sec-WebSocket-Accept", q["accept"]))
+            self._send(int(parts[2]), b"", "text/plain", extra)
         else:
             self._send(404, b"not found\n", "text/plain")
 

@@ -103,6 +103,41 @@ TEST_F(PipelineTest, BearerInjected) {
     EXPECT_TRUE(has(d.scrub, "Bearer ghp_s3cr3t"));
 }
 
+TEST_F(PipelineTest, WebsocketHandshakeInjectedWithoutExtensions) {
+    // A compressed frame could not be scrubbed: the offer goes where a credential goes in.
+    head_.upgrade = "websocket";
+    head_.headers.push_back({"sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="});
+    head_.headers.push_back({"sec-websocket-extensions", "permessage-deflate"});
+    const Decision d = run();
+    ASSERT_TRUE(d.forward()) << d.reason;
+    EXPECT_EQ(*head_.find("authorization"), "Bearer ghp_s3cr3t");
+    EXPECT_EQ(head_.find("sec-websocket-extensions"), nullptr);
+    EXPECT_NE(head_.find("sec-websocket-key"), nullptr);
+    EXPECT_EQ(head_.upgrade, "websocket");
+}
+
+TEST_F(PipelineTest, WebsocketWithoutCredentialKeepsItsExtensions) {
+    target("pypi.org");  // allowed, no pin: nothing to scrub
+    head_.upgrade = "websocket";
+    head_.headers.push_back({"sec-websocket-extensions", "permessage-deflate"});
+    const Decision d = run();
+    ASSERT_TRUE(d.forward()) << d.reason;
+    EXPECT_EQ(d.pin, nullptr);
+    EXPECT_NE(head_.find("sec-websocket-extensions"), nullptr);
+}
+
+TEST_F(PipelineTest, WebsocketRefusedWhenPolicySaysSo) {
+    global_.websocket = false;
+    head_.upgrade = "websocket";
+    Decision d = run();
+    EXPECT_EQ(d.status, 403);
+    EXPECT_EQ(d.reason, "websocket_denied");
+    EXPECT_EQ(head_.find("authorization"), nullptr) << "refused before any injection";
+    head_.upgrade.clear();  // the same request without the upgrade is served
+    d = run();
+    EXPECT_TRUE(d.forward()) << d.reason;
+}
+
 // Every request of a pin shares the plan made once with the pin.
 TEST_F(PipelineTest, InjectionIsMadeOncePerPin) {
     const RequestHead fresh = head_;

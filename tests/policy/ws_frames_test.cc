@@ -46,6 +46,11 @@ std::string feed_in_steps(WsServerScrubber& s, std::string_view stream, size_t s
     return out;
 }
 
+TEST(WebsocketAccept, IsTheRfcExample) {
+    EXPECT_EQ(websocket_accept("dGhlIHNhbXBsZSBub25jZQ=="), "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");  // RFC 6455 1.3
+    EXPECT_NE(websocket_accept("dGhlIHNhbXBsZSBub25jZR=="), "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");
+}
+
 TEST(WsServerScrubber, ReplacesAnEchoedSecretInsideTheFrameAndKeepsTheHeader) {
     WsServerScrubber s(plan());
     const std::string payload = "{\"echo\":\"Bearer ghp_secretvalue0123\"}";
