@@ -80,6 +80,9 @@ public:
             if (stream_->refused()) {
                 co_return Refusal{502, kRefusedStream, "response"};
             }
+            if (!stream_->responded()) {  // still open: no head within `wait`
+                co_return Refusal{504, "upstream_timeout", "response_timeout"};
+            }
             co_return Refusal{502, stream_->error_code() != 0 ? "upstream_reset"
                                                               : "upstream_bad_response",
                               "response"};
@@ -110,7 +113,10 @@ public:
     }
     awaitable<BodyChunk> read_body() override {
         auto p = co_await stream_->read();
-        co_return BodyChunk{p.data, p.eof, p.ok};
+        // A failed read of a stream still open waited io_timeout for nothing.
+        co_return BodyChunk{p.data, p.eof, p.ok,
+                            !p.ok && !stream_->responded() ? BodyFailure::Timeout
+                                                           : BodyFailure::Aborted};
     }
     Headers response_trailers() override { return stream_->trailers(); }
     void finish() override {}
@@ -540,12 +546,239 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
     };
 
+    // The response, once its head is here: head scrubbed, body streamed (scrubbed), trailers
+    // scrubbed, the record written. Returns whether an HTTP/1.1 client connection may be
+    // reused. Set by the duplex path below: the request body is still on its way (what the
+    // record of a response that ends first calls an early one), and why its upload cut the
+    // upstream part if it did.
+    const auto& limits = rt.config->limits;
+    bool early = false;  // the upstream answered before it took the whole request body
+    bool request_done = true;
+    const char* cut_reason = nullptr;
+    bool duplex = false;
+    bool response_started = false;  // its head went to the client
+    uint64_t in_seen = 0;           // bytes_in when the response last checked for progress
+    auto send_response = [&](ResponseHead& resp) -> awaitable<bool> {
+        // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
+        if (scrubber.active()) {
+            scrubber.scrub_in_place(resp.reason);  // an h1 reason phrase is upstream text too
+            for (auto& h : resp.headers) {
+                scrubber.scrub_in_place(h.value);
+            }
+            if (!resp.body.none && encoded(resp)) {
+                // The request asked for identity; a body encoded anyway (gzip...) would carry an
+                // echoed credential past the scrubber, which sees only the encoded bytes.
+                co_await down.refuse(502, "upstream_encoded_response", false);
+                finish(502, "upstream_encoded_response", "response");
+                co_return false;
+            }
+        }
+        if (resp.status == 101) {
+            // Only the switch this request asked for: a 101 nobody asked for (or to another
+            // protocol) would leave the client reading bytes it cannot frame.
+            const char* bad = nullptr;
+            const std::string* key = head.find("sec-websocket-key");
+            const std::string* accept = policy::find_header(resp.headers, "sec-websocket-accept");
+            if (!upgrade || !policy::iequals(resp.upgrade, head.upgrade) || key == nullptr ||
+                accept == nullptr ||
+                policy::trim_ows(*accept) != policy::websocket_accept(policy::trim_ows(*key))) {
+                // Also a 101 whose accept value does not answer this handshake's key: whatever
+                // sent it (a status the client could choose, echoed by the upstream) is no
+                // WebSocket server, and an open relay to it would carry requests past the pipeline.
+                bad = "upstream_bad_response";
+            } else if (scrubber.active() &&
+                       policy::find_header(resp.headers, "sec-websocket-extensions") != nullptr) {
+                bad = "upstream_websocket_extension";  // none was offered: frames we cannot read
+            }
+            if (bad != nullptr) {
+                co_await down.refuse(502, bad, false);
+                finish(502, bad, "response");
+                co_return false;
+            }
+            RawBytes* origin = up->switched();
+            RawBytes* client = nullptr;
+            if (origin != nullptr) {  // no co_await in a conditional operand (GCC 12)
+                client = co_await down.switch_protocols(resp);
+            }
+            if (client == nullptr) {
+                finish(101, "client_aborted", "");
+                co_return false;
+            }
+            std::optional<policy::WsServerScrubber> frames;
+            if (scrubber.active()) {
+                frames.emplace(std::move(frame_plan));
+            }
+            const char* why = co_await relay_switched(*client, *origin, frames ? &*frames : nullptr,
+                                                      rec, limits.idle_timeout);
+            finish(101, why, "");  // one record when the connection ends, as a tunnel's
+            co_return false;
+        }
+        if (!co_await down.send_head(resp)) {
+            finish(resp.status, "client_aborted", "");
+            co_return false;
+        }
+        response_started = true;
+        if (!resp.body.none) {
+            std::string spill;  // only when the scrubber held bytes back from the previous piece
+            for (;;) {
+                auto chunk = co_await up->read_body();
+                if (!chunk.ok) {
+                    if (duplex && chunk.failure == BodyFailure::Timeout && cut_reason == nullptr) {
+                        if (!request_done && rec.bytes_in != in_seen) {
+                            in_seen = rec.bytes_in;  // the upload moves: a quiet response is not idle
+                            continue;
+                        }
+                        cut_reason = "idle_timeout";  // nothing moved either way
+                    }
+                    // Tell the client the body is incomplete (h1: close without last-chunk; h2:
+                    // reset).
+                    if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
+                        finish(resp.status, cut_reason, "");
+                    } else {
+                        finish(resp.status, "upstream_aborted", "response_body");
+                    }
+                    co_return false;
+                }
+                rec.bytes_out += chunk.data.size();
+                // Scrubbed where it lies, in the upstream's buffer: no copy, no allocation.
+                const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
+                if (out.empty() && !chunk.last) {
+                    continue;
+                }
+                Headers trailers;
+                if (chunk.last) {
+                    trailers = up->response_trailers();
+                    if (scrubber.active()) {
+                        for (auto& h : trailers) {
+                            scrubber.scrub_in_place(h.value);
+                        }
+                    }
+                }
+                if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
+                    finish(resp.status, "client_aborted", "");
+                    co_return false;
+                }
+                if (chunk.last) {
+                    break;
+                }
+            }
+        }
+        // An early answer is the upstream's own, but the request never reached it whole: the
+        // record says so (its bytes_in counts what the client sent up to then).
+        finish(resp.status, early || !request_done ? "upstream_early_response" : "", "");
+        up->finish();
+        co_return down.client_keep_alive();  // as the response head said (a drain may have begun)
+    };
+
+    // HTTP/2 on both legs with a request body: full duplex. The body goes up while the
+    // response comes down (a bidirectional gRPC stream: the client may wait for the server's
+    // first message before it sends its next), instead of the whole upload first. A quiet
+    // side is not a timeout while the other moves: the exchange ends on idle_timeout only when
+    // neither did.
+    if (!req_body.none && std::string_view(down.proto()) == "h2" &&
+        std::string_view(up->proto()) == "h2") {
+        if (!co_await up->send_head(head, req_body)) {
+            co_await down.refuse(502, "upstream_write_failed", false);
+            finish(502, "upstream_write_failed", "write");
+            co_return false;
+        }
+        request_done = false;
+        duplex = true;
+        bool response_over = false;
+        std::optional<BodyFailure> upload_failure;
+        bool keep = false;
+        auto upload = [&]() -> awaitable<void> {
+            uint64_t out_seen = rec.bytes_out;
+            for (;;) {
+                auto chunk = co_await down.read_body();
+                if (!chunk.ok) {
+                    if (response_over) {
+                        break;  // the response ended first (stop_reading): nothing failed
+                    }
+                    if (chunk.failure == BodyFailure::Timeout && rec.bytes_out != out_seen) {
+                        out_seen = rec.bytes_out;  // the response moves: the client may wait on it
+                        continue;
+                    }
+                    upload_failure = chunk.failure;
+                    cut_reason = chunk.failure == BodyFailure::Aborted   ? "client_aborted"
+                                 : chunk.failure == BodyFailure::Framing ? "bad_framing"
+                                 : response_started                      ? "idle_timeout"
+                                                                         : "body_timeout";
+                    up->abort();  // the response part ends with it
+                    break;
+                }
+                rec.bytes_in += chunk.data.size();
+                if (chunk.data.empty() && !chunk.last) {
+                    continue;
+                }
+                Headers trailers;
+                if (chunk.last) {
+                    trailers = down.request_trailers();
+                    drop_governed_trailers(trailers, decision);
+                }
+                if (!co_await up->send_body(chunk.view(), chunk.last,
+                                            trailers.empty() ? nullptr : &trailers)) {
+                    break;  // the upstream stream ended or failed: the response part sees it
+                }
+                if (chunk.last) {
+                    request_done = true;
+                    break;
+                }
+            }
+        };
+        auto download = [&]() -> awaitable<void> {
+            in_seen = rec.bytes_in;
+            Outcome<ResponseHead> got = Refusal{};
+            for (;;) {
+                {
+                    CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); },
+                                 up.get());
+                    got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
+                }
+                const auto* r = std::get_if<Refusal>(&got);
+                if (r != nullptr && r->reason == "upstream_timeout" && !upload_failure &&
+                    !request_done && rec.bytes_in != in_seen) {
+                    in_seen = rec.bytes_in;  // still uploading: the answer may come at its end
+                    continue;
+                }
+                break;
+            }
+            if (upload_failure) {
+                // No head reached the client: the upload's failure is recorded below.
+            } else if (auto* r = std::get_if<Refusal>(&got)) {
+                co_await down.refuse(r->status, r->reason, false);
+                finish(r->status, r->reason, r->kind);
+            } else {
+                keep = co_await send_response(std::get<ResponseHead>(got));
+            }
+            response_over = true;
+            down.stop_reading();  // an upload still waiting on the client ends now
+        };
+        {
+            using namespace net::experimental::awaitable_operators;
+            co_await (upload() && download());
+        }
+        if (upload_failure && !rec.status) {
+            // The upload failed before any response head: as in the sequential path.
+            if (*upload_failure == BodyFailure::Aborted) {
+                finish(0, "client_aborted", "");
+            } else {
+                const bool framing = *upload_failure == BodyFailure::Framing;
+                co_await down.refuse(framing ? 400 : 408, cut_reason, false);
+                rec.status = framing ? 400 : 408;
+                rec.decision = "deny";
+                rec.reason = cut_reason;
+                rec.duration_ms = ms_since(started);
+                record_denial(scope, rec);
+            }
+        }
+        co_return keep;
+    }
+
     // Request head and body, then the response head. A pooled h1 connection the upstream
     // closed while idle fails before any response byte; a request without a body is then
     // retried once on a fresh connection (nothing of it can have been processed).
     std::optional<ResponseHead> resp;
-    const auto& limits = rt.config->limits;
-    bool early = false;  // the upstream answered before it took the whole request body
     // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
     // it: nginx sends one after keepalive_requests streams) did nothing with the request,
     // which goes out again on another session, from the pool (RFC 9113 8.7). Only without a
@@ -687,102 +920,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         rec.proto_out = up->proto();
     }
 
-    // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
-    if (scrubber.active()) {
-        scrubber.scrub_in_place(resp->reason);  // an h1 reason phrase is upstream text too
-        for (auto& h : resp->headers) {
-            scrubber.scrub_in_place(h.value);
-        }
-        if (!resp->body.none && encoded(*resp)) {
-            // The request asked for identity; a body encoded anyway (gzip...) would carry an
-            // echoed credential past the scrubber, which sees only the encoded bytes.
-            co_await down.refuse(502, "upstream_encoded_response", false);
-            finish(502, "upstream_encoded_response", "response");
-            co_return false;
-        }
-    }
-    if (resp->status == 101) {
-        // Only the switch this request asked for: a 101 nobody asked for (or to another
-        // protocol) would leave the client reading bytes it cannot frame.
-        const char* bad = nullptr;
-        const std::string* key = head.find("sec-websocket-key");
-        const std::string* accept = policy::find_header(resp->headers, "sec-websocket-accept");
-        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade) || key == nullptr ||
-            accept == nullptr ||
-            policy::trim_ows(*accept) != policy::websocket_accept(policy::trim_ows(*key))) {
-            // Also a 101 whose accept value does not answer this handshake's key: whatever
-            // sent it (a status the client could choose, echoed by the upstream) is no
-            // WebSocket server, and an open relay to it would carry requests past the pipeline.
-            bad = "upstream_bad_response";
-        } else if (scrubber.active() &&
-                   policy::find_header(resp->headers, "sec-websocket-extensions") != nullptr) {
-            bad = "upstream_websocket_extension";  // none was offered: frames we cannot read
-        }
-        if (bad != nullptr) {
-            co_await down.refuse(502, bad, false);
-            finish(502, bad, "response");
-            co_return false;
-        }
-        RawBytes* origin = up->switched();
-        RawBytes* client = nullptr;
-        if (origin != nullptr) {  // no co_await in a conditional operand (GCC 12)
-            client = co_await down.switch_protocols(*resp);
-        }
-        if (client == nullptr) {
-            finish(101, "client_aborted", "");
-            co_return false;
-        }
-        std::optional<policy::WsServerScrubber> frames;
-        if (scrubber.active()) {
-            frames.emplace(std::move(frame_plan));
-        }
-        const char* why = co_await relay_switched(*client, *origin, frames ? &*frames : nullptr,
-                                                  rec, limits.idle_timeout);
-        finish(101, why, "");  // one record when the connection ends, as a tunnel's
-        co_return false;
-    }
-    if (!co_await down.send_head(*resp)) {
-        finish(resp->status, "client_aborted", "");
-        co_return false;
-    }
-    if (!resp->body.none) {
-        std::string spill;  // only when the scrubber held bytes back from the previous piece
-        for (;;) {
-            auto chunk = co_await up->read_body();
-            if (!chunk.ok) {
-                // Tell the client the body is incomplete (h1: close without last-chunk; h2: reset).
-                finish(resp->status, "upstream_aborted", "response_body");
-                co_return false;
-            }
-            rec.bytes_out += chunk.data.size();
-            // Scrubbed where it lies, in the upstream's buffer: no copy, no allocation.
-            const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
-            if (out.empty() && !chunk.last) {
-                continue;
-            }
-            Headers trailers;
-            if (chunk.last) {
-                trailers = up->response_trailers();
-                if (scrubber.active()) {
-                    for (auto& h : trailers) {
-                        scrubber.scrub_in_place(h.value);
-                    }
-                }
-            }
-            if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
-                finish(resp->status, "client_aborted", "");
-                co_return false;
-            }
-            if (chunk.last) {
-                break;
-            }
-        }
-    }
-    // An early answer is the upstream's own, but the request never reached it whole: the
-    // record says so (its bytes_in counts what the client sent up to then).
-    finish(resp->status, early ? "upstream_early_response" : "", "");
-    up->finish();
-    co_return down.client_keep_alive();  // as the response head said (a drain may have begun)
+    co_return co_await send_response(*resp);
 }
 
 }  // namespace egress::proxy

@@ -123,6 +123,10 @@ public:
     virtual void abort_with(Upstream* up) = 0;
     /// Whether the client went away during the watch.
     virtual bool gone() const = 0;
+    /// The exchange wants no more of the request body (its response ended or failed first):
+    /// a pending read_body ends now, failed, and so does every later one. HTTP/2 only (the
+    /// full-duplex path); HTTP/1.1 reads its body only before its response.
+    virtual void stop_reading() {}
     /// Sends a 101 (`head.upgrade` set) and gives the connection's raw bytes from then on;
     /// nullptr when it could not be sent or this protocol cannot switch (HTTP/2).
     virtual awaitable<RawBytes*> switch_protocols(const ResponseHead& head) = 0;

@@ -14,9 +14,14 @@ namespace egress::proxy {
 using Clock = std::chrono::steady_clock;
 
 struct H2ClientStreamState {
-    explicit H2ClientStreamState(const net::any_io_executor& ex) : signal(ex) {}
+    explicit H2ClientStreamState(const net::any_io_executor& ex) : signal(ex), sent(ex) {}
     int32_t id = -1;
-    Signal signal;  // wakes the stream's owner on any change
+    /// Wakes the stream's owner when the response moves (head, data, end) or the stream ends.
+    Signal signal;
+    /// Wakes a request body writer (h2_send_body) when its bytes were taken or the stream
+    /// ended: its own signal, so a writer and a response reader may wait at once (a
+    /// full-duplex exchange) without waking or re-arming each other's wait.
+    Signal sent;
     // request body, owner → nghttp2
     PieceQueue out;
     size_t out_off = 0;
@@ -66,6 +71,7 @@ struct H2ClientSession::Impl {
         for (auto& [id, st] : streams) {
             st->closed = true;
             st->signal.notify();
+            st->sent.notify();
         }
     }
 };
@@ -184,6 +190,7 @@ int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, vo
     st.closed = true;
     st.error = error_code;
     st.signal.notify();
+    st.sent.notify();
     im->io.dequeued(st.out_bytes);  // never sent now
     st.out.clear();
     st.out_bytes = 0;

@@ -121,7 +121,7 @@ ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
     }
     if (copied > 0) {
         io.dequeued(copied);
-        st->signal.notify();  // room for the producer's next piece
+        st->sent.notify();  // room for the producer's next piece
     }
     if (st->out.empty() && st->out_last) {
         *data_flags |= NGHTTP2_DATA_FLAG_EOF;
@@ -297,13 +297,13 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
             if (io.queued < io.queue_budget) {
                 break;
             }
-            io.room_waiters.push_back(&st.signal);
+            io.room_waiters.push_back(&st.sent);
             struct Leave {
                 std::vector<Signal*>& waiters;
                 Signal* s;
                 ~Leave() { std::erase(waiters, s); }
-            } leave{io.room_waiters, &st.signal};
-            if (!co_await st.signal.wait(timeout)) {
+            } leave{io.room_waiters, &st.sent};
+            if (!co_await st.sent.wait(timeout)) {
                 co_return false;
             }
         }
@@ -331,7 +331,7 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
         if (st.closed || io.dead) {
             co_return false;
         }
-        if (!co_await st.signal.wait(timeout)) {
+        if (!co_await st.sent.wait(timeout)) {
             co_return false;
         }
     }

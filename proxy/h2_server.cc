@@ -19,9 +19,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct ServerStream {
-    explicit ServerStream(const net::any_io_executor& ex) : signal(ex) {}
+    explicit ServerStream(const net::any_io_executor& ex) : signal(ex), sent(ex) {}
     int32_t id = 0;
-    Signal signal;  // wakes the stream's handler on any change
+    Signal signal;  // wakes the stream's handler when the request moves or the stream ends
+    /// Wakes a response body writer (h2_send_body) when its bytes were taken or the stream
+    /// ended: its own, so a handler may read the request and write the response at once.
+    Signal sent;
     // request
     policy::RequestHead head;
     std::string host;  // a "host" header, if sent
@@ -50,6 +53,7 @@ struct ServerStream {
     uint32_t error = 0;
     Clock::time_point began = Clock::now();
     std::string refusal;  // why egressd or nghttp2 reset it (audited), empty for a client reset
+    bool body_stopped = false;  // the core wants no more of the request body (stop_reading)
     bool handled = false;       // a handler owns it
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
     Upstream* abort_target = nullptr;  // waiting for its response head (Downstream::abort_with)
@@ -62,6 +66,7 @@ struct ServerStream {
             up->abort();
         }
         signal.notify();
+        sent.notify();
     }
 };
 
@@ -388,6 +393,10 @@ public:
         }
     }
     bool gone() const override { return st_->closed || c_->io.dead; }
+    void stop_reading() override {
+        st_->body_stopped = true;
+        st_->signal.notify();
+    }
     /// HTTP/2 never switches (no Upgrade; RFC 8441's extended CONNECT is not offered).
     awaitable<RawBytes*> switch_protocols(const ResponseHead&) override { co_return nullptr; }
 
@@ -404,6 +413,9 @@ public:
             }
         }
         for (;;) {
+            if (st.body_stopped) {
+                co_return BodyChunk{{}, false, false, BodyFailure::Aborted};
+            }
             if (!st.in.empty()) {
                 st.front_out = true;
                 co_return BodyChunk{st.in.front(), st.req_end && st.in.size() == 1, true};
