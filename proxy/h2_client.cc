@@ -14,14 +14,14 @@ namespace egress::proxy {
 using Clock = std::chrono::steady_clock;
 
 struct H2ClientStreamState {
-    explicit H2ClientStreamState(const net::any_io_executor& ex) : signal(ex), sent(ex) {}
+    explicit H2ClientStreamState(const net::any_io_executor& ex) : signal(ex) {}
     int32_t id = -1;
     /// Wakes the stream's owner when the response moves (head, data, end) or the stream ends.
     Signal signal;
     /// Wakes a request body writer (h2_send_body) when its bytes were taken or the stream
     /// ended: its own signal, so a writer and a response reader may wait at once (a
     /// full-duplex exchange) without waking or re-arming each other's wait.
-    Signal sent;
+    LazySignal sent;
     // request body, owner → nghttp2
     PieceQueue out;
     size_t out_off = 0;

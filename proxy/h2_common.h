@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -54,11 +55,36 @@ public:
         co_return ec == net::error::operation_aborted;  // cancelled without notify: treat as wake
     }
     void cancel() { timer_.cancel(); }
+    net::any_io_executor executor() { return timer_.get_executor(); }
 
 private:
     net::steady_timer timer_;
     bool pending_ = false;
     uint64_t count_ = 0;
+};
+
+/// A stream's second Signal, for its body writer (h2_send_body) alone, so that a writer and a
+/// reader of one stream (a full-duplex exchange) can wait at once: with one Signal each wait
+/// re-arms the timer the other waits on, and they wake each other without end. Made the
+/// first time a writer has to wait (most responses never do: a timer is not free to make), so
+/// a notify before then has nobody to wake; a writer checks its condition before it waits,
+/// with no suspension between, so it misses nothing.
+class LazySignal {
+public:
+    void notify() {
+        if (s_) {
+            s_->notify();
+        }
+    }
+    Signal& get(const net::any_io_executor& ex) {
+        if (!s_) {
+            s_.emplace(ex);
+        }
+        return *s_;
+    }
+
+private:
+    std::optional<Signal> s_;
 };
 
 struct SessionDeleter {
@@ -297,13 +323,14 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
             if (io.queued < io.queue_budget) {
                 break;
             }
-            io.room_waiters.push_back(&st.sent);
+            Signal& sent = st.sent.get(st.signal.executor());
+            io.room_waiters.push_back(&sent);
             struct Leave {
                 std::vector<Signal*>& waiters;
                 Signal* s;
                 ~Leave() { std::erase(waiters, s); }
-            } leave{io.room_waiters, &st.sent};
-            if (!co_await st.sent.wait(timeout)) {
+            } leave{io.room_waiters, &sent};
+            if (!co_await sent.wait(timeout)) {
                 co_return false;
             }
         }
@@ -331,7 +358,7 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
         if (st.closed || io.dead) {
             co_return false;
         }
-        if (!co_await st.sent.wait(timeout)) {
+        if (!co_await st.sent.get(st.signal.executor()).wait(timeout)) {
             co_return false;
         }
     }

@@ -19,12 +19,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct ServerStream {
-    explicit ServerStream(const net::any_io_executor& ex) : signal(ex), sent(ex) {}
+    explicit ServerStream(const net::any_io_executor& ex) : signal(ex) {}
     int32_t id = 0;
     Signal signal;  // wakes the stream's handler when the request moves or the stream ends
     /// Wakes a response body writer (h2_send_body) when its bytes were taken or the stream
     /// ended: its own, so a handler may read the request and write the response at once.
-    Signal sent;
+    LazySignal sent;
     // request
     policy::RequestHead head;
     std::string host;  // a "host" header, if sent
