@@ -733,7 +733,15 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 {
                     CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); },
                                  up.get());
+                    // A client that resets once its upload is over is noticed here, as in
+                    // the sequential path (before, the upload's read notices it).
+                    down.abort_with(up.get());
                     got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
+                    down.abort_with(nullptr);
+                }
+                if (down.gone() && !upload_failure) {
+                    upload_failure = BodyFailure::Aborted;
+                    cut_reason = "client_aborted";
                 }
                 const auto* r = std::get_if<Refusal>(&got);
                 if (r != nullptr && r->reason == "upstream_timeout" && !upload_failure &&

@@ -20,6 +20,7 @@ from upstream import free_port
 METHOD = "/egress.test.Chat/Talk"
 UNARY = "/egress.test.Chat/Once"
 GATHER = "/egress.test.Chat/Gather"
+HANG = "/egress.test.Chat/Hang"
 
 
 class GrpcUpstream:
@@ -45,6 +46,12 @@ class GrpcUpstream:
         def gather(request_iterator, context):  # answers once, when the client is done
             return b"gathered:" + b",".join(request_iterator)
 
+        def hang(request_iterator, context):  # takes the whole request, then answers late
+            for _ in request_iterator:
+                pass
+            time.sleep(8)
+            return b"late"
+
         def once(request, context):
             with self._lock:
                 self.metadata.append(dict(context.invocation_metadata()))
@@ -54,6 +61,7 @@ class GrpcUpstream:
             "Talk": grpc.stream_stream_rpc_method_handler(talk),
             "Once": grpc.unary_unary_rpc_method_handler(once),
             "Gather": grpc.stream_unary_rpc_method_handler(gather),
+            "Hang": grpc.stream_unary_rpc_method_handler(hang),
         })
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
         self.server.add_generic_rpc_handlers((handler,))
@@ -210,3 +218,16 @@ def test_a_stream_quiet_both_ways_ends_at_idle_timeout(world, e_idle, up):
     assert time.monotonic() - t0 < 8
     rec = e_idle.wait_audit(lambda r: r.get("path") == METHOD and r.get("reason") == "idle_timeout")
     assert rec[-1]["status"] == 200, rec
+
+
+def test_a_client_cancelling_after_its_upload_ends_the_wait_for_the_answer(world, e, up):
+    """The upload is over, the answer not there yet, and the client cancels (RST_STREAM): the
+    upstream part is given up at once, recorded client_aborted, not when the server answers."""
+    with _channel(world, e, up) as ch:
+        fut = ch.stream_unary(HANG).future(iter([b"a", b"b"]), timeout=30)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        fut.cancel()
+        recs = e.wait_audit(lambda r: r.get("path") == HANG, timeout=5)
+    assert time.monotonic() - t0 < 4
+    assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
