@@ -546,227 +546,378 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
     };
 
-    // The response, once its head is here: head scrubbed, body streamed (scrubbed), trailers
-    // scrubbed, the record written. Returns whether an HTTP/1.1 client connection may be
-    // reused. Set by the duplex path below: the request body is still on its way (what the
-    // record of a response that ends first calls an early one), and why its upload cut the
-    // upstream part if it did.
     const auto& limits = rt.config->limits;
+    bool keep = false;  // the answer: whether an HTTP/1.1 client connection may be reused
+    std::optional<ResponseHead> resp;
     bool early = false;  // the upstream answered before it took the whole request body
-    bool request_done = true;
-    const char* cut_reason = nullptr;
-    bool duplex = false;
-    bool response_started = false;  // its head went to the client
-    uint64_t in_seen = 0;           // bytes_in when the response last checked for progress
-    auto send_response = [&](ResponseHead& resp) -> awaitable<bool> {
-        // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
-        if (scrubber.active()) {
-            scrubber.scrub_in_place(resp.reason);  // an h1 reason phrase is upstream text too
-            for (auto& h : resp.headers) {
-                scrubber.scrub_in_place(h.value);
-            }
-            if (!resp.body.none && encoded(resp)) {
-                // The request asked for identity; a body encoded anyway (gzip...) would carry an
-                // echoed credential past the scrubber, which sees only the encoded bytes.
-                co_await down.refuse(502, "upstream_encoded_response", false);
-                finish(502, "upstream_encoded_response", "response");
-                co_return false;
-            }
-        }
-        if (resp.status == 101) {
-            // Only the switch this request asked for: a 101 nobody asked for (or to another
-            // protocol) would leave the client reading bytes it cannot frame.
-            const char* bad = nullptr;
-            const std::string* key = head.find("sec-websocket-key");
-            const std::string* accept = policy::find_header(resp.headers, "sec-websocket-accept");
-            if (!upgrade || !policy::iequals(resp.upgrade, head.upgrade) || key == nullptr ||
-                accept == nullptr ||
-                policy::trim_ows(*accept) != policy::websocket_accept(policy::trim_ows(*key))) {
-                // Also a 101 whose accept value does not answer this handshake's key: whatever
-                // sent it (a status the client could choose, echoed by the upstream) is no
-                // WebSocket server, and an open relay to it would carry requests past the pipeline.
-                bad = "upstream_bad_response";
-            } else if (scrubber.active() &&
-                       policy::find_header(resp.headers, "sec-websocket-extensions") != nullptr) {
-                bad = "upstream_websocket_extension";  // none was offered: frames we cannot read
-            }
-            if (bad != nullptr) {
-                co_await down.refuse(502, bad, false);
-                finish(502, bad, "response");
-                co_return false;
-            }
-            RawBytes* origin = up->switched();
-            RawBytes* client = nullptr;
-            if (origin != nullptr) {  // no co_await in a conditional operand (GCC 12)
-                client = co_await down.switch_protocols(resp);
-            }
-            if (client == nullptr) {
-                finish(101, "client_aborted", "");
-                co_return false;
-            }
-            std::optional<policy::WsServerScrubber> frames;
-            if (scrubber.active()) {
-                frames.emplace(std::move(frame_plan));
-            }
-            const char* why = co_await relay_switched(*client, *origin, frames ? &*frames : nullptr,
-                                                      rec, limits.idle_timeout);
-            finish(101, why, "");  // one record when the connection ends, as a tunnel's
-            co_return false;
-        }
-        if (!co_await down.send_head(resp)) {
-            finish(resp.status, "client_aborted", "");
-            co_return false;
-        }
-        response_started = true;
-        if (!resp.body.none) {
-            std::string spill;  // only when the scrubber held bytes back from the previous piece
-            for (;;) {
-                auto chunk = co_await up->read_body();
-                if (!chunk.ok) {
-                    if (duplex && chunk.failure == BodyFailure::Timeout && cut_reason == nullptr) {
-                        if (!request_done && rec.bytes_in != in_seen) {
-                            in_seen = rec.bytes_in;  // the upload moves: a quiet response is not idle
-                            continue;
-                        }
-                        cut_reason = "idle_timeout";  // nothing moved either way
-                    }
-                    // Tell the client the body is incomplete (h1: close without last-chunk; h2:
-                    // reset).
-                    if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
-                        finish(resp.status, cut_reason, "");
-                    } else {
-                        finish(resp.status, "upstream_aborted", "response_body");
-                    }
-                    co_return false;
-                }
-                rec.bytes_out += chunk.data.size();
-                // Scrubbed where it lies, in the upstream's buffer: no copy, no allocation.
-                const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
-                if (out.empty() && !chunk.last) {
-                    continue;
-                }
-                Headers trailers;
-                if (chunk.last) {
-                    trailers = up->response_trailers();
-                    if (scrubber.active()) {
-                        for (auto& h : trailers) {
-                            scrubber.scrub_in_place(h.value);
-                        }
-                    }
-                }
-                if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
-                    finish(resp.status, "client_aborted", "");
-                    co_return false;
-                }
-                if (chunk.last) {
-                    break;
-                }
-            }
-        }
-        // An early answer is the upstream's own, but the request never reached it whole: the
-        // record says so (its bytes_in counts what the client sent up to then).
-        finish(resp.status, early || !request_done ? "upstream_early_response" : "", "");
-        up->finish();
-        co_return down.client_keep_alive();  // as the response head said (a drain may have begun)
-    };
 
     // HTTP/2 on both legs with a request body: full duplex. The body goes up while the
     // response comes down (a bidirectional gRPC stream: the client may wait for the server's
-    // first message before it sends its next), instead of the whole upload first. A quiet
-    // side is not a timeout while the other moves: the exchange ends on idle_timeout only when
-    // neither did.
-    if (!req_body.none && std::string_view(down.proto()) == "h2" &&
-        std::string_view(up->proto()) == "h2") {
+    // first message before it sends its next), instead of the whole upload first: the upload
+    // runs as a coroutine of its own beside this one, which waits for the response and relays
+    // it, and the two meet at `done`. A quiet side is not a timeout while the other moves: the
+    // exchange ends on idle_timeout only when neither did.
+    const bool duplex = !req_body.none && std::string_view(down.proto()) == "h2" &&
+                        std::string_view(up->proto()) == "h2";
+    bool request_done = !duplex;     // the whole request body went up
+    bool response_started = false;   // the response head went to the client
+    bool response_over = false;      // the response part is done (the upload stops reading)
+    const char* cut_reason = nullptr;  // why the upload cut the upstream part, if it did
+    std::optional<BodyFailure> upload_failure;
+    uint64_t in_seen = 0;  // bytes_in when the response part last looked for progress
+    bool upload_running = false;
+    std::optional<net::steady_timer> upload_ended;  // cancelled when the upload returns
+    auto upload = [&]() -> awaitable<void> {
+        uint64_t out_seen = rec.bytes_out;
+        for (;;) {
+            auto chunk = co_await down.read_body();
+            if (!chunk.ok) {
+                if (response_over) {
+                    break;  // the response ended first (stop_reading): nothing failed
+                }
+                if (chunk.failure == BodyFailure::Timeout && rec.bytes_out != out_seen) {
+                    out_seen = rec.bytes_out;  // the response moves: the client may wait on it
+                    continue;
+                }
+                upload_failure = chunk.failure;
+                cut_reason = chunk.failure == BodyFailure::Aborted   ? "client_aborted"
+                             : chunk.failure == BodyFailure::Framing ? "bad_framing"
+                             : response_started                      ? "idle_timeout"
+                                                                     : "body_timeout";
+                up->abort();  // the response part ends with it
+                break;
+            }
+            rec.bytes_in += chunk.data.size();
+            if (chunk.data.empty() && !chunk.last) {
+                continue;
+            }
+            Headers trailers;
+            if (chunk.last) {
+                trailers = down.request_trailers();
+                drop_governed_trailers(trailers, decision);
+            }
+            if (!co_await up->send_body(chunk.view(), chunk.last,
+                                        trailers.empty() ? nullptr : &trailers)) {
+                break;  // the upstream stream ended or failed: the response part sees it
+            }
+            if (chunk.last) {
+                request_done = true;
+                break;
+            }
+        }
+    };
+    if (duplex) {
         if (!co_await up->send_head(head, req_body)) {
             co_await down.refuse(502, "upstream_write_failed", false);
             finish(502, "upstream_write_failed", "write");
             co_return false;
         }
-        request_done = false;
-        duplex = true;
-        bool response_over = false;
-        std::optional<BodyFailure> upload_failure;
-        bool keep = false;
-        auto upload = [&]() -> awaitable<void> {
-            uint64_t out_seen = rec.bytes_out;
-            for (;;) {
-                auto chunk = co_await down.read_body();
-                if (!chunk.ok) {
-                    if (response_over) {
-                        break;  // the response ended first (stop_reading): nothing failed
+        auto ex = co_await net::this_coro::executor;
+        upload_ended.emplace(ex, net::steady_timer::time_point::max());
+        upload_running = true;
+        net::co_spawn(ex, upload(), [&upload_running, &upload_ended](std::exception_ptr) {
+            upload_running = false;
+            upload_ended->cancel();
+        });
+        in_seen = rec.bytes_in;
+        Outcome<ResponseHead> got = Refusal{};
+        for (;;) {
+            {
+                CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); }, up.get());
+                // A client that resets once its upload is over is noticed here, as in the
+                // sequential path (before, the upload's read notices it).
+                down.abort_with(up.get());
+                got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
+                down.abort_with(nullptr);
+            }
+            if (down.gone() && !upload_failure) {
+                upload_failure = BodyFailure::Aborted;
+                cut_reason = "client_aborted";
+            }
+            const auto* r = std::get_if<Refusal>(&got);
+            if (r != nullptr && r->reason == "upstream_timeout" && !upload_failure &&
+                !request_done && rec.bytes_in != in_seen) {
+                in_seen = rec.bytes_in;  // still uploading: the answer may come at its end
+                continue;
+            }
+            break;
+        }
+        if (upload_failure) {
+            goto done;  // no head reached the client: the upload's failure is recorded there
+        }
+        if (auto* r = std::get_if<Refusal>(&got)) {
+            co_await down.refuse(r->status, r->reason, false);
+            finish(r->status, r->reason, r->kind);
+            goto done;
+        }
+        resp = std::move(std::get<ResponseHead>(got));
+    } else {
+        // Request head and body, then the response head. A pooled h1 connection the upstream
+        // closed while idle fails before any response byte; a request without a body is then
+        // retried once on a fresh connection (nothing of it can have been processed).
+        // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
+        // it: nginx sends one after keepalive_requests streams) did nothing with the request,
+        // which goes out again on another session, from the pool (RFC 9113 8.7). Only without a
+        // body: what was streamed of one is gone.
+        int refused_retries = 0;
+        bool refused = false;
+        for (int attempt = 0;; ++attempt) {
+            const bool may_retry = attempt == 0 && up->reused() && req_body.none;
+            bool sent = co_await up->send_head(head, req_body);
+            const bool head_sent = sent;
+            bool client_failed = false;
+            BodyFailure client_failure = BodyFailure::Aborted;
+            if (sent && !req_body.none) {
+                for (;;) {
+                    if (up->answered()) {
+                        // An early answer (RFC 9112 9.3, RFC 9113 8.1): the upstream refused the
+                        // upload before taking all of it, and closes or has ended the stream. Its
+                        // answer goes to the client; the rest of the body is not forwarded.
+                        early = true;
+                        break;
                     }
-                    if (chunk.failure == BodyFailure::Timeout && rec.bytes_out != out_seen) {
-                        out_seen = rec.bytes_out;  // the response moves: the client may wait on it
+                    auto chunk = co_await down.read_body();
+                    if (!chunk.ok) {
+                        client_failed = true;
+                        client_failure = chunk.failure;
+                        break;
+                    }
+                    rec.bytes_in += chunk.data.size();
+                    if (chunk.data.empty() && !chunk.last) {
                         continue;
                     }
-                    upload_failure = chunk.failure;
-                    cut_reason = chunk.failure == BodyFailure::Aborted   ? "client_aborted"
-                                 : chunk.failure == BodyFailure::Framing ? "bad_framing"
-                                 : response_started                      ? "idle_timeout"
-                                                                         : "body_timeout";
-                    up->abort();  // the response part ends with it
-                    break;
-                }
-                rec.bytes_in += chunk.data.size();
-                if (chunk.data.empty() && !chunk.last) {
-                    continue;
-                }
-                Headers trailers;
-                if (chunk.last) {
-                    trailers = down.request_trailers();
-                    drop_governed_trailers(trailers, decision);
-                }
-                if (!co_await up->send_body(chunk.view(), chunk.last,
-                                            trailers.empty() ? nullptr : &trailers)) {
-                    break;  // the upstream stream ended or failed: the response part sees it
-                }
-                if (chunk.last) {
-                    request_done = true;
-                    break;
+                    Headers trailers;
+                    if (chunk.last) {
+                        trailers = down.request_trailers();
+                        drop_governed_trailers(trailers, decision);
+                    }
+                    if (!co_await up->send_body(chunk.view(), chunk.last,
+                                                trailers.empty() ? nullptr : &trailers)) {
+                        sent = false;
+                        break;
+                    }
+                    if (chunk.last) {
+                        break;
+                    }
                 }
             }
-        };
-        auto download = [&]() -> awaitable<void> {
-            in_seen = rec.bytes_in;
-            Outcome<ResponseHead> got = Refusal{};
-            for (;;) {
+            if (client_failed) {
+                // The upstream connection is dropped, not pooled: the partial request dies with it.
+                if (client_failure == BodyFailure::Aborted) {
+                    finish(0, "client_aborted", "");
+                    co_return false;
+                }
+                // A malformed or stalled request body is a refusal of the request (the head went
+                // out, the request never completes upstream): the client is told and it is counted.
+                const bool framing = client_failure == BodyFailure::Framing;
+                const int status = framing ? 400 : 408;
+                const std::string reason = framing ? "bad_framing" : "body_timeout";
+                co_await down.refuse(status, reason, false);
+                rec.status = status;
+                rec.decision = "deny";
+                rec.reason = reason;
+                rec.duration_ms = ms_since(started);
+                record_denial(scope, rec);
+                co_return false;
+            }
+            if (!sent && may_retry) {
+                goto retry;
+            }
+            if (early || (!sent && head_sent)) {
+                // The upstream began to answer, or stopped taking the body, before the whole
+                // request went out. An early answer (RFC 9112 9.3: a 413, or a 401 on a bad
+                // credential, before the whole upload), here or on its way, is the client's, not a
+                // 502: one that began is waited for as any response, after a failed write for
+                // linger_timeout only (an upstream that answers and closes without lingering may
+                // reset the connection under its own answer; then there is none to read).
+                auto got = co_await up->read_head(method == "HEAD", early ? limits.idle_timeout
+                                                                          : limits.linger_timeout);
+                if (auto* rh = std::get_if<ResponseHead>(&got)) {
+                    resp = std::move(*rh);
+                    early = true;
+                    break;
+                }
+                sent = false;
+                early = false;
+            }
+            if (!sent) {
+                co_await down.refuse(502, "upstream_write_failed", false);
+                finish(502, "upstream_write_failed", "write");
+                co_return false;
+            }
+            {
+                Outcome<ResponseHead> got = Refusal{};
                 {
                     CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); },
                                  up.get());
-                    // A client that resets once its upload is over is noticed here, as in
-                    // the sequential path (before, the upload's read notices it).
                     down.abort_with(up.get());
                     got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
                     down.abort_with(nullptr);
                 }
-                if (down.gone() && !upload_failure) {
-                    upload_failure = BodyFailure::Aborted;
-                    cut_reason = "client_aborted";
+                if (down.gone()) {
+                    // The client reset its request while it waited: the upstream's part was cut
+                    // (abort_with), or its answer came in the same turn; nobody reads either.
+                    finish(0, "client_aborted", "");
+                    co_return false;
                 }
-                const auto* r = std::get_if<Refusal>(&got);
-                if (r != nullptr && r->reason == "upstream_timeout" && !upload_failure &&
-                    !request_done && rec.bytes_in != in_seen) {
-                    in_seen = rec.bytes_in;  // still uploading: the answer may come at its end
-                    continue;
+                if (auto* r = std::get_if<Refusal>(&got)) {
+                    if (may_retry && r->reason != "upstream_timeout") {
+                        goto retry;
+                    }
+                    refused = r->reason == kRefusedStream && req_body.none &&
+                              refused_retries < kMaxRefusedRetries;
+                    if (refused) {
+                        ++refused_retries;
+                        goto retry;
+                    }
+                    co_await down.refuse(r->status, r->reason, false);
+                    finish(r->status, r->reason, r->kind);
+                    co_return false;
                 }
+                resp = std::move(std::get<ResponseHead>(got));
                 break;
             }
-            if (upload_failure) {
-                // No head reached the client: the upload's failure is recorded below.
-            } else if (auto* r = std::get_if<Refusal>(&got)) {
+        retry:
+            spdlog::debug("conn={} {}; retrying", scope.conn_id,
+                          refused ? "upstream refused the stream unprocessed"
+                                  : "pooled upstream connection was closed");
+            up.reset();
+            // A stale pooled connection is retried on a fresh one; a refused stream may go to any
+            // session with room (the refusing one takes none), so fifty refused at once share
+            // one new dial instead of making fifty.
+            auto again = co_await open_upstream(scope, refused, false, upgrade);
+            if (auto* r = std::get_if<Refusal>(&again)) {
                 co_await down.refuse(r->status, r->reason, false);
-                finish(r->status, r->reason, r->kind);
-            } else {
-                keep = co_await send_response(std::get<ResponseHead>(got));
+                audit_refusal(scope, method, head.path, r->status, r->reason, started);
+                co_return false;
             }
-            response_over = true;
-            down.stop_reading();  // an upload still waiting on the client ends now
-        };
-        {
-            using namespace net::experimental::awaitable_operators;
-            co_await (upload() && download());
+            up = std::move(std::get<std::unique_ptr<Upstream>>(again));
+            rec.upstream_addr = endpoint_text(up->peer());
+            rec.proto_out = up->proto();
         }
-        if (upload_failure && !rec.status) {
+    }
+
+    // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
+    if (scrubber.active()) {
+        scrubber.scrub_in_place(resp->reason);  // an h1 reason phrase is upstream text too
+        for (auto& h : resp->headers) {
+            scrubber.scrub_in_place(h.value);
+        }
+        if (!resp->body.none && encoded(*resp)) {
+            // The request asked for identity; a body encoded anyway (gzip...) would carry an
+            // echoed credential past the scrubber, which sees only the encoded bytes.
+            co_await down.refuse(502, "upstream_encoded_response", false);
+            finish(502, "upstream_encoded_response", "response");
+            goto done;
+        }
+    }
+    if (resp->status == 101) {
+        // Only the switch this request asked for: a 101 nobody asked for (or to another
+        // protocol) would leave the client reading bytes it cannot frame.
+        const char* bad = nullptr;
+        const std::string* key = head.find("sec-websocket-key");
+        const std::string* accept = policy::find_header(resp->headers, "sec-websocket-accept");
+        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade) || key == nullptr ||
+            accept == nullptr ||
+            policy::trim_ows(*accept) != policy::websocket_accept(policy::trim_ows(*key))) {
+            // Also a 101 whose accept value does not answer this handshake's key: whatever
+            // sent it (a status the client could choose, echoed by the upstream) is no
+            // WebSocket server, and an open relay to it would carry requests past the pipeline.
+            bad = "upstream_bad_response";
+        } else if (scrubber.active() &&
+                   policy::find_header(resp->headers, "sec-websocket-extensions") != nullptr) {
+            bad = "upstream_websocket_extension";  // none was offered: frames we cannot read
+        }
+        if (bad != nullptr) {
+            co_await down.refuse(502, bad, false);
+            finish(502, bad, "response");
+            goto done;
+        }
+        RawBytes* origin = up->switched();
+        RawBytes* client = nullptr;
+        if (origin != nullptr) {  // no co_await in a conditional operand (GCC 12)
+            client = co_await down.switch_protocols(*resp);
+        }
+        if (client == nullptr) {
+            finish(101, "client_aborted", "");
+            goto done;
+        }
+        std::optional<policy::WsServerScrubber> frames;
+        if (scrubber.active()) {
+            frames.emplace(std::move(frame_plan));
+        }
+        const char* why = co_await relay_switched(*client, *origin, frames ? &*frames : nullptr,
+                                                  rec, limits.idle_timeout);
+        finish(101, why, "");  // one record when the connection ends, as a tunnel's
+        goto done;
+    }
+    if (!co_await down.send_head(*resp)) {
+        finish(resp->status, "client_aborted", "");
+        goto done;
+    }
+    response_started = true;
+    if (!resp->body.none) {
+        std::string spill;  // only when the scrubber held bytes back from the previous piece
+        for (;;) {
+            auto chunk = co_await up->read_body();
+            if (!chunk.ok) {
+                if (duplex && chunk.failure == BodyFailure::Timeout && cut_reason == nullptr) {
+                    if (!request_done && rec.bytes_in != in_seen) {
+                        in_seen = rec.bytes_in;  // the upload moves: a quiet response is not idle
+                        continue;
+                    }
+                    cut_reason = "idle_timeout";  // nothing moved either way
+                }
+                // Tell the client the body is incomplete (h1: close without last-chunk; h2:
+                // reset).
+                if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
+                    finish(resp->status, cut_reason, "");
+                } else {
+                    finish(resp->status, "upstream_aborted", "response_body");
+                }
+                goto done;
+            }
+            rec.bytes_out += chunk.data.size();
+            // Scrubbed where it lies, in the upstream's buffer: no copy, no allocation.
+            const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
+            if (out.empty() && !chunk.last) {
+                continue;
+            }
+            Headers trailers;
+            if (chunk.last) {
+                trailers = up->response_trailers();
+                if (scrubber.active()) {
+                    for (auto& h : trailers) {
+                        scrubber.scrub_in_place(h.value);
+                    }
+                }
+            }
+            if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
+                finish(resp->status, "client_aborted", "");
+                goto done;
+            }
+            if (chunk.last) {
+                break;
+            }
+        }
+    }
+    // An early answer is the upstream's own, but the request never reached it whole: the
+    // record says so (its bytes_in counts what the client sent up to then).
+    finish(resp->status, early || !request_done ? "upstream_early_response" : "", "");
+    up->finish();
+    keep = down.client_keep_alive();  // as the response head said (a drain may have begun)
+
+done:
+    if (duplex) {
+        response_over = true;
+        if (upload_running) {
+            down.stop_reading();  // an upload waiting on the client ends now,
+            up->abort();          // and one waiting on the upstream's window
+            while (upload_running) {
+                co_await upload_ended->async_wait(use_nothrow);
+            }
+        }
+        if (upload_failure && rec.status == 0) {
             // The upload failed before any response head: as in the sequential path.
             if (*upload_failure == BodyFailure::Aborted) {
                 finish(0, "client_aborted", "");
@@ -780,155 +931,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 record_denial(scope, rec);
             }
         }
-        co_return keep;
     }
-
-    // Request head and body, then the response head. A pooled h1 connection the upstream
-    // closed while idle fails before any response byte; a request without a body is then
-    // retried once on a fresh connection (nothing of it can have been processed).
-    std::optional<ResponseHead> resp;
-    // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
-    // it: nginx sends one after keepalive_requests streams) did nothing with the request,
-    // which goes out again on another session, from the pool (RFC 9113 8.7). Only without a
-    // body: what was streamed of one is gone.
-    int refused_retries = 0;
-    bool refused = false;
-    for (int attempt = 0;; ++attempt) {
-        const bool may_retry = attempt == 0 && up->reused() && req_body.none;
-        bool sent = co_await up->send_head(head, req_body);
-        const bool head_sent = sent;
-        bool client_failed = false;
-        BodyFailure client_failure = BodyFailure::Aborted;
-        if (sent && !req_body.none) {
-            for (;;) {
-                if (up->answered()) {
-                    // An early answer (RFC 9112 9.3, RFC 9113 8.1): the upstream refused the
-                    // upload before taking all of it, and closes or has ended the stream. Its
-                    // answer goes to the client; the rest of the body is not forwarded.
-                    early = true;
-                    break;
-                }
-                auto chunk = co_await down.read_body();
-                if (!chunk.ok) {
-                    client_failed = true;
-                    client_failure = chunk.failure;
-                    break;
-                }
-                rec.bytes_in += chunk.data.size();
-                if (chunk.data.empty() && !chunk.last) {
-                    continue;
-                }
-                Headers trailers;
-                if (chunk.last) {
-                    trailers = down.request_trailers();
-                    drop_governed_trailers(trailers, decision);
-                }
-                if (!co_await up->send_body(chunk.view(), chunk.last,
-                                            trailers.empty() ? nullptr : &trailers)) {
-                    sent = false;
-                    break;
-                }
-                if (chunk.last) {
-                    break;
-                }
-            }
-        }
-        if (client_failed) {
-            // The upstream connection is dropped, not pooled: the partial request dies with it.
-            if (client_failure == BodyFailure::Aborted) {
-                finish(0, "client_aborted", "");
-                co_return false;
-            }
-            // A malformed or stalled request body is a refusal of the request (the head went
-            // out, the request never completes upstream): the client is told and it is counted.
-            const bool framing = client_failure == BodyFailure::Framing;
-            const int status = framing ? 400 : 408;
-            const std::string reason = framing ? "bad_framing" : "body_timeout";
-            co_await down.refuse(status, reason, false);
-            rec.status = status;
-            rec.decision = "deny";
-            rec.reason = reason;
-            rec.duration_ms = ms_since(started);
-            record_denial(scope, rec);
-            co_return false;
-        }
-        if (!sent && may_retry) {
-            goto retry;
-        }
-        if (early || (!sent && head_sent)) {
-            // The upstream began to answer, or stopped taking the body, before the whole
-            // request went out. An early answer (RFC 9112 9.3: a 413, or a 401 on a bad
-            // credential, before the whole upload), here or on its way, is the client's, not a
-            // 502: one that began is waited for as any response, after a failed write for
-            // linger_timeout only (an upstream that answers and closes without lingering may
-            // reset the connection under its own answer; then there is none to read).
-            auto got = co_await up->read_head(method == "HEAD", early ? limits.idle_timeout
-                                                                      : limits.linger_timeout);
-            if (auto* rh = std::get_if<ResponseHead>(&got)) {
-                resp = std::move(*rh);
-                early = true;
-                break;
-            }
-            sent = false;
-            early = false;
-        }
-        if (!sent) {
-            co_await down.refuse(502, "upstream_write_failed", false);
-            finish(502, "upstream_write_failed", "write");
-            co_return false;
-        }
-        {
-            Outcome<ResponseHead> got = Refusal{};
-            {
-                CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); },
-                             up.get());
-                down.abort_with(up.get());
-                got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
-                down.abort_with(nullptr);
-            }
-            if (down.gone()) {
-                // The client reset its request while it waited: the upstream's part was cut
-                // (abort_with), or its answer came in the same turn; nobody reads either.
-                finish(0, "client_aborted", "");
-                co_return false;
-            }
-            if (auto* r = std::get_if<Refusal>(&got)) {
-                if (may_retry && r->reason != "upstream_timeout") {
-                    goto retry;
-                }
-                refused = r->reason == kRefusedStream && req_body.none &&
-                          refused_retries < kMaxRefusedRetries;
-                if (refused) {
-                    ++refused_retries;
-                    goto retry;
-                }
-                co_await down.refuse(r->status, r->reason, false);
-                finish(r->status, r->reason, r->kind);
-                co_return false;
-            }
-            resp = std::move(std::get<ResponseHead>(got));
-            break;
-        }
-    retry:
-        spdlog::debug("conn={} {}; retrying", scope.conn_id,
-                      refused ? "upstream refused the stream unprocessed"
-                              : "pooled upstream connection was closed");
-        up.reset();
-        // A stale pooled connection is retried on a fresh one; a refused stream may go to any
-        // session with room (the refusing one takes none), so fifty refused at once share
-        // one new dial instead of making fifty.
-        auto again = co_await open_upstream(scope, refused, false, upgrade);
-        if (auto* r = std::get_if<Refusal>(&again)) {
-            co_await down.refuse(r->status, r->reason, false);
-            audit_refusal(scope, method, head.path, r->status, r->reason, started);
-            co_return false;
-        }
-        up = std::move(std::get<std::unique_ptr<Upstream>>(again));
-        rec.upstream_addr = endpoint_text(up->peer());
-        rec.proto_out = up->proto();
-    }
-
-    co_return co_await send_response(*resp);
+    co_return keep;
 }
 
 }  // namespace egress::proxy
