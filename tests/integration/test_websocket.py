@@ -265,3 +265,32 @@ def test_a_101_that_does_not_answer_the_handshake_is_refused(world, e, query):
     assert r.status == 502 and r.egress_reason == "upstream_bad_response", (r.status, r.body)
     recs = e.wait_audit(lambda r: r.get("path") == "/status/101", count=before + 1)
     assert recs[-1]["status"] == 502 and recs[-1]["reason"] == "upstream_bad_response", recs
+
+
+def test_revoking_the_run_closes_its_open_websocket(world, factory, ws, marker):
+    """A WebSocket is a connection of its run: a revoke (DELETE /v1/runs/{id}) closes it at
+    once, as it closes the run's other connections."""
+    from cp_helpers import api_ok, bearer_pin, cp_mutate, create_run, put_secret
+    e = factory.start(mutate=cp_mutate(world, ports=[ws.port]))
+    value = "ws-itest-" + os.urandom(12).hex()
+    put_secret(e, "ws_tok", value, org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(f"api.test:{ws.port}", "ws_tok")])
+    c = websocket.create_connection(
+        f"wss://api.test:{ws.port}/revoked/{marker}", http_proxy_host="127.0.0.1",
+        http_proxy_port=e.proxy_port, http_proxy_auth=(run.id, run.token), proxy_type="http",
+        sslopt={"ca_certs": run.ca_file}, timeout=10)
+    try:
+        assert ws.last_seen(marker)["headers"]["authorization"] == f"Bearer {value}"
+        c.send("echo:before the revoke")
+        assert c.recv() == "before the revoke"
+        t0 = time.monotonic()
+        api_ok(e, "DELETE", f"/v1/runs/{run.id}")
+        with pytest.raises((websocket.WebSocketConnectionClosedException, ConnectionError)):
+            c.send("echo:after the revoke")
+            c.recv()
+        assert time.monotonic() - t0 < 5
+    finally:
+        c.close()
+    rec = _record(e, marker)
+    assert rec["status"] == 101 and rec["run"] == run.id, rec
+    assert e.leaks(extra_needles=[value.encode()]) == []
