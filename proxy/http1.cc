@@ -488,7 +488,7 @@ public:
             c.lit("\r\n");
             for (const auto& h : rh.headers) {
                 if (policy::iequals(h.name, "transfer-encoding") ||
-                    (!none_ && policy::iequals(h.name, "content-length"))) {
+                    ((!none_ || switching) && policy::iequals(h.name, "content-length"))) {
                     continue;
                 }
                 write_field(c, h.name, h.value);
