@@ -26,14 +26,14 @@ bool valid_header_value(std::string_view value);
 /// `s` without leading and trailing optional whitespace (SP, HTAB; RFC 9110 5.6.3).
 std::string_view trim_ows(std::string_view s);
 
-/// Removes hop-by-hop headers, every header named in a Connection header's tokens (whole
-/// tokens, case-insensitive; never Content-Length), and Proxy-*. `te: trailers` is kept when
-/// `keep_te_trailers` (HTTP/2 upstreams); any other te is removed. Returns the number removed.
-/// One rule for both directions: requests before they leave, responses before they are relayed.
 /// Whether the fields ask to switch the connection to a WebSocket (RFC 6455 4.1): "websocket"
 /// among the Upgrade tokens and "upgrade" among the Connection tokens (case-insensitive).
 bool asks_websocket(const std::vector<Header>& headers);
 
+/// Removes hop-by-hop headers, every header named in a Connection header's tokens (whole
+/// tokens, case-insensitive; never Content-Length), and Proxy-*. `te: trailers` is kept when
+/// `keep_te_trailers` (HTTP/2 upstreams); any other te is removed. Returns the number removed.
+/// One rule for both directions: requests before they leave, responses before they are relayed.
 size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers = false);
 inline size_t strip_hop_by_hop(RequestHead& head, bool keep_te_trailers = false) {
     return strip_hop_by_hop(head.headers, keep_te_trailers);

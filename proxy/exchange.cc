@@ -53,6 +53,9 @@ constexpr const char* kRefusedStream = "upstream_refused_stream";
 /// an upstream that serves few per connection need a few rounds (60 at 10 per connection:
 /// 5). The bound stops an upstream that refuses every stream from looping.
 constexpr int kMaxRefusedRetries = 10;
+/// A request body up to this size, sent to an h2 upstream, is kept until the answer comes, so
+/// that a refused stream can be sent again with it (most API requests' bodies are far smaller).
+constexpr size_t kReplayBodyBytes = 64 * 1024;
 
 /// An HTTP/2 stream on a pooled upstream session.
 class H2Upstream final : public Upstream, public PooledNew<H2Upstream> {
@@ -657,17 +660,28 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         // retried once on a fresh connection (nothing of it can have been processed).
         // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
         // it: nginx sends one after keepalive_requests streams) did nothing with the request,
-        // which goes out again on another session, from the pool (RFC 9113 8.7). Only without a
-        // body: what was streamed of one is gone.
+        // which goes out again on another session, from the pool (RFC 9113 8.7). A body read
+        // from the client cannot be read again: one of at most kReplayBodyBytes sent to an h2
+        // upstream is kept until the answer comes (`replay`), and goes out again with it.
         int refused_retries = 0;
         bool refused = false;
+        std::string replay;        // the body as forwarded so far, while it may be sent again
+        Headers replay_trailers;
+        bool replay_whole = false;  // `replay` is the whole body (its last piece went)
+        bool keep_replay =
+            !req_body.none && (!req_body.length || *req_body.length <= kReplayBodyBytes);
         for (int attempt = 0;; ++attempt) {
             const bool may_retry = attempt == 0 && up->reused() && req_body.none;
             bool sent = co_await up->send_head(head, req_body);
             const bool head_sent = sent;
             bool client_failed = false;
             BodyFailure client_failure = BodyFailure::Aborted;
-            if (sent && !req_body.none) {
+            if (sent && replay_whole) {
+                // Sent again after a refused stream: the kept body, not the client's.
+                sent = co_await up->send_body(replay, true,
+                                              replay_trailers.empty() ? nullptr : &replay_trailers);
+            } else if (sent && !req_body.none) {
+                keep_replay = keep_replay && std::string_view(up->proto()) == "h2";
                 for (;;) {
                     if (up->answered()) {
                         // An early answer (RFC 9112 9.3, RFC 9113 8.1): the upstream refused the
@@ -690,6 +704,18 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     if (chunk.last) {
                         trailers = down.request_trailers();
                         drop_governed_trailers(trailers, decision);
+                    }
+                    if (keep_replay) {
+                        if (replay.size() + chunk.data.size() <= kReplayBodyBytes) {
+                            replay.append(chunk.view());
+                            if (chunk.last) {
+                                replay_whole = true;
+                                replay_trailers = trailers;
+                            }
+                        } else {
+                            keep_replay = false;  // too large to keep: not sent again
+                            std::string().swap(replay);
+                        }
                     }
                     if (!co_await up->send_body(chunk.view(), chunk.last,
                                                 trailers.empty() ? nullptr : &trailers)) {
@@ -764,7 +790,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     if (may_retry && r->reason != "upstream_timeout") {
                         goto retry;
                     }
-                    refused = r->reason == kRefusedStream && req_body.none &&
+                    refused = r->reason == kRefusedStream && (req_body.none || replay_whole) &&
                               refused_retries < kMaxRefusedRetries;
                     if (refused) {
                         ++refused_retries;

@@ -315,3 +315,35 @@ def test_streams_an_h2_upstream_refuses_unprocessed_are_sent_again(world, factor
             [a for a in e.audit_records() if a.get("status") == 502][:3]
     finally:
         up.close()
+
+
+@pytest.mark.parametrize("size", [2048, 70 * 1024])
+def test_a_refused_stream_with_a_small_body_is_sent_again_with_it(world, factory, marker, size):
+    """An HTTP/1.1 client's POST to an h2 upstream that refuses the stream unprocessed
+    (RST_STREAM REFUSED_STREAM after the whole request): a body of at most 64 KiB was kept and
+    goes out again with the request, processed once, intact; a larger one was not kept, and
+    the client gets 502 upstream_refused_stream."""
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    try:
+        e = factory.start(add_h2_pins(world, up))
+        body = os.urandom(size)
+        path = f"/echo/refuse-once/{marker}-{size}"
+        r = subprocess.run(
+            ["curl", "-sS", "--http1.1", "--cacert", run_ca(e, "r1"), "-o", "-", "-w",
+             "\n%{http_code}", "--data-binary", "@-", f"https://api.test:{up.port}{path}"],
+            input=body, env=proxy_env(e, "r1", world.tokens["r1"]), capture_output=True,
+            timeout=60)
+        out, _, code = r.stdout.rpartition(b"\n")
+        assert up.refused == 1, up.refused
+        if size <= 64 * 1024:
+            assert code == b"200", (code, out[:300])
+            echo = json.loads(out)
+            assert echo["body_length"] == size
+            assert echo["body_sha256"] == hashlib.sha256(body).hexdigest()
+            assert len(up.find(path)) == 1
+        else:
+            assert code == b"502", (code, out[:300])
+            rec = e.wait_audit(lambda a: a.get("path") == path)[-1]
+            assert rec["reason"] == "upstream_refused_stream", rec
+    finally:
+        up.close()
