@@ -5,8 +5,8 @@
 #include <charconv>
 #include <cstring>
 
-#include "policy/header_rules.h"
 #include "common/secure_zero.h"
+#include "policy/header_rules.h"
 #include "policy/scrubber.h"
 #include "policy/ws_frames.h"
 #include "proxy/h2_client.h"
