@@ -525,11 +525,38 @@ def _ephemeral_low() -> int:
 _EPHEMERAL_LOW = _ephemeral_low()
 
 
+_HANDED_OUT = "/tmp/egressd-it-ports"  # ports recently handed out, shared by test processes
+
+
+def _claim(port: int, now: float) -> bool:
+    """Records `port` as handed out unless another test process (ctest runs two test files
+    at once) took it in the last 120 s: a port checked free but not yet bound by the process
+    it was picked for passes every bind check, so two picks of it collide ("Address already
+    in use" when the second process binds, seen once in a full run)."""
+    import fcntl
+    with open(_HANDED_OUT, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        recent = {}
+        for line in f.read().split("\n"):
+            parts = line.split()
+            if len(parts) == 2 and now - float(parts[1]) < 120:
+                recent[int(parts[0])] = float(parts[1])
+        if port in recent:
+            return False
+        recent[port] = now
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{p} {t}\n" for p, t in recent.items()))
+        return True
+
+
 def free_port() -> int:
-    """A port that was free a moment ago, for a process started next to listen on. Picked
-    below the kernel's ephemeral range: a port from bind(0) is an ephemeral one, which any
-    outgoing connection (egressd's to etcd or an upstream, a client's) may take as its local
-    port before the process binds it ("Address already in use", seen under a loaded CI)."""
+    """A port that was free a moment ago, for a process started next to listen on, and not
+    handed out to another test process lately (_claim). Picked below the kernel's ephemeral
+    range: a port from bind(0) is an ephemeral one, which any outgoing connection (egressd's
+    to etcd or an upstream, a client's) may take as its local port before the process binds it
+    ("Address already in use", seen under a loaded CI)."""
     import random
     low = 20000
     if _EPHEMERAL_LOW - low >= 1000:
@@ -538,11 +565,12 @@ def free_port() -> int:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind(("127.0.0.1", port))
-                return port
             except OSError:
                 continue
             finally:
                 s.close()
+            if _claim(port, time.time()):
+                return port
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
