@@ -295,6 +295,17 @@ void drop_governed_trailers(Headers& trailers, const policy::Decision& d) {
     });
 }
 
+/// The request trailers to forward with `chunk`: after the body's last piece, the client's
+/// trailers less the fields the head's rules govern; none before.
+Headers last_trailers(Downstream& down, const BodyChunk& chunk, const policy::Decision& d) {
+    Headers trailers;
+    if (chunk.last) {
+        trailers = down.request_trailers();
+        drop_governed_trailers(trailers, d);
+    }
+    return trailers;
+}
+
 /// The one audit record, metrics and log line of a refused request (`rec` complete).
 void record_denial(Scope& scope, const AuditRecord& rec) {
     auto& shared = scope.worker->shared;
@@ -594,11 +605,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             if (chunk.data.empty() && !chunk.last) {
                 continue;
             }
-            Headers trailers;
-            if (chunk.last) {
-                trailers = down.request_trailers();
-                drop_governed_trailers(trailers, decision);
-            }
+            Headers trailers = last_trailers(down, chunk, decision);
             if (!co_await up->send_body(chunk.view(), chunk.last,
                                         trailers.empty() ? nullptr : &trailers)) {
                 break;  // the upstream stream ended or failed: the response part sees it
@@ -700,11 +707,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     if (chunk.data.empty() && !chunk.last) {
                         continue;
                     }
-                    Headers trailers;
-                    if (chunk.last) {
-                        trailers = down.request_trailers();
-                        drop_governed_trailers(trailers, decision);
-                    }
+                    Headers trailers = last_trailers(down, chunk, decision);
                     if (keep_replay) {
                         if (replay.size() + chunk.data.size() <= kReplayBodyBytes) {
                             replay.append(chunk.view());

@@ -55,6 +55,15 @@ def clean_env(**extra) -> dict:
     return env
 
 
+def pin_bearer(cfg: dict, host: str, port: int) -> None:
+    """Pins host:port in run r1 with r1's first pin's secret (the api_token) as a bearer
+    credential, and allows the port: a config mutator's part for a test's own upstream."""
+    r1 = next(r for r in cfg["runs"] if r["id"] == "r1")
+    r1["pins"].append({"host": f"{host}:{port}", "secret_file": r1["pins"][0]["secret_file"],
+                       "inject": {"type": "bearer"}})
+    cfg["policy"]["allowed_ports"].append(port)
+
+
 def basic_auth(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 

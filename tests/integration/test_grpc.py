@@ -14,6 +14,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+import helpers
 from clients import run_ca
 from upstream import free_port
 
@@ -86,11 +87,7 @@ def up(world):
 
 def _with_pin(port: int, idle_timeout: str | None = None):
     def mutate(c):
-        r1 = next(r for r in c["runs"] if r["id"] == "r1")
-        r1["pins"].append({"host": f"api.test:{port}",
-                           "secret_file": r1["pins"][0]["secret_file"],
-                           "inject": {"type": "bearer"}})
-        c["policy"]["allowed_ports"].append(port)
+        helpers.pin_bearer(c, "api.test", port)
         if idle_timeout:
             c["limits"]["idle_timeout"] = idle_timeout
     return mutate

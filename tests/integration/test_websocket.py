@@ -30,11 +30,7 @@ def ws(world):
 
 def _with_ws(ws_port: int, extra_limits: dict | None = None, websocket_policy: bool | None = None):
     def mutate(c):
-        r1 = next(r for r in c["runs"] if r["id"] == "r1")
-        r1["pins"].append({"host": f"api.test:{ws_port}",
-                           "secret_file": r1["pins"][0]["secret_file"],
-                           "inject": {"type": "bearer"}})
-        c["policy"]["allowed_ports"].append(ws_port)
+        helpers.pin_bearer(c, "api.test", ws_port)
         c["policy"]["allow_hosts"].append(f"other.test:{ws_port}")  # intercepted, no pin
         if websocket_policy is not None:
             c["policy"]["websocket"] = websocket_policy
