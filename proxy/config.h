@@ -79,6 +79,12 @@ struct Limits {
     size_t leaf_cache_size = 1024;     // per run
     size_t leaf_mints_per_minute = 600;  // per run (token bucket); 0 = unlimited
     size_t max_upstream_idle_per_host = 32;
+    // A request body up to this size, sent to an HTTP/2 upstream, is kept until its answer
+    // comes, so that a stream the upstream refuses unprocessed (REFUSED_STREAM, or above a
+    // GOAWAY's last stream) can be sent again with it: a body read from the client cannot be
+    // read twice. Memory held per request in flight; 0: no body is kept (such a request is
+    // 502 upstream_refused_stream).
+    size_t retry_body_bytes = 65536;
     size_t upstream_tls_sessions = 1024;  // resumable upstream sessions kept per worker; 0 = none
     size_t worker_threads = 0;  // event loops; 0 = one per CPU this process may use (cpus.h)
 };

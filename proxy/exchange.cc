@@ -53,9 +53,6 @@ constexpr const char* kRefusedStream = "upstream_refused_stream";
 /// an upstream that serves few per connection need a few rounds (60 at 10 per connection:
 /// 5). The bound stops an upstream that refuses every stream from looping.
 constexpr int kMaxRefusedRetries = 10;
-/// A request body up to this size, sent to an h2 upstream, is kept until the answer comes, so
-/// that a refused stream can be sent again with it (most API requests' bodies are far smaller).
-constexpr size_t kReplayBodyBytes = 64 * 1024;
 
 /// An HTTP/2 stream on a pooled upstream session.
 class H2Upstream final : public Upstream, public PooledNew<H2Upstream> {
@@ -580,14 +577,43 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     std::optional<BodyFailure> upload_failure;
     uint64_t in_seen = 0;  // bytes_in when the response part last looked for progress
     bool upload_running = false;
+    bool swapping = false;  // the upload is being taken off a refused stream (stop_reading)
     std::optional<net::steady_timer> upload_ended;  // cancelled when the upload returns
+
+    // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
+    // it: nginx sends one after keepalive_requests streams) did nothing with the request,
+    // which goes out again on another session, from the pool (RFC 9113 8.7). A body read
+    // from the client cannot be read again: one of at most limits.retry_body_bytes sent to an
+    // h2 upstream is kept until the answer comes (`replay`), and goes out again with it.
+    int refused_retries = 0;
+    std::string replay;        // the body as forwarded so far, while it may be sent again
+    Headers replay_trailers;
+    bool replay_whole = false;  // `replay` is the whole body (its last piece went)
+    bool keep_replay = !req_body.none && limits.retry_body_bytes > 0 &&
+                       (!req_body.length || *req_body.length <= limits.retry_body_bytes);
+    auto keep_piece = [&](std::string_view data, bool last, const Headers& trailers) {
+        if (!keep_replay) {
+            return;
+        }
+        if (replay.size() + data.size() <= limits.retry_body_bytes) {
+            replay.append(data);
+            if (last) {
+                replay_whole = true;
+                replay_trailers = trailers;
+            }
+        } else {
+            keep_replay = false;  // too large to keep: not sent again
+            std::string().swap(replay);
+        }
+    };
     auto upload = [&]() -> awaitable<void> {
         uint64_t out_seen = rec.bytes_out;
         for (;;) {
             auto chunk = co_await down.read_body();
             if (!chunk.ok) {
-                if (response_over) {
-                    break;  // the response ended first (stop_reading): nothing failed
+                if (response_over || swapping) {
+                    break;  // the response ended first, or the stream was refused
+                            // (stop_reading): nothing failed
                 }
                 if (chunk.failure == BodyFailure::Timeout && rec.bytes_out != out_seen) {
                     out_seen = rec.bytes_out;  // the response moves: the client may wait on it
@@ -606,6 +632,10 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 continue;
             }
             Headers trailers = last_trailers(down, chunk, decision);
+            keep_piece(chunk.view(), chunk.last, trailers);
+            if (swapping) {
+                break;  // kept: it goes out on the next stream
+            }
             if (!co_await up->send_body(chunk.view(), chunk.last,
                                         trailers.empty() ? nullptr : &trailers)) {
                 break;  // the upstream stream ended or failed: the response part sees it
@@ -617,40 +647,94 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
     };
     if (duplex) {
-        if (!co_await up->send_head(head, req_body)) {
-            co_await down.refuse(502, "upstream_write_failed", false);
-            finish(502, "upstream_write_failed", "write");
-            co_return false;
-        }
         auto ex = co_await net::this_coro::executor;
         upload_ended.emplace(ex, net::steady_timer::time_point::max());
-        upload_running = true;
-        net::co_spawn(ex, upload(), [&upload_running, &upload_ended](std::exception_ptr) {
-            upload_running = false;
-            upload_ended->cancel();
-        });
-        in_seen = rec.bytes_in;
+        bool head_sent = co_await up->send_head(head, req_body);
         Outcome<ResponseHead> got = Refusal{};
-        for (;;) {
-            {
-                CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); }, up.get());
-                // A client that resets once its upload is over is noticed here, as in the
-                // sequential path (before, the upload's read notices it).
-                down.abort_with(up.get());
-                got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
-                down.abort_with(nullptr);
+        for (;;) {  // once per upstream stream the request goes out on (a refused one: again)
+            if (!head_sent) {
+                co_await down.refuse(502, "upstream_write_failed", false);
+                finish(502, "upstream_write_failed", "write");
+                co_return false;
             }
-            if (down.gone() && !upload_failure) {
-                upload_failure = BodyFailure::Aborted;
-                cut_reason = "client_aborted";
+            if (!replay_whole) {
+                upload_ended->expires_at(net::steady_timer::time_point::max());
+                upload_running = true;
+                net::co_spawn(ex, upload(), [&upload_running, &upload_ended](std::exception_ptr) {
+                    upload_running = false;
+                    upload_ended->cancel();
+                });
+            }
+            in_seen = rec.bytes_in;
+            for (;;) {
+                {
+                    CutGuard cut(w, [](void* u) { static_cast<Upstream*>(u)->abort(); },
+                                 up.get());
+                    // A client that resets once its upload is over is noticed here, as in the
+                    // sequential path (before, the upload's read notices it).
+                    down.abort_with(up.get());
+                    got = co_await up->read_head(method == "HEAD", limits.idle_timeout);
+                    down.abort_with(nullptr);
+                }
+                if (down.gone() && !upload_failure) {
+                    upload_failure = BodyFailure::Aborted;
+                    cut_reason = "client_aborted";
+                }
+                const auto* r = std::get_if<Refusal>(&got);
+                if (r != nullptr && r->reason == "upstream_timeout" && !upload_failure &&
+                    !request_done && rec.bytes_in != in_seen) {
+                    in_seen = rec.bytes_in;  // still uploading: the answer may come at its end
+                    continue;
+                }
+                break;
             }
             const auto* r = std::get_if<Refusal>(&got);
-            if (r != nullptr && r->reason == "upstream_timeout" && !upload_failure &&
-                !request_done && rec.bytes_in != in_seen) {
-                in_seen = rec.bytes_in;  // still uploading: the answer may come at its end
-                continue;
+            if (upload_failure || r == nullptr || r->reason != kRefusedStream ||
+                refused_retries >= kMaxRefusedRetries || !keep_replay) {
+                break;
             }
-            break;
+            // Refused unprocessed, and all of the body forwarded so far is kept: the upload
+            // leaves the refused stream (a read waiting on the client ends; the client's next
+            // bytes stay where they are), and the request goes out again on another stream
+            // with the kept bytes, then the upload goes on there.
+            if (upload_running) {
+                swapping = true;
+                down.stop_reading();
+                up->abort();
+                while (upload_running) {
+                    co_await upload_ended->async_wait(use_nothrow);
+                }
+                swapping = false;
+                down.resume_reading();
+            }
+            if (!keep_replay || down.gone()) {
+                break;  // a piece that came meanwhile made the body too large to keep
+            }
+            ++refused_retries;
+            spdlog::debug("conn={} upstream refused the stream unprocessed; retrying",
+                          scope.conn_id);
+            up.reset();
+            auto again = co_await open_upstream(scope, true, false, false);
+            if (auto* ar = std::get_if<Refusal>(&again)) {
+                co_await down.refuse(ar->status, ar->reason, false);
+                audit_refusal(scope, method, head.path, ar->status, ar->reason, started);
+                co_return false;
+            }
+            up = std::move(std::get<std::unique_ptr<Upstream>>(again));
+            rec.upstream_addr = endpoint_text(up->peer());
+            rec.proto_out = up->proto();
+            if (!replay_whole && std::string_view(up->proto()) != "h2") {
+                break;  // an HTTP/1.1 upstream now: the rest of the body cannot stream beside
+                        // the answer (rare: the origin stopped offering h2)
+            }
+            head_sent = co_await up->send_head(head, req_body);
+            if (head_sent && (!replay.empty() || replay_whole)) {
+                // A failure here is the next read_head's refusal (or the upload's, which
+                // goes on from the kept bytes).
+                const bool whole = co_await up->send_body(
+                    replay, replay_whole, replay_trailers.empty() ? nullptr : &replay_trailers);
+                request_done = whole && replay_whole;
+            }
         }
         if (upload_failure) {
             goto done;  // no head reached the client: the upload's failure is recorded there
@@ -660,23 +744,15 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             finish(r->status, r->reason, r->kind);
             goto done;
         }
+        keep_replay = false;  // answered: never sent again
+        std::string().swap(replay);
         resp = std::move(std::get<ResponseHead>(got));
     } else {
         // Request head and body, then the response head. A pooled h1 connection the upstream
         // closed while idle fails before any response byte; a request without a body is then
-        // retried once on a fresh connection (nothing of it can have been processed).
-        // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
-        // it: nginx sends one after keepalive_requests streams) did nothing with the request,
-        // which goes out again on another session, from the pool (RFC 9113 8.7). A body read
-        // from the client cannot be read again: one of at most kReplayBodyBytes sent to an h2
-        // upstream is kept until the answer comes (`replay`), and goes out again with it.
-        int refused_retries = 0;
+        // retried once on a fresh connection (nothing of it can have been processed). A
+        // stream an h2 upstream refused goes out again (`replay` above).
         bool refused = false;
-        std::string replay;        // the body as forwarded so far, while it may be sent again
-        Headers replay_trailers;
-        bool replay_whole = false;  // `replay` is the whole body (its last piece went)
-        bool keep_replay =
-            !req_body.none && (!req_body.length || *req_body.length <= kReplayBodyBytes);
         for (int attempt = 0;; ++attempt) {
             const bool may_retry = attempt == 0 && up->reused() && req_body.none;
             bool sent = co_await up->send_head(head, req_body);
@@ -708,18 +784,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                         continue;
                     }
                     Headers trailers = last_trailers(down, chunk, decision);
-                    if (keep_replay) {
-                        if (replay.size() + chunk.data.size() <= kReplayBodyBytes) {
-                            replay.append(chunk.view());
-                            if (chunk.last) {
-                                replay_whole = true;
-                                replay_trailers = trailers;
-                            }
-                        } else {
-                            keep_replay = false;  // too large to keep: not sent again
-                            std::string().swap(replay);
-                        }
-                    }
+                    keep_piece(chunk.view(), chunk.last, trailers);
                     if (!co_await up->send_body(chunk.view(), chunk.last,
                                                 trailers.empty() ? nullptr : &trailers)) {
                         sent = false;

@@ -127,6 +127,10 @@ public:
     /// a pending read_body ends now, failed, and so does every later one. HTTP/2 only (the
     /// full-duplex path); HTTP/1.1 reads its body only before its response.
     virtual void stop_reading() {}
+    /// Undoes stop_reading: the body is read on from where it was (the request goes out again
+    /// on another upstream stream after a refused one). Bytes the client sent meanwhile were
+    /// not consumed; the next read_body returns them.
+    virtual void resume_reading() {}
     /// Sends a 101 (`head.upgrade` set) and gives the connection's raw bytes from then on;
     /// nullptr when it could not be sent or this protocol cannot switch (HTTP/2).
     virtual awaitable<RawBytes*> switch_protocols(const ResponseHead& head) = 0;

@@ -397,6 +397,7 @@ public:
         st_->body_stopped = true;
         st_->signal.notify();
     }
+    void resume_reading() override { st_->body_stopped = false; }
     /// HTTP/2 never switches (no Upgrade; RFC 8441's extended CONNECT is not offered).
     awaitable<RawBytes*> switch_protocols(const ResponseHead&) override { co_return nullptr; }
 

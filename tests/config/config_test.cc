@@ -108,6 +108,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.static_ca_validity, std::chrono::hours(24 * 365));
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 1024u);
+    EXPECT_EQ(c.limits.retry_body_bytes, 65536u);
     EXPECT_EQ(c.limits.worker_threads, 0u);  // one per usable CPU
     EXPECT_EQ(c.audit.path, "var/audit.jsonl");
     EXPECT_FALSE(c.audit.durable);
@@ -192,6 +193,7 @@ limits:
   leaf_mints_per_minute: 120
   max_upstream_idle_per_host: 0
   upstream_tls_sessions: 0
+  retry_body_bytes: 0
   worker_threads: 3
 audit:
   path: "-"
@@ -311,6 +313,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.leaf_mints_per_minute, 120u);
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 0u);
+    EXPECT_EQ(c.limits.retry_body_bytes, 0u);
     EXPECT_EQ(c.limits.worker_threads, 3u);
     EXPECT_EQ(c.audit.path, "-");
     EXPECT_TRUE(c.audit.durable);
@@ -537,6 +540,8 @@ const ErrorRow kErrorRows[] = {
      "limits.connections_per_run: expected an integer in 1.."},
     {"TooManyWorkers", "limits: {worker_threads: 1000}\n",
      "limits.worker_threads: expected an integer in 0..256"},
+    {"RetryBodyTooLarge", "limits: {retry_body_bytes: 99999999}\n",
+     "limits.retry_body_bytes: expected an integer in 0..16777216"},
     {"NegativeInteger", "limits: {h2_max_concurrent_streams: -1}\n",
      "limits.h2_max_concurrent_streams: expected an integer"},
     {"StringGotMapping", "audit: {path: {a: b}}\n", "audit.path: expected a string, got a mapping"},

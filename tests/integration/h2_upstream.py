@@ -15,6 +15,8 @@ Refusals, as real servers make them (each stream refused is counted in `refused`
                        streams above it that were already sent are never answered
     a path holding "/refuse-once/"  RST_STREAM REFUSED_STREAM the first time that path comes
                                     (then answered as its route: /echo/refuse-once/X)
+    a path holding "/refuse-early-once/"  the same, but at once on its HEADERS, while the
+                                    request body may still be coming
 """
 from __future__ import annotations
 
@@ -147,7 +149,9 @@ class H2Upstream:
                 if last is not None:
                     # Answers up to `last` first (h2 takes no frame after its GOAWAY), then
                     # the GOAWAY, then the close: what the client sent above it is refused.
-                    while any(st.body_iter is not None for st in streams.values()):
+                    # (an /echo answer's body is in st.out, a /bytes one's in body_iter; the
+                    # windows egressd gives are far larger than these answers)
+                    while any(st.responded and not st.done for st in streams.values()):
                         self._pump(conn, streams)
                         s.sendall(conn.data_to_send())
                     with self.lock:
@@ -157,6 +161,12 @@ class H2Upstream:
                     s.sendall(conn.data_to_send())
                     # Streams the client had sent past `last` that are still in flight
                     # (in this read or the next): refused too, counted at the client.
+                    # What the client sent is read and dropped before the close, as nginx's
+                    # lingering close: a close with unread bytes is a reset, which can take
+                    # the answers above with it before the client read them.
+                    s.settimeout(2)
+                    while s.recv(65536):
+                        pass
                     break
                 s.sendall(conn.data_to_send())
         except (OSError, ssl.SSLError, ConnectionError):
@@ -170,6 +180,9 @@ class H2Upstream:
     def _event(self, conn, streams, ev, sni):
         if isinstance(ev, h2.events.RequestReceived):
             st = _Stream(ev.stream_id, list(ev.headers))
+            if self._refuse_first(st.pseudo.get(":path", "/"), "/refuse-early-once/"):
+                conn.reset_stream(st.sid, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+                return
             streams[ev.stream_id] = st
         elif isinstance(ev, h2.events.DataReceived):
             st = streams.get(ev.stream_id)
@@ -188,19 +201,24 @@ class H2Upstream:
         elif isinstance(ev, h2.events.StreamReset):
             streams.pop(ev.stream_id, None)
 
+    def _refuse_first(self, path: str, marker: str) -> bool:
+        """Whether `path` holds `marker` and comes for the first time (counted refused)."""
+        if marker not in path:
+            return False
+        with self.lock:
+            first = path not in self._refused_paths
+            self._refused_paths.add(path)
+            if first:
+                self.refused += 1
+        return first
+
     def _respond(self, conn, st: _Stream):
         st.responded = True
         p = st.pseudo
         path = p.get(":path", "/")
-        if "/refuse-once/" in path:
-            with self.lock:
-                first = path not in self._refused_paths
-                self._refused_paths.add(path)
-                if first:
-                    self.refused += 1
-            if first:
-                conn.reset_stream(st.sid, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
-                return
+        if self._refuse_first(path, "/refuse-once/"):
+            conn.reset_stream(st.sid, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
         seen = Seen(p.get(":method", ""), path, st.regular, st.n)
         seen.authority = p.get(":authority")
         seen.trailers = st.trailers

@@ -317,33 +317,143 @@ def test_streams_an_h2_upstream_refuses_unprocessed_are_sent_again(world, factor
         up.close()
 
 
+def test_posts_an_h2_upstream_refuses_after_its_goaway_are_sent_again(world, factory, marker):
+    """The GOAWAY above with 40 concurrent POSTs of 1 KiB from one HTTP/2 client (the
+    full-duplex path): every stream above a GOAWAY's last stream goes out again with its kept
+    body, and each request is processed once with its own body, intact."""
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    up.goaway_after = 10
+    c = None
+    try:
+        e = factory.start(add_h2_pins(world, up))
+        c = H2Client(e, world, "api.test", up.port)
+        bodies = {}
+        for i in range(40):
+            sid = c.headers(f"/echo/{marker}-n{i}-", "POST", end_stream=False)
+            bodies[sid] = os.urandom(1024)
+            c.conn.send_data(sid, bodies[sid], end_stream=True)
+        c.flush()
+        c.pump(until=lambda: all(c.responses[s]["ended"] or c.responses[s]["reset"] is not None
+                                 for s in bodies), timeout=30)
+        for n, (sid, body) in enumerate(bodies.items()):
+            r = c.responses[sid]
+            assert r["status"] == 200, (n, r["status"], r["body"][:200])
+            assert r["ended"], (n, r)
+            echo = json.loads(r["body"])
+            assert echo["body_sha256"] == hashlib.sha256(body).hexdigest(), n
+            assert len(up.find(f"/echo/{marker}-n{n}-")) == 1, n
+        assert up.refused > 0, "no stream was refused: the GOAWAY path was not exercised"
+    finally:
+        if c is not None:
+            c.close()
+        up.close()
+
+
+def post_through(e, world, url: str, body: bytes, http2: bool):
+    """curl's POST of `body` through egressd: (status code, response body)."""
+    r = subprocess.run(
+        ["curl", "-sS", "--http2" if http2 else "--http1.1", "--cacert", run_ca(e, "r1"),
+         "-o", "-", "-w", "\n%{http_code}", "--data-binary", "@-", url],
+        input=body, env=proxy_env(e, "r1", world.tokens["r1"]), capture_output=True, timeout=60)
+    out, _, code = r.stdout.rpartition(b"\n")
+    return code, out
+
+
+def assert_echoed_once(up, path: str, code: bytes, out: bytes, body: bytes):
+    assert code == b"200", (code, out[:300])
+    echo = json.loads(out)
+    assert echo["body_length"] == len(body)
+    assert echo["body_sha256"] == hashlib.sha256(body).hexdigest()
+    assert len(up.find(path)) == 1
+
+
+@pytest.mark.parametrize("down", ["h1", "h2"])
 @pytest.mark.parametrize("size", [2048, 70 * 1024])
-def test_a_refused_stream_with_a_small_body_is_sent_again_with_it(world, factory, marker, size):
-    """An HTTP/1.1 client's POST to an h2 upstream that refuses the stream unprocessed
-    (RST_STREAM REFUSED_STREAM after the whole request): a body of at most 64 KiB was kept and
+def test_a_refused_stream_with_a_small_body_is_sent_again_with_it(world, factory, marker, size,
+                                                                   down):
+    """A POST to an h2 upstream that refuses the stream unprocessed (RST_STREAM REFUSED_STREAM
+    after the whole request): a body of at most 64 KiB (limits.retry_body_bytes) was kept and
     goes out again with the request, processed once, intact; a larger one was not kept, and
-    the client gets 502 upstream_refused_stream."""
+    the client gets 502 upstream_refused_stream. From an HTTP/1.1 client (the body goes up
+    before the answer is read) and from an HTTP/2 one (full duplex: the upload runs beside the
+    wait for the answer, and is taken off the refused stream)."""
     up = H2Upstream(world.pki.server_cert, world.pki.server_key)
     try:
         e = factory.start(add_h2_pins(world, up))
         body = os.urandom(size)
         path = f"/echo/refuse-once/{marker}-{size}"
-        r = subprocess.run(
-            ["curl", "-sS", "--http1.1", "--cacert", run_ca(e, "r1"), "-o", "-", "-w",
-             "\n%{http_code}", "--data-binary", "@-", f"https://api.test:{up.port}{path}"],
-            input=body, env=proxy_env(e, "r1", world.tokens["r1"]), capture_output=True,
-            timeout=60)
-        out, _, code = r.stdout.rpartition(b"\n")
+        code, out = post_through(e, world, f"https://api.test:{up.port}{path}", body,
+                                 down == "h2")
         assert up.refused == 1, up.refused
         if size <= 64 * 1024:
-            assert code == b"200", (code, out[:300])
-            echo = json.loads(out)
-            assert echo["body_length"] == size
-            assert echo["body_sha256"] == hashlib.sha256(body).hexdigest()
-            assert len(up.find(path)) == 1
+            assert_echoed_once(up, path, code, out, body)
+            rec = e.wait_audit(lambda a: a.get("path") == path)[-1]
+            assert rec["status"] == 200 and rec["bytes_in"] == size, rec
         else:
             assert code == b"502", (code, out[:300])
             rec = e.wait_audit(lambda a: a.get("path") == path)[-1]
             assert rec["reason"] == "upstream_refused_stream", rec
     finally:
+        up.close()
+
+
+def test_retry_body_bytes_bounds_the_body_kept_for_a_refused_stream(world, factory, marker):
+    """limits.retry_body_bytes: 1024. A 1 KiB body refused once is sent again; a 2 KiB one
+    is not kept (502 upstream_refused_stream), from either client protocol."""
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    try:
+        e = factory.start(add_h2_pins(world, up, limits={"retry_body_bytes": 1024}))
+        for down in ("h1", "h2"):
+            small, large = os.urandom(1024), os.urandom(2048)
+            path = f"/echo/refuse-once/{marker}-{down}-small"
+            code, out = post_through(e, world, f"https://api.test:{up.port}{path}", small,
+                                     down == "h2")
+            assert_echoed_once(up, path, code, out, small)
+            path = f"/echo/refuse-once/{marker}-{down}-large"
+            code, out = post_through(e, world, f"https://api.test:{up.port}{path}", large,
+                                     down == "h2")
+            assert code == b"502", (down, code, out[:300])
+            assert b"upstream_refused_stream" in out, out[:300]
+        assert up.refused == 4, up.refused
+    finally:
+        up.close()
+
+
+def test_a_stream_refused_while_its_body_comes_goes_on_another_with_the_rest(world, factory,
+                                                                              marker):
+    """An HTTP/2 client sends a request's head and the first half of its body, then waits:
+    the upstream refuses the stream on its HEADERS while the upload waits for the client.
+    The upload leaves the refused stream, the request goes out again on another with the half
+    egressd kept, and the second half, sent by the client after the retry, follows it there:
+    the upstream processes the request once, with the whole body, in order, and its
+    credential."""
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    c = None
+    try:
+        e = factory.start(add_h2_pins(world, up))
+        c = H2Client(e, world, "api.test", up.port)
+        path = f"/echo/refuse-early-once/{marker}"
+        first, second = os.urandom(3000), os.urandom(5000)
+        sid = c.headers(path, "POST", end_stream=False)
+        c.conn.send_data(sid, first)
+        c.flush()
+        # The refusal and the retry happen while egressd waits for the rest of the body.
+        helpers.poll(lambda: up.refused == 1 and up.connections >= 1, 10, "the refusal")
+        c.pump(timeout=0.5)
+        c.conn.send_data(sid, second, end_stream=True)
+        c.flush()
+        r = c.responses[sid]
+        c.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=20)
+        assert r["status"] == 200, r
+        echo = json.loads(r["body"])
+        assert echo["body_length"] == len(first) + len(second)
+        assert echo["body_sha256"] == hashlib.sha256(first + second).hexdigest()
+        [seen] = up.find(path)
+        assert seen.header("authorization") == [f"Bearer {world.secrets['api_token']}"]
+        assert up.refused == 1, up.refused
+        rec = e.wait_audit(lambda a: a.get("path") == path)[-1]
+        assert rec["status"] == 200 and rec["bytes_in"] == len(first) + len(second), rec
+    finally:
+        if c is not None:
+            c.close()
         up.close()
