@@ -151,15 +151,19 @@ H2ClientOptions h2_client_options(const Limits& l) {
 /// `retryable`: the request has no body and an idempotent method, so a failure on a pooled
 /// connection before any response byte is sent again (UpstreamPool::acquire). `h1_only`: an
 /// HTTP/1.1 connection whatever the destination speaks (a WebSocket upgrade): no h2 session,
-/// and a dial of its own that offers http/1.1 alone.
+/// and a dial of its own that offers http/1.1 alone. A client that goes away while the
+/// upstream is dialed (`down` watched from the first wait on) ends the dial: Refusal{0,
+/// "client_aborted"}; the caller ends the watch.
 awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool allow_pool,
-                                                            bool retryable, bool h1_only) {
+                                                            bool retryable, bool h1_only,
+                                                            Downstream& down, DialCut& dial) {
     Worker& w = *scope.worker;
     const Runtime& rt = *scope.runtime;
     const auto& limits = rt.config->limits;
     std::string authority = host_header(scope.target, scope.tls);
     if (!scope.tls) {
-        auto dialed = co_await dial_upstream(w, rt, scope.target);
+        down.abort_with(&DialCut::cut, &dial);
+        auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
         if (auto* r = std::get_if<Refusal>(&dialed)) {
             co_return *r;
         }
@@ -185,13 +189,18 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
         if (h1_only) {
             break;  // no h2 session to share: nothing to wait for
         }
+        down.abort_with(&DialCut::cut, &dial);  // from here on, the request waits
         if (round < 8 && !w.pool->begin_dial(key, ex)) {
-            co_await w.pool->wait_dial(key);
+            co_await w.pool->wait_dial(key);  // another request's dial (not cut by this client)
+            if (dial.abandoned) {
+                co_return client_gone_refusal();
+            }
             continue;
         }
         break;
     }
-    auto dialed = co_await dial_upstream(w, rt, scope.target);
+    down.abort_with(&DialCut::cut, &dial);
+    auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
     if (auto* r = std::get_if<Refusal>(&dialed)) {
         if (!h1_only) {
             w.pool->end_dial(key, std::nullopt);
@@ -199,7 +208,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
         co_return *r;
     }
     auto conn = co_await tls_connect(w, rt, std::move(std::get<Dialed>(dialed)),
-                                     scope.target.host, key, h1_only);
+                                     scope.target.host, key, h1_only, &dial);
     if (auto* r = std::get_if<Refusal>(&conn)) {
         if (!h1_only) {
             w.pool->end_dial(key, std::nullopt);
@@ -490,22 +499,6 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_await down.send_continue();
     }
 
-    // A pooled connection skips its liveness peek only for a request whose failure is retried
-    // and whose method is idempotent (RFC 9110 9.2.2): a POST without a body is peeked for,
-    // so it leans on the retry only when the upstream closes in the instant after the peek.
-    const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
-                            method == "PUT" || method == "DELETE" || method == "TRACE";
-    auto opened = co_await open_upstream(scope, true, req_body.none && idempotent, upgrade);
-    if (auto* r = std::get_if<Refusal>(&opened)) {
-        if (!r->kind.empty()) {
-            shared.metrics.upstream_error(r->kind);
-        }
-        co_await down.refuse(r->status, r->reason, false);
-        audit_refusal(scope, method, head.path, r->status, r->reason, started);
-        co_return false;
-    }
-    auto up = std::move(std::get<std::unique_ptr<Upstream>>(opened));
-
     AuditRecord rec;
     rec.run = scope.run->policy.id;
     rec.method = method;
@@ -514,27 +507,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     rec.port = scope.target.port;
     rec.path = head.path;
     rec.proto_in = scope.proto_in;
-    rec.proto_out = up->proto();
-    rec.upstream_addr = endpoint_text(up->peer());
     if (decision.pin != nullptr) {
         rec.pin = decision.pin->id;
         rec.secret = decision.pin->secret_name;
     }
     rec.reason = decision.reason;
     rec.req_id = w.next_req_id();
-
-    if (shared.audit->durable()) {
-        // audit.durable: the decision is on disk before the request (and its credential)
-        // leaves. If it cannot be written, nothing is sent.
-        AuditRecord pre = rec;
-        pre.event = "decision";
-        pre.decision = "allow";
-        if (!co_await audit_durably(*shared.audit, pre)) {
-            co_await down.refuse(503, "audit_unavailable", false);
-            audit_refusal(scope, method, head.path, 503, "audit_unavailable", started);
-            co_return false;
-        }
-    }
 
     auto finish = [&](int status, const std::string& reason, const std::string& kind) {
         rec.status = status;
@@ -556,6 +534,62 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                          rec.proto_out, rec.duration_ms);
         }
     };
+    // A request body the client broke (malformed framing: 400 bad_framing) or stalled (408
+    // body_timeout) after the pipeline allowed the request: a refusal, recorded and counted
+    // as one. `status` was sent already (or could not be).
+    auto deny_body = [&](int status, const char* reason) {
+        rec.status = status;
+        rec.decision = "deny";
+        rec.reason = reason;
+        rec.duration_ms = ms_since(started);
+        record_denial(scope, rec);
+    };
+
+    // A pooled connection skips its liveness peek only for a request whose failure is retried
+    // and whose method is idempotent (RFC 9110 9.2.2): a POST without a body is peeked for,
+    // so it leans on the retry only when the upstream closes in the instant after the peek.
+    const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
+                            method == "PUT" || method == "DELETE" || method == "TRACE";
+    DialCut dial;
+    auto opened =
+        co_await open_upstream(scope, true, req_body.none && idempotent, upgrade, down, dial);
+    down.abort_with(nullptr);
+    if (dial.abandoned) {
+        // The client went away while the upstream was dialed: nothing was sent, nobody reads
+        // an answer (an upstream that came at the same moment is dropped unused). Or its h2
+        // stream was reset for a body that broke its content-length: a refusal, as below.
+        if (down.malformed()) {
+            co_await down.refuse(400, "bad_framing", false);
+            deny_body(400, "bad_framing");
+        } else {
+            finish(0, "client_aborted", "");
+        }
+        co_return false;
+    }
+    if (auto* r = std::get_if<Refusal>(&opened)) {
+        if (!r->kind.empty()) {
+            shared.metrics.upstream_error(r->kind);
+        }
+        co_await down.refuse(r->status, r->reason, false);
+        audit_refusal(scope, method, head.path, r->status, r->reason, started);
+        co_return false;
+    }
+    auto up = std::move(std::get<std::unique_ptr<Upstream>>(opened));
+    rec.proto_out = up->proto();
+    rec.upstream_addr = endpoint_text(up->peer());
+
+    if (shared.audit->durable()) {
+        // audit.durable: the decision is on disk before the request (and its credential)
+        // leaves. If it cannot be written, nothing is sent.
+        AuditRecord pre = rec;
+        pre.event = "decision";
+        pre.decision = "allow";
+        if (!co_await audit_durably(*shared.audit, pre)) {
+            co_await down.refuse(503, "audit_unavailable", false);
+            audit_refusal(scope, method, head.path, 503, "audit_unavailable", started);
+            co_return false;
+        }
+    }
 
     const auto& limits = rt.config->limits;
     bool keep = false;  // the answer: whether an HTTP/1.1 client connection may be reused
@@ -707,14 +741,24 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 swapping = false;
                 down.resume_reading();
             }
-            if (!keep_replay || down.gone()) {
+            if (down.gone()) {  // the upload's read that failed meanwhile would have said so
+                upload_failure = down.malformed() ? BodyFailure::Framing : BodyFailure::Aborted;
+                cut_reason = down.malformed() ? "bad_framing" : "client_aborted";
+                break;
+            }
+            if (!keep_replay) {
                 break;  // a piece that came meanwhile made the body too large to keep
             }
             ++refused_retries;
             spdlog::debug("conn={} upstream refused the stream unprocessed; retrying",
                           scope.conn_id);
             up.reset();
-            auto again = co_await open_upstream(scope, true, false, false);
+            auto again = co_await open_upstream(scope, true, false, false, down, dial);
+            down.abort_with(nullptr);
+            if (dial.abandoned) {
+                finish(0, "client_aborted", "");
+                co_return false;
+            }
             if (auto* ar = std::get_if<Refusal>(&again)) {
                 co_await down.refuse(ar->status, ar->reason, false);
                 audit_refusal(scope, method, head.path, ar->status, ar->reason, started);
@@ -805,13 +849,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 // out, the request never completes upstream): the client is told and it is counted.
                 const bool framing = client_failure == BodyFailure::Framing;
                 const int status = framing ? 400 : 408;
-                const std::string reason = framing ? "bad_framing" : "body_timeout";
+                const char* reason = framing ? "bad_framing" : "body_timeout";
                 co_await down.refuse(status, reason, false);
-                rec.status = status;
-                rec.decision = "deny";
-                rec.reason = reason;
-                rec.duration_ms = ms_since(started);
-                record_denial(scope, rec);
+                deny_body(status, reason);
                 co_return false;
             }
             if (!sent && may_retry) {
@@ -879,7 +919,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             // A stale pooled connection is retried on a fresh one; a refused stream may go to any
             // session with room (the refusing one takes none), so fifty refused at once share
             // one new dial instead of making fifty.
-            auto again = co_await open_upstream(scope, refused, false, upgrade);
+            auto again = co_await open_upstream(scope, refused, false, upgrade, down, dial);
+            down.abort_with(nullptr);
+            if (dial.abandoned) {
+                finish(0, "client_aborted", "");
+                co_return false;
+            }
             if (auto* r = std::get_if<Refusal>(&again)) {
                 co_await down.refuse(r->status, r->reason, false);
                 audit_refusal(scope, method, head.path, r->status, r->reason, started);
@@ -1016,13 +1061,9 @@ done:
             if (*upload_failure == BodyFailure::Aborted) {
                 finish(0, "client_aborted", "");
             } else {
-                const bool framing = *upload_failure == BodyFailure::Framing;
-                co_await down.refuse(framing ? 400 : 408, cut_reason, false);
-                rec.status = framing ? 400 : 408;
-                rec.decision = "deny";
-                rec.reason = cut_reason;
-                rec.duration_ms = ms_since(started);
-                record_denial(scope, rec);
+                const int status = *upload_failure == BodyFailure::Framing ? 400 : 408;
+                co_await down.refuse(status, cut_reason, false);
+                deny_body(status, cut_reason);
             }
         }
     }

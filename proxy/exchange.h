@@ -116,13 +116,21 @@ public:
                                       const Headers* trailers) = 0;
     /// HTTP/1.1: whether the client sent "Connection: keep-alive" semantics.
     virtual bool client_keep_alive() const = 0;
-    /// While `up` waits for its response, a client that goes away aborts it (Upstream::abort),
-    /// so an abandoned request holds no upstream connection or stream, nor a handler or a
-    /// connection slot, until an answer nobody will read. nullptr ends the watch. HTTP/2: the
-    /// stream's RST_STREAM; HTTP/1.1: the connection's close (FIN, reset, close_notify).
-    virtual void abort_with(Upstream* up) = 0;
+    /// While the request waits on its upstream, a client that goes away ends the wait:
+    /// `cut(arg)` runs (Upstream::abort while the response head is awaited, DialCut::cut
+    /// while the upstream is dialed; it must complete the wait through a posted handler), so
+    /// an abandoned request is never sent, and holds no upstream connection or stream, nor a
+    /// handler or a connection slot, until an answer nobody will read. A null `cut` ends the
+    /// watch. HTTP/2: the stream's RST_STREAM; HTTP/1.1: the connection's close (FIN, reset,
+    /// close_notify).
+    virtual void abort_with(void (*cut)(void*), void* arg) = 0;
+    /// abort_with(Upstream::abort of `up`); nullptr ends the watch.
+    void abort_with(Upstream* up);
     /// Whether the client went away during the watch.
     virtual bool gone() const = 0;
+    /// Whether the request was cut for malformed framing rather than by its client leaving
+    /// (HTTP/2: DATA that broke the stream's content-length, reset by nghttp2).
+    virtual bool malformed() const { return false; }
     /// The exchange wants no more of the request body (its response ended or failed first):
     /// a pending read_body ends now, failed, and so does every later one. HTTP/2 only (the
     /// full-duplex path); HTTP/1.1 reads its body only before its response.
@@ -167,6 +175,14 @@ public:
     /// After a 101: the connection's raw bytes (never pooled again); nullptr on HTTP/2.
     virtual RawBytes* switched() = 0;
 };
+
+inline void Downstream::abort_with(Upstream* up) {
+    if (up == nullptr) {
+        abort_with(nullptr, nullptr);
+    } else {
+        abort_with([](void* u) { static_cast<Upstream*>(u)->abort(); }, up);
+    }
+}
 
 /// One request, end to end: refresh the run, pipeline, upstream, relay, scrub, audit.
 /// Returns whether an HTTP/1.1 client connection may be reused.

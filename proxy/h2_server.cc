@@ -56,14 +56,15 @@ struct ServerStream {
     bool body_stopped = false;  // the core wants no more of the request body (stop_reading)
     bool handled = false;       // a handler owns it
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
-    Upstream* abort_target = nullptr;  // waiting for its response head (Downstream::abort_with)
+    void (*abort_fn)(void*) = nullptr;  // the wait on the upstream (Downstream::abort_with)
+    void* abort_arg = nullptr;
 
     /// The client is gone (reset, or the connection died): the upstream part it waits on, if
     /// any, is given up at once.
     void client_gone() {
         closed = true;
-        if (auto* up = std::exchange(abort_target, nullptr)) {
-            up->abort();
+        if (auto* cut = std::exchange(abort_fn, nullptr)) {
+            cut(abort_arg);
         }
         signal.notify();
         sent.notify();
@@ -386,13 +387,16 @@ public:
         return b;
     }
     bool client_keep_alive() const override { return true; }
-    void abort_with(Upstream* up) override {
-        st_->abort_target = up;
-        if (up != nullptr && gone()) {
+    using Downstream::abort_with;
+    void abort_with(void (*cut)(void*), void* arg) override {
+        st_->abort_fn = cut;
+        st_->abort_arg = arg;
+        if (cut != nullptr && gone()) {
             st_->client_gone();  // reset before the wait began
         }
     }
     bool gone() const override { return st_->closed || c_->io.dead; }
+    bool malformed() const override { return st_->refusal == "bad_framing"; }
     void stop_reading() override {
         st_->body_stopped = true;
         st_->signal.notify();

@@ -413,17 +413,18 @@ public:
     const char* proto() const override { return "http/1.1"; }
     BodyInfo request_body() const override { return body_; }
     bool client_keep_alive() const override { return keep_alive_; }
-    ~H1Downstream() override { abort_with(nullptr); }
+    ~H1Downstream() override { abort_with(nullptr, nullptr); }
 
     /// The client's socket is watched while the upstream's answer is awaited (nginx's
     /// default, not HAProxy's): its close (FIN, reset, or TLS close_notify) aborts the
     /// upstream part. Bytes of a next request (pipelining) are kept for it: read into the
     /// connection's buffer on TLS, up to framing_limit, then the watch ends; on cleartext the
     /// watch ends at the first byte (it stays in the socket).
-    void abort_with(Upstream* up) override {
-        if (up == nullptr) {
-            if (watch_ && watch_->up != nullptr) {
-                watch_->up = nullptr;
+    using Downstream::abort_with;
+    void abort_with(void (*cut)(void*), void* arg) override {
+        if (cut == nullptr) {
+            if (watch_ && watch_->cut != nullptr) {
+                watch_->cut = nullptr;
                 error_code ignored;
                 lowest(s_).socket().cancel(ignored);  // the wait below is the only operation
             }
@@ -432,8 +433,12 @@ public:
         if (!watch_) {
             watch_ = std::make_shared<Watch>();
         }
-        watch_->up = up;
-        arm();
+        const bool armed = watch_->cut != nullptr;
+        watch_->cut = cut;
+        watch_->arg = arg;
+        if (!armed) {
+            arm();  // (a watch handed from the dial to the response wait keeps its wait)
+        }
     }
     bool gone() const override { return watch_ && watch_->gone; }
 
@@ -559,7 +564,8 @@ private:
     std::optional<StreamBytes<Stream>> raw_;  // after a 101
 
     struct Watch {
-        Upstream* up = nullptr;  // null: not watching (the wait's late completion is ignored)
+        void (*cut)(void*) = nullptr;  // null: not watching (the wait's late completion is
+        void* arg = nullptr;           // ignored)
         bool gone = false;
     };
     std::shared_ptr<Watch> watch_;
@@ -567,7 +573,7 @@ private:
     void arm() {
         lowest(s_).socket().async_wait(tcp::socket::wait_read,
                                        [this, w = watch_](error_code ec) {
-                                           if (w->up != nullptr && !ec) {
+                                           if (w->cut != nullptr && !ec) {
                                                readable(*w);
                                            }
                                        });
@@ -585,25 +591,25 @@ private:
                 if (!a.outcome && !a.tried) {
                     // The stream's run of inline reads is spent (TlsSocket::kInlineStreak):
                     // the bytes stay in the socket, so waiting again would only spin.
-                    w.up = nullptr;
+                    w.cut = nullptr;
                     return;
                 }
                 if (a.outcome) {
                     closed = static_cast<bool>(a.outcome->first);
                     buf_.commit(a.outcome->second);
                     if (!closed && buf_.size() > framing_limit_) {
-                        w.up = nullptr;  // a pipelining client: no more is read for now
+                        w.cut = nullptr;  // a pipelining client: no more is read for now
                         return;
                     }
                 }
             } else {
-                w.up = nullptr;  // a next request's bytes: left in the socket for it
+                w.cut = nullptr;  // a next request's bytes: left in the socket for it
                 return;
             }
         }
         if (closed) {
             w.gone = true;
-            std::exchange(w.up, nullptr)->abort();
+            std::exchange(w.cut, nullptr)(w.arg);
             return;
         }
         arm();

@@ -47,9 +47,12 @@ Refusal drain_cut_refusal() { return Refusal{503, "drain_timeout", ""}; }
 }  // namespace
 
 awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
-                                         const policy::HostPort& dest) {
+                                         const policy::HostPort& dest, DialCut* dial) {
     const auto& limits = rt.config->limits;
     auto addrs = co_await w.resolver->resolve(dest.host);
+    if (dial != nullptr && dial->abandoned) {
+        co_return client_gone_refusal();
+    }
     if (!addrs) {
         spdlog::info("dns: {}: {}", dest.host, addrs.error());
         if (w.shared.drain_cut.load(std::memory_order_relaxed)) {
@@ -77,12 +80,15 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
         stream->expires_after(limits.connect_timeout);
         error_code ec;
         {
-            CutGuard cut(w, cancel_socket, &stream->socket());
+            CutGuard cut(w, cancel_socket, &stream->socket(), dial);
             std::tie(ec) = co_await stream->async_connect(ep, use_nothrow);
         }
         if (ec == net::error::operation_aborted &&
             w.shared.drain_cut.load(std::memory_order_relaxed)) {
             co_return drain_cut_refusal();
+        }
+        if (dial != nullptr && dial->abandoned) {
+            co_return client_gone_refusal();
         }
         if (!ec) {
             stream->socket().set_option(tcp::no_delay(true), ec);
@@ -102,7 +108,7 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
                                                          const std::string& host,
                                                          const std::string& session_key,
-                                                         bool h1_only) {
+                                                         bool h1_only, DialCut* dial) {
     auto conn = std::make_unique<TlsConn>();
     conn->peer = d.peer;
     // Asio added writability (EPOLLOUT) to the descriptor's registration to wait for the
@@ -141,13 +147,16 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     conn->stream->expires_after(rt.config->limits.tls_timeout);
     error_code ec;
     {
-        CutGuard cut(w, cancel_socket, &conn->stream->socket());
+        CutGuard cut(w, cancel_socket, &conn->stream->socket(), dial);
         std::tie(ec) = co_await conn->stream->async_handshake(ssl::stream_base::client,
                                                               use_nothrow);
     }
     if (ec == net::error::operation_aborted &&
         w.shared.drain_cut.load(std::memory_order_relaxed)) {
         co_return drain_cut_refusal();
+    }
+    if (dial != nullptr && dial->abandoned) {
+        co_return client_gone_refusal();
     }
     if (ec) {
         if (ec == beast::error::timeout) {

@@ -33,8 +33,13 @@ struct Dialed {
 
 /// Resolves dest.host (overrides first), refuses the whole name if any answer is denied
 /// (fail closed: a mix of allowed and denied answers is a rebinding signal), refuses
-/// egressd's own listeners, and connects to the vetted addresses in order.
-awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt, const policy::HostPort& dest);
+/// egressd's own listeners, and connects to the vetted addresses in order. With `dial`, a
+/// client that goes away ends it (DialCut): Refusal{0, "client_aborted"}.
+awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt, const policy::HostPort& dest,
+                                         DialCut* dial = nullptr);
+
+/// What a dial its client left ends with (DialCut): nobody reads an answer.
+inline Refusal client_gone_refusal() { return Refusal{0, "client_aborted", ""}; }
 
 struct TlsConn {
     std::unique_ptr<TlsStream> stream;
@@ -52,7 +57,8 @@ struct TlsConn {
 awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtime& rt, Dialed d,
                                                          const std::string& host,
                                                          const std::string& session_key,
-                                                         bool h1_only = false);
+                                                         bool h1_only = false,
+                                                         DialCut* dial = nullptr);
 
 /// A pooled HTTP/2 session and the vetted address it is connected to.
 struct H2Pooled {

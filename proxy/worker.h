@@ -205,9 +205,28 @@ template <class Socket>
 awaitable<void> serve_admin_client(Socket socket, Shared& shared);
 
 /// Links a wait into its worker's cut list (Worker::cuttable) for as long as it lives.
+/// The waits of one upstream dial as the request's client sees them: a client that goes
+/// away meanwhile (Downstream::abort_with(DialCut::cut, this)) cuts the resolve-connect-
+/// handshake wait in progress, and the dial stops at its next step, so a request nobody
+/// waits for any more is never sent (nginx's check for a broken client connection while it
+/// connects upstream). A DNS lookup in progress is not cut; the dial stops after it.
+struct DialCut {
+    Cuttable* waiting = nullptr;  // the connect or handshake in progress (its CutGuard)
+    bool abandoned = false;       // the client went away: the dial gives up
+    static void cut(void* self) {
+        auto* d = static_cast<DialCut*>(self);
+        d->abandoned = true;
+        if (d->waiting != nullptr) {
+            d->waiting->cut(d->waiting->arg);
+        }
+    }
+};
+
 class CutGuard {
 public:
-    CutGuard(Worker& w, void (*cut)(void*), void* arg) : w_(w) {
+    /// With `dial`, the wait is also the one that dial's client cuts (DialCut).
+    CutGuard(Worker& w, void (*cut)(void*), void* arg, DialCut* dial = nullptr)
+        : w_(w), dial_(dial) {
         node_.cut = cut;
         node_.arg = arg;
         node_.next = w.cuttable;
@@ -215,11 +234,17 @@ public:
             w.cuttable->prev = &node_;
         }
         w.cuttable = &node_;
+        if (dial_ != nullptr) {
+            dial_->waiting = &node_;
+        }
     }
     ~CutGuard() {
         (node_.prev != nullptr ? node_.prev->next : w_.cuttable) = node_.next;
         if (node_.next != nullptr) {
             node_.next->prev = node_.prev;
+        }
+        if (dial_ != nullptr) {
+            dial_->waiting = nullptr;
         }
     }
     CutGuard(const CutGuard&) = delete;
@@ -227,6 +252,7 @@ public:
 
 private:
     Worker& w_;
+    DialCut* dial_;
     Cuttable node_;
 };
 

@@ -3,7 +3,8 @@ close, TLS close_notify or reset; an HTTP/2 client's RST_STREAM is in test_h2_li
 its upstream part given up at once: the request is audited client_aborted (status 0) when the
 client leaves, not when the upstream answers, and its connection no longer counts against
 limits.connections_per_run. A client that pipelines its next request meanwhile is not taken for
-gone: the next request is served after the first."""
+gone: the next request is served after the first. The same holds while the upstream is still
+being dialed (below): the dial ends, and nothing is sent."""
 from __future__ import annotations
 
 import socket
@@ -82,3 +83,110 @@ def test_pipelined_request_during_the_wait_is_not_taken_for_a_close(world, egres
         c.close()
     assert r1.status == 200 and r2.status == 200, (r1.status, r2.status)
     assert f"{marker}-2".encode() in r2.body
+
+
+# A client that goes away while egressd is still dialing its upstream (TCP connect, TLS
+# handshake) ends the dial: the request is recorded client_aborted when the client leaves, not
+# when connect_timeout or tls_timeout pass, and nothing is sent upstream for it (nginx checks
+# the client connection while it connects upstream too).
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    """Whether egressd closed this upstream-side connection (EOF or reset after its bytes)."""
+    conn.settimeout(0.05)
+    try:
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return True
+    except (socket.timeout, TimeoutError):
+        return False
+    except OSError:
+        return True
+
+
+def _slow_dial_egressd(factory, **limits):
+    return factory.start(mutate=lambda c: c["limits"].update(limits))
+
+
+def test_client_leaving_during_the_upstream_tls_handshake_ends_it(world, factory, marker):
+    """slow.test's upstream accepts TCP and never answers TLS: the https client gives up
+    after 1 s, long before tls_timeout (20 s). The record says client_aborted at once, and
+    egressd closed the half-made upstream connection."""
+    e = _slow_dial_egressd(factory, tls_timeout="20s")
+    before = len(world.silent.conns)
+    t0 = time.monotonic()
+    r = _curl_giving_up(e, world, f"https://slow.test:{world.silent.port}/x?{marker}", 1)
+    assert r.returncode == 28, r.stderr
+    recs = e.wait_audit(lambda a: a.get("host") == "slow.test" and a.get("path") == "/x",
+                        timeout=8)
+    assert time.monotonic() - t0 < 8, "recorded at tls_timeout, not when the client left"
+    assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
+    assert recs[0]["duration_ms"] < 6000, recs
+    poll(lambda: len(world.silent.conns) > before, 5, "egressd's upstream connection")
+    poll(lambda: all(_closed_by_peer(c) for c in world.silent.conns[before:]), 5,
+         "egressd closing the abandoned upstream handshake")
+
+
+def test_client_leaving_during_the_upstream_tcp_connect_ends_it(world, factory, marker):
+    """An upstream whose listen queue is full drops egressd's SYNs: the connect hangs until
+    connect_timeout (20 s). The client gives up after 1 s; the record says client_aborted then,
+    and the next request on another client is served meanwhile."""
+    full = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    fillers = []
+    try:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        for _ in range(2):  # the queue of a backlog 0 holds one: the rest wait in SYN-SENT
+            f = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            f.setblocking(False)
+            f.connect_ex(("127.0.0.1", port))
+            fillers.append(f)
+        time.sleep(0.2)
+
+        def mutate(c):
+            c["limits"].update(connect_timeout="20s")
+            helpers.pin_bearer(c, "slow.test", port)
+        e = factory.start(mutate=mutate)
+        t0 = time.monotonic()
+        r = _curl_giving_up(e, world, f"https://slow.test:{port}/x?{marker}", 1)
+        assert r.returncode == 28, r.stderr
+        recs = e.wait_audit(lambda a: a.get("host") == "slow.test" and a.get("path") == "/x",
+                            timeout=8)
+        assert time.monotonic() - t0 < 8, "recorded at connect_timeout, not when the client left"
+        assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
+        assert recs[0]["duration_ms"] < 6000, recs
+        ok = subprocess.run(
+            ["curl", "-sS", "--http1.1", "--max-time", "5", "--cacert", run_ca(e, "r1"),
+             "-o", "/dev/null", "-w", "%{http_code}", f"https://api.test:{world.U}/echo/{marker}"],
+            env=proxy_env(e, "r1", world.tokens["r1"]), capture_output=True, timeout=30)
+        assert ok.stdout == b"200", (ok.stdout, ok.stderr)
+    finally:
+        for f in fillers:
+            f.close()
+        full.close()
+
+
+def test_h2_stream_reset_during_the_upstream_dial_ends_it(world, factory, marker):
+    """An HTTP/2 client resets its stream (RST_STREAM CANCEL) while egressd performs the TLS
+    handshake with the silent upstream: the stream is recorded client_aborted when it was
+    reset, and egressd closes the half-made upstream connection."""
+    from h2_helpers import H2Client
+    e = _slow_dial_egressd(factory, tls_timeout="20s")
+    before = len(world.silent.conns)
+    c = H2Client(e, world, "slow.test", world.silent.port, timeout=30)
+    try:
+        sid = c.headers(f"/x?{marker}")
+        c.flush()
+        poll(lambda: len(world.silent.conns) > before, 5, "egressd's upstream connection")
+        t0 = time.monotonic()
+        c.conn.reset_stream(sid)
+        c.flush()
+        recs = e.wait_audit(lambda a: a.get("host") == "slow.test" and a.get("path") == "/x",
+                            timeout=8)
+        assert time.monotonic() - t0 < 5
+        assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
+        poll(lambda: all(_closed_by_peer(s) for s in world.silent.conns[before:]), 5,
+             "egressd closing the abandoned upstream handshake")
+    finally:
+        c.close()

@@ -8,11 +8,13 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
 from hyperframe.frame import HeadersFrame, RstStreamFrame
 
+import helpers
 from clients import proxy_env, run_ca
 from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
 from helpers import SANITIZER, poll
@@ -221,18 +223,26 @@ def test_over_limit_header_block_answers_431(world, factory, h2up, marker):
 
 
 def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, marker):
-    """Streams reset by the client while their handler cannot be cut (it waits for the dial
-    and TLS handshake of a silent upstream) still count: with h2_max_concurrent_streams 10, of
+    """Streams reset by the client while their handler cannot be cut (it waits for a DNS
+    lookup the server never answers: a reset ends a TCP connect or TLS handshake in progress,
+    test_client_gone.py, but not a lookup) still count: with h2_max_concurrent_streams 10, of
     20 such streams the later ones are refused (REFUSED_STREAM), though the client keeps few
     streams open. (A reset while waiting for a response head ends its handler at once: below.)"""
-    e = factory.start(mutate=lambda c: c["limits"].update({"h2_max_concurrent_streams": 10}))
+    mute = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a DNS server that never answers
+    mute.bind(("127.0.0.1", 0))
     P = world.silent.port
-    c = H2Client(e, world, "slow.test", P, timeout=30)
+
+    def mutate(c):
+        c["limits"].update({"h2_max_concurrent_streams": 10, "dns_timeout": "10s"})
+        c["resolver"]["servers"] = [f"127.0.0.1:{mute.getsockname()[1]}"]
+        helpers.pin_bearer(c, "stall.test", P)
+    e = factory.start(mutate=mutate)
+    c = H2Client(e, world, "stall.test", P, timeout=30)
     raw = RawH2(c)
-    A = f"slow.test:{P}"
+    A = f"stall.test:{P}"
     try:
         sids = []
-        for i in range(20):  # ~2 s, shorter than one upstream TLS handshake's timeout (3 s)
+        for i in range(20):  # ~2 s, shorter than the lookup's timeout (10 s)
             sid = raw.send_headers([(":method", "GET"), (":scheme", "https"), (":authority", A),
                                     (":path", f"/x?m={marker}-{i}")])
             sids.append(sid)
@@ -245,6 +255,7 @@ def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, mar
         assert raw.goaway is None and not raw.closed
     finally:
         c.close()
+        mute.close()
     poll(lambda: sum(r.get("reason") == "too_many_streams" for r in e.audit_records()) ==
           refused, 5, "an audit record per refused stream")
 
