@@ -5,6 +5,9 @@
 
 #include <algorithm>
 
+#include <boost/url/encode.hpp>
+#include <boost/url/rfc/unreserved_chars.hpp>
+
 #include "common/secure_zero.h"
 #include "policy/header_rules.h"
 #include "policy/request_head.h"
@@ -179,17 +182,73 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
     return {};
 }
 
+namespace {
+
+/// Adds the forms in which an upstream commonly echoes `s` inside other text, where they
+/// differ from `s` itself: percent-encoded (a URL, a form field, a redirect's Location; upper-
+/// and lowercase hex) and JSON-escaped ('"' and '\\' escaped, and also '/' as "\\/", as PHP's
+/// json_encode does). A token of letters, digits, '-', '.', '_' and '~' has none.
+void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
+    std::string url = boost::urls::encode(s, boost::urls::unreserved_chars);
+    if (url != s) {
+        std::string lower = url;
+        for (size_t i = 0; i + 2 < lower.size(); ++i) {
+            if (lower[i] == '%') {
+                lower[i + 1] = static_cast<char>(std::tolower(static_cast<unsigned char>(lower[i + 1])));
+                lower[i + 2] = static_cast<char>(std::tolower(static_cast<unsigned char>(lower[i + 2])));
+                i += 2;
+            }
+        }
+        if (lower != url) {
+            needles.push_back(std::move(lower));
+        } else {
+            egress::secure_wipe(lower);
+        }
+        needles.push_back(std::move(url));
+    } else {
+        egress::secure_wipe(url);
+    }
+    for (const bool slash : {false, true}) {
+        std::string json;
+        json.reserve(s.size() + 8);
+        for (const char c : s) {
+            if (c == '"' || c == '\\' || (slash && c == '/')) {
+                json.push_back('\\');
+            }
+            json.push_back(c);
+        }
+        if (json != s && std::find(needles.begin(), needles.end(), json) == needles.end()) {
+            needles.push_back(std::move(json));
+        } else {
+            egress::secure_wipe(json);
+        }
+    }
+}
+
+}  // namespace
+
 std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
                                                 const credstore::SecretValue& secret) {
     auto inj = std::make_shared<Injection>();
     inj->header = injected_header_name(spec);
     std::string value = injected_header_value(spec, secret.reveal());
     std::vector<std::string> needles;
-    needles.reserve(3);
+    // Room for every needle at once: a reallocation would move short (inline) strings and
+    // free their old bytes unwiped.
+    needles.reserve(16);
     needles.emplace_back(secret.reveal());
     needles.push_back(value);
     if (spec.type == InjectType::Basic) {
         needles.push_back(value.substr(6));  // the base64 blob after "Basic "
+    }
+    // The secret and the basic blob as they are echoed inside a URL or a JSON string; the
+    // value holds the secret (or the blob), so its own forms add nothing a kernel misses
+    // but the prefix ("Bearer%20" holds the encoded secret, which is searched already).
+    add_echo_forms(secret.reveal(), needles);
+    if (spec.type == InjectType::Basic) {
+        std::string blob = needles[2];
+        add_echo_forms(blob, needles);
+        egress::secure_wipe(blob);
     }
     inj->scrub = std::make_shared<const ScrubPlan>(std::move(needles));  // wipes them
     inj->value = std::make_shared<const credstore::SecretValue>(value);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import urllib.parse
 
 import pytest
 import requests
@@ -314,3 +315,48 @@ def test_no_secret_in_anything_egressd_wrote(world, factory, marker):
     # and the token files / secret files were not rewritten or copied anywhere under var/
     for p in written:
         assert not os.path.basename(p).startswith(("api_token", "basic_pw", "hdr_key")), p
+
+
+def test_echoed_credential_is_scrubbed_in_its_url_and_json_forms(world, factory, marker,
+                                                                  tmp_path):
+    """A secret with bytes a URL or a JSON string escapes ('/', '+', '=', '"', '\\', as in an
+    AWS-style key) echoed by the upstream percent-encoded (a Location's query; upper- and
+    lowercase hex) and JSON-escaped (also with '/' as "\\/", as PHP's json_encode does) is
+    scrubbed in each form, lengths kept; and none of its forms is in anything egressd wrote."""
+    secret = "wJalrXUtnFEMI/K7MDENG+bPxRfi=" + os.urandom(6).hex() + '/"q\\z='
+    sf = tmp_path / "aws_like"
+    sf.write_text(secret)
+    sf.chmod(0o600)
+
+    def mutate(cfg):
+        r1 = next(r for r in cfg["runs"] if r["id"] == "r1")
+        r1["pins"].append({"host": f"enc.test:{world.U}", "secret_file": str(sf),
+                           "inject": {"type": "bearer"}})
+        cfg["resolver"]["overrides"]["enc.test"] = ["127.0.0.1"]
+    e = factory.start(mutate=mutate)
+    value = "Bearer " + secret
+    quoted = urllib.parse.quote(value, safe="")
+    forms = [secret, quoted, quoted.lower(), json.dumps(secret)[1:-1],
+             json.dumps(secret)[1:-1].replace("/", "\\/")]
+    forms += [urllib.parse.quote(secret, safe="")]
+    c = helpers.tunnel(e.proxy_port, "enc.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/reflect-encoded/{marker}", f"enc.test:{world.U}")
+    finally:
+        c.close()
+    assert r.status == 200, r
+    body = r.body.decode("latin-1")
+    assert len(r.body) == int(r.header("Content-Length"))  # each form kept its length
+    echo = json.loads(r.body)  # and the body is still JSON
+    assert len(echo["url"]) == len(quoted) == len(echo["url_lower"]), echo
+    # (indexes only: a failure must not print the secret's forms)
+    leaked = [i for i, f in enumerate(forms) if f in body or f in r.header("Location")]
+    assert not leaked, f"forms {leaked} of the secret reached the client"
+    assert body.count("[REDACTED") >= 4, body.count("[REDACTED")
+    assert "[REDACTED" in r.header("Location")
+    seen = world.upstream.find(marker)
+    injected = bool(seen) and seen[0].header("Authorization") == [value]
+    assert injected, "the upstream did not get the credential"
+    e.stop()
+    leaks = e.leaks([f.encode() for f in forms])
+    assert not leaks, leaks

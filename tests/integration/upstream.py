@@ -19,6 +19,9 @@
                      ?accept=A: with "Sec-WebSocket-Accept: A")
     /reflect-reason  401 whose reason phrase carries the request's Authorization value
     /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
+    /reflect-encoded the Authorization value as a URL and JSON carry it: a Location whose query
+                     holds it percent-encoded, and a JSON body with it percent-encoded (upper-
+                     and lowercase hex), JSON-escaped, and JSON-escaped with '/' as "\/" (PHP)
 * ``SilentListener``: accepts TCP connections and never sends a byte.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hashlib
 import http.server
 import json
 import os
+import re
 import socket
 import socketserver
 import ssl
@@ -39,7 +43,7 @@ from dataclasses import dataclass, field
 
 SAN_HOSTS = [
     "api.test", "basic.test", "hdr.test", "other.test", "tunnel.test", "lim.test",
-    "plain.test", "slow.test", "down.test", "self.test", "deny.test", "localhost",
+    "plain.test", "slow.test", "down.test", "self.test", "deny.test", "localhost", "enc.test",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -324,6 +328,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             value = self.headers.get("Authorization") or ""
             body = gzip.compress(b"seen=" + value.encode("latin-1") + b";end\n")
             self._send(200, body, "text/plain", extra=[("Content-Encoding", "gzip")])
+        elif base == "/reflect-encoded":
+            value = self.headers.get("Authorization") or ""
+            quoted = urllib.parse.quote(value, safe="")
+            lower = re.sub(r"%[0-9A-F]{2}", lambda m: m.group(0).lower(), quoted)
+            body = ('{"url": "%s", "url_lower": "%s", "json": %s, "php": %s}\n' % (
+                quoted, lower, json.dumps(value), json.dumps(value).replace("/", "\\/"))).encode()
+            self._send(200, body, "application/json",
+                       extra=[("Location", "/next?auth=" + quoted)])
         elif base == "/reflect":
             value = self.headers.get("Authorization") or self.headers.get("X-Api-Key") or ""
             pad = b"a" * int(q.get("pad", "0"))  # filler before the echoed value

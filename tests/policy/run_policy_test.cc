@@ -1,5 +1,7 @@
 #include "policy/run_policy.h"
 
+#include "policy/scrubber.h"
+
 #include <gtest/gtest.h>
 
 namespace egress::policy {
@@ -25,6 +27,27 @@ Pin make_pin(std::string id, std::string_view host, std::vector<std::string> pre
     pin.secret_name = "tok";
     pin.secret = std::make_shared<const credstore::SecretValue>("s3cr3t");
     return pin;
+}
+
+// A secret with bytes a URL or a JSON string escapes is also searched for in those forms
+// (an upstream that echoes the request's Authorization in a redirect's query, or PHP's
+// json_encode of the request headers); a plain token adds no needle.
+TEST(MakeInjection, SearchesTheEchoFormsOfASecret) {
+    const std::string secret = "wJal/rXU+tnF\\\"EMI=";  // wJal/rXU+tnF\"EMI=
+    auto inj = make_injection(InjectSpec{}, credstore::SecretValue(secret));
+    Scrubber s(inj->scrub);
+    const std::string forms[] = {
+        "wJal%2FrXU%2BtnF%5C%22EMI%3D", "wJal%2frXU%2btnF%5c%22EMI%3d",
+        "wJal/rXU+tnF\\\\\\\"EMI=", "wJal\\/rXU+tnF\\\\\\\"EMI=", secret, "Bearer " + secret};
+    for (size_t i = 0; i < std::size(forms); ++i) {  // (failures name the form's index only)
+        const std::string body = "{\"seen\": \"" + forms[i] + "\"}";
+        const std::string out = s.scrub_value(body);
+        EXPECT_TRUE(out.find(forms[i]) == std::string::npos) << "form " << i;
+        EXPECT_EQ(out.size(), body.size()) << "form " << i;
+        EXPECT_TRUE(out.find("[REDACTED") != std::string::npos) << "form " << i;
+    }
+    auto plain = make_injection(InjectSpec{}, credstore::SecretValue("ghp_abc-DEF.1~2"));
+    EXPECT_EQ(plain->scrub->needles().size(), 2U);  // the secret and "Bearer <secret>"
 }
 
 TEST(ValidateInjection, AcceptsAndLowercases) {
