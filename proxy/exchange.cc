@@ -199,6 +199,10 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
         }
         break;
     }
+    if (!h1_only) {
+        dial.pool = w.pool.get();  // requests that wait for this dial keep it going
+        dial.key = key;
+    }
     down.abort_with(&DialCut::cut, &dial);
     auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
     if (auto* r = std::get_if<Refusal>(&dialed)) {

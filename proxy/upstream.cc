@@ -50,7 +50,7 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
                                          const policy::HostPort& dest, DialCut* dial) {
     const auto& limits = rt.config->limits;
     auto addrs = co_await w.resolver->resolve(dest.host);
-    if (dial != nullptr && dial->abandoned) {
+    if (dial != nullptr && dial->stops()) {
         co_return client_gone_refusal();
     }
     if (!addrs) {
@@ -87,7 +87,7 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
             w.shared.drain_cut.load(std::memory_order_relaxed)) {
             co_return drain_cut_refusal();
         }
-        if (dial != nullptr && dial->abandoned) {
+        if (dial != nullptr && dial->stops()) {
             co_return client_gone_refusal();
         }
         if (!ec) {
@@ -155,7 +155,7 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
         w.shared.drain_cut.load(std::memory_order_relaxed)) {
         co_return drain_cut_refusal();
     }
-    if (dial != nullptr && dial->abandoned) {
+    if (dial != nullptr && dial->stops()) {
         co_return client_gone_refusal();
     }
     if (ec) {
@@ -274,7 +274,7 @@ bool UpstreamPool::begin_dial(const std::string& key, net::any_io_executor ex) {
     if (dialing_.count(key) != 0) {
         return false;
     }
-    dialing_[key] = std::make_shared<net::steady_timer>(ex, net::steady_timer::time_point::max());
+    dialing_[key] = std::make_shared<Dialing>(ex);
     return true;
 }
 
@@ -283,7 +283,7 @@ void UpstreamPool::end_dial(const std::string& key, std::optional<bool> negotiat
         h1_only_[key] = !*negotiated_h2;
     }
     if (auto it = dialing_.find(key); it != dialing_.end()) {
-        it->second->cancel();
+        it->second->done.cancel();
         dialing_.erase(it);
     }
 }
@@ -293,8 +293,27 @@ awaitable<void> UpstreamPool::wait_dial(const std::string& key) {
     if (it == dialing_.end()) {
         co_return;
     }
-    auto timer = it->second;
-    co_await timer->async_wait(use_nothrow);
+    auto dialing = it->second;  // kept alive past end_dial's erase
+    ++dialing->waiters;
+    co_await dialing->done.async_wait(use_nothrow);
+    --dialing->waiters;
+}
+
+bool UpstreamPool::awaited(const std::string& key) const {
+    auto it = dialing_.find(key);
+    return it != dialing_.end() && it->second->waiters != 0;
+}
+
+bool DialCut::stops() const {
+    return abandoned && !(pool != nullptr && pool->awaited(key));
+}
+
+void DialCut::cut(void* self) {
+    auto* d = static_cast<DialCut*>(self);
+    d->abandoned = true;
+    if (d->waiting != nullptr && d->stops()) {
+        d->waiting->cut(d->waiting->arg);
+    }
 }
 
 }  // namespace egress::proxy

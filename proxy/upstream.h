@@ -98,12 +98,19 @@ public:
     bool begin_dial(const std::string& key, net::any_io_executor ex);
     void end_dial(const std::string& key, std::optional<bool> negotiated_h2);  // nullopt: failed
     awaitable<void> wait_dial(const std::string& key);
+    /// Whether requests wait for key's dial in progress (wait_dial).
+    bool awaited(const std::string& key) const;
 
 private:
+    struct Dialing {  // a coalesced dial in progress: the waiters' wake-up and their count
+        explicit Dialing(net::any_io_executor ex) : done(ex, net::steady_timer::time_point::max()) {}
+        net::steady_timer done;
+        size_t waiters = 0;
+    };
     size_t max_idle_;
     std::unordered_map<std::string, std::deque<std::unique_ptr<TlsConn>>> idle_;
     std::unordered_map<std::string, std::vector<H2Pooled>> h2_;
-    std::unordered_map<std::string, std::shared_ptr<net::steady_timer>> dialing_;
+    std::unordered_map<std::string, std::shared_ptr<Dialing>> dialing_;
     std::unordered_map<std::string, bool> h1_only_;
 };
 

@@ -206,20 +206,20 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared);
 
 /// Links a wait into its worker's cut list (Worker::cuttable) for as long as it lives.
 /// The waits of one upstream dial as the request's client sees them: a client that goes
-/// away meanwhile (Downstream::abort_with(DialCut::cut, this)) cuts the resolve-connect-
-/// handshake wait in progress, and the dial stops at its next step, so a request nobody
-/// waits for any more is never sent (nginx's check for a broken client connection while it
-/// connects upstream). A DNS lookup in progress is not cut; the dial stops after it.
+/// away meanwhile (Downstream::abort_with(DialCut::cut, this)) cuts the connect or handshake
+/// wait in progress, and the dial stops at its next step, so a request nobody waits for any
+/// more is never sent (nginx's check for a broken client connection while it connects
+/// upstream). A DNS lookup in progress is not cut; the dial stops after it. A dial other
+/// requests wait for (it may bring the HTTP/2 session they share: UpstreamPool::begin_dial)
+/// goes on for them; only its own request gives up.
 struct DialCut {
     Cuttable* waiting = nullptr;  // the connect or handshake in progress (its CutGuard)
-    bool abandoned = false;       // the client went away: the dial gives up
-    static void cut(void* self) {
-        auto* d = static_cast<DialCut*>(self);
-        d->abandoned = true;
-        if (d->waiting != nullptr) {
-            d->waiting->cut(d->waiting->arg);
-        }
-    }
+    bool abandoned = false;       // the client went away: its request gives up
+    const UpstreamPool* pool = nullptr;  // with `key`: the coalesced dial this is, if any
+    std::string key;
+    /// Whether the dial itself ends: abandoned, and no other request waits for it.
+    bool stops() const;
+    static void cut(void* self);  // Downstream::abort_with's cut
 };
 
 class CutGuard {

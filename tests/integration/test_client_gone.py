@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 
 import helpers
@@ -190,3 +191,90 @@ def test_h2_stream_reset_during_the_upstream_dial_ends_it(world, factory, marker
              "egressd closing the abandoned upstream handshake")
     finally:
         c.close()
+
+
+class _SlowRelay:
+    """A TCP relay on 127.0.0.1 that waits `delay` seconds after accepting before it connects
+    to `target_port` and relays both ways: an upstream whose dial takes that long."""
+
+    def __init__(self, target_port: int, delay: float):
+        self.target_port, self.delay = target_port, delay
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self.closing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closing:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket):
+        time.sleep(self.delay)
+        try:
+            u = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
+        except OSError:
+            c.close()
+            return
+
+        def pump(a, b):
+            try:
+                while data := a.recv(65536):
+                    b.sendall(data)
+            except OSError:
+                pass
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        threading.Thread(target=pump, args=(u, c), daemon=True).start()
+        pump(c, u)
+
+    def close(self):
+        self.closing = True
+        self.sock.close()
+
+
+def test_h2_dial_other_streams_wait_for_goes_on_when_its_own_stream_resets(world, factory,
+                                                                         marker):
+    """Two streams of one HTTP/2 client to an h2 upstream whose dial takes 1.5 s: the first
+    dials, the second waits for that dial (it will bring the session both share). The first
+    stream is reset during the dial: its request is recorded client_aborted and never sent,
+    but the dial is not cut, since the second waits for it: the second is answered over that
+    one connection (one accepted, not two)."""
+    from h2_helpers import H2Client
+    from h2_upstream import H2Upstream
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    relay = _SlowRelay(up.port, 1.5)
+    c = None
+    try:
+        e = factory.start(mutate=lambda cfg: helpers.pin_bearer(cfg, "api.test", relay.port))
+        c = H2Client(e, world, "api.test", relay.port, timeout=30)
+        first = c.headers(f"/echo/{marker}-first")
+        c.flush()
+        poll(lambda: relay.accepted == 1, 5, "the first stream's dial")
+        second = c.headers(f"/echo/{marker}-second")
+        c.flush()
+        time.sleep(0.3)  # the second waits for the first's dial
+        c.conn.reset_stream(first)
+        c.flush()
+        r = c.responses[second]
+        c.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=15)
+        assert r["status"] == 200, r
+        assert relay.accepted == 1, relay.accepted
+        assert [s.path for s in up.find(marker)] == [f"/echo/{marker}-second"]
+        recs = e.wait_audit(lambda a: a.get("path") == f"/echo/{marker}-first")
+        assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
+    finally:
+        if c is not None:
+            c.close()
+        relay.close()
+        up.close()
