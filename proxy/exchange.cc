@@ -162,7 +162,10 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     const auto& limits = rt.config->limits;
     std::string authority = host_header(scope.target, scope.tls);
     if (!scope.tls) {
-        down.abort_with(&DialCut::cut, &dial);
+        down.abort_with(&DialCut::cut, &dial);  // (a client gone already: cut at once)
+        if (dial.abandoned) {
+            co_return client_gone_refusal();
+        }
         auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
         if (auto* r = std::get_if<Refusal>(&dialed)) {
             co_return *r;
@@ -190,6 +193,9 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
             break;  // no h2 session to share: nothing to wait for
         }
         down.abort_with(&DialCut::cut, &dial);  // from here on, the request waits
+        if (dial.abandoned) {
+            co_return client_gone_refusal();  // gone already (an h2 stream reset meanwhile)
+        }
         if (round < 8 && !w.pool->begin_dial(key, ex)) {
             co_await w.pool->wait_dial(key);  // another request's dial (not cut by this client)
             if (dial.abandoned) {
