@@ -161,6 +161,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     const Runtime& rt = *scope.runtime;
     const auto& limits = rt.config->limits;
     std::string authority = host_header(scope.target, scope.tls);
+    dial.pool = nullptr;  // not yet the dial others wait for (a retry reuses `dial`)
     if (!scope.tls) {
         down.abort_with(&DialCut::cut, &dial);  // (a client gone already: cut at once)
         if (dial.abandoned) {
@@ -197,7 +198,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
             co_return client_gone_refusal();  // gone already (an h2 stream reset meanwhile)
         }
         if (round < 8 && !w.pool->begin_dial(key, ex)) {
-            co_await w.pool->wait_dial(key);  // another request's dial (not cut by this client)
+            co_await w.pool->wait_dial(key, &dial);  // another request's dial
             if (dial.abandoned) {
                 co_return client_gone_refusal();
             }

@@ -288,14 +288,29 @@ void UpstreamPool::end_dial(const std::string& key, std::optional<bool> negotiat
     }
 }
 
-awaitable<void> UpstreamPool::wait_dial(const std::string& key) {
+awaitable<void> UpstreamPool::wait_dial(const std::string& key, DialCut* dial) {
     auto it = dialing_.find(key);
     if (it == dialing_.end()) {
         co_return;
     }
     auto dialing = it->second;  // kept alive past end_dial's erase
     ++dialing->waiters;
-    co_await dialing->done.async_wait(use_nothrow);
+    // This waiter's own way out (the others go on waiting): its wait on the shared timer is
+    // cancelled alone, through the operation's cancellation slot (completed by a posted
+    // handler, as a Cuttable's cut must be).
+    net::cancellation_signal leave;
+    Cuttable node;
+    node.cut = [](void* s) {
+        static_cast<net::cancellation_signal*>(s)->emit(net::cancellation_type::terminal);
+    };
+    node.arg = &leave;
+    if (dial != nullptr) {
+        dial->waiting = &node;
+    }
+    co_await dialing->done.async_wait(net::bind_cancellation_slot(leave.slot(), use_nothrow));
+    if (dial != nullptr) {
+        dial->waiting = nullptr;
+    }
     --dialing->waiters;
 }
 

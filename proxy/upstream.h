@@ -97,7 +97,8 @@ public:
     /// HTTP/1.1. begin_dial returns false when the caller should wait_dial instead.
     bool begin_dial(const std::string& key, net::any_io_executor ex);
     void end_dial(const std::string& key, std::optional<bool> negotiated_h2);  // nullopt: failed
-    awaitable<void> wait_dial(const std::string& key);
+    /// With `dial`, this waiter's client leaving ends its wait (DialCut::cut), and only its.
+    awaitable<void> wait_dial(const std::string& key, DialCut* dial = nullptr);
     /// Whether requests wait for key's dial in progress (wait_dial).
     bool awaited(const std::string& key) const;
 

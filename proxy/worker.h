@@ -207,7 +207,8 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared);
 /// Links a wait into its worker's cut list (Worker::cuttable) for as long as it lives.
 /// The waits of one upstream dial as the request's client sees them: a client that goes
 /// away meanwhile (Downstream::abort_with(DialCut::cut, this)) cuts the connect or handshake
-/// wait in progress, and the dial stops at its next step, so a request nobody waits for any
+/// wait in progress (or its wait for another request's dial: UpstreamPool::wait_dial), and
+/// the dial stops at its next step, so a request nobody waits for any
 /// more is never sent (nginx's check for a broken client connection while it connects
 /// upstream). A DNS lookup in progress is not cut; the dial stops after it. A dial other
 /// requests wait for (it may bring the HTTP/2 session they share: UpstreamPool::begin_dial)

@@ -67,6 +67,7 @@ class Query:
 class DnsServer:
     scripts: dict[str, Script] = field(default_factory=dict)
     log: list[Query] = field(default_factory=list)
+    mute: bool = False  # True: every query is logged and never answered (a lookup that hangs)
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -117,6 +118,12 @@ class DnsServer:
         try:
             req = dnslib.DNSRecord.parse(data)
         except Exception:  # noqa: BLE001 (garbage: no answer)
+            return None
+        if self.mute:
+            with self.lock:
+                for q in req.questions:
+                    name = str(q.qname).lower().rstrip(".")
+                    self.log.append(Query(name, dnslib.QTYPE.get(q.qtype, str(q.qtype)), [], proto))
             return None
         reply = req.reply()
         reply.header.ra = 1

@@ -278,3 +278,40 @@ def test_h2_dial_other_streams_wait_for_goes_on_when_its_own_stream_resets(world
             c.close()
         relay.close()
         up.close()
+
+
+def test_h2_stream_waiting_for_another_streams_dial_leaves_at_once(world, factory, marker):
+    """The other way round: the second stream, which waits for the first's 2 s dial, is reset.
+    It is recorded client_aborted when it was reset, not when the dial ends, and is never sent;
+    the first is answered over the one connection."""
+    from h2_helpers import H2Client
+    from h2_upstream import H2Upstream
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    relay = _SlowRelay(up.port, 2.0)  # under the tests' tls_timeout
+    c = None
+    try:
+        e = factory.start(mutate=lambda cfg: helpers.pin_bearer(cfg, "api.test", relay.port))
+        c = H2Client(e, world, "api.test", relay.port, timeout=30)
+        first = c.headers(f"/echo/{marker}-first")
+        c.flush()
+        poll(lambda: relay.accepted == 1, 5, "the first stream's dial")
+        second = c.headers(f"/echo/{marker}-second")
+        c.flush()
+        time.sleep(0.3)  # the second waits for the first's dial
+        t0 = time.monotonic()
+        c.conn.reset_stream(second)
+        c.flush()
+        recs = e.wait_audit(lambda a: a.get("path") == f"/echo/{marker}-second", timeout=10)
+        waited = time.monotonic() - t0
+        assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
+        assert waited < 1.2, f"recorded {waited:.1f} s after the reset: when the dial ended"
+        r = c.responses[first]
+        c.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=15)
+        assert r["status"] == 200, r
+        assert relay.accepted == 1, relay.accepted
+        assert [s.path for s in up.find(marker)] == [f"/echo/{marker}-first"]
+    finally:
+        if c is not None:
+            c.close()
+        relay.close()
+        up.close()

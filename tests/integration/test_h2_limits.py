@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -16,6 +15,7 @@ from hyperframe.frame import HeadersFrame, RstStreamFrame
 
 import helpers
 from clients import proxy_env, run_ca
+from dns_server import DnsServer, fixed
 from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
 from helpers import SANITIZER, poll
 from upstream import payload_sha256
@@ -223,23 +223,32 @@ def test_over_limit_header_block_answers_431(world, factory, h2up, marker):
 
 
 def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, marker):
-    """Streams reset by the client while their handler cannot be cut (it waits for a DNS
-    lookup the server never answers: a reset ends a TCP connect or TLS handshake in progress,
-    test_client_gone.py, but not a lookup) still count: with h2_max_concurrent_streams 10, of
-    20 such streams the later ones are refused (REFUSED_STREAM), though the client keeps few
-    streams open. (A reset while waiting for a response head ends its handler at once: below.)"""
-    mute = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # a DNS server that never answers
-    mute.bind(("127.0.0.1", 0))
-    P = world.silent.port
+    """Streams reset by the client while their handler cannot be cut still count: with
+    h2_max_concurrent_streams 10, of 20 such streams the later ones are refused
+    (REFUSED_STREAM), though the client keeps few streams open. The handlers wait for a DNS
+    lookup the server never answers, each its own (the destination answered over HTTP/1.1
+    before, so its dials are not shared, and nothing is pooled): a reset ends a TCP connect,
+    a TLS handshake or a wait for another stream's dial (test_client_gone.py), not a lookup.
+    (A reset while waiting for a response head ends its handler at once: below.)"""
+    dns = DnsServer()
+    dns.set("stall.test", fixed("127.0.0.1"))
 
     def mutate(c):
-        c["limits"].update({"h2_max_concurrent_streams": 10, "dns_timeout": "10s"})
-        c["resolver"]["servers"] = [f"127.0.0.1:{mute.getsockname()[1]}"]
-        helpers.pin_bearer(c, "stall.test", P)
+        c["limits"].update({"h2_max_concurrent_streams": 10, "dns_timeout": "10s",
+                            "max_upstream_idle_per_host": 0, "worker_threads": 1})
+        c["resolver"]["servers"] = [dns.address]
+        helpers.pin_bearer(c, "stall.test", world.U)
     e = factory.start(mutate=mutate)
-    c = H2Client(e, world, "stall.test", P, timeout=30)
+    # One answered request first (its worker, the only one, learns that the destination
+    # speaks HTTP/1.1 only), on a connection of its own (RawH2 keeps its own HPACK state).
+    warm = H2Client(e, world, "stall.test", world.U, timeout=30)
+    first = warm.request(f"/echo/{marker}-first")
+    warm.close()
+    assert first["status"] == 200, first
+    dns.mute = True
+    c = H2Client(e, world, "stall.test", world.U, timeout=30)
     raw = RawH2(c)
-    A = f"stall.test:{P}"
+    A = f"stall.test:{world.U}"
     try:
         sids = []
         for i in range(20):  # ~2 s, shorter than the lookup's timeout (10 s)
@@ -255,7 +264,7 @@ def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, mar
         assert raw.goaway is None and not raw.closed
     finally:
         c.close()
-        mute.close()
+        dns.close()
     poll(lambda: sum(r.get("reason") == "too_many_streams" for r in e.audit_records()) ==
           refused, 5, "an audit record per refused stream")
 
