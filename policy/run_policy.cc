@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 
 #include <algorithm>
+#include <cctype>
 
 #include <boost/url/encode.hpp>
 #include <boost/url/rfc/unreserved_chars.hpp>
@@ -191,11 +192,12 @@ namespace {
 void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
     std::string url = boost::urls::encode(s, boost::urls::unreserved_chars);
     if (url != s) {
-        std::string lower = url;
+        std::string lower = url;  // the escapes' hex digits in lowercase, the rest as it is
         for (size_t i = 0; i + 2 < lower.size(); ++i) {
             if (lower[i] == '%') {
-                lower[i + 1] = static_cast<char>(std::tolower(static_cast<unsigned char>(lower[i + 1])));
-                lower[i + 2] = static_cast<char>(std::tolower(static_cast<unsigned char>(lower[i + 2])));
+                for (size_t j = i + 1; j <= i + 2; ++j) {
+                    lower[j] = static_cast<char>(std::tolower(static_cast<unsigned char>(lower[j])));
+                }
                 i += 2;
             }
         }
@@ -241,9 +243,9 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     if (spec.type == InjectType::Basic) {
         needles.push_back(value.substr(6));  // the base64 blob after "Basic "
     }
-    // The secret and the basic blob as they are echoed inside a URL or a JSON string; the
-    // value holds the secret (or the blob), so its own forms add nothing a kernel misses
-    // but the prefix ("Bearer%20" holds the encoded secret, which is searched already).
+    // The secret and the basic blob as they are echoed inside a URL or a JSON string. The
+    // injected value's own forms are not needed: each holds the secret's (or the blob's)
+    // form, which is searched already.
     add_echo_forms(secret.reveal(), needles);
     if (spec.type == InjectType::Basic) {
         std::string blob = needles[2];

@@ -415,9 +415,9 @@ public:
     bool client_keep_alive() const override { return keep_alive_; }
     ~H1Downstream() override { abort_with(nullptr, nullptr); }
 
-    /// The client's socket is watched while the upstream's answer is awaited (nginx's
-    /// default, not HAProxy's): its close (FIN, reset, or TLS close_notify) aborts the
-    /// upstream part. Bytes of a next request (pipelining) are kept for it: read into the
+    /// The client's socket is watched while the upstream is dialed and while its answer is
+    /// awaited (nginx's default, not HAProxy's): its close (FIN, reset, or TLS close_notify)
+    /// cuts the dial or aborts the upstream part. Bytes of a next request (pipelining) are kept for it: read into the
     /// connection's buffer on TLS, up to framing_limit, then the watch ends; on cleartext the
     /// watch ends at the first byte (it stays in the socket).
     using Downstream::abort_with;
@@ -437,7 +437,8 @@ public:
         watch_->cut = cut;
         watch_->arg = arg;
         if (!armed) {
-            arm();  // (a watch handed from the dial to the response wait keeps its wait)
+            arm();  // (called again while watching, as before each wait of a dial: the
+                    // pending wait serves)
         }
     }
     bool gone() const override { return watch_ && watch_->gone; }

@@ -204,15 +204,14 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& worker);
 template <class Socket>
 awaitable<void> serve_admin_client(Socket socket, Shared& shared);
 
-/// Links a wait into its worker's cut list (Worker::cuttable) for as long as it lives.
 /// The waits of one upstream dial as the request's client sees them: a client that goes
 /// away meanwhile (Downstream::abort_with(DialCut::cut, this)) cuts the connect or handshake
 /// wait in progress (or its wait for another request's dial: UpstreamPool::wait_dial), and
-/// the dial stops at its next step, so a request nobody waits for any
-/// more is never sent (nginx's check for a broken client connection while it connects
-/// upstream). A DNS lookup in progress is not cut; the dial stops after it. A dial other
-/// requests wait for (it may bring the HTTP/2 session they share: UpstreamPool::begin_dial)
-/// goes on for them; only its own request gives up.
+/// the dial stops at its next step, so a request nobody waits for any more is never sent
+/// (nginx's check for a broken client connection while it connects upstream). A DNS lookup
+/// in progress is not cut; the dial stops after it. A dial other requests wait for (it may
+/// bring the HTTP/2 session they share: UpstreamPool::begin_dial) goes on for them; only its
+/// own request gives up.
 struct DialCut {
     Cuttable* waiting = nullptr;  // the connect or handshake in progress (its CutGuard)
     bool abandoned = false;       // the client went away: its request gives up
@@ -223,6 +222,7 @@ struct DialCut {
     static void cut(void* self);  // Downstream::abort_with's cut
 };
 
+/// Links a wait into its worker's cut list (Worker::cuttable) for as long as it lives.
 class CutGuard {
 public:
     /// With `dial`, the wait is also the one that dial's client cuts (DialCut).
