@@ -561,20 +561,24 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // so it leans on the retry only when the upstream closes in the instant after the peek.
     const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
                             method == "PUT" || method == "DELETE" || method == "TRACE";
-    DialCut dial;
-    auto opened =
-        co_await open_upstream(scope, true, req_body.none && idempotent, upgrade, down, dial);
-    down.abort_with(nullptr);
-    if (dial.abandoned) {
-        // The client went away while the upstream was dialed: nothing was sent, nobody reads
-        // an answer (an upstream that came at the same moment is dropped unused). Or its h2
-        // stream was reset for a body that broke its content-length: a refusal, as below.
+    // The client went away while the upstream was dialed: nothing was sent, nobody reads an
+    // answer (an upstream that came at the same moment is dropped unused). Or its h2 stream
+    // was reset for a body that broke its content-length: a refusal, as a body's below. (A
+    // coroutine only on this path: a request that dials nothing makes no frame for it.)
+    auto left_during_dial = [&]() -> awaitable<void> {
         if (down.malformed()) {
             co_await down.refuse(400, "bad_framing", false);
             deny_body(400, "bad_framing");
         } else {
             finish(0, "client_aborted", "");
         }
+    };
+    DialCut dial;
+    auto opened =
+        co_await open_upstream(scope, true, req_body.none && idempotent, upgrade, down, dial);
+    down.abort_with(nullptr);
+    if (dial.abandoned) {
+        co_await left_during_dial();
         co_return false;
     }
     if (auto* r = std::get_if<Refusal>(&opened)) {
@@ -588,6 +592,27 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     auto up = std::move(std::get<std::unique_ptr<Upstream>>(opened));
     rec.proto_out = up->proto();
     rec.upstream_addr = endpoint_text(up->peer());
+    // The upstream once more, for a retry (a stale pooled connection, a refused stream):
+    // false when the request ended here, recorded (its client left during the dial, or the
+    // dial was refused).
+    auto reopen = [&](bool allow_pool, bool h1_only) -> awaitable<bool> {
+        up.reset();
+        auto again = co_await open_upstream(scope, allow_pool, false, h1_only, down, dial);
+        down.abort_with(nullptr);
+        if (dial.abandoned) {
+            co_await left_during_dial();
+            co_return false;
+        }
+        if (auto* r = std::get_if<Refusal>(&again)) {
+            co_await down.refuse(r->status, r->reason, false);
+            audit_refusal(scope, method, head.path, r->status, r->reason, started);
+            co_return false;
+        }
+        up = std::move(std::get<std::unique_ptr<Upstream>>(again));
+        rec.upstream_addr = endpoint_text(up->peer());
+        rec.proto_out = up->proto();
+        co_return true;
+    };
 
     if (shared.audit->durable()) {
         // audit.durable: the decision is on disk before the request (and its credential)
@@ -763,21 +788,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             ++refused_retries;
             spdlog::debug("conn={} upstream refused the stream unprocessed; retrying",
                           scope.conn_id);
-            up.reset();
-            auto again = co_await open_upstream(scope, true, false, false, down, dial);
-            down.abort_with(nullptr);
-            if (dial.abandoned) {
-                finish(0, "client_aborted", "");
+            if (!co_await reopen(true, false)) {
                 co_return false;
             }
-            if (auto* ar = std::get_if<Refusal>(&again)) {
-                co_await down.refuse(ar->status, ar->reason, false);
-                audit_refusal(scope, method, head.path, ar->status, ar->reason, started);
-                co_return false;
-            }
-            up = std::move(std::get<std::unique_ptr<Upstream>>(again));
-            rec.upstream_addr = endpoint_text(up->peer());
-            rec.proto_out = up->proto();
             if (!replay_whole && std::string_view(up->proto()) != "h2") {
                 break;  // an HTTP/1.1 upstream now: the rest of the body cannot stream beside
                         // the answer (rare: the origin stopped offering h2)
@@ -926,24 +939,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             spdlog::debug("conn={} {}; retrying", scope.conn_id,
                           refused ? "upstream refused the stream unprocessed"
                                   : "pooled upstream connection was closed");
-            up.reset();
             // A stale pooled connection is retried on a fresh one; a refused stream may go to any
             // session with room (the refusing one takes none), so fifty refused at once share
             // one new dial instead of making fifty.
-            auto again = co_await open_upstream(scope, refused, false, upgrade, down, dial);
-            down.abort_with(nullptr);
-            if (dial.abandoned) {
-                finish(0, "client_aborted", "");
+            if (!co_await reopen(refused, upgrade)) {
                 co_return false;
             }
-            if (auto* r = std::get_if<Refusal>(&again)) {
-                co_await down.refuse(r->status, r->reason, false);
-                audit_refusal(scope, method, head.path, r->status, r->reason, started);
-                co_return false;
-            }
-            up = std::move(std::get<std::unique_ptr<Upstream>>(again));
-            rec.upstream_addr = endpoint_text(up->peer());
-            rec.proto_out = up->proto();
         }
     }
 

@@ -7,6 +7,7 @@ gone: the next request is served after the first. The same holds while the upstr
 being dialed (below): the dial ends, and nothing is sent."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import threading
@@ -243,17 +244,15 @@ class _SlowRelay:
         self.sock.close()
 
 
-def test_h2_dial_other_streams_wait_for_goes_on_when_its_own_stream_resets(world, factory,
-                                                                         marker):
-    """Two streams of one HTTP/2 client to an h2 upstream whose dial takes 1.5 s: the first
-    dials, the second waits for that dial (it will bring the session both share). The first
-    stream is reset during the dial: its request is recorded client_aborted and never sent,
-    but the dial is not cut, since the second waits for it: the second is answered over that
-    one connection (one accepted, not two)."""
+@contextlib.contextmanager
+def _two_streams_on_one_dial(world, factory, marker, delay: float):
+    """egressd, and one HTTP/2 client with two streams to an h2 upstream reached through a
+    relay whose dial takes `delay` s: the first stream dials, the second (sent once the dial
+    began) waits for it. Yields (egressd, client, upstream, relay, first, second)."""
     from h2_helpers import H2Client
     from h2_upstream import H2Upstream
     up = H2Upstream(world.pki.server_cert, world.pki.server_key)
-    relay = _SlowRelay(up.port, 1.5)
+    relay = _SlowRelay(up.port, delay)
     c = None
     try:
         e = factory.start(mutate=lambda cfg: helpers.pin_bearer(cfg, "api.test", relay.port))
@@ -264,6 +263,23 @@ def test_h2_dial_other_streams_wait_for_goes_on_when_its_own_stream_resets(world
         second = c.headers(f"/echo/{marker}-second")
         c.flush()
         time.sleep(0.3)  # the second waits for the first's dial
+        yield e, c, up, relay, first, second
+    finally:
+        if c is not None:
+            c.close()
+        relay.close()
+        up.close()
+
+
+def test_h2_dial_other_streams_wait_for_goes_on_when_its_own_stream_resets(world, factory,
+                                                                         marker):
+    """Two streams of one HTTP/2 client to an h2 upstream whose dial takes 1.5 s: the first
+    dials, the second waits for that dial (it will bring the session both share). The first
+    stream is reset during the dial: its request is recorded client_aborted and never sent,
+    but the dial is not cut, since the second waits for it: the second is answered over that
+    one connection (one accepted, not two)."""
+    with _two_streams_on_one_dial(world, factory, marker, 1.5) as (e, c, up, relay, first,
+                                                                   second):
         c.conn.reset_stream(first)
         c.flush()
         r = c.responses[second]
@@ -273,31 +289,15 @@ def test_h2_dial_other_streams_wait_for_goes_on_when_its_own_stream_resets(world
         assert [s.path for s in up.find(marker)] == [f"/echo/{marker}-second"]
         recs = e.wait_audit(lambda a: a.get("path") == f"/echo/{marker}-first")
         assert recs[0]["reason"] == "client_aborted" and recs[0]["status"] == 0, recs
-    finally:
-        if c is not None:
-            c.close()
-        relay.close()
-        up.close()
 
 
 def test_h2_stream_waiting_for_another_streams_dial_leaves_at_once(world, factory, marker):
     """The other way round: the second stream, which waits for the first's 2 s dial, is reset.
     It is recorded client_aborted when it was reset, not when the dial ends, and is never sent;
     the first is answered over the one connection."""
-    from h2_helpers import H2Client
-    from h2_upstream import H2Upstream
-    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
-    relay = _SlowRelay(up.port, 2.0)  # under the tests' tls_timeout
-    c = None
-    try:
-        e = factory.start(mutate=lambda cfg: helpers.pin_bearer(cfg, "api.test", relay.port))
-        c = H2Client(e, world, "api.test", relay.port, timeout=30)
-        first = c.headers(f"/echo/{marker}-first")
-        c.flush()
-        poll(lambda: relay.accepted == 1, 5, "the first stream's dial")
-        second = c.headers(f"/echo/{marker}-second")
-        c.flush()
-        time.sleep(0.3)  # the second waits for the first's dial
+    # 2 s: under the tests' tls_timeout
+    with _two_streams_on_one_dial(world, factory, marker, 2.0) as (e, c, up, relay, first,
+                                                                   second):
         t0 = time.monotonic()
         c.conn.reset_stream(second)
         c.flush()
@@ -310,8 +310,3 @@ def test_h2_stream_waiting_for_another_streams_dial_leaves_at_once(world, factor
         assert r["status"] == 200, r
         assert relay.accepted == 1, relay.accepted
         assert [s.path for s in up.find(marker)] == [f"/echo/{marker}-first"]
-    finally:
-        if c is not None:
-            c.close()
-        relay.close()
-        up.close()
