@@ -100,8 +100,10 @@ def e(factory, up):
 
 @pytest.fixture(scope="module")
 def e_idle(factory, up):
-    """idle_timeout 1.5 s: each side below stays quiet for 3 s while the other moves."""
-    return factory.start(mutate=_with_pin(up.port, "1500ms"))
+    """idle_timeout 3 s: each side below stays quiet for 6 s while the other moves. (It was
+    1.5 s and 3 s: a sanitizer build on a loaded 2-core machine once took longer than 1.5 s
+    between the client's last message and the server's answer.)"""
+    return factory.start(mutate=_with_pin(up.port, "3s"))
 
 
 def _channel(world, e, up) -> grpc.Channel:
@@ -163,13 +165,13 @@ def test_bidirectional_stream_answers_each_message_before_the_next(world, e, up)
 
 
 def test_a_client_quiet_while_the_server_streams_is_not_timed_out(world, e_idle, up):
-    """One message up, then the client only listens for 3 s (twice idle_timeout) while the
+    """One message up, then the client only listens for 6 s (twice idle_timeout) while the
     server answers every 0.5 s: the exchange is not idle, its upload only quiet."""
     done = threading.Event()
 
     def requests():
-        yield b"ticks:6"
-        done.wait(10)
+        yield b"ticks:12"
+        done.wait(15)
 
     with _channel(world, e_idle, up) as ch:
         call = ch.stream_stream(METHOD)(requests(), timeout=20)
@@ -177,23 +179,23 @@ def test_a_client_quiet_while_the_server_streams_is_not_timed_out(world, e_idle,
         try:
             for reply in call:
                 got.append(reply)
-                if len(got) == 6:
+                if len(got) == 12:
                     done.set()
         finally:
             done.set()
-    assert got == [b"tick-%d" % i for i in range(6)]
+    assert got == [b"tick-%d" % i for i in range(12)]
 
 
 def test_a_server_quiet_while_the_client_streams_is_not_timed_out(world, e_idle, up):
-    """Six messages 0.5 s apart (3 s, twice idle_timeout) before the server's only answer."""
+    """Twelve messages 0.5 s apart (6 s, twice idle_timeout) before the server's only answer."""
     def requests():
-        for i in range(6):
+        for i in range(12):
             yield b"part-%d" % i
             time.sleep(0.5)
 
     with _channel(world, e_idle, up) as ch:
         reply = ch.stream_unary(GATHER)(requests(), timeout=20)
-    assert reply == b"gathered:" + b",".join(b"part-%d" % i for i in range(6))
+    assert reply == b"gathered:" + b",".join(b"part-%d" % i for i in range(12))
 
 
 def test_a_stream_quiet_both_ways_ends_at_idle_timeout(world, e_idle, up):

@@ -21,7 +21,7 @@
     /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
     /reflect-encoded the Authorization value as a URL and JSON carry it: a Location whose query
                      holds it percent-encoded, and a JSON body with it percent-encoded (upper-
-                     and lowercase hex), JSON-escaped, and JSON-escaped with '/' as "\/" (PHP)
+                     and lowercase hex), JSON-escaped, and JSON-escaped with '/' escaped too (PHP)
 * ``SilentListener``: accepts TCP connections and never sends a byte.
 """
 from __future__ import annotations
