@@ -145,19 +145,6 @@ std::string now_rfc3339() {
     return buf;
 }
 
-std::string sha256_hex_prefix(std::string_view bytes, size_t hex_chars) {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int md_len = 0;
-    EVP_Digest(bytes.data(), bytes.size(), md, &md_len, EVP_sha256(), nullptr);
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out;
-    for (unsigned int i = 0; i < md_len && out.size() < hex_chars; ++i) {
-        out.push_back(kHex[md[i] >> 4]);
-        out.push_back(kHex[md[i] & 0xf]);
-    }
-    egress::secure_zero(md, sizeof md);
-    return out.substr(0, hex_chars);
-}
 
 // ---- file provider -------------------------------------------------------------------------
 
@@ -217,7 +204,7 @@ public:
 
 private:
     FileKeyProvider(void* mem, size_t page) : mem_(mem), page_(page) {
-        key_id_ = "file:" + sha256_hex_prefix(key(), 8);
+        key_id_ = "file:" + sha256_hex(key()).substr(0, 8);
     }
     std::string_view key() const {
         return {static_cast<const char*>(mem_), kKeyBytes};
@@ -463,6 +450,21 @@ private:
 };
 
 }  // namespace
+
+std::string sha256_hex(std::string_view bytes) {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr);
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(2 * n);
+    for (unsigned int i = 0; i < n; ++i) {
+        out.push_back(kHex[md[i] >> 4]);
+        out.push_back(kHex[md[i] & 15]);
+    }
+    egress::secure_zero(md, sizeof md);  // a digest of key material is key material
+    return out;
+}
 
 // ---- base64 --------------------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed);
 /// are untouched.
 Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecret& sealed);
 
+/// SHA-256 of `bytes`, lowercase hex (OpenSSL EVP).
+std::string sha256_hex(std::string_view bytes);
+
 /// Base64 helpers (OpenSSL EVP), shared by the store.
 std::string base64_encode(std::string_view bytes);
 Result<std::string> base64_decode(std::string_view text);

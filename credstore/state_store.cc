@@ -83,6 +83,11 @@ json::object pin_to_json(const PinRecord& p) {
     inject["username"] = p.inject.username;
     inject["name"] = p.inject.name;
     inject["value_template"] = p.inject.value_template;
+    if (p.inject.type == "aws-sigv4") {  // absent otherwise: older readers see no change
+        inject["access_key_id"] = p.inject.access_key_id;
+        inject["region"] = p.inject.region;
+        inject["service"] = p.inject.service;
+    }
     json::object o;
     o["id"] = p.id;
     o["host"] = p.host;
@@ -264,7 +269,10 @@ public:
         return io != nullptr && str(*io, "type", p, out.inject.type) &&
                str(*io, "username", p, out.inject.username) &&
                str(*io, "name", p, out.inject.name) &&
-               str(*io, "value_template", p, out.inject.value_template);
+               str(*io, "value_template", p, out.inject.value_template) &&
+               str(*io, "access_key_id", p, out.inject.access_key_id) &&
+               str(*io, "region", p, out.inject.region) &&
+               str(*io, "service", p, out.inject.service);
     }
 
     bool run(const json::value& v, const std::string& path, RunRecord& out) {

@@ -21,10 +21,13 @@
 namespace egress::credstore {
 
 struct InjectRecord {
-    std::string type;  // "bearer" | "basic" | "header"
+    std::string type;  // "bearer" | "basic" | "header" | "aws-sigv4"
     std::string username;
     std::string name;
     std::string value_template = "{secret}";
+    std::string access_key_id;  // aws-sigv4 (not secret; the secret is the pin's secret)
+    std::string region;
+    std::string service;
 };
 
 struct PinRecord {

@@ -2,6 +2,7 @@
 
 #include <cassert>
 
+#include "policy/aws_sigv4.h"
 #include "policy/header_rules.h"
 
 namespace egress::policy {
@@ -75,12 +76,24 @@ std::optional<Decision> check_hygiene(RequestHead& head, const RequestContext& c
     return std::nullopt;
 }
 
-void inject(RequestHead& head, const Pin& pin, Decision& d) {
+void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decision& d) {
     std::shared_ptr<const Injection> made;  // only for a pin without prepare_injection()
     const Injection& inj =
         pin.injection ? *pin.injection : *(made = make_injection(pin.inject, *pin.secret));
-    head.set(inj.header, std::string(inj.value->reveal()));  // replaces, never merges
-    head.never_index = inj.header;
+    const bool aws = pin.inject.type == InjectType::AwsSigV4;
+    AwsPayload payload;
+    if (aws) {
+        payload = aws_payload(head, pin.inject, ctx.body_empty);
+        if (payload.kind == AwsPayload::Kind::Refuse) {
+            d = refuse(400, payload.reason);
+            return;
+        }
+        head.remove("authorization");  // the sandbox's own signature, and its session
+        head.remove("x-amz-security-token");
+    } else {
+        head.set(inj.header, std::string(inj.value->reveal()));  // replaces, never merges
+        head.never_index = inj.header;
+    }
     head.set("accept-encoding", "identity");
     if (!head.upgrade.empty()) {
         // No WebSocket extension: permessage-deflate would carry an echoed credential past
@@ -89,6 +102,18 @@ void inject(RequestHead& head, const Pin& pin, Decision& d) {
     }
     for (const auto& h : pin.extra_headers) {  // validated at load: never transport headers
         head.set(h.name, h.value);
+    }
+    if (aws) {
+        // Signed last, over the head as it leaves (extra x-amz-* headers included); a body
+        // whose hash is needed is signed when the exchange has read it (sign_with_body).
+        if (payload.kind == AwsPayload::Kind::NeedBody) {
+            d.sign_body = true;
+        } else {
+            if (payload.add_header) {
+                head.set("x-amz-content-sha256", payload.hash);
+            }
+            aws_sign(head, pin.inject, pin.secret->reveal(), payload.hash, ctx.now);
+        }
     }
     d.pin = &pin;
     d.injected_header = inj.header;
@@ -149,7 +174,7 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
         if (!pin->secret) {
             return refuse(503, "secret_unavailable");  // fail closed, never forward bare
         }
-        inject(head, *pin, d);
+        inject(head, *pin, ctx, d);
         return d;
     }
     if (host_pinned(global, run, ctx.target, ctx.now)) {
@@ -161,6 +186,11 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
     }
     d.reason = "allowed";
     return d;
+}
+
+void sign_with_body(RequestHead& head, const Decision& d, std::string_view body, TimePoint now) {
+    assert(d.sign_body && d.pin != nullptr && d.pin->secret);
+    aws_sign(head, d.pin->inject, d.pin->secret->reveal(), aws_payload_hash(body), now);
 }
 
 }  // namespace egress::policy

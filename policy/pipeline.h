@@ -19,6 +19,7 @@ struct RequestContext {
     std::optional<std::string> sni;  // normalized TLS SNI on the intercepted leg, if any
     bool tls = false;                // request arrived inside an intercepted TLS session
     bool upstream_h2 = false;        // keep "te: trailers" for an HTTP/2 upstream
+    bool body_empty = false;         // the request has no body (or content-length 0)
     TimePoint now{};
 };
 
@@ -33,9 +34,16 @@ struct Decision {
     /// the run policy it was decided with lives (a pin's prepared plan is borrowed, not
     /// owned). WARNING: secret bytes; feed to a Scrubber only.
     std::shared_ptr<const ScrubPlan> scrub;
+    /// aws-sigv4 for a service that signs its payload's hash, and the client declared none:
+    /// the head is not signed yet. The caller reads the body whole (bounded by
+    /// limits.sign_body_bytes), then calls sign_with_body() before the head leaves.
+    bool sign_body = false;
 
     bool forward() const { return status == 0; }
 };
+
+/// Signs a head the pipeline left unsigned (d.sign_body) with the hash of its whole `body`.
+void sign_with_body(RequestHead& head, const Decision& d, std::string_view body, TimePoint now);
 
 /// The fixed filter chain:
 ///  1. host agreement: the head's authority (Host / :authority; missing → 400
@@ -51,6 +59,9 @@ struct Decision {
 ///     but the host has pins → forwarded without a credential if the host is also allowed,
 ///     else 403 "no_matching_pin". Over cleartext nothing is injected (reason
 ///     "cleartext_no_credential" is recorded while forwarding).
+///     An aws-sigv4 pin signs the request instead (policy/aws_sigv4.h): a chunk-signed upload,
+///     a presigned query or a malformed x-amz-content-sha256 → 400 "aws_chunk_signing" /
+///     "aws_presigned_query" / "bad_aws_payload_hash".
 ///  4. expiry: an expired or revoked run → 403 "run_expired" / "run_revoked".
 class RequestPipeline {
 public:

@@ -10,6 +10,7 @@
 #include <boost/url/rfc/unreserved_chars.hpp>
 
 #include "common/secure_zero.h"
+#include "policy/aws_sigv4.h"
 #include "policy/header_rules.h"
 #include "policy/request_head.h"
 
@@ -142,6 +143,11 @@ Result<InjectSpec> validate_injection(InjectSpec spec) {
                 return make_error("inject.template: must not contain control characters");
             }
             break;
+        case InjectType::AwsSigV4:
+            if (std::string e = aws_spec_error(spec); !e.empty()) {
+                return make_error(std::move(e));
+            }
+            break;
     }
     return spec;
 }
@@ -179,6 +185,8 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
             }
             return value;
         }
+        case InjectType::AwsSigV4:
+            return {};  // signed per request (aws_sign)
     }
     return {};
 }
@@ -239,7 +247,9 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     // free their old bytes unwiped.
     needles.reserve(16);
     needles.emplace_back(secret.reveal());
-    needles.push_back(value);
+    if (!value.empty()) {  // aws-sigv4 has no fixed value: a signature per request
+        needles.push_back(value);
+    }
     if (spec.type == InjectType::Basic) {
         needles.push_back(value.substr(6));  // the base64 blob after "Basic "
     }

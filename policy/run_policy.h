@@ -21,13 +21,18 @@ using TimePoint = Clock::time_point;
 
 enum class Unpinned : uint8_t { Tunnel, Intercept };
 
-enum class InjectType : uint8_t { Bearer, Basic, Header };
+enum class InjectType : uint8_t { Bearer, Basic, Header, AwsSigV4 };
 
 struct InjectSpec {
     InjectType type = InjectType::Bearer;
     std::string username;                  // basic
     std::string header_name;               // header (lowercase after validation)
     std::string value_template = "{secret}";  // header: must contain "{secret}" once
+    // aws-sigv4 (policy/aws_sigv4.h): the secret is the secret access key; these three are
+    // not secret and name what it signs for ("AKIA...", "us-east-1", "s3").
+    std::string access_key_id;
+    std::string region;
+    std::string service;
 
     bool operator==(const InjectSpec&) const = default;
 };
@@ -38,9 +43,10 @@ struct InjectSpec {
 /// name lowercased. Errors name the field ("inject.name: ...").
 Result<InjectSpec> validate_injection(InjectSpec spec);
 
-/// The header name an injection writes ("authorization" for bearer and basic).
+/// The header name an injection writes ("authorization" for bearer, basic and aws-sigv4).
 std::string injected_header_name(const InjectSpec& spec);
-/// The header value for a secret: "Bearer S", "Basic b64(user:S)", or the template filled.
+/// The header value for a secret: "Bearer S", "Basic b64(user:S)", or the template filled;
+/// "" for aws-sigv4 (a signature per request, aws_sign()).
 /// WARNING: the result contains the secret; never log it.
 std::string injected_header_value(const InjectSpec& spec, std::string_view secret);
 

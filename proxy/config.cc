@@ -581,6 +581,7 @@ public:
                        {"max_upstream_idle_per_host",
                         set_count(l.max_upstream_idle_per_host, 0, kMaxCount)},
                        {"retry_body_bytes", set_count(l.retry_body_bytes, 0, 16 << 20)},
+                       {"sign_body_bytes", set_count(l.sign_body_bytes, 0, 64 << 20)},
                        {"upstream_tls_sessions",
                         set_count(l.upstream_tls_sessions, 0, kMaxCount)},
                        {"worker_threads", set_count(l.worker_threads, 0, 256)}})},
@@ -729,11 +730,15 @@ public:
         policy::InjectSpec spec;
         auto seen = fields(
             node, path,
-            {{"type", set_choice(spec.type, {"bearer", "basic", "header"},
-                                 {InjectType::Bearer, InjectType::Basic, InjectType::Header})},
+            {{"type", set_choice(spec.type, {"bearer", "basic", "header", "aws-sigv4"},
+                                 {InjectType::Bearer, InjectType::Basic, InjectType::Header,
+                                  InjectType::AwsSigV4})},
              {"username", set_string(spec.username)},
              {"name", set_string(spec.header_name)},
-             {"template", set_string(spec.value_template)}});
+             {"template", set_string(spec.value_template)},
+             {"access_key_id", set_string(spec.access_key_id)},
+             {"region", set_string(spec.region)},
+             {"service", set_string(spec.service)}});
         if (node.IsNull()) {
             error(path, "expected a mapping such as {type: bearer}, got null");
         }
@@ -741,7 +746,7 @@ public:
             return std::nullopt;
         }
         if (seen.count("type") == 0) {
-            error(join_path(path, "type"), "required (bearer, basic or header)");
+            error(join_path(path, "type"), "required (bearer, basic, header or aws-sigv4)");
             return std::nullopt;
         }
         // Each type takes only its own options, so a typo cannot silently change meaning.
@@ -753,6 +758,12 @@ public:
         only_for("username", InjectType::Basic, "basic");
         only_for("name", InjectType::Header, "header");
         only_for("template", InjectType::Header, "header");
+        for (const char* key : {"access_key_id", "region", "service"}) {
+            only_for(key, InjectType::AwsSigV4, "aws-sigv4");
+            if (spec.type == InjectType::AwsSigV4 && seen.count(key) == 0) {
+                error(join_path(path, key), "required for type aws-sigv4");
+            }
+        }
         if (spec.type == InjectType::Basic && seen.count("username") == 0) {
             error(join_path(path, "username"), "required for type basic");
         }

@@ -85,6 +85,11 @@ struct Limits {
     // read twice. Memory held per request in flight; 0: no body is kept (such a request is
     // 502 upstream_refused_stream).
     size_t retry_body_bytes = 65536;
+    // An aws-sigv4 request to a service that signs its payload's hash (any but S3), from a
+    // client that declared no x-amz-content-sha256, is read whole before it is signed and
+    // sent: at most this much (larger: 413 body_too_large_to_sign). Memory held per such
+    // request in flight.
+    size_t sign_body_bytes = 1 << 20;
     size_t upstream_tls_sessions = 1024;  // resumable upstream sessions kept per worker; 0 = none
     size_t worker_threads = 0;  // event loops; 0 = one per CPU this process may use (cpus.h)
 };

@@ -341,8 +341,10 @@ struct WipeField {
 };
 
 policy::InjectType inject_type(const std::string& t) {
-    return t == "basic" ? policy::InjectType::Basic
-                        : t == "header" ? policy::InjectType::Header : policy::InjectType::Bearer;
+    return t == "basic"       ? policy::InjectType::Basic
+           : t == "header"    ? policy::InjectType::Header
+           : t == "aws-sigv4" ? policy::InjectType::AwsSigV4
+                              : policy::InjectType::Bearer;
 }
 
 policy::InjectSpec to_spec(const credstore::InjectRecord& r) {
@@ -351,6 +353,9 @@ policy::InjectSpec to_spec(const credstore::InjectRecord& r) {
     s.username = r.username;
     s.header_name = r.name;
     s.value_template = r.value_template.empty() ? "{secret}" : r.value_template;
+    s.access_key_id = r.access_key_id;
+    s.region = r.region;
+    s.service = r.service;
     return s;
 }
 
@@ -378,6 +383,11 @@ json::value pin_json(const credstore::PinRecord& p) {
     if (!p.inject.username.empty()) inj["username"] = p.inject.username;
     if (!p.inject.name.empty()) inj["name"] = p.inject.name;
     if (p.inject.type == "header") inj["template"] = p.inject.value_template;
+    if (p.inject.type == "aws-sigv4") {  // names what it signs for; the key stays a secret
+        inj["access_key_id"] = p.inject.access_key_id;
+        inj["region"] = p.inject.region;
+        inj["service"] = p.inject.service;
+    }
     o["inject"] = inj;
     o["path_prefixes"] = json::value_from(p.path_prefixes);
     o["methods"] = json::value_from(p.methods);
@@ -396,12 +406,16 @@ credstore::PinRecord pin_record(const policy::Pin& p) {
     r.id = p.id;
     r.host = p.host.text();
     r.secret = p.secret_name;
-    r.inject.type = p.inject.type == policy::InjectType::Bearer  ? "bearer"
-                    : p.inject.type == policy::InjectType::Basic ? "basic"
-                                                                 : "header";
+    r.inject.type = p.inject.type == policy::InjectType::Bearer     ? "bearer"
+                    : p.inject.type == policy::InjectType::Basic    ? "basic"
+                    : p.inject.type == policy::InjectType::AwsSigV4 ? "aws-sigv4"
+                                                                    : "header";
     r.inject.username = p.inject.username;
     r.inject.name = p.inject.header_name;
     r.inject.value_template = p.inject.value_template;
+    r.inject.access_key_id = p.inject.access_key_id;
+    r.inject.region = p.inject.region;
+    r.inject.service = p.inject.service;
     r.path_prefixes = p.path_prefixes;
     r.methods = p.methods;
     for (const auto& h : p.extra_headers) r.extra_headers.emplace_back(h.name, h.value);
@@ -763,24 +777,30 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
     p.secret = *secret;
     auto* inj = o.if_contains("inject");
     if (inj == nullptr || !inj->is_object()) {
-        return make_error(path + ".inject: required object {type: bearer|basic|header, ...}");
+        return make_error(path +
+                          ".inject: required object {type: bearer|basic|header|aws-sigv4, ...}");
     }
     const auto& io = inj->as_object();
     auto type = get_string(io, "type", path + ".inject.", true);
     if (!type) return make_error(type.error());
-    if (*type != "bearer" && *type != "basic" && *type != "header") {
+    if (*type != "bearer" && *type != "basic" && *type != "header" && *type != "aws-sigv4") {
         return make_error(path + ".inject.type: unknown value '" + *type +
-                          "' (expected bearer, basic or header)");
+                          "' (expected bearer, basic, header or aws-sigv4)");
     }
     p.inject.type = *type;
     // Each type takes only its own options (as in the config), so a misspelled or misplaced
     // option is refused instead of silently changing what is injected.
     for (const auto& [k, _] : io) {
-        const bool known = k == "type" || k == "username" || k == "name" || k == "template";
+        const bool aws = k == "access_key_id" || k == "region" || k == "service";
+        const bool known =
+            k == "type" || k == "username" || k == "name" || k == "template" || aws;
         if (!known) {
             return make_error(path + ".inject." + std::string(k) + ": unknown field");
         }
-        const char* owner = k == "username" ? "basic" : k == "type" ? nullptr : "header";
+        const char* owner = k == "username" ? "basic"
+                            : k == "type"   ? nullptr
+                            : aws           ? "aws-sigv4"
+                                            : "header";
         if (owner != nullptr && *type != owner) {
             return make_error(path + ".inject." + std::string(k) + ": only valid with type " +
                               owner);
@@ -795,6 +815,13 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
     p.inject.username = *user;
     p.inject.name = *name;
     p.inject.value_template = tmpl->empty() ? "{secret}" : *tmpl;
+    for (auto [key, out] : {std::pair{"access_key_id", &p.inject.access_key_id},
+                            std::pair{"region", &p.inject.region},
+                            std::pair{"service", &p.inject.service}}) {
+        auto v = get_string(io, key, path + ".inject.", *type == "aws-sigv4");
+        if (!v) return make_error(v.error());
+        *out = *v;
+    }
     auto spec = policy::validate_injection(to_spec(p.inject));
     if (!spec) return make_error(path + "." + spec.error());
     p.inject.name = spec->header_name;

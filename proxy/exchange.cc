@@ -481,6 +481,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     ctx.sni = scope.sni;
     ctx.tls = scope.tls;
     ctx.upstream_h2 = true;  // "te: trailers" survives; the h1 serializer drops any te
+    ctx.body_empty = req_body.none || (req_body.length && *req_body.length == 0);
     ctx.now = policy::Clock::now();
     auto decision = shared.pipeline.run(head, ctx);
     // The head now holds the credential in clear: wiped on every way out of this exchange.
@@ -561,6 +562,78 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // so it leans on the retry only when the upstream closes in the instant after the peek.
     const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
                             method == "PUT" || method == "DELETE" || method == "TRACE";
+    // A request body the client broke off (recorded client_aborted), broke (400 bad_framing)
+    // or stalled (408 body_timeout) before the whole request went upstream.
+    auto body_failed = [&](BodyFailure failure) -> awaitable<void> {
+        if (failure == BodyFailure::Aborted) {
+            finish(0, "client_aborted", "");
+            co_return;
+        }
+        const bool framing = failure == BodyFailure::Framing;
+        const int status = framing ? 400 : 408;
+        const char* reason = framing ? "bad_framing" : "body_timeout";
+        co_await down.refuse(status, reason, false);
+        deny_body(status, reason);
+    };
+
+    const auto& limits = rt.config->limits;
+    // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
+    // it: nginx sends one after keepalive_requests streams) did nothing with the request,
+    // which goes out again on another session, from the pool (RFC 9113 8.7). A body read
+    // from the client cannot be read again: one of at most limits.retry_body_bytes sent to an
+    // h2 upstream is kept until the answer comes (`replay`), and goes out again with it.
+    int refused_retries = 0;
+    std::string replay;        // the body as forwarded so far, while it may be sent again
+    Headers replay_trailers;
+    bool replay_whole = false;  // `replay` is the whole body (its last piece went)
+    bool keep_replay = !req_body.none && limits.retry_body_bytes > 0 &&
+                       (!req_body.length || *req_body.length <= limits.retry_body_bytes);
+    auto keep_piece = [&](std::string_view data, bool last, const Headers& trailers) {
+        if (!keep_replay) {
+            return;
+        }
+        if (replay.size() + data.size() <= limits.retry_body_bytes) {
+            replay.append(data);
+            if (last) {
+                replay_whole = true;
+                replay_trailers = trailers;
+            }
+        } else {
+            keep_replay = false;  // too large to keep: not sent again
+            std::string().swap(replay);
+        }
+    };
+    // aws-sigv4 signing the body's hash (Decision::sign_body): the body is read whole, at
+    // most limits.sign_body_bytes, before anything of the request leaves (even the dial), and
+    // goes out as a kept body (`replay`), so a refused h2 stream can send it again too.
+    if (decision.sign_body) {
+        bool fits = !req_body.length || *req_body.length <= limits.sign_body_bytes;
+        while (fits) {
+            auto chunk = co_await down.read_body();
+            if (!chunk.ok) {
+                co_await body_failed(chunk.failure);
+                co_return false;
+            }
+            rec.bytes_in += chunk.data.size();
+            fits = replay.size() + chunk.data.size() <= limits.sign_body_bytes;
+            if (fits) {
+                replay.append(chunk.view());
+            }
+            if (chunk.last) {
+                replay_trailers = last_trailers(down, chunk, decision);
+                break;
+            }
+        }
+        if (!fits) {
+            co_await down.refuse(413, "body_too_large_to_sign", false);
+            deny_body(413, "body_too_large_to_sign");
+            co_return false;
+        }
+        replay_whole = true;
+        keep_replay = true;
+        policy::sign_with_body(head, decision, replay, ctx.now);
+    }
+
     // The client went away while the upstream was dialed: nothing was sent, nobody reads an
     // answer (an upstream that came at the same moment is dropped unused). Or its h2 stream
     // was reset for a body that broke its content-length: a refusal, as a body's below. (A
@@ -627,7 +700,6 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
     }
 
-    const auto& limits = rt.config->limits;
     bool keep = false;  // the answer: whether an HTTP/1.1 client connection may be reused
     std::optional<ResponseHead> resp;
     bool early = false;  // the upstream answered before it took the whole request body
@@ -638,7 +710,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // runs as a coroutine of its own beside this one, which waits for the response and relays
     // it, and the two meet at `done`. A quiet side is not a timeout while the other moves: the
     // exchange ends on idle_timeout only when neither did.
-    const bool duplex = !req_body.none && std::string_view(down.proto()) == "h2" &&
+    const bool duplex = !req_body.none && !replay_whole &&
+                        std::string_view(down.proto()) == "h2" &&
                         std::string_view(up->proto()) == "h2";
     bool request_done = !duplex;     // the whole request body went up
     bool response_started = false;   // the response head went to the client
@@ -650,32 +723,6 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     bool swapping = false;  // the upload is being taken off a refused stream (stop_reading)
     std::optional<net::steady_timer> upload_ended;  // cancelled when the upload returns
 
-    // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
-    // it: nginx sends one after keepalive_requests streams) did nothing with the request,
-    // which goes out again on another session, from the pool (RFC 9113 8.7). A body read
-    // from the client cannot be read again: one of at most limits.retry_body_bytes sent to an
-    // h2 upstream is kept until the answer comes (`replay`), and goes out again with it.
-    int refused_retries = 0;
-    std::string replay;        // the body as forwarded so far, while it may be sent again
-    Headers replay_trailers;
-    bool replay_whole = false;  // `replay` is the whole body (its last piece went)
-    bool keep_replay = !req_body.none && limits.retry_body_bytes > 0 &&
-                       (!req_body.length || *req_body.length <= limits.retry_body_bytes);
-    auto keep_piece = [&](std::string_view data, bool last, const Headers& trailers) {
-        if (!keep_replay) {
-            return;
-        }
-        if (replay.size() + data.size() <= limits.retry_body_bytes) {
-            replay.append(data);
-            if (last) {
-                replay_whole = true;
-                replay_trailers = trailers;
-            }
-        } else {
-            keep_replay = false;  // too large to keep: not sent again
-            std::string().swap(replay);
-        }
-    };
     auto upload = [&]() -> awaitable<void> {
         uint64_t out_seen = rec.bytes_out;
         for (;;) {
@@ -864,18 +911,11 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 }
             }
             if (client_failed) {
-                // The upstream connection is dropped, not pooled: the partial request dies with it.
-                if (client_failure == BodyFailure::Aborted) {
-                    finish(0, "client_aborted", "");
-                    co_return false;
-                }
-                // A malformed or stalled request body is a refusal of the request (the head went
-                // out, the request never completes upstream): the client is told and it is counted.
-                const bool framing = client_failure == BodyFailure::Framing;
-                const int status = framing ? 400 : 408;
-                const char* reason = framing ? "bad_framing" : "body_timeout";
-                co_await down.refuse(status, reason, false);
-                deny_body(status, reason);
+                // The upstream connection is dropped, not pooled: the partial request dies with
+                // it. A malformed or stalled request body is a refusal of the request (the head
+                // went out, the request never completes upstream): the client is told and it is
+                // counted.
+                co_await body_failed(client_failure);
                 co_return false;
             }
             if (!sent && may_retry) {

@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "common/secure_zero.h"
+#include "credstore/envelope.h"
 
 namespace egress::proxy {
 
@@ -302,16 +303,7 @@ std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,
 }
 
 std::string sha256_hex(std::string_view bytes) {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int n = 0;
-    EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr);
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out;
-    for (unsigned int i = 0; i < n; ++i) {
-        out.push_back(kHex[md[i] >> 4]);
-        out.push_back(kHex[md[i] & 15]);
-    }
-    return out;
+    return credstore::sha256_hex(bytes);
 }
 
 bool token_matches(const Run& run, std::string_view token) {

@@ -13,7 +13,7 @@ $SUDO apt-get install -y --no-install-recommends \
   libgtest-dev libgmock-dev libbenchmark-dev \
   ca-certificates openssl curl git procps \
   python3 python3-pytest python3-requests python3-h2 python3-httpx python3-yaml \
-  python3-websocket python3-websockets python3-grpcio \
+  python3-websocket python3-websockets python3-grpcio python3-boto3 \
   nghttp2-client nghttp2-server \
   python3-dnslib iproute2 iptables etcd-server etcd-client \
   clang-14 libclang-rt-14-dev llvm-14

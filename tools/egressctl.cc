@@ -78,7 +78,8 @@ const char* kUsage =
     "  secret list [--json]\n"
     "  secret rm NAME [--scope ...]\n"
     "  run create --scope org=ORG [--scope project=P] [--scope user=U] [--scope workflow=W]\n"
-    "             [--pin HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME[:TEMPLATE]]...\n"
+    "             [--pin HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME[:TEMPLATE]\n"
+    "                    |aws-sigv4:ACCESS_KEY_ID:REGION:SERVICE]...\n"
     "             [PIN OPTIONS] [--allow HOST]... [--ttl 30m] [--env] [--ca-out FILE]\n"
     "  run pin ID --pin HOST[:PORT]=SECRET:TYPE [PIN OPTIONS] [--ttl 10m]\n"
     "                     add a pin to a run (its ttl never past the run's end)\n"
@@ -318,10 +319,12 @@ int64_t parse_duration(const std::string& text) {
 }
 
 /// HOST[:PORT]=SECRET:bearer | SECRET:basic:USER | SECRET:header:NAME[:TEMPLATE]
+///   | SECRET:aws-sigv4:ACCESS_KEY_ID:REGION:SERVICE
 json::object parse_pin(const std::string& text) {
     auto bad = [&](const std::string& why) {
         return Usage("--pin '" + text + "': " + why +
-                     " (expected HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME)");
+                     " (expected HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME"
+                     "|aws-sigv4:ACCESS_KEY_ID:REGION:SERVICE)");
     };
     auto eq = text.find('=');
     if (eq == std::string::npos || eq == 0) throw bad("missing HOST=");
@@ -349,6 +352,16 @@ json::object parse_pin(const std::string& text) {
         inject["type"] = "header";
         inject["name"] = name;
         if (c3 != std::string::npos) inject["template"] = arg.substr(c3 + 1);
+    } else if (type == "aws-sigv4") {
+        const auto c3 = arg.find(':');
+        const auto c4 = c3 == std::string::npos ? c3 : arg.find(':', c3 + 1);
+        if (c4 == std::string::npos || arg.find(':', c4 + 1) != std::string::npos) {
+            throw bad("aws-sigv4 needs ACCESS_KEY_ID:REGION:SERVICE");
+        }
+        inject["type"] = "aws-sigv4";
+        inject["access_key_id"] = arg.substr(0, c3);
+        inject["region"] = arg.substr(c3 + 1, c4 - c3 - 1);
+        inject["service"] = arg.substr(c4 + 1);
     } else {
         throw bad("unknown injection type '" + type + "'");
     }

@@ -109,6 +109,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, d.limits.max_upstream_idle_per_host);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 1024u);
     EXPECT_EQ(c.limits.retry_body_bytes, 65536u);
+    EXPECT_EQ(c.limits.sign_body_bytes, 1u << 20);
     EXPECT_EQ(c.limits.worker_threads, 0u);  // one per usable CPU
     EXPECT_EQ(c.audit.path, "var/audit.jsonl");
     EXPECT_FALSE(c.audit.durable);
@@ -194,6 +195,7 @@ limits:
   max_upstream_idle_per_host: 0
   upstream_tls_sessions: 0
   retry_body_bytes: 0
+  sign_body_bytes: 4096
   worker_threads: 3
 audit:
   path: "-"
@@ -220,6 +222,10 @@ runs:
       - host: "*.api.example.test"
         secret: key
         inject: {type: header, name: X-Api-Key, template: "Token {secret}"}
+      - host: "*.s3.amazonaws.com"
+        secret: aws_secret_key
+        inject: {type: aws-sigv4, access_key_id: AKIAIOSFODNN7EXAMPLE, region: eu-west-1,
+                 service: s3}
   - id: other.run_2
     token_file: /etc/egressd/other.token
     ttl: null
@@ -314,6 +320,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.max_upstream_idle_per_host, 0u);
     EXPECT_EQ(c.limits.upstream_tls_sessions, 0u);
     EXPECT_EQ(c.limits.retry_body_bytes, 0u);
+    EXPECT_EQ(c.limits.sign_body_bytes, 4096u);
     EXPECT_EQ(c.limits.worker_threads, 3u);
     EXPECT_EQ(c.audit.path, "-");
     EXPECT_TRUE(c.audit.durable);
@@ -332,7 +339,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     ASSERT_TRUE(a.scope.has_value());
     EXPECT_EQ(a.scope->to_string(), "org=acme,project=web,workflow=nightly");
     EXPECT_FALSE(c.runs[1].scope.has_value());
-    ASSERT_EQ(a.pins.size(), 3u);
+    ASSERT_EQ(a.pins.size(), 4u);
 
     const PinConfig& bearer = a.pins[0];
     EXPECT_EQ(bearer.yaml_path, "runs[0].pins[0]");
@@ -361,6 +368,12 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(header.inject.type, policy::InjectType::Header);
     EXPECT_EQ(header.inject.header_name, "x-api-key");  // lowercased by validate_injection
     EXPECT_EQ(header.inject.value_template, "Token {secret}");
+
+    const PinConfig& aws = a.pins[3];
+    EXPECT_EQ(aws.inject.type, policy::InjectType::AwsSigV4);
+    EXPECT_EQ(aws.inject.access_key_id, "AKIAIOSFODNN7EXAMPLE");
+    EXPECT_EQ(aws.inject.region, "eu-west-1");
+    EXPECT_EQ(aws.inject.service, "s3");
 
     const RunConfig& b = c.runs[1];
     EXPECT_EQ(b.id, "other.run_2");
@@ -542,6 +555,8 @@ const ErrorRow kErrorRows[] = {
      "limits.worker_threads: expected an integer in 0..256"},
     {"RetryBodyTooLarge", "limits: {retry_body_bytes: 99999999}\n",
      "limits.retry_body_bytes: expected an integer in 0..16777216"},
+    {"SignBodyTooLarge", "limits: {sign_body_bytes: 99999999}\n",
+     "limits.sign_body_bytes: expected an integer in 0..67108864"},
     {"NegativeInteger", "limits: {h2_max_concurrent_streams: -1}\n",
      "limits.h2_max_concurrent_streams: expected an integer"},
     {"StringGotMapping", "audit: {path: {a: b}}\n", "audit.path: expected a string, got a mapping"},
@@ -597,7 +612,7 @@ const ErrorRow kErrorRows[] = {
      "state.backend: unknown value 'redis' (expected file or etcd)"},
     {"BadLogLevel", "log: {level: verbose}\n", "log.level: unknown value 'verbose'"},
     {"BadInjectType", run_with_pin("        secret: s\n        inject: {type: token}\n"),
-     "runs[0].pins[0].inject.type: unknown value 'token' (expected bearer, basic or header)"},
+     "runs[0].pins[0].inject.type: unknown value 'token' (expected bearer, basic, header or aws-sigv4)"},
     // injection rules
     {"HeaderInjectionIntoContentLength",
      run_with_pin("        secret: s\n        inject: {type: header, name: Content-Length}\n"),
@@ -617,6 +632,21 @@ const ErrorRow kErrorRows[] = {
      run_with_pin("        secret: s\n        inject: {type: bearer, username: u}\n"),
      "runs[0].pins[0].inject.username: only valid with type basic"},
     {"InjectMissing", run_with_pin("        secret: s\n"), "runs[0].pins[0].inject: required"},
+    {"AwsWithoutRegion",
+     run_with_pin("        secret: s\n        inject: {type: aws-sigv4, access_key_id: "
+                  "AKIAIOSFODNN7EXAMPLE, service: s3}\n"),
+     "runs[0].pins[0].inject.region: required for type aws-sigv4"},
+    {"AwsBadAccessKeyId",
+     run_with_pin("        secret: s\n        inject: {type: aws-sigv4, access_key_id: "
+                  "AKIA/EXAMPLE, region: us-east-1, service: s3}\n"),
+     "runs[0].pins[0].inject.access_key_id: expected 16 to 128 letters and digits"},
+    {"AwsBadService",
+     run_with_pin("        secret: s\n        inject: {type: aws-sigv4, access_key_id: "
+                  "AKIAIOSFODNN7EXAMPLE, region: us-east-1, service: S3}\n"),
+     "runs[0].pins[0].inject.service: expected a service such as s3"},
+    {"RegionWithBearer",
+     run_with_pin("        secret: s\n        inject: {type: bearer, region: us-east-1}\n"),
+     "runs[0].pins[0].inject.region: only valid with type aws-sigv4"},
     {"PinHeadersNotAMap",
      run_with_pin("        secret: s\n        inject: {type: bearer}\n        headers: [a]\n"),
      "runs[0].pins[0].headers: expected a mapping of header name to value"},
@@ -741,7 +771,7 @@ runs:
     EXPECT_EQ(lines[4].rfind("policy.allow_hosts[0]: ", 0), 0u);
     EXPECT_EQ(
         lines[5],
-        "runs[0].pins[0].inject.type: unknown value 'token' (expected bearer, basic or header)");
+        "runs[0].pins[0].inject.type: unknown value 'token' (expected bearer, basic, header or aws-sigv4)");
     EXPECT_EQ(lines[6], "runs[0].pins[0]: one of secret_file or secret is required");
     for (const auto& line : lines) {
         EXPECT_EQ(line.find("t.yaml"), std::string::npos) << "semantic errors carry the YAML path";

@@ -96,7 +96,7 @@ RunRecord full_run(const std::string& id) {
     p.id = "pin_01";
     p.host = "api.github.com:443";
     p.secret = "github_token";
-    p.inject = InjectRecord{"header", "", "X-Api-Key", "token {secret}"};
+    p.inject = InjectRecord{"header", "", "X-Api-Key", "token {secret}", "", "", ""};
     p.path_prefixes = {"/repos/acme/"};
     p.methods = {"GET", "POST"};
     p.expires_at = 1700000600;
@@ -106,8 +106,15 @@ RunRecord full_run(const std::string& id) {
     basic.id = "pin_02";
     basic.host = "*.s3.amazonaws.com";
     basic.secret = "s3";
-    basic.inject = InjectRecord{"basic", "bob", "", "{secret}"};
+    basic.inject = InjectRecord{"basic", "bob", "", "{secret}", "", "", ""};
     r.pins.push_back(basic);
+    PinRecord aws;
+    aws.id = "pin_03";
+    aws.host = "dynamodb.eu-west-1.amazonaws.com";
+    aws.secret = "aws_key";
+    aws.inject = InjectRecord{"aws-sigv4", "", "", "{secret}", "AKIAIOSFODNN7EXAMPLE",
+                              "eu-west-1", "dynamodb"};
+    r.pins.push_back(aws);
     r.ca_cert_pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
     r.ca_key = fake_secret("ca:" + id, r.scope);
     return r;
@@ -145,6 +152,9 @@ void expect_same_run(const RunRecord& a, const RunRecord& b) {
         EXPECT_EQ(a.pins[i].inject.username, b.pins[i].inject.username);
         EXPECT_EQ(a.pins[i].inject.name, b.pins[i].inject.name);
         EXPECT_EQ(a.pins[i].inject.value_template, b.pins[i].inject.value_template);
+        EXPECT_EQ(a.pins[i].inject.access_key_id, b.pins[i].inject.access_key_id);
+        EXPECT_EQ(a.pins[i].inject.region, b.pins[i].inject.region);
+        EXPECT_EQ(a.pins[i].inject.service, b.pins[i].inject.service);
         EXPECT_EQ(a.pins[i].path_prefixes, b.pins[i].path_prefixes);
         EXPECT_EQ(a.pins[i].methods, b.pins[i].methods);
         EXPECT_EQ(a.pins[i].expires_at, b.pins[i].expires_at);

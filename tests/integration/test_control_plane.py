@@ -215,6 +215,19 @@ VALIDATION = [
     ("pin_bearer_with_name", "POST", "/v1/runs",
      {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "bearer", "name": "x-key"})]},
      "pins[0].inject.name"),
+    ("pin_aws_without_region", "POST", "/v1/runs",
+     {"scope": {"org": "acme"},
+      "pins": [_pin(inject={"type": "aws-sigv4", "access_key_id": "AKIAIOSFODNN7EXAMPLE",
+                            "service": "s3"})]},
+     "pins[0].inject.region"),
+    ("pin_aws_bad_access_key_id", "POST", "/v1/runs",
+     {"scope": {"org": "acme"},
+      "pins": [_pin(inject={"type": "aws-sigv4", "access_key_id": "AKIA/x",
+                            "region": "us-east-1", "service": "s3"})]},
+     "pins[0].inject.access_key_id"),
+    ("pin_bearer_with_region", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(inject={"type": "bearer", "region": "us-east-1"})]},
+     "pins[0].inject.region"),
 ]
 
 
@@ -819,12 +832,15 @@ def test_egressctl_run_create_show_revoke(cp, world, api_secret):
                "--pin", f"{api_host(world)}=api_tok:bearer",
                "--pin", f"basic.test:{world.U}=api_tok:basic:robot",
                "--pin", f"hdr.test:{world.U}=api_tok:header:X-Api-Key",
+               "--pin", f"s3.test:{world.U}=api_tok:aws-sigv4:AKIAIOSFODNN7EXAMPLE:eu-west-1:s3",
                "--allow", "tunnel.test", "--ttl", "10m")
     j = json.loads(r.out)
     for k in ("id", "proxy_url", "expires_at", "pins"):
         assert k in j, k
-    assert [p["inject"]["type"] for p in j["pins"]] == ["bearer", "basic", "header"]
+    assert [p["inject"]["type"] for p in j["pins"]] == ["bearer", "basic", "header", "aws-sigv4"]
     assert j["pins"][2]["inject"]["name"] == "x-api-key"
+    assert j["pins"][3]["inject"] == {"type": "aws-sigv4", "access_key_id": "AKIAIOSFODNN7EXAMPLE",
+                                      "region": "eu-west-1", "service": "s3"}
     show = json.loads(ctl_ok(cp, "run", "show", j["id"]).out)
     assert show["id"] == j["id"] and show["allow_hosts"] == ["tunnel.test"]
     assert show["scope"] == {"org": "acme", "user": "ana"}

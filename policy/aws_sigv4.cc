@@ -1,0 +1,334 @@
+#include "policy/aws_sigv4.h"
+
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include <algorithm>
+#include <array>
+#include <ctime>
+#include <utility>
+#include <vector>
+
+#include "common/secure_zero.h"
+#include "credstore/envelope.h"
+
+namespace egress::policy {
+
+namespace {
+
+constexpr std::string_view kAlgorithm = "AWS4-HMAC-SHA256";
+constexpr std::string_view kEmptyHash =
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+constexpr std::string_view kUnsigned = "UNSIGNED-PAYLOAD";
+constexpr char kHex[] = "0123456789abcdef";
+
+bool is_hex64(std::string_view s) {
+    return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) {
+               return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
+           });
+}
+
+int hex_value(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/// Percent-decodes `s`; an escape that is not two hex digits stays as it is.
+std::string pct_decode(std::string_view s) {
+    std::string out;
+    out.reserve(s.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+        if (s[i] == '%' && i + 2 < s.size()) {
+            const int hi = hex_value(s[i + 1]);
+            const int lo = hex_value(s[i + 2]);
+            if (hi >= 0 && lo >= 0) {
+                out.push_back(static_cast<char>(hi * 16 + lo));
+                i += 2;
+                continue;
+            }
+        }
+        out.push_back(s[i]);
+    }
+    return out;
+}
+
+bool unreserved(char c) {
+    return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+           c == '-' || c == '.' || c == '_' || c == '~';
+}
+
+/// SigV4's UriEncode: every byte but the unreserved ones (and '/' with keep_slash) as %XX,
+/// uppercase hex.
+void uri_encode(std::string_view s, bool keep_slash, std::string& out) {
+    static constexpr char kUpper[] = "0123456789ABCDEF";
+    for (const char c : s) {
+        if (unreserved(c) || (keep_slash && c == '/')) {
+            out.push_back(c);
+        } else {
+            const auto b = static_cast<unsigned char>(c);
+            out.push_back('%');
+            out.push_back(kUpper[b >> 4]);
+            out.push_back(kUpper[b & 15]);
+        }
+    }
+}
+
+std::string canonical_uri(std::string_view path, bool s3) {
+    if (path.empty()) {
+        return "/";
+    }
+    std::string once;
+    uri_encode(pct_decode(path), true, once);
+    if (s3) {
+        return once;
+    }
+    std::string twice;
+    uri_encode(once, true, twice);
+    return twice;
+}
+
+std::string canonical_query(std::string_view query) {
+    std::vector<std::pair<std::string, std::string>> params;
+    while (!query.empty()) {
+        const size_t amp = query.find('&');
+        const std::string_view part = query.substr(0, amp);
+        query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
+        if (part.empty()) {
+            continue;
+        }
+        const size_t eq = part.find('=');
+        std::pair<std::string, std::string> p;
+        uri_encode(pct_decode(part.substr(0, eq)), false, p.first);
+        if (eq != std::string_view::npos) {
+            uri_encode(pct_decode(part.substr(eq + 1)), false, p.second);
+        }
+        params.push_back(std::move(p));
+    }
+    std::sort(params.begin(), params.end());
+    std::string out;
+    for (const auto& [name, value] : params) {
+        if (!out.empty()) {
+            out.push_back('&');
+        }
+        out.append(name).append("=").append(value);
+    }
+    return out;
+}
+
+bool signs_header(std::string_view name) {
+    return name.starts_with("x-amz-") || name == "content-type" || name == "content-md5" ||
+           name == "range";
+}
+
+/// A header value as SigV4 canonicalizes it: leading and trailing blanks trimmed, runs of
+/// spaces inside collapsed to one.
+void append_trimmed(std::string_view v, std::string& out) {
+    const size_t b = v.find_first_not_of(" \t");
+    if (b == std::string_view::npos) {
+        return;
+    }
+    const size_t e = v.find_last_not_of(" \t");
+    v = v.substr(b, e - b + 1);
+    bool space = false;
+    for (const char c : v) {
+        if (c == ' ' || c == '\t') {
+            space = true;
+            continue;
+        }
+        if (space) {
+            out.push_back(' ');
+            space = false;
+        }
+        out.push_back(c);
+    }
+}
+
+using Mac = std::array<unsigned char, 32>;
+
+Mac hmac(std::string_view key, std::string_view data) {
+    Mac out{};
+    unsigned int n = 0;
+    HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+         reinterpret_cast<const unsigned char*>(data.data()), data.size(), out.data(), &n);
+    return out;
+}
+
+std::string_view view(const Mac& m) {
+    return {reinterpret_cast<const char*>(m.data()), m.size()};
+}
+
+std::string hex(const unsigned char* p, size_t n) {
+    std::string out;
+    out.reserve(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+        out.push_back(kHex[p[i] >> 4]);
+        out.push_back(kHex[p[i] & 15]);
+    }
+    return out;
+}
+
+std::string amz_date(TimePoint now) {
+    const std::time_t t = Clock::to_time_t(now);
+    std::tm tm{};
+    gmtime_r(&t, &tm);
+    char buf[20];
+    std::strftime(buf, sizeof buf, "%Y%m%dT%H%M%SZ", &tm);
+    return buf;
+}
+
+bool valid_scope_part(std::string_view s) {
+    return !s.empty() && s.size() <= 64 && std::all_of(s.begin(), s.end(), [](char c) {
+               return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+           });
+}
+
+}  // namespace
+
+std::string aws_spec_error(const InjectSpec& spec) {
+    const std::string& id = spec.access_key_id;
+    if (id.size() < 16 || id.size() > 128 ||
+        !std::all_of(id.begin(), id.end(), [](char c) {
+            return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9');
+        })) {
+        return "inject.access_key_id: expected 16 to 128 letters and digits (e.g. AKIA...)";
+    }
+    if (!valid_scope_part(spec.region)) {
+        return "inject.region: expected a region such as us-east-1 (lowercase letters, digits, "
+               "'-')";
+    }
+    if (!valid_scope_part(spec.service)) {
+        return "inject.service: expected a service such as s3 (lowercase letters, digits, '-')";
+    }
+    return {};
+}
+
+AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool body_empty) {
+    AwsPayload p;
+    const size_t q = head.path.find('?');
+    if (q != std::string::npos) {
+        const std::string query = ascii_lower(std::string_view(head.path).substr(q));
+        if (query.find("x-amz-signature=") != std::string::npos ||
+            query.find("x-amz-credential=") != std::string::npos) {
+            p.kind = AwsPayload::Kind::Refuse;
+            p.reason = "aws_presigned_query";
+            return p;
+        }
+    }
+    if (const std::string* declared = head.find("x-amz-content-sha256")) {
+        if (is_hex64(*declared)) {
+            p.hash = ascii_lower(*declared);
+        } else if (*declared == kUnsigned || *declared == "STREAMING-UNSIGNED-PAYLOAD-TRAILER") {
+            p.hash = *declared;
+        } else if (declared->starts_with("STREAMING-")) {
+            p.kind = AwsPayload::Kind::Refuse;
+            p.reason = "aws_chunk_signing";
+        } else {
+            p.kind = AwsPayload::Kind::Refuse;
+            p.reason = "bad_aws_payload_hash";
+        }
+        return p;
+    }
+    const bool s3 = spec.service == "s3";
+    if (body_empty) {
+        p.hash = kEmptyHash;
+    } else if (s3) {
+        p.hash = kUnsigned;
+    } else {
+        p.kind = AwsPayload::Kind::NeedBody;
+        return p;
+    }
+    p.add_header = s3;  // S3 refuses a request without it; other services do not read it
+    return p;
+}
+
+std::string aws_payload_hash(std::string_view bytes) {
+    return credstore::sha256_hex(bytes);
+}
+
+std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spec,
+                                  std::string_view payload_hash, std::string& signed_headers) {
+    std::vector<std::pair<std::string_view, std::string_view>> fields;
+    fields.emplace_back("host", head.authority);
+    for (const Header& h : head.headers) {
+        if (signs_header(h.name)) {
+            fields.emplace_back(h.name, h.value);
+        }
+    }
+    // By name; the values of a repeated field keep their order (joined with ',').
+    std::stable_sort(fields.begin(), fields.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::string headers;
+    signed_headers.clear();
+    for (size_t i = 0; i < fields.size(); ++i) {
+        const bool repeat = i > 0 && fields[i].first == fields[i - 1].first;
+        if (repeat) {
+            headers.push_back(',');
+        } else {
+            if (i > 0) {
+                headers.push_back('\n');
+                signed_headers.push_back(';');
+            }
+            headers.append(fields[i].first).push_back(':');
+            signed_headers.append(fields[i].first);
+        }
+        append_trimmed(fields[i].second, headers);
+    }
+    headers.push_back('\n');
+
+    const std::string_view path = head.path_only();
+    const std::string_view query =
+        path.size() < head.path.size() ? std::string_view(head.path).substr(path.size() + 1)
+                                       : std::string_view();
+    std::string out;
+    out.reserve(256 + head.path.size() + headers.size());
+    out.append(head.method).push_back('\n');
+    out.append(canonical_uri(path, spec.service == "s3")).push_back('\n');
+    out.append(canonical_query(query)).push_back('\n');
+    out.append(headers).push_back('\n');
+    out.append(signed_headers).push_back('\n');
+    out.append(payload_hash);
+    return out;
+}
+
+void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret,
+              std::string_view payload_hash, TimePoint now) {
+    head.remove("authorization");
+    head.remove("x-amz-security-token");  // the dummy credentials' session: not ours
+    const std::string date = amz_date(now);
+    head.set("x-amz-date", date);
+    std::string signed_headers;
+    const std::string request = aws_canonical_request(head, spec, payload_hash, signed_headers);
+    const std::string_view day = std::string_view(date).substr(0, 8);
+    std::string scope;
+    scope.append(day).append("/").append(spec.region).append("/").append(spec.service);
+    scope.append("/aws4_request");
+    std::string to_sign;
+    to_sign.append(kAlgorithm).append("\n").append(date).append("\n").append(scope);
+    to_sign.append("\n").append(credstore::sha256_hex(request));
+
+    // The signing key: HMAC("AWS4" + secret, day), then region, service, "aws4_request". It
+    // signs for a whole day: every step is wiped.
+    std::string k_secret;
+    k_secret.reserve(4 + secret.size());
+    k_secret.append("AWS4").append(secret);
+    Mac k_date = hmac(k_secret, day);
+    egress::secure_wipe(k_secret);
+    Mac k_region = hmac(view(k_date), spec.region);
+    Mac k_service = hmac(view(k_region), spec.service);
+    Mac k_signing = hmac(view(k_service), "aws4_request");
+    Mac sig = hmac(view(k_signing), to_sign);
+    for (Mac* m : {&k_date, &k_region, &k_service, &k_signing}) {
+        egress::secure_zero(m->data(), m->size());
+    }
+    std::string value;
+    value.reserve(160 + signed_headers.size());
+    value.append(kAlgorithm).append(" Credential=").append(spec.access_key_id).append("/");
+    value.append(scope).append(", SignedHeaders=").append(signed_headers);
+    value.append(", Signature=").append(hex(sig.data(), sig.size()));
+    head.set("authorization", std::move(value));
+    head.never_index = "authorization";
+}
+
+}  // namespace egress::policy

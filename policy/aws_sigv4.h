@@ -1,0 +1,66 @@
+#pragma once
+// AWS Signature Version 4 (inject type aws-sigv4): a request signed on its way out with the
+// pin's secret access key, which the sandbox never holds. The sandbox's AWS SDK signs with
+// dummy credentials; egressd drops that signature and signs the request again.
+//
+// What is signed (the "SignedHeaders"): host, content-md5, content-type, range and every
+// x-amz-* header the request carries. AWS requires host and x-amz-date, and S3 every x-amz-*
+// header; the others are fields no hop after egressd rewrites. Fields a hop may rewrite
+// (user-agent, accept-encoding, content-length, the body's framing) are left out, so that
+// nothing between egressd and AWS can break the signature.
+//
+// The payload hash (RFC: the "HashedPayload" of the canonical request):
+//  - the client's x-amz-content-sha256 when it is a SHA-256 in hex, UNSIGNED-PAYLOAD or
+//    STREAMING-UNSIGNED-PAYLOAD-TRAILER (AWS checks the body against a declared hash);
+//  - no body: the hash of the empty string;
+//  - S3: UNSIGNED-PAYLOAD (allowed by S3 over TLS), with x-amz-content-sha256 added;
+//  - any other service: the body's own hash, so egressd reads the body first (AwsPayload's
+//    NeedBody; the exchange bounds it by limits.sign_body_bytes).
+// Refused: a chunk-signed upload (STREAMING-AWS4-HMAC-SHA256-PAYLOAD...: each chunk carries a
+// signature made with the sandbox's dummy key, which egressd would have to rewrite), and a
+// presigned URL (its query carries a signature of its own; AWS refuses two).
+//
+// The canonical URI follows the SDKs: for S3 the path encoded once (percent-decoded, then
+// every byte but A-Z a-z 0-9 - . _ ~ and '/' encoded), for every other service encoded twice.
+// Dot segments are not removed (a client that sends them gets AWS's answer to its path).
+#include <string>
+#include <string_view>
+
+#include "policy/request_head.h"
+#include "policy/run_policy.h"
+
+namespace egress::policy {
+
+/// What a request's payload hash will be, decided from its head.
+struct AwsPayload {
+    enum class Kind : uint8_t { Hash, NeedBody, Refuse };
+    Kind kind = Kind::Hash;
+    std::string hash;             // Kind::Hash: the value signed as the payload's hash
+    bool add_header = false;      // Kind::Hash: set x-amz-content-sha256 to `hash` (S3)
+    const char* reason = nullptr; // Kind::Refuse: "aws_chunk_signing", "bad_aws_payload_hash",
+                                  // "aws_presigned_query"
+};
+
+/// The payload decision for `head` under `spec` (type AwsSigV4). `body_empty`: the request
+/// has no body or a zero content-length.
+AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool body_empty);
+
+/// SHA-256 of `bytes`, lowercase hex (the payload hash of a body read whole).
+std::string aws_payload_hash(std::string_view bytes);
+
+/// Signs `head` for `spec` with `secret` (the secret access key) at `now`: removes the client's
+/// authorization, x-amz-date and x-amz-security-token, sets x-amz-date and authorization
+/// (never_index = "authorization"). WARNING: derives key material from the secret; every
+/// intermediate key is wiped before return.
+void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret,
+              std::string_view payload_hash, TimePoint now);
+
+/// The canonical request of `head` (its x-amz-date already set) and, in `signed_headers`,
+/// the ';'-joined names it signs. Exposed for tests.
+std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spec,
+                                  std::string_view payload_hash, std::string& signed_headers);
+
+/// Validates an aws-sigv4 injection's fields; errors name the field ("inject.region: ...").
+std::string aws_spec_error(const InjectSpec& spec);
+
+}  // namespace egress::policy

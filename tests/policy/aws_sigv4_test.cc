@@ -1,0 +1,303 @@
+// AWS Signature Version 4: the signatures AWS publishes (its SigV4 test suite's get-vanilla
+// and the S3 developer guide's examples), and what egressd does to the sandbox's own signing.
+// The expected values are AWS's, and the non-S3 one botocore's (an independent signer).
+#include "policy/aws_sigv4.h"
+
+#include <gtest/gtest.h>
+
+#include <ctime>
+
+#include "credstore/secret.h"
+#include "policy/pipeline.h"
+
+namespace egress::policy {
+namespace {
+
+constexpr std::string_view kEmpty =
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+TimePoint at(int y, int mo, int d, int h, int mi, int s) {
+    std::tm tm{};
+    tm.tm_year = y - 1900;
+    tm.tm_mon = mo - 1;
+    tm.tm_mday = d;
+    tm.tm_hour = h;
+    tm.tm_min = mi;
+    tm.tm_sec = s;
+    return Clock::from_time_t(timegm(&tm));
+}
+
+InjectSpec spec(std::string id, std::string region, std::string service) {
+    InjectSpec s;
+    s.type = InjectType::AwsSigV4;
+    s.access_key_id = std::move(id);
+    s.region = std::move(region);
+    s.service = std::move(service);
+    return s;
+}
+
+RequestHead head(std::string method, std::string authority, std::string path,
+                 std::vector<Header> headers = {}) {
+    RequestHead h;
+    h.method = std::move(method);
+    h.scheme = "https";
+    h.authority = std::move(authority);
+    h.path = std::move(path);
+    h.headers = std::move(headers);
+    return h;
+}
+
+std::string signature_of(const RequestHead& h) {
+    const std::string* auth = h.find("authorization");
+    if (auth == nullptr) {
+        return "";
+    }
+    const size_t pos = auth->find("Signature=");
+    return pos == std::string::npos ? "" : auth->substr(pos + 10);
+}
+
+TEST(AwsSigV4, SignsTheTestSuitesGetVanilla) {
+    RequestHead h = head("GET", "example.amazonaws.com", "/");
+    aws_sign(h, spec("AKIDEXAMPLE", "us-east-1", "service"),
+             "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", kEmpty, at(2015, 8, 30, 12, 36, 0));
+    ASSERT_NE(h.find("x-amz-date"), nullptr);
+    EXPECT_EQ(*h.find("x-amz-date"), "20150830T123600Z");
+    ASSERT_NE(h.find("authorization"), nullptr);
+    EXPECT_EQ(*h.find("authorization"),
+              "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/service/aws4_request, "
+              "SignedHeaders=host;x-amz-date, "
+              "Signature=5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
+    EXPECT_EQ(h.never_index, "authorization");
+}
+
+TEST(AwsSigV4, SignsTheS3GuidesGetObjectWithRange) {
+    RequestHead h = head("GET", "examplebucket.s3.amazonaws.com", "/test.txt",
+                         {{"range", "bytes=0-9"}, {"x-amz-content-sha256", std::string(kEmpty)},
+                          {"user-agent", "not signed"}});
+    aws_sign(h, spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3"),
+             "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", kEmpty, at(2013, 5, 24, 0, 0, 0));
+    EXPECT_NE(h.find("authorization")->find("SignedHeaders=host;range;x-amz-content-sha256;"
+                                            "x-amz-date,"),
+              std::string::npos);
+    EXPECT_EQ(signature_of(h), "f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41");
+}
+
+TEST(AwsSigV4, SignsTheS3GuidesListObjectsQuery) {
+    RequestHead h = head("GET", "examplebucket.s3.amazonaws.com", "/?max-keys=2&prefix=J",
+                         {{"x-amz-content-sha256", std::string(kEmpty)}});
+    aws_sign(h, spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3"),
+             "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", kEmpty, at(2013, 5, 24, 0, 0, 0));
+    EXPECT_EQ(signature_of(h), "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7");
+}
+
+TEST(AwsSigV4, EncodesAPathTwiceAndSortsTheQueryForServicesOtherThanS3) {
+    // botocore 1.29 (SigV4Auth) signs this request with this canonical request.
+    const std::string body = "{\"Limit\":1}";
+    RequestHead h = head("POST", "ddb.example.com", "/a%20b/c~d?b=2&a=x%2By&a=1",
+                         {{"content-type", "application/x-amz-json-1.0"},
+                          {"x-amz-target", "DynamoDB_20120810.ListTables"}});
+    h.set("x-amz-date", "20261206T120000Z");
+    std::string signed_headers;
+    const InjectSpec s = spec("AKIDEXAMPLE", "eu-west-1", "dynamodb");
+    EXPECT_EQ(aws_canonical_request(h, s, aws_payload_hash(body), signed_headers),
+              "POST\n/a%2520b/c~d\na=1&a=x%2By&b=2\n"
+              "content-type:application/x-amz-json-1.0\nhost:ddb.example.com\n"
+              "x-amz-date:20261206T120000Z\nx-amz-target:DynamoDB_20120810.ListTables\n\n"
+              "content-type;host;x-amz-date;x-amz-target\n"
+              "55522f708dcfebccb7bd3e8d0001a53ecaf2beca9ca801f1e9161e24215faa99");
+    EXPECT_EQ(signed_headers, "content-type;host;x-amz-date;x-amz-target");
+    aws_sign(h, s, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", aws_payload_hash(body),
+             at(2026, 12, 6, 12, 0, 0));
+    EXPECT_EQ(signature_of(h), "e464de191d129ad37b38f430418b47a35471624c670b543c387f059506449300");
+}
+
+TEST(AwsSigV4, EncodesAnS3KeyOnceWhateverTheClientEncoded) {
+    // "dir/ä b+c" as a client may send it, strictly or loosely encoded: one canonical form.
+    const InjectSpec s = spec("AKIDEXAMPLE", "us-east-1", "s3");
+    std::string strict_headers;
+    std::string loose_headers;
+    RequestHead strict = head("GET", "s3.test", "/bkt/dir/%C3%A4%20b%2Bc");
+    RequestHead loose = head("GET", "s3.test", "/bkt/dir/%c3%a4%20b+c");
+    const std::string a = aws_canonical_request(strict, s, kEmpty, strict_headers);
+    const std::string b = aws_canonical_request(loose, s, kEmpty, loose_headers);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a.substr(0, a.find('\n', 4)), "GET\n/bkt/dir/%C3%A4%20b%2Bc");
+}
+
+TEST(AwsSigV4, CanonicalHeadersAreTrimmedAndRepeatsJoined) {
+    RequestHead h = head("GET", "s3.test", "/",
+                         {{"x-amz-meta-a", "  one   two  "}, {"x-amz-meta-a", "three"},
+                          {"content-type", "text/plain"}, {"accept", "*/*"}});
+    h.set("x-amz-date", "20261206T120000Z");
+    std::string signed_headers;
+    const std::string c = aws_canonical_request(h, spec("AKIDEXAMPLE", "us-east-1", "s3"),
+                                                kEmpty, signed_headers);
+    EXPECT_NE(c.find("\nx-amz-meta-a:one two,three\n"), std::string::npos);
+    EXPECT_EQ(signed_headers, "content-type;host;x-amz-date;x-amz-meta-a");
+}
+
+TEST(AwsSigV4, DecidesThePayloadHashFromTheHead) {
+    const InjectSpec s3 = spec("AKIDEXAMPLE", "us-east-1", "s3");
+    const InjectSpec ddb = spec("AKIDEXAMPLE", "us-east-1", "dynamodb");
+    const std::string hex(64, 'A');
+
+    AwsPayload p = aws_payload(head("PUT", "s3.test", "/b/k"), s3, false);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Hash);
+    EXPECT_EQ(p.hash, "UNSIGNED-PAYLOAD");
+    EXPECT_TRUE(p.add_header);
+
+    p = aws_payload(head("GET", "s3.test", "/b/k"), s3, true);
+    EXPECT_EQ(p.hash, kEmpty);
+    EXPECT_TRUE(p.add_header);
+
+    p = aws_payload(head("POST", "ddb.test", "/"), ddb, false);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::NeedBody);
+
+    p = aws_payload(head("POST", "ddb.test", "/"), ddb, true);
+    EXPECT_EQ(p.hash, kEmpty);
+    EXPECT_FALSE(p.add_header);  // only S3 reads it
+
+    p = aws_payload(head("POST", "ddb.test", "/", {{"x-amz-content-sha256", hex}}), ddb, false);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Hash);
+    EXPECT_EQ(p.hash, std::string(64, 'a'));
+    EXPECT_FALSE(p.add_header);  // the client's own stays
+
+    p = aws_payload(head("PUT", "s3.test", "/b/k",
+                         {{"x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER"}}),
+                    s3, false);
+    EXPECT_EQ(p.hash, "STREAMING-UNSIGNED-PAYLOAD-TRAILER");
+
+    p = aws_payload(head("PUT", "s3.test", "/b/k",
+                         {{"x-amz-content-sha256", "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"}}),
+                    s3, false);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Refuse);
+    EXPECT_STREQ(p.reason, "aws_chunk_signing");
+
+    p = aws_payload(head("PUT", "s3.test", "/b/k", {{"x-amz-content-sha256", "abc"}}), s3,
+                    false);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Refuse);
+    EXPECT_STREQ(p.reason, "bad_aws_payload_hash");
+
+    p = aws_payload(head("GET", "s3.test", "/b/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&x-amz-signature=0"),
+                    s3, true);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Refuse);
+    EXPECT_STREQ(p.reason, "aws_presigned_query");
+}
+
+TEST(AwsSigV4, ValidatesTheSpec) {
+    EXPECT_TRUE(aws_spec_error(spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3")).empty());
+    EXPECT_EQ(aws_spec_error(spec("AKIA/SHORT", "us-east-1", "s3")).rfind("inject.access_key_id:", 0),
+              0u);
+    EXPECT_EQ(aws_spec_error(spec("AKIAIOSFODNN7EXAMPLE", "US East", "s3")).rfind("inject.region:", 0),
+              0u);
+    EXPECT_EQ(aws_spec_error(spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "")).rfind("inject.service:", 0),
+              0u);
+    Result<InjectSpec> v = validate_injection(spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3/x"));
+    ASSERT_FALSE(v);
+    EXPECT_EQ(v.error().rfind("inject.service:", 0), 0u);
+}
+
+// The pipeline with an aws-sigv4 pin: the sandbox's own signature and session token go, the
+// request is signed with the pin's key, and a body the signature needs is left to the caller.
+struct PipelineCase {
+    GlobalPolicy global;
+    RunPolicy run;
+    RequestContext ctx;
+
+    explicit PipelineCase(std::string service) {
+        run.id = "r1";
+        Pin pin;
+        pin.id = "p1";
+        pin.host = *HostPattern::parse("aws.test");
+        pin.secret_name = "aws_key";
+        pin.inject = spec("AKIAEGRESSTEST000001", "us-east-1", std::move(service));
+        pin.secret = std::make_shared<const credstore::SecretValue>(
+            std::string("wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"));
+        prepare_injection(pin);
+        run.pins.push_back(std::move(pin));
+        ctx.global = &global;
+        ctx.run = &run;
+        ctx.target = HostPort{"aws.test", 443};
+        ctx.tls = true;
+        ctx.now = at(2026, 12, 6, 12, 0, 0);
+    }
+};
+
+TEST(AwsSigV4Pipeline, ReplacesTheSandboxesSignature) {
+    PipelineCase c("s3");
+    RequestHead h = head(
+        "GET", "aws.test", "/bkt/key",
+        {{"authorization", "AWS4-HMAC-SHA256 Credential=AKIDSANDBOXDUMMY/20261206/us-east-1/s3/"
+                           "aws4_request, SignedHeaders=host, Signature=00"},
+         {"x-amz-date", "20200101T000000Z"},
+         {"x-amz-security-token", "dummy-session"},
+         {"x-amz-content-sha256", std::string(kEmpty)}});
+    c.ctx.body_empty = true;
+    const Decision d = RequestPipeline().run(h, c.ctx);
+    ASSERT_TRUE(d.forward()) << d.reason;
+    EXPECT_FALSE(d.sign_body);
+    EXPECT_EQ(d.reason, "injected");
+    EXPECT_EQ(h.count("authorization"), 1u);
+    EXPECT_EQ(h.find("authorization")->rfind("AWS4-HMAC-SHA256 Credential=AKIAEGRESSTEST000001/"
+                                             "20261206/us-east-1/s3/aws4_request, ",
+                                             0),
+              0u);
+    EXPECT_EQ(h.find("authorization")->find("AKIDSANDBOXDUMMY"), std::string::npos);
+    EXPECT_EQ(h.find("x-amz-security-token"), nullptr);
+    EXPECT_EQ(*h.find("x-amz-date"), "20261206T120000Z");
+    // The same request signed directly gives the same signature.
+    RequestHead again = head("GET", "aws.test", "/bkt/key",
+                             {{"x-amz-content-sha256", std::string(kEmpty)},
+                              {"accept-encoding", "identity"}});
+    aws_sign(again, c.run.pins[0].inject, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", kEmpty,
+             c.ctx.now);
+    EXPECT_EQ(signature_of(h), signature_of(again));
+    ASSERT_NE(d.scrub, nullptr);  // the secret key is still scrubbed from answers
+}
+
+TEST(AwsSigV4Pipeline, AddsUnsignedPayloadForAnS3Upload) {
+    PipelineCase c("s3");
+    RequestHead h = head("PUT", "aws.test", "/bkt/key", {{"content-length", "5"}});
+    const Decision d = RequestPipeline().run(h, c.ctx);
+    ASSERT_TRUE(d.forward()) << d.reason;
+    ASSERT_NE(h.find("x-amz-content-sha256"), nullptr);
+    EXPECT_EQ(*h.find("x-amz-content-sha256"), "UNSIGNED-PAYLOAD");
+    EXPECT_NE(h.find("authorization")->find("x-amz-content-sha256"), std::string::npos);
+}
+
+TEST(AwsSigV4Pipeline, LeavesABodyHashToTheCallerThenSignsIt) {
+    PipelineCase c("dynamodb");
+    RequestHead h = head("POST", "aws.test", "/",
+                         {{"authorization", "AWS4-HMAC-SHA256 dummy"},
+                          {"content-type", "application/x-amz-json-1.0"}});
+    const Decision d = RequestPipeline().run(h, c.ctx);
+    ASSERT_TRUE(d.forward()) << d.reason;
+    EXPECT_TRUE(d.sign_body);
+    EXPECT_EQ(h.find("authorization"), nullptr);  // nothing of the sandbox's leaves unsigned
+    sign_with_body(h, d, "{\"Limit\":1}", c.ctx.now);
+    std::string signed_headers;
+    RequestHead direct = head("POST", "aws.test", "/",
+                              {{"content-type", "application/x-amz-json-1.0"},
+                               {"accept-encoding", "identity"}});
+    aws_sign(direct, c.run.pins[0].inject, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+             aws_payload_hash("{\"Limit\":1}"), c.ctx.now);
+    EXPECT_EQ(signature_of(h), signature_of(direct));
+    EXPECT_NE(signature_of(h), "");
+    EXPECT_EQ(h.find("x-amz-content-sha256"), nullptr);
+}
+
+TEST(AwsSigV4Pipeline, RefusesChunkSigningAndPresignedQueries) {
+    PipelineCase c("s3");
+    RequestHead chunked = head("PUT", "aws.test", "/bkt/key",
+                               {{"x-amz-content-sha256", "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"}});
+    Decision d = RequestPipeline().run(chunked, c.ctx);
+    EXPECT_EQ(d.status, 400);
+    EXPECT_EQ(d.reason, "aws_chunk_signing");
+    RequestHead presigned = head("GET", "aws.test", "/bkt/key?X-Amz-Credential=x");
+    d = RequestPipeline().run(presigned, c.ctx);
+    EXPECT_EQ(d.status, 400);
+    EXPECT_EQ(d.reason, "aws_presigned_query");
+}
+
+}  // namespace
+}  // namespace egress::policy
