@@ -72,6 +72,14 @@ struct Fixture {
         pin("hdr", "*.key.test", header, {}, {});
         pin("mixed", "mixed.test", InjectSpec{}, {"/private/"}, {});
         pin("port", "api.port.test:8443", InjectSpec{}, {}, {});
+        InjectSpec aws;
+        aws.type = InjectType::AwsSigV4;
+        aws.access_key_id = "AKIAFUZZEXAMPLE00001";
+        aws.region = "us-east-1";
+        aws.service = "s3";
+        pin("aws", "aws.test", aws, {}, {});
+        aws.service = "dynamodb";  // signs the body's hash: left to the caller (sign_body)
+        pin("aws-body", "ddb.aws.test", aws, {}, {});
         run.pins[2].extra_headers = {{"x-extra", "1"}};
         policy::index_pins(run);
     }
@@ -170,9 +178,23 @@ inline void check_forwarded(const policy::RequestHead& head, const policy::Decis
     if (d.pin != nullptr) {
         const Pin& pin = *d.pin;
         FUZZ_CHECK(pin.host.matches(ctx.target), "injected for a pin of another host");
-        const std::string value = injected_header_value(pin.inject, kSecret);
-        FUZZ_CHECK(head.count(d.injected_header) == 1, "credential header not exactly once");
-        FUZZ_CHECK(*head.find(d.injected_header) == value, "credential header replaced/merged");
+        if (pin.inject.type == InjectType::AwsSigV4) {
+            // Signed (or, for a body's hash, not yet): never the sandbox's own signature.
+            const size_t n = head.count("authorization");
+            FUZZ_CHECK(n == (d.sign_body ? 0u : 1u), "aws-sigv4: authorization count");
+            if (n == 1) {
+                const std::string& v = *head.find("authorization");
+                FUZZ_CHECK(v.starts_with("AWS4-HMAC-SHA256 Credential=" + pin.inject.access_key_id +
+                                         "/"),
+                           "aws-sigv4: not our signature");
+                FUZZ_CHECK(v.find(kSecret) == std::string::npos, "aws-sigv4: secret in header");
+            }
+            FUZZ_CHECK(head.count("x-amz-security-token") == 0, "aws-sigv4: sandbox's session");
+        } else {
+            const std::string value = injected_header_value(pin.inject, kSecret);
+            FUZZ_CHECK(head.count(d.injected_header) == 1, "credential header not exactly once");
+            FUZZ_CHECK(*head.find(d.injected_header) == value, "credential header replaced/merged");
+        }
         if (!pin.methods.empty()) {
             bool ok = false;
             for (const auto& m : pin.methods) {
