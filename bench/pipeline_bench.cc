@@ -112,6 +112,30 @@ void BM_PipelineRun(benchmark::State& state) {
 }
 BENCHMARK(BM_PipelineRun);
 
+// The same request to an aws-sigv4 pin (S3, no body): the signature is made per request
+// (canonical request, SHA-256, five HMAC-SHA256), where a bearer pin copies a prepared value.
+void BM_PipelineRunAwsSigV4(benchmark::State& state) {
+    Fixture f;
+    Pin& pin = f.run.pins[2];  // api.github.com, with its path prefix
+    pin.inject.type = InjectType::AwsSigV4;
+    pin.inject.access_key_id = "AKIAIOSFODNN7EXAMPLE";
+    pin.inject.region = "us-east-1";
+    pin.inject.service = "s3";
+    prepare_injection(pin);
+    f.ctx.body_empty = true;
+    const RequestPipeline pipeline;
+    for (auto _ : state) {
+        RequestHead head = f.head;
+        Decision d = pipeline.run(head, f.ctx);
+        if (!d.forward() || d.sign_body) state.SkipWithError("not signed");
+        benchmark::DoNotOptimize(d);
+        benchmark::DoNotOptimize(head);
+    }
+    state.counters["requests/s"] = benchmark::Counter(static_cast<double>(state.iterations()),
+                                                      benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_PipelineRunAwsSigV4);
+
 // Same, with Arg pins in the run ahead of the matching one (the pin scan is linear).
 void BM_PipelineRunPins(benchmark::State& state) {
     Fixture f;

@@ -1,7 +1,8 @@
 #include "policy/aws_sigv4.h"
 
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
+#include <openssl/core_names.h>
+#include <openssl/params.h>
 
 #include <algorithm>
 #include <array>
@@ -10,7 +11,6 @@
 #include <vector>
 
 #include "common/secure_zero.h"
-#include "credstore/envelope.h"
 
 namespace egress::policy {
 
@@ -147,18 +147,6 @@ void append_trimmed(std::string_view v, std::string& out) {
 
 using Mac = std::array<unsigned char, 32>;
 
-Mac hmac(std::string_view key, std::string_view data) {
-    Mac out{};
-    unsigned int n = 0;
-    HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-         reinterpret_cast<const unsigned char*>(data.data()), data.size(), out.data(), &n);
-    return out;
-}
-
-std::string_view view(const Mac& m) {
-    return {reinterpret_cast<const char*>(m.data()), m.size()};
-}
-
 std::string hex(const unsigned char* p, size_t n) {
     std::string out;
     out.reserve(2 * n);
@@ -167,6 +155,68 @@ std::string hex(const unsigned char* p, size_t n) {
         out.push_back(kHex[p[i] & 15]);
     }
     return out;
+}
+
+// HMAC-SHA256 and SHA-256 through algorithms fetched once: HMAC() and EVP_sha256() fetch
+// theirs from the provider on every call in OpenSSL 3, which was most of a signature's cost.
+EVP_MAC* hmac_algorithm() {
+    static EVP_MAC* const mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+    return mac;
+}
+
+const EVP_MD* sha256_algorithm() {
+    static EVP_MD* const md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+    return md;
+}
+
+Mac hmac(std::string_view key, std::string_view data) {
+    Mac out{};
+    EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(hmac_algorithm());
+    char digest[] = "SHA256";
+    const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
+                                 OSSL_PARAM_construct_end()};
+    size_t n = 0;
+    const bool ok =
+        ctx != nullptr &&
+        EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()), key.size(),
+                     params) == 1 &&
+        EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(data.data()), data.size()) ==
+            1 &&
+        EVP_MAC_final(ctx, out.data(), &n, out.size()) == 1;
+    EVP_MAC_CTX_free(ctx);  // cleanses its key schedule
+    if (!ok) {
+        out.fill(0);  // a signature AWS refuses, never one made with a wrong key
+    }
+    return out;
+}
+
+std::string sha256_hex(std::string_view bytes) {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    EVP_Digest(bytes.data(), bytes.size(), md, &n, sha256_algorithm(), nullptr);
+    return hex(md, n);
+}
+
+std::string_view view(const Mac& m) {
+    return {reinterpret_cast<const char*>(m.data()), m.size()};
+}
+
+
+/// HMAC("AWS4" + secret, day), then the region, the service and "aws4_request": the key that
+/// signs for a whole day. Every step is wiped.
+Mac signing_key(std::string_view day, const InjectSpec& spec, std::string_view secret) {
+    std::string k_secret;
+    k_secret.reserve(4 + secret.size());
+    k_secret.append("AWS4").append(secret);
+    Mac k_date = hmac(k_secret, day);
+    egress::secure_wipe(k_secret);
+    Mac k_region = hmac(view(k_date), spec.region);
+    Mac k_service = hmac(view(k_region), spec.service);
+    Mac k_signing = hmac(view(k_service), "aws4_request");
+    for (Mac* m : {&k_date, &k_region, &k_service}) {
+        egress::secure_zero(m->data(), m->size());
+    }
+    return k_signing;
 }
 
 std::string amz_date(TimePoint now) {
@@ -244,7 +294,7 @@ AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool bod
 }
 
 std::string aws_payload_hash(std::string_view bytes) {
-    return credstore::sha256_hex(bytes);
+    return sha256_hex(bytes);
 }
 
 std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spec,
@@ -292,8 +342,21 @@ std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spe
     return out;
 }
 
+void AwsSigningKeys::key_for(std::string_view day, const InjectSpec& spec,
+                             std::string_view secret, Key& out) {
+    std::lock_guard lock(mutex_);
+    if (!key_ || day_ != day) {
+        Key fresh = signing_key(day, spec, secret);
+        key_ = std::make_shared<const credstore::SecretValue>(view(fresh));  // mlock'ed
+        egress::secure_zero(fresh.data(), fresh.size());
+        day_ = day;
+    }
+    const std::string_view k = key_->reveal();
+    std::copy(k.begin(), k.end(), out.begin());
+}
+
 void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret,
-              std::string_view payload_hash, TimePoint now) {
+              std::string_view payload_hash, TimePoint now, AwsSigningKeys* keys) {
     head.remove("authorization");
     head.remove("x-amz-security-token");  // the dummy credentials' session: not ours
     const std::string date = amz_date(now);
@@ -306,22 +369,16 @@ void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret
     scope.append("/aws4_request");
     std::string to_sign;
     to_sign.append(kAlgorithm).append("\n").append(date).append("\n").append(scope);
-    to_sign.append("\n").append(credstore::sha256_hex(request));
+    to_sign.append("\n").append(sha256_hex(request));
 
-    // The signing key: HMAC("AWS4" + secret, day), then region, service, "aws4_request". It
-    // signs for a whole day: every step is wiped.
-    std::string k_secret;
-    k_secret.reserve(4 + secret.size());
-    k_secret.append("AWS4").append(secret);
-    Mac k_date = hmac(k_secret, day);
-    egress::secure_wipe(k_secret);
-    Mac k_region = hmac(view(k_date), spec.region);
-    Mac k_service = hmac(view(k_region), spec.service);
-    Mac k_signing = hmac(view(k_service), "aws4_request");
-    Mac sig = hmac(view(k_signing), to_sign);
-    for (Mac* m : {&k_date, &k_region, &k_service, &k_signing}) {
-        egress::secure_zero(m->data(), m->size());
+    AwsSigningKeys::Key k_signing;
+    if (keys != nullptr) {
+        keys->key_for(day, spec, secret, k_signing);
+    } else {
+        k_signing = signing_key(day, spec, secret);
     }
+    Mac sig = hmac(view(k_signing), to_sign);
+    egress::secure_zero(k_signing.data(), k_signing.size());
     std::string value;
     value.reserve(160 + signed_headers.size());
     value.append(kAlgorithm).append(" Credential=").append(spec.access_key_id).append("/");

@@ -23,6 +23,8 @@
 // The canonical URI follows the SDKs: for S3 the path encoded once (percent-decoded, then
 // every byte but A-Z a-z 0-9 - . _ ~ and '/' encoded), for every other service encoded twice.
 // Dot segments are not removed (a client that sends them gets AWS's answer to its path).
+#include <array>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -45,15 +47,33 @@ struct AwsPayload {
 /// has no body or a zero content-length.
 AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool body_empty);
 
+/// The day's signing key of one pin (HMAC-SHA256 of the secret, the UTC day, the region, the
+/// service and "aws4_request"), made by the day's first request and shared by the pin's
+/// requests on every worker: four of a signature's five HMACs. Kept in an mlock'ed buffer,
+/// wiped when the day's key replaces it or the injection is dropped.
+class AwsSigningKeys {
+public:
+    using Key = std::array<unsigned char, 32>;
+    /// The key for `day` (YYYYMMDD) into `out`. WARNING: key material; the caller wipes it.
+    void key_for(std::string_view day, const InjectSpec& spec, std::string_view secret,
+                 Key& out);
+
+private:
+    std::mutex mutex_;
+    std::string day_;
+    credstore::SecretPtr key_;
+};
+
 /// SHA-256 of `bytes`, lowercase hex (the payload hash of a body read whole).
 std::string aws_payload_hash(std::string_view bytes);
 
 /// Signs `head` for `spec` with `secret` (the secret access key) at `now`: removes the client's
 /// authorization, x-amz-date and x-amz-security-token, sets x-amz-date and authorization
-/// (never_index = "authorization"). WARNING: derives key material from the secret; every
-/// intermediate key is wiped before return.
+/// (never_index = "authorization"). `keys`: the pin's day key cache (Injection::aws_keys), or
+/// null to derive the key for this request alone. WARNING: derives key material from the
+/// secret; every copy of a key is wiped before return.
 void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret,
-              std::string_view payload_hash, TimePoint now);
+              std::string_view payload_hash, TimePoint now, AwsSigningKeys* keys = nullptr);
 
 /// The canonical request of `head` (its x-amz-date already set) and, in `signed_headers`,
 /// the ';'-joined names it signs. Exposed for tests.

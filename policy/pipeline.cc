@@ -112,7 +112,8 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
             if (payload.add_header) {
                 head.set("x-amz-content-sha256", payload.hash);
             }
-            aws_sign(head, pin.inject, pin.secret->reveal(), payload.hash, ctx.now);
+            aws_sign(head, pin.inject, pin.secret->reveal(), payload.hash, ctx.now,
+                     inj.aws_keys.get());
         }
     }
     d.pin = &pin;
@@ -190,7 +191,8 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
 
 void sign_with_body(RequestHead& head, const Decision& d, std::string_view body, TimePoint now) {
     assert(d.sign_body && d.pin != nullptr && d.pin->secret);
-    aws_sign(head, d.pin->inject, d.pin->secret->reveal(), aws_payload_hash(body), now);
+    aws_sign(head, d.pin->inject, d.pin->secret->reveal(), aws_payload_hash(body), now,
+             d.pin->injection ? d.pin->injection->aws_keys.get() : nullptr);
 }
 
 }  // namespace egress::policy

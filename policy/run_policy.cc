@@ -263,6 +263,9 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
         egress::secure_wipe(blob);
     }
     inj->scrub = std::make_shared<const ScrubPlan>(std::move(needles));  // wipes them
+    if (spec.type == InjectType::AwsSigV4) {
+        inj->aws_keys = std::make_shared<AwsSigningKeys>();
+    }
     inj->value = std::make_shared<const credstore::SecretValue>(value);
     egress::secure_wipe(value);
     return inj;

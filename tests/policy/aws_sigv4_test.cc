@@ -111,6 +111,25 @@ TEST(AwsSigV4, EncodesAPathTwiceAndSortsTheQueryForServicesOtherThanS3) {
     EXPECT_EQ(signature_of(h), "e464de191d129ad37b38f430418b47a35471624c670b543c387f059506449300");
 }
 
+TEST(AwsSigV4, KeepsTheDaysSigningKeyAndMakesTheNextDaysOwn) {
+    const InjectSpec s = spec("AKIDEXAMPLE", "us-east-1", "service");
+    const std::string secret = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY";
+    AwsSigningKeys keys;
+    auto sign = [&](TimePoint when, AwsSigningKeys* k) {
+        RequestHead h = head("GET", "example.amazonaws.com", "/");
+        aws_sign(h, s, secret, kEmpty, when, k);
+        return signature_of(h);
+    };
+    // get-vanilla with the cache, twice (made, then kept), and the next day (made again).
+    EXPECT_EQ(sign(at(2015, 8, 30, 12, 36, 0), &keys),
+              "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
+    EXPECT_EQ(sign(at(2015, 8, 30, 12, 36, 0), &keys),
+              "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
+    const std::string next_day = sign(at(2015, 8, 31, 0, 0, 1), &keys);
+    EXPECT_EQ(next_day, sign(at(2015, 8, 31, 0, 0, 1), nullptr));
+    EXPECT_NE(next_day, "");
+}
+
 TEST(AwsSigV4, EncodesAnS3KeyOnceWhateverTheClientEncoded) {
     // "dir/ä b+c" as a client may send it, strictly or loosely encoded: one canonical form.
     const InjectSpec s = spec("AKIDEXAMPLE", "us-east-1", "s3");
