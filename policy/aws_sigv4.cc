@@ -28,32 +28,6 @@ bool is_hex64(std::string_view s) {
            });
 }
 
-int hex_value(char c) {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-/// Percent-decodes `s`; an escape that is not two hex digits stays as it is.
-std::string pct_decode(std::string_view s) {
-    std::string out;
-    out.reserve(s.size());
-    for (size_t i = 0; i < s.size(); ++i) {
-        if (s[i] == '%' && i + 2 < s.size()) {
-            const int hi = hex_value(s[i + 1]);
-            const int lo = hex_value(s[i + 2]);
-            if (hi >= 0 && lo >= 0) {
-                out.push_back(static_cast<char>(hi * 16 + lo));
-                i += 2;
-                continue;
-            }
-        }
-        out.push_back(s[i]);
-    }
-    return out;
-}
-
 bool unreserved(char c) {
     return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
            c == '-' || c == '.' || c == '_' || c == '~';
@@ -75,44 +49,79 @@ void uri_encode(std::string_view s, bool keep_slash, std::string& out) {
     }
 }
 
+/// RFC 3986 5.2.4's dot segments removed, and empty segments ("//") as AWS requires: the
+/// path a service other than S3 signs, before it is encoded (botocore's remove_dot_segments).
+std::string remove_dot_segments(std::string_view path) {
+    std::vector<std::string_view> out;
+    for (size_t pos = 0; pos <= path.size();) {
+        size_t slash = path.find('/', pos);
+        if (slash == std::string_view::npos) {
+            slash = path.size();
+        }
+        const std::string_view seg = path.substr(pos, slash - pos);
+        if (seg == "..") {
+            if (!out.empty()) {
+                out.pop_back();
+            }
+        } else if (!seg.empty() && seg != ".") {
+            out.push_back(seg);
+        }
+        pos = slash + 1;
+    }
+    std::string result = path.starts_with('/') ? "/" : "";
+    for (size_t i = 0; i < out.size(); ++i) {
+        if (i > 0) {
+            result.push_back('/');
+        }
+        result.append(out[i]);
+    }
+    if (path.ends_with('/') && !out.empty()) {
+        result.push_back('/');
+    }
+    return result;
+}
+
+/// The path as the client sent it for S3; for other services with dot and empty segments
+/// removed, then encoded again (so "%20" signs as "%2520"). This is how the SDKs compute it
+/// from the path they put on the wire, and so how the sandbox's own SDK computed it.
 std::string canonical_uri(std::string_view path, bool s3) {
     if (path.empty()) {
         return "/";
     }
-    std::string once;
-    uri_encode(pct_decode(path), true, once);
     if (s3) {
-        return once;
+        return std::string(path);
     }
-    std::string twice;
-    uri_encode(once, true, twice);
-    return twice;
+    std::string out;
+    uri_encode(remove_dot_segments(path), true, out);
+    return out;
 }
 
+/// The query's name=value pairs as sent (the SDKs send them encoded), a pair without '='
+/// as "name=", sorted by name, then value.
 std::string canonical_query(std::string_view query) {
-    std::vector<std::pair<std::string, std::string>> params;
-    while (!query.empty()) {
-        const size_t amp = query.find('&');
-        const std::string_view part = query.substr(0, amp);
-        query = amp == std::string_view::npos ? std::string_view() : query.substr(amp + 1);
-        if (part.empty()) {
-            continue;
+    if (query.empty()) {
+        return {};
+    }
+    std::vector<std::pair<std::string_view, std::string_view>> params;
+    for (size_t pos = 0; pos <= query.size();) {
+        size_t amp = query.find('&', pos);
+        if (amp == std::string_view::npos) {
+            amp = query.size();
         }
+        const std::string_view part = query.substr(pos, amp - pos);
         const size_t eq = part.find('=');
-        std::pair<std::string, std::string> p;
-        uri_encode(pct_decode(part.substr(0, eq)), false, p.first);
-        if (eq != std::string_view::npos) {
-            uri_encode(pct_decode(part.substr(eq + 1)), false, p.second);
-        }
-        params.push_back(std::move(p));
+        params.emplace_back(part.substr(0, eq),
+                            eq == std::string_view::npos ? std::string_view() : part.substr(eq + 1));
+        pos = amp + 1;
     }
     std::sort(params.begin(), params.end());
     std::string out;
-    for (const auto& [name, value] : params) {
-        if (!out.empty()) {
+    out.reserve(query.size() + params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+        if (i > 0) {
             out.push_back('&');
         }
-        out.append(name).append("=").append(value);
+        out.append(params[i].first).append("=").append(params[i].second);
     }
     return out;
 }

@@ -20,9 +20,11 @@
 // signature made with the sandbox's dummy key, which egressd would have to rewrite), and a
 // presigned URL (its query carries a signature of its own; AWS refuses two).
 //
-// The canonical URI follows the SDKs: for S3 the path encoded once (percent-decoded, then
-// every byte but A-Z a-z 0-9 - . _ ~ and '/' encoded), for every other service encoded twice.
-// Dot segments are not removed (a client that sends them gets AWS's answer to its path).
+// The canonical URI and query are computed from the request as the client sent it, as the
+// SDKs compute them from what they put on the wire (botocore's SigV4Auth and S3SigV4Auth), so
+// egressd signs what the sandbox's own SDK signed: for S3 the path as it is; for any other
+// service with dot and empty segments removed and encoded once more (every byte but
+// A-Z a-z 0-9 - . _ ~ and '/', so "%20" becomes "%2520"); the query's pairs as sent, sorted.
 #include <array>
 #include <mutex>
 #include <string>

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 SAN_HOSTS = [
     "api.test", "basic.test", "hdr.test", "other.test", "tunnel.test", "lim.test",
     "plain.test", "slow.test", "down.test", "self.test", "deny.test", "localhost", "enc.test",
-    "stall.test",
+    "stall.test", "s3.test", "ddb.test",
 ]
 
 # ---------------------------------------------------------------------------------------------
