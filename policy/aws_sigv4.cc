@@ -10,7 +10,12 @@
 #include <utility>
 #include <vector>
 
+#include <boost/json/parser.hpp>
+#include <boost/json/static_resource.hpp>
+#include <boost/json/value.hpp>
+
 #include "common/secure_zero.h"
+#include "policy/header_rules.h"
 
 namespace egress::policy {
 
@@ -243,15 +248,91 @@ bool valid_scope_part(std::string_view s) {
            });
 }
 
+bool valid_access_key_id(std::string_view id) {
+    return id.size() >= 16 && id.size() <= 128 && std::all_of(id.begin(), id.end(), [](char c) {
+               return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9');
+           });
+}
+
+/// The fields of a credentials document, read from `secret` (JSON). The parser's temporary
+/// buffer and the value's storage are arrays of ours, wiped when done.
+Result<bool> read_credentials_document(std::string_view secret, AwsCredentials& out) {
+    constexpr std::string_view kWhat = "credentials document: ";
+    std::vector<unsigned char> arena(2 * secret.size() + 4096);
+    std::array<unsigned char, 4096> temp{};
+    std::string error;
+    try {
+        boost::json::static_resource storage(arena.data(), arena.size());
+        boost::json::parser parser(boost::json::storage_ptr(), {}, temp.data(), temp.size());
+        parser.reset(boost::json::storage_ptr(&storage));
+        boost::json::error_code ec;
+        parser.write(secret.data(), secret.size(), ec);
+        if (ec) {
+            error = "not JSON (expected {\"AccessKeyId\": ..., \"SecretAccessKey\": ..., "
+                    "\"SessionToken\": ...})";
+        } else {
+            const boost::json::value doc = parser.release();
+            const boost::json::object* o = doc.if_object();
+            auto field = [&](const char* name) -> const boost::json::string* {
+                const boost::json::value* v = o != nullptr ? o->if_contains(name) : nullptr;
+                return v != nullptr ? v->if_string() : nullptr;
+            };
+            const boost::json::string* id = field("AccessKeyId");
+            const boost::json::string* key = field("SecretAccessKey");
+            const boost::json::value* token_value =
+                o != nullptr ? o->if_contains("SessionToken") : nullptr;
+            const boost::json::string* token = field("SessionToken");
+            if (o == nullptr) {
+                error = "not a JSON object";
+            } else if (id == nullptr || !valid_access_key_id(*id)) {
+                error = "AccessKeyId is missing or not 16 to 128 letters and digits";
+            } else if (key == nullptr || key->empty()) {
+                error = "SecretAccessKey is missing or not a string";
+            } else if (token_value != nullptr && !token_value->is_null() &&
+                       (token == nullptr || token->empty() || !valid_header_value(*token))) {
+                error = "SessionToken is not a string that can be a header value";
+            } else {
+                out.access_key_id = std::string(*id);
+                out.secret_access_key = std::make_shared<const credstore::SecretValue>(
+                    std::string_view(*key));
+                if (token != nullptr) {
+                    out.session_token = std::make_shared<const credstore::SecretValue>(
+                        std::string_view(*token));
+                }
+            }
+        }
+    } catch (const std::bad_alloc&) {
+        error = "too deeply nested or too large";
+    }
+    egress::secure_zero(arena.data(), arena.size());
+    egress::secure_zero(temp.data(), temp.size());
+    if (!error.empty()) {
+        return make_error(std::string(kWhat) + error);
+    }
+    return true;
+}
+
 }  // namespace
 
+Result<std::shared_ptr<AwsCredentials>> aws_credentials(const InjectSpec& spec,
+                                                        std::string_view secret) {
+    auto creds = std::make_shared<AwsCredentials>();
+    if (!spec.access_key_id.empty()) {
+        creds->access_key_id = spec.access_key_id;
+        creds->secret_access_key = std::make_shared<const credstore::SecretValue>(secret);
+        return creds;
+    }
+    Result<bool> read = read_credentials_document(secret, *creds);
+    if (!read) {
+        return make_error(read.error());
+    }
+    return creds;
+}
+
 std::string aws_spec_error(const InjectSpec& spec) {
-    const std::string& id = spec.access_key_id;
-    if (id.size() < 16 || id.size() > 128 ||
-        !std::all_of(id.begin(), id.end(), [](char c) {
-            return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9');
-        })) {
-        return "inject.access_key_id: expected 16 to 128 letters and digits (e.g. AKIA...)";
+    if (!spec.access_key_id.empty() && !valid_access_key_id(spec.access_key_id)) {
+        return "inject.access_key_id: expected 16 to 128 letters and digits (e.g. AKIA...), "
+               "or none for a credentials document as the secret";
     }
     if (!valid_scope_part(spec.region)) {
         return "inject.region: expected a region such as us-east-1 (lowercase letters, digits, "
@@ -364,10 +445,14 @@ void AwsSigningKeys::key_for(std::string_view day, const InjectSpec& spec,
     std::copy(k.begin(), k.end(), out.begin());
 }
 
-void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret,
-              std::string_view payload_hash, TimePoint now, AwsSigningKeys* keys) {
+void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
+              std::string_view payload_hash, TimePoint now) {
     head.remove("authorization");
-    head.remove("x-amz-security-token");  // the dummy credentials' session: not ours
+    if (creds.session_token) {  // ours, signed with the other x-amz-* fields
+        head.set("x-amz-security-token", std::string(creds.session_token->reveal()));
+    } else {
+        head.remove("x-amz-security-token");  // the dummy credentials' session: not ours
+    }
     const std::string date = amz_date(now);
     head.set("x-amz-date", date);
     std::string signed_headers;
@@ -381,16 +466,12 @@ void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret
     to_sign.append("\n").append(sha256_hex(request));
 
     AwsSigningKeys::Key k_signing;
-    if (keys != nullptr) {
-        keys->key_for(day, spec, secret, k_signing);
-    } else {
-        k_signing = signing_key(day, spec, secret);
-    }
+    creds.keys.key_for(day, spec, creds.secret_access_key->reveal(), k_signing);
     Mac sig = hmac(view(k_signing), to_sign);
     egress::secure_zero(k_signing.data(), k_signing.size());
     std::string value;
     value.reserve(160 + signed_headers.size());
-    value.append(kAlgorithm).append(" Credential=").append(spec.access_key_id).append("/");
+    value.append(kAlgorithm).append(" Credential=").append(creds.access_key_id).append("/");
     value.append(scope).append(", SignedHeaders=").append(signed_headers);
     value.append(", Signature=").append(hex(sig.data(), sig.size()));
     head.set("authorization", std::move(value));

@@ -26,10 +26,12 @@
 // service with dot and empty segments removed and encoded once more (every byte but
 // A-Z a-z 0-9 - . _ ~ and '/', so "%20" becomes "%2520"); the query's pairs as sent, sorted.
 #include <array>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 
+#include "common/result.h"
 #include "policy/request_head.h"
 #include "policy/run_policy.h"
 
@@ -66,16 +68,35 @@ private:
     credstore::SecretPtr key_;
 };
 
+/// What an aws-sigv4 pin signs with, made once per pin (Injection::aws). From the pin's
+/// secret: the secret access key when the spec names an access_key_id; else a credentials
+/// document, JSON with AccessKeyId, SecretAccessKey and, for temporary credentials,
+/// SessionToken (as `aws sts assume-role --query Credentials`, `aws configure
+/// export-credentials` and a credential_process print it; other fields are ignored), so that
+/// temporary credentials rotate as one secret. A session token is sent as
+/// x-amz-security-token, and signed.
+struct AwsCredentials {
+    std::string access_key_id;
+    credstore::SecretPtr secret_access_key;
+    credstore::SecretPtr session_token;  // null: a long-term key
+    AwsSigningKeys keys;                 // the day's signing key
+};
+
+/// Reads the credentials of `spec` from `secret`. The error says what is missing or malformed
+/// ("credentials document: SessionToken is not a string"), never a value. The document is
+/// parsed in buffers that are wiped after.
+Result<std::shared_ptr<AwsCredentials>> aws_credentials(const InjectSpec& spec,
+                                                        std::string_view secret);
+
 /// SHA-256 of `bytes`, lowercase hex (the payload hash of a body read whole).
 std::string aws_payload_hash(std::string_view bytes);
 
-/// Signs `head` for `spec` with `secret` (the secret access key) at `now`: removes the client's
-/// authorization, x-amz-date and x-amz-security-token, sets x-amz-date and authorization
-/// (never_index = "authorization"). `keys`: the pin's day key cache (Injection::aws_keys), or
-/// null to derive the key for this request alone. WARNING: derives key material from the
+/// Signs `head` for `spec` with `creds` at `now`: removes the client's authorization,
+/// x-amz-date and x-amz-security-token, sets x-amz-date, the session token if any, and
+/// authorization (never_index = "authorization"). WARNING: derives key material from the
 /// secret; every copy of a key is wiped before return.
-void aws_sign(RequestHead& head, const InjectSpec& spec, std::string_view secret,
-              std::string_view payload_hash, TimePoint now, AwsSigningKeys* keys = nullptr);
+void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
+              std::string_view payload_hash, TimePoint now);
 
 /// The canonical request of `head` (its x-amz-date already set) and, in `signed_headers`,
 /// the ';'-joined names it signs. Exposed for tests.
@@ -83,6 +104,7 @@ std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spe
                                   std::string_view payload_hash, std::string& signed_headers);
 
 /// Validates an aws-sigv4 injection's fields; errors name the field ("inject.region: ...").
+/// access_key_id may be empty: the secret is then a credentials document (AwsCredentials).
 std::string aws_spec_error(const InjectSpec& spec);
 
 }  // namespace egress::policy

@@ -83,6 +83,10 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
     const bool aws = pin.inject.type == InjectType::AwsSigV4;
     AwsPayload payload;
     if (aws) {
+        if (!inj.aws) {
+            d = refuse(503, "aws_credentials_invalid");  // fail closed, never forward bare
+            return;
+        }
         payload = aws_payload(head, pin.inject, ctx.body_empty);
         if (payload.kind == AwsPayload::Kind::Refuse) {
             d = refuse(400, payload.reason);
@@ -108,12 +112,12 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
         // whose hash is needed is signed when the exchange has read it (sign_with_body).
         if (payload.kind == AwsPayload::Kind::NeedBody) {
             d.sign_body = true;
+            d.aws = inj.aws;
         } else {
             if (payload.add_header) {
                 head.set("x-amz-content-sha256", payload.hash);
             }
-            aws_sign(head, pin.inject, pin.secret->reveal(), payload.hash, ctx.now,
-                     inj.aws_keys.get());
+            aws_sign(head, pin.inject, *inj.aws, payload.hash, ctx.now);
         }
     }
     d.pin = &pin;
@@ -190,9 +194,8 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
 }
 
 void sign_with_body(RequestHead& head, const Decision& d, std::string_view body, TimePoint now) {
-    assert(d.sign_body && d.pin != nullptr && d.pin->secret);
-    aws_sign(head, d.pin->inject, d.pin->secret->reveal(), aws_payload_hash(body), now,
-             d.pin->injection ? d.pin->injection->aws_keys.get() : nullptr);
+    assert(d.sign_body && d.pin != nullptr && d.aws);
+    aws_sign(head, d.pin->inject, *d.aws, aws_payload_hash(body), now);
 }
 
 }  // namespace egress::policy

@@ -38,6 +38,7 @@ struct Decision {
     /// the head is not signed yet. The caller reads the body whole (bounded by
     /// limits.sign_body_bytes), then calls sign_with_body() before the head leaves.
     bool sign_body = false;
+    std::shared_ptr<AwsCredentials> aws;  // with sign_body: what signs it
 
     bool forward() const { return status == 0; }
 };
@@ -61,7 +62,8 @@ void sign_with_body(RequestHead& head, const Decision& d, std::string_view body,
 ///     "cleartext_no_credential" is recorded while forwarding).
 ///     An aws-sigv4 pin signs the request instead (policy/aws_sigv4.h): a chunk-signed upload,
 ///     a presigned query or a malformed x-amz-content-sha256 → 400 "aws_chunk_signing" /
-///     "aws_presigned_query" / "bad_aws_payload_hash".
+///     "aws_presigned_query" / "bad_aws_payload_hash"; a secret that is no valid credentials
+///     document → 503 "aws_credentials_invalid".
 ///  4. expiry: an expired or revoked run → 403 "run_expired" / "run_revoked".
 class RequestPipeline {
 public:

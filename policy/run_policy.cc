@@ -242,11 +242,23 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     auto inj = std::make_shared<Injection>();
     inj->header = injected_header_name(spec);
     std::string value = injected_header_value(spec, secret.reveal());
+    // The key searched in answers: the secret, or the secret access key of a credentials
+    // document (and its session token below); the document itself is never sent as it is.
+    std::string_view key = secret.reveal();
+    if (spec.type == InjectType::AwsSigV4) {
+        auto creds = aws_credentials(spec, secret.reveal());
+        if (creds) {
+            inj->aws = std::move(*creds);
+            key = inj->aws->secret_access_key->reveal();
+        } else {
+            inj->aws_error = creds.error();
+        }
+    }
     std::vector<std::string> needles;
     // Room for every needle at once: a reallocation would move short (inline) strings and
     // free their old bytes unwiped.
     needles.reserve(16);
-    needles.emplace_back(secret.reveal());
+    needles.emplace_back(key);
     if (!value.empty()) {  // aws-sigv4 has no fixed value: a signature per request
         needles.push_back(value);
     }
@@ -256,16 +268,19 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     // The secret and the basic blob as they are echoed inside a URL or a JSON string. The
     // injected value's own forms are not needed: each holds the secret's (or the blob's)
     // form, which is searched already.
-    add_echo_forms(secret.reveal(), needles);
+    add_echo_forms(key, needles);
+    if (inj->aws && inj->aws->session_token) {
+        const std::string_view token = inj->aws->session_token->reveal();
+        needles.emplace_back(token);
+        add_echo_forms(token, needles);
+    }
     if (spec.type == InjectType::Basic) {
         std::string blob = needles[2];
         add_echo_forms(blob, needles);
         egress::secure_wipe(blob);
     }
     inj->scrub = std::make_shared<const ScrubPlan>(std::move(needles));  // wipes them
-    if (spec.type == InjectType::AwsSigV4) {
-        inj->aws_keys = std::make_shared<AwsSigningKeys>();
-    }
+
     inj->value = std::make_shared<const credstore::SecretValue>(value);
     egress::secure_wipe(value);
     return inj;

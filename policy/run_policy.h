@@ -62,13 +62,16 @@ Result<std::vector<Header>> validate_extra_headers(const std::vector<Header>& he
 /// once when the pin is built (prepare_injection), so a request copies the value into its
 /// head and shares the plan: building both per request was ~3 k instructions and about
 /// five allocations. WARNING: holds secret bytes (in mlock'ed buffers, wiped when dropped).
-class AwsSigningKeys;  // policy/aws_sigv4.h
+struct AwsCredentials;  // policy/aws_sigv4.h
 
 struct Injection {
     std::string header;                      // lowercase name ("authorization", ...)
     credstore::SecretPtr value;              // the header value: "Bearer S", ... ("" for aws)
     std::shared_ptr<const ScrubPlan> scrub;  // the secret, the value, a basic blob
-    std::shared_ptr<AwsSigningKeys> aws_keys;  // aws-sigv4: the day's signing key, shared
+    // aws-sigv4: what it signs with (null if the secret is not a valid credentials document:
+    // `aws_error` says why, without a value).
+    std::shared_ptr<AwsCredentials> aws;
+    std::string aws_error;
 };
 
 /// The injection of `secret` by `spec` (injected_header_name, injected_header_value).

@@ -760,6 +760,9 @@ public:
         only_for("template", InjectType::Header, "header");
         for (const char* key : {"access_key_id", "region", "service"}) {
             only_for(key, InjectType::AwsSigV4, "aws-sigv4");
+        }
+        // Without access_key_id the secret is a credentials document (policy/aws_sigv4.h).
+        for (const char* key : {"region", "service"}) {
             if (spec.type == InjectType::AwsSigV4 && seen.count(key) == 0) {
                 error(join_path(path, key), "required for type aws-sigv4");
             }

@@ -384,7 +384,7 @@ json::value pin_json(const credstore::PinRecord& p) {
     if (!p.inject.name.empty()) inj["name"] = p.inject.name;
     if (p.inject.type == "header") inj["template"] = p.inject.value_template;
     if (p.inject.type == "aws-sigv4") {  // names what it signs for; the key stays a secret
-        inj["access_key_id"] = p.inject.access_key_id;
+        if (!p.inject.access_key_id.empty()) inj["access_key_id"] = p.inject.access_key_id;
         inj["region"] = p.inject.region;
         inj["service"] = p.inject.service;
     }
@@ -815,10 +815,12 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
     p.inject.username = *user;
     p.inject.name = *name;
     p.inject.value_template = tmpl->empty() ? "{secret}" : *tmpl;
+    // access_key_id may be left out: the secret is then a credentials document.
     for (auto [key, out] : {std::pair{"access_key_id", &p.inject.access_key_id},
                             std::pair{"region", &p.inject.region},
                             std::pair{"service", &p.inject.service}}) {
-        auto v = get_string(io, key, path + ".inject.", *type == "aws-sigv4");
+        const bool required = *type == "aws-sigv4" && std::string_view(key) != "access_key_id";
+        auto v = get_string(io, key, path + ".inject.", required);
         if (!v) return make_error(v.error());
         *out = *v;
     }
@@ -1533,6 +1535,12 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
             pin.secret = value;
             pin.expires_at = policy::Clock::from_time_t(p.expires_at);
             injections.prepare(pin);
+            if (pin.injection && !pin.injection->aws_error.empty() && warnings != nullptr) {
+                warnings->lines.push_back("run " + id + " pin " + pin.id + ": secret '" +
+                                          pin.secret_name + "': " + pin.injection->aws_error +
+                                          "; requests for " + p.host +
+                                          " are refused (503 aws_credentials_invalid)");
+            }
             run->policy.pins.push_back(std::move(pin));
         }
         policy::index_pins(run->policy);

@@ -143,6 +143,12 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                 }
                 pin.secret = *s;
                 policy::prepare_injection(pin);
+                if (pin.injection && !pin.injection->aws_error.empty()) {
+                    warnings.lines.push_back(pc.yaml_path + ".secret_file: " +
+                                             pin.injection->aws_error + "; requests for " +
+                                             pc.host.text() +
+                                             " are refused (503 aws_credentials_invalid)");
+                }
             } else {
                 // A store secret: resolved by the control plane, which reads the store
                 // (ControlPlane::build_runtime); until then the pin is off.

@@ -79,7 +79,7 @@ const char* kUsage =
     "  secret rm NAME [--scope ...]\n"
     "  run create --scope org=ORG [--scope project=P] [--scope user=U] [--scope workflow=W]\n"
     "             [--pin HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME[:TEMPLATE]\n"
-    "                    |aws-sigv4:ACCESS_KEY_ID:REGION:SERVICE]...\n"
+    "                    |aws-sigv4:[ACCESS_KEY_ID]:REGION:SERVICE]...\n"
     "             [PIN OPTIONS] [--allow HOST]... [--ttl 30m] [--env] [--ca-out FILE]\n"
     "  run pin ID --pin HOST[:PORT]=SECRET:TYPE [PIN OPTIONS] [--ttl 10m]\n"
     "                     add a pin to a run (its ttl never past the run's end)\n"
@@ -359,7 +359,9 @@ json::object parse_pin(const std::string& text) {
             throw bad("aws-sigv4 needs ACCESS_KEY_ID:REGION:SERVICE");
         }
         inject["type"] = "aws-sigv4";
-        inject["access_key_id"] = arg.substr(0, c3);
+        if (c3 > 0) {  // none: the secret is a credentials document
+            inject["access_key_id"] = arg.substr(0, c3);
+        }
         inject["region"] = arg.substr(c3 + 1, c4 - c3 - 1);
         inject["service"] = arg.substr(c4 + 1);
     } else {

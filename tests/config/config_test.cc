@@ -226,6 +226,9 @@ runs:
         secret: aws_secret_key
         inject: {type: aws-sigv4, access_key_id: AKIAIOSFODNN7EXAMPLE, region: eu-west-1,
                  service: s3}
+      - host: sts.amazonaws.com
+        secret: aws_role_credentials
+        inject: {type: aws-sigv4, region: us-east-1, service: sts}
   - id: other.run_2
     token_file: /etc/egressd/other.token
     ttl: null
@@ -339,7 +342,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     ASSERT_TRUE(a.scope.has_value());
     EXPECT_EQ(a.scope->to_string(), "org=acme,project=web,workflow=nightly");
     EXPECT_FALSE(c.runs[1].scope.has_value());
-    ASSERT_EQ(a.pins.size(), 4u);
+    ASSERT_EQ(a.pins.size(), 5u);
 
     const PinConfig& bearer = a.pins[0];
     EXPECT_EQ(bearer.yaml_path, "runs[0].pins[0]");
@@ -374,6 +377,10 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(aws.inject.access_key_id, "AKIAIOSFODNN7EXAMPLE");
     EXPECT_EQ(aws.inject.region, "eu-west-1");
     EXPECT_EQ(aws.inject.service, "s3");
+    const PinConfig& role = a.pins[4];  // a credentials document as the secret
+    EXPECT_EQ(role.inject.type, policy::InjectType::AwsSigV4);
+    EXPECT_TRUE(role.inject.access_key_id.empty());
+    EXPECT_EQ(role.inject.service, "sts");
 
     const RunConfig& b = c.runs[1];
     EXPECT_EQ(b.id, "other.run_2");
@@ -644,6 +651,9 @@ const ErrorRow kErrorRows[] = {
      run_with_pin("        secret: s\n        inject: {type: aws-sigv4, access_key_id: "
                   "AKIAIOSFODNN7EXAMPLE, region: us-east-1, service: S3}\n"),
      "runs[0].pins[0].inject.service: expected a service such as s3"},
+    {"AwsWithoutService",
+     run_with_pin("        secret: s\n        inject: {type: aws-sigv4, region: us-east-1}\n"),
+     "runs[0].pins[0].inject.service: required for type aws-sigv4"},
     {"RegionWithBearer",
      run_with_pin("        secret: s\n        inject: {type: bearer, region: us-east-1}\n"),
      "runs[0].pins[0].inject.region: only valid with type aws-sigv4"},

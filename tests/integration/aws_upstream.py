@@ -76,6 +76,9 @@ class Expect:
     secret: str = field(repr=False)  # never printed
     region: str = "us-east-1"
     service: str = "s3"
+    # temporary credentials: the x-amz-security-token every request must carry (and sign);
+    # None: a long-term key, and a request with a token is refused
+    session_token: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -209,6 +212,14 @@ def verify(method: str, raw_target: str, headers: list[tuple[str, str]], body: b
         if s not in present:
             return _fail(403, "SignatureDoesNotMatch",
                          f"signed header {s!r} is not in the request", **v)
+    tokens = hget("x-amz-security-token")
+    if exp.session_token is None and tokens:
+        return _fail(403, "InvalidToken", "a session token came with a long-term key", **v)
+    if exp.session_token is not None and (
+            len(tokens) != 1 or not hmac.compare_digest(tokens[0].strip().encode(),
+                                                        exp.session_token.encode())):
+        return _fail(403, "InvalidToken", "the session token is missing or not the one of "
+                     "this access key id", **v)
     sha = hget("x-amz-content-sha256")
     if len(sha) > 1:
         return _fail(400, "InvalidRequest", "several x-amz-content-sha256 fields", **v)

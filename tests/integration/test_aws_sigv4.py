@@ -638,3 +638,72 @@ def test_no_secret_in_anything_egressd_wrote(world, factory, aws):
     assert leaks == [], f"secret bytes found in files egressd wrote (file, form): {leaks}"
     leaked = [i for i, f in enumerate(forms) for b in seen_by_client if f in b]
     assert leaked == [], f"forms {sorted(set(leaked))} of the secret reached the client"
+
+
+# ---------------------------------------------------------------------------------------------
+# temporary credentials: the secret is a credentials document with a session token
+
+
+def credentials_document(akid: str, secret: str, token: str) -> str:
+    """As `aws sts assume-role --query Credentials` prints it."""
+    return json.dumps({"AccessKeyId": akid, "SecretAccessKey": secret, "SessionToken": token,
+                       "Expiration": "2026-12-06T23:00:00+00:00"})
+
+
+def test_temporary_credentials_rotate_as_one_secret(world, factory, aws):
+    """A pin without access_key_id reads its secret as a credentials document: egressd signs
+    with its AccessKeyId and SecretAccessKey and sends its SessionToken (signed); a new
+    document in the same secret (SIGHUP) switches all three at once."""
+    first = ("ASIAEGRESSTEMP000001", aws_like_secret(), "FwoGZXIvYXdz" + os.urandom(48).hex())
+    second = ("ASIAEGRESSTEMP000002", aws_like_secret(), "FwoGZXIvYXdz" + os.urandom(48).hex())
+    for _, key, token in (first, second):
+        _REDACT.extend([key, token])
+    role = AwsUpstream(world.pki.server_cert, world.pki.server_key, {
+        "ddb.test": Expect(first[0], first[1], REGION, "dynamodb", session_token=first[2])})
+    doc_file = os.path.join(world.tmp, "secrets", "aws_role")
+    with open(doc_file, "w") as f:
+        f.write(credentials_document(*first))
+    os.chmod(doc_file, 0o600)
+
+    def mutate(cfg):
+        aws_pins(aws)(cfg)
+        r1 = next(r for r in cfg["runs"] if r["id"] == "r1")
+        r1["pins"].append({"host": f"ddb.test:{role.port}", "secret_file": doc_file,
+                           "inject": {"type": "aws-sigv4", "region": REGION,
+                                      "service": "dynamodb"}})
+        cfg["policy"]["allowed_ports"].append(role.port)
+    try:
+        e2 = factory.start(mutate)
+        e2.secrets = {**e2.secrets, SECRET_NAME: aws.secret, "role_key_1": first[1],
+                      "role_token_1": first[2], "role_key_2": second[1],
+                      "role_token_2": second[2]}
+        ddb = boto(world, e2, "dynamodb", "ddb.test", role.port)
+        assert "egress-table-a" in ddb.list_tables()["TableNames"]
+        [s1] = role.requests
+        assert s1.verified, "upstream did not verify:\n" + show(s1.explain())
+        assert s1.verdict.akid == first[0]
+        assert "x-amz-security-token" in s1.verdict.signed_headers
+        # rotated: a new document in the same secret, then a reload
+        with open(doc_file, "w") as f:
+            f.write(credentials_document(*second))
+        role.set_expect("ddb.test", Expect(second[0], second[1], REGION, "dynamodb",
+                                           session_token=second[2]))
+        e2.reload()
+        assert "egress-table-a" in ddb.list_tables()["TableNames"]
+        s2 = role.requests[-1]
+        assert s2.verified, "upstream did not verify after the rotation:\n" + show(s2.explain())
+        assert s2.verdict.akid == second[0]
+        # a document that is not one: refused, named in the log without a value
+        with open(doc_file, "w") as f:
+            f.write(second[1])  # the bare key, without its id
+        e2.reload()
+        n0 = len(role.requests)
+        with pytest.raises(ClientError) as err:
+            ddb.list_tables()
+        assert err.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+        assert len(role.requests) == n0, "nothing may reach the upstream unsigned"
+        log = e2.stderr_text()
+        assert "credentials document: not JSON" in log and "aws_credentials_invalid" in log
+        assert e2.leaks() == [], "a key or token in what egressd wrote"
+    finally:
+        role.close()

@@ -833,14 +833,19 @@ def test_egressctl_run_create_show_revoke(cp, world, api_secret):
                "--pin", f"basic.test:{world.U}=api_tok:basic:robot",
                "--pin", f"hdr.test:{world.U}=api_tok:header:X-Api-Key",
                "--pin", f"s3.test:{world.U}=api_tok:aws-sigv4:AKIAIOSFODNN7EXAMPLE:eu-west-1:s3",
+               "--pin", f"ddb.test:{world.U}=api_tok:aws-sigv4::us-east-1:dynamodb",
                "--allow", "tunnel.test", "--ttl", "10m")
     j = json.loads(r.out)
     for k in ("id", "proxy_url", "expires_at", "pins"):
         assert k in j, k
-    assert [p["inject"]["type"] for p in j["pins"]] == ["bearer", "basic", "header", "aws-sigv4"]
+    assert [p["inject"]["type"] for p in j["pins"]] == ["bearer", "basic", "header", "aws-sigv4",
+                                                         "aws-sigv4"]
     assert j["pins"][2]["inject"]["name"] == "x-api-key"
     assert j["pins"][3]["inject"] == {"type": "aws-sigv4", "access_key_id": "AKIAIOSFODNN7EXAMPLE",
                                       "region": "eu-west-1", "service": "s3"}
+    # no key id: the secret is a credentials document
+    assert j["pins"][4]["inject"] == {"type": "aws-sigv4", "region": "us-east-1",
+                                      "service": "dynamodb"}
     show = json.loads(ctl_ok(cp, "run", "show", j["id"]).out)
     assert show["id"] == j["id"] and show["allow_hosts"] == ["tunnel.test"]
     assert show["scope"] == {"org": "acme", "user": "ana"}

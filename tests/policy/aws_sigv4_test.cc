@@ -47,6 +47,14 @@ RequestHead head(std::string method, std::string authority, std::string path,
     return h;
 }
 
+/// aws_sign with credentials made from a spec and a secret access key.
+void sign_with(RequestHead& h, const InjectSpec& s, std::string_view secret,
+               std::string_view payload_hash, TimePoint now) {
+    Result<std::shared_ptr<AwsCredentials>> creds = aws_credentials(s, secret);
+    ASSERT_TRUE(creds) << creds.error();
+    aws_sign(h, s, **creds, payload_hash, now);
+}
+
 std::string signature_of(const RequestHead& h) {
     const std::string* auth = h.find("authorization");
     if (auth == nullptr) {
@@ -58,7 +66,7 @@ std::string signature_of(const RequestHead& h) {
 
 TEST(AwsSigV4, SignsTheTestSuitesGetVanilla) {
     RequestHead h = head("GET", "example.amazonaws.com", "/");
-    aws_sign(h, spec("AKIDEXAMPLE", "us-east-1", "service"),
+    sign_with(h, spec("AKIDEXAMPLE", "us-east-1", "service"),
              "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", kEmpty, at(2015, 8, 30, 12, 36, 0));
     ASSERT_NE(h.find("x-amz-date"), nullptr);
     EXPECT_EQ(*h.find("x-amz-date"), "20150830T123600Z");
@@ -74,7 +82,7 @@ TEST(AwsSigV4, SignsTheS3GuidesGetObjectWithRange) {
     RequestHead h = head("GET", "examplebucket.s3.amazonaws.com", "/test.txt",
                          {{"range", "bytes=0-9"}, {"x-amz-content-sha256", std::string(kEmpty)},
                           {"user-agent", "not signed"}});
-    aws_sign(h, spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3"),
+    sign_with(h, spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3"),
              "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", kEmpty, at(2013, 5, 24, 0, 0, 0));
     EXPECT_NE(h.find("authorization")->find("SignedHeaders=host;range;x-amz-content-sha256;"
                                             "x-amz-date,"),
@@ -85,7 +93,7 @@ TEST(AwsSigV4, SignsTheS3GuidesGetObjectWithRange) {
 TEST(AwsSigV4, SignsTheS3GuidesListObjectsQuery) {
     RequestHead h = head("GET", "examplebucket.s3.amazonaws.com", "/?max-keys=2&prefix=J",
                          {{"x-amz-content-sha256", std::string(kEmpty)}});
-    aws_sign(h, spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3"),
+    sign_with(h, spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3"),
              "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", kEmpty, at(2013, 5, 24, 0, 0, 0));
     EXPECT_EQ(signature_of(h), "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7");
 }
@@ -106,7 +114,7 @@ TEST(AwsSigV4, EncodesAPathTwiceAndSortsTheQueryForServicesOtherThanS3) {
               "content-type;host;x-amz-date;x-amz-target\n"
               "55522f708dcfebccb7bd3e8d0001a53ecaf2beca9ca801f1e9161e24215faa99");
     EXPECT_EQ(signed_headers, "content-type;host;x-amz-date;x-amz-target");
-    aws_sign(h, s, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", aws_payload_hash(body),
+    sign_with(h, s, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", aws_payload_hash(body),
              at(2026, 12, 6, 12, 0, 0));
     EXPECT_EQ(signature_of(h), "e464de191d129ad37b38f430418b47a35471624c670b543c387f059506449300");
 }
@@ -114,20 +122,92 @@ TEST(AwsSigV4, EncodesAPathTwiceAndSortsTheQueryForServicesOtherThanS3) {
 TEST(AwsSigV4, KeepsTheDaysSigningKeyAndMakesTheNextDaysOwn) {
     const InjectSpec s = spec("AKIDEXAMPLE", "us-east-1", "service");
     const std::string secret = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY";
-    AwsSigningKeys keys;
-    auto sign = [&](TimePoint when, AwsSigningKeys* k) {
+    std::shared_ptr<AwsCredentials> kept = *aws_credentials(s, secret);
+    auto sign = [&](TimePoint when, AwsCredentials& creds) {
         RequestHead h = head("GET", "example.amazonaws.com", "/");
-        aws_sign(h, s, secret, kEmpty, when, k);
+        aws_sign(h, s, creds, kEmpty, when);
         return signature_of(h);
     };
-    // get-vanilla with the cache, twice (made, then kept), and the next day (made again).
-    EXPECT_EQ(sign(at(2015, 8, 30, 12, 36, 0), &keys),
+    // get-vanilla with one pin's credentials, twice (key made, then kept), and the next day
+    // (made again: the same as fresh credentials give).
+    EXPECT_EQ(sign(at(2015, 8, 30, 12, 36, 0), *kept),
               "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
-    EXPECT_EQ(sign(at(2015, 8, 30, 12, 36, 0), &keys),
+    EXPECT_EQ(sign(at(2015, 8, 30, 12, 36, 0), *kept),
               "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
-    const std::string next_day = sign(at(2015, 8, 31, 0, 0, 1), &keys);
-    EXPECT_EQ(next_day, sign(at(2015, 8, 31, 0, 0, 1), nullptr));
+    const std::string next_day = sign(at(2015, 8, 31, 0, 0, 1), *kept);
+    EXPECT_EQ(next_day, sign(at(2015, 8, 31, 0, 0, 1), **aws_credentials(s, secret)));
     EXPECT_NE(next_day, "");
+    EXPECT_NE(next_day, "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31");
+}
+
+TEST(AwsSigV4, ReadsACredentialsDocumentWithASessionToken) {
+    // As `aws sts assume-role --query Credentials` prints it (Expiration ignored).
+    InjectSpec s = spec("", "us-east-1", "service");
+    const std::string doc =
+        R"({"AccessKeyId": "ASIAEXAMPLETEMP00001", "SecretAccessKey": )"
+        R"("wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", "SessionToken": "FwoGZXIvYXdzEXAMPLE==",)"
+        R"( "Expiration": "2026-12-06T15:00:00+00:00"})";
+    Result<std::shared_ptr<AwsCredentials>> creds = aws_credentials(s, doc);
+    ASSERT_TRUE(creds) << creds.error();
+    EXPECT_EQ((*creds)->access_key_id, "ASIAEXAMPLETEMP00001");
+    ASSERT_NE((*creds)->session_token, nullptr);
+    RequestHead h = head("GET", "example.amazonaws.com", "/",
+                         {{"x-amz-security-token", "the-sandbox-dummy-token"}});
+    aws_sign(h, s, **creds, kEmpty, at(2015, 8, 30, 12, 36, 0));
+    ASSERT_EQ(h.count("x-amz-security-token"), 1u);
+    EXPECT_EQ(*h.find("x-amz-security-token"), "FwoGZXIvYXdzEXAMPLE==");
+    const std::string& auth = *h.find("authorization");
+    EXPECT_EQ(auth.rfind("AWS4-HMAC-SHA256 Credential=ASIAEXAMPLETEMP00001/20150830/", 0), 0u);
+    EXPECT_NE(auth.find("SignedHeaders=host;x-amz-date;x-amz-security-token,"),
+              std::string::npos);
+    // The same request signed with the key alone differs only by the token it signs.
+    s.access_key_id = "ASIAEXAMPLETEMP00001";
+    RequestHead plain = head("GET", "example.amazonaws.com", "/",
+                             {{"x-amz-security-token", "FwoGZXIvYXdzEXAMPLE=="}});
+    std::string signed_headers;
+    plain.set("x-amz-date", "20150830T123600Z");
+    EXPECT_EQ(aws_canonical_request(plain, s, kEmpty, signed_headers),
+              aws_canonical_request(h, s, kEmpty, signed_headers));
+}
+
+TEST(AwsSigV4, RefusesAMalformedCredentialsDocumentWithoutItsValues) {
+    const InjectSpec s = spec("", "us-east-1", "s3");
+    const std::string key = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY";
+    for (const std::string& doc : std::vector<std::string>{
+             key, "[1]", R"({"SecretAccessKey": ")" + key + R"("})",
+          R"({"AccessKeyId": "AKIA/BAD", "SecretAccessKey": ")" + key + R"("})",
+          R"({"AccessKeyId": "AKIAIOSFODNN7EXAMPLE", "SecretAccessKey": 5})",
+          R"({"AccessKeyId": "AKIAIOSFODNN7EXAMPLE", "SecretAccessKey": ")" + key +
+              R"(", "SessionToken": "a
+b"})"}) {
+        Result<std::shared_ptr<AwsCredentials>> creds = aws_credentials(s, doc);
+        ASSERT_FALSE(creds);
+        EXPECT_EQ(creds.error().rfind("credentials document: ", 0), 0u) << creds.error();
+        EXPECT_EQ(creds.error().find("wJalrXUtnFEMI"), std::string::npos);
+    }
+    // A pin on such a secret refuses (503) instead of forwarding without a signature.
+    Pin pin;
+    pin.id = "p";
+    pin.host = *HostPattern::parse("aws.test");
+    pin.inject = s;
+    pin.secret = std::make_shared<const credstore::SecretValue>(key);
+    prepare_injection(pin);
+    ASSERT_NE(pin.injection, nullptr);
+    EXPECT_EQ(pin.injection->aws, nullptr);
+    EXPECT_EQ(pin.injection->aws_error.rfind("credentials document: not JSON", 0), 0u);
+    RunPolicy run;
+    run.id = "r";
+    run.pins.push_back(pin);
+    GlobalPolicy global;
+    RequestContext ctx;
+    ctx.global = &global;
+    ctx.run = &run;
+    ctx.target = HostPort{"aws.test", 443};
+    ctx.tls = true;
+    RequestHead h = head("GET", "aws.test", "/b/k");
+    const Decision d = RequestPipeline().run(h, ctx);
+    EXPECT_EQ(d.status, 503);
+    EXPECT_EQ(d.reason, "aws_credentials_invalid");
 }
 
 TEST(AwsSigV4, SignsThePathAndQueryAsSentForS3AndNormalizedForOthers) {
@@ -276,7 +356,7 @@ TEST(AwsSigV4Pipeline, ReplacesTheSandboxesSignature) {
     RequestHead again = head("GET", "aws.test", "/bkt/key",
                              {{"x-amz-content-sha256", std::string(kEmpty)},
                               {"accept-encoding", "identity"}});
-    aws_sign(again, c.run.pins[0].inject, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", kEmpty,
+    sign_with(again, c.run.pins[0].inject, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", kEmpty,
              c.ctx.now);
     EXPECT_EQ(signature_of(h), signature_of(again));
     ASSERT_NE(d.scrub, nullptr);  // the secret key is still scrubbed from answers
@@ -306,7 +386,7 @@ TEST(AwsSigV4Pipeline, LeavesABodyHashToTheCallerThenSignsIt) {
     RequestHead direct = head("POST", "aws.test", "/",
                               {{"content-type", "application/x-amz-json-1.0"},
                                {"accept-encoding", "identity"}});
-    aws_sign(direct, c.run.pins[0].inject, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
+    sign_with(direct, c.run.pins[0].inject, "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY",
              aws_payload_hash("{\"Limit\":1}"), c.ctx.now);
     EXPECT_EQ(signature_of(h), signature_of(direct));
     EXPECT_NE(signature_of(h), "");
