@@ -1406,6 +1406,17 @@ void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& sna
                 for (const auto& old : prev->second.served->policy.pins) injections.remember(old);
             }
             served = with_store_secrets(*statics, values, injections);
+            for (size_t i = 0; warnings != nullptr && i < values.size(); ++i) {
+                const auto& sp = statics->store_pins[i];
+                for (const policy::Pin& p : served->policy.pins) {
+                    if (p.id == sp.pin.id && p.injection && !p.injection->aws_error.empty()) {
+                        warnings->lines.push_back(sp.yaml_path + ".secret: " +
+                                                  p.injection->aws_error + "; requests for " +
+                                                  sp.pin.host.text() +
+                                                  " are refused (503 aws_credentials_invalid)");
+                    }
+                }
+            }
         }
         next[id] = {statics, fp, served};
         if (rt.anonymous == statics) {

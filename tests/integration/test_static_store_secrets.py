@@ -164,3 +164,33 @@ def test_the_admin_api_shows_a_static_run_and_refuses_to_change_it(e, world):
     c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth("r1"))
     c.close()
     assert r.status == 200, r.status
+
+
+def test_a_store_secret_that_is_no_aws_credentials_document(factory, world, marker):
+    """A static aws-sigv4 pin without access_key_id takes a credentials document from the
+    store: a value that is none is named in the log (the pin, the problem, no value) and its
+    requests are refused 503 aws_credentials_invalid, never sent unsigned."""
+    U = world.U
+
+    def mutate(cfg):
+        r1 = cfg["runs"][0]
+        r1["scope"] = {"org": "acme"}
+        r1["pins"].append({"host": f"enc.test:{U}", "secret": "aws_role",
+                           "inject": {"type": "aws-sigv4", "region": "us-east-1",
+                                      "service": "s3"}})
+        cfg["resolver"]["overrides"]["enc.test"] = ["127.0.0.1"]
+    e = factory.start(mutate=mutate)
+    key = "wJalrXUtnFEMI/K7MDENG+" + pysecrets.token_hex(9)
+    put_secret(e, "aws_role", key, org="acme")  # the bare key, not a document
+    where = f"runs[0].pins[{len(e.config['runs'][0]['pins']) - 1}].secret"
+    helpers.poll(lambda: f"{where}: credentials document: not JSON" in e.stderr_text(), 5,
+                 "the warning naming the pin")
+    line = [ln for ln in e.stderr_text().splitlines() if where in ln][-1]
+    assert f"requests for enc.test:{U} are refused (503 aws_credentials_invalid)" in line, line
+    n0 = len(world.upstream.requests)
+    c = helpers.tunnel(e.proxy_port, "enc.test", U, world.auth("r1"),
+                       e.config["runs"][0]["ca_cert_out"])
+    resp = helpers.request(c, "GET", f"/echo/{marker}", f"enc.test:{U}")
+    c.close()
+    assert (resp.status, resp.egress_reason) == (503, "aws_credentials_invalid")
+    assert world.upstream.find(marker) == [] and len(world.upstream.requests) == n0
