@@ -215,7 +215,6 @@ std::string_view view(const Mac& m) {
     return {reinterpret_cast<const char*>(m.data()), m.size()};
 }
 
-
 /// HMAC("AWS4" + secret, day), then the region, the service and "aws4_request": the key that
 /// signs for a whole day. Every step is wiped.
 Mac signing_key(std::string_view day, const InjectSpec& spec, std::string_view secret) {
@@ -357,8 +356,12 @@ AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool bod
         }
     }
     if (const std::string* declared = head.find("x-amz-content-sha256")) {
-        if (is_hex64(*declared)) {
-            p.hash = ascii_lower(*declared);
+        // Signed as sent: the header goes upstream as it is, and AWS reads the hash from it.
+        if (head.count("x-amz-content-sha256") != 1) {
+            p.kind = AwsPayload::Kind::Refuse;
+            p.reason = "bad_aws_payload_hash";
+        } else if (is_hex64(*declared)) {
+            p.hash = *declared;
         } else if (*declared == kUnsigned || *declared == "STREAMING-UNSIGNED-PAYLOAD-TRAILER") {
             p.hash = *declared;
         } else if (declared->starts_with("STREAMING-")) {

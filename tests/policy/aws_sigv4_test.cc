@@ -266,8 +266,14 @@ TEST(AwsSigV4, DecidesThePayloadHashFromTheHead) {
 
     p = aws_payload(head("POST", "ddb.test", "/", {{"x-amz-content-sha256", hex}}), ddb, false);
     EXPECT_EQ(p.kind, AwsPayload::Kind::Hash);
-    EXPECT_EQ(p.hash, std::string(64, 'a'));
+    EXPECT_EQ(p.hash, hex);      // as sent: AWS reads it from the header, which goes as it is
     EXPECT_FALSE(p.add_header);  // the client's own stays
+
+    p = aws_payload(head("POST", "ddb.test", "/", {{"x-amz-content-sha256", hex},
+                                                   {"x-amz-content-sha256", "UNSIGNED-PAYLOAD"}}),
+                    ddb, false);
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Refuse);
+    EXPECT_STREQ(p.reason, "bad_aws_payload_hash");
 
     p = aws_payload(head("PUT", "s3.test", "/b/k",
                          {{"x-amz-content-sha256", "STREAMING-UNSIGNED-PAYLOAD-TRAILER"}}),
