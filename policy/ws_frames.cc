@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "common/secure_zero.h"
+
 namespace egress::policy {
 
 std::string websocket_accept(std::string_view key) {
@@ -19,7 +21,34 @@ std::string websocket_accept(std::string_view key) {
 }
 
 WsServerScrubber::WsServerScrubber(std::shared_ptr<const ScrubPlan> plan)
-    : payload_(std::move(plan)) {}
+    : keep_(plan != nullptr && plan->max_len() > 0 ? plan->max_len() - 1 : 0),
+      message_(plan),
+      control_payload_(std::move(plan)) {}
+
+WsServerScrubber::~WsServerScrubber() {
+    egress::secure_wipe(carry_);
+}
+
+namespace {
+
+/// Appends an unmasked frame header: `first` (FIN, opcode) and `len` in its shortest form.
+void append_header(std::string& out, uint8_t first, uint64_t len) {
+    out.push_back(static_cast<char>(first));
+    if (len < 126) {
+        out.push_back(static_cast<char>(len));
+    } else if (len <= 0xffff) {
+        out.push_back(static_cast<char>(126));
+        out.push_back(static_cast<char>(len >> 8));
+        out.push_back(static_cast<char>(len & 0xff));
+    } else {
+        out.push_back(static_cast<char>(127));
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            out.push_back(static_cast<char>((len >> shift) & 0xff));
+        }
+    }
+}
+
+}  // namespace
 
 bool WsServerScrubber::take_header(std::string_view& in, std::string& out) {
     while (have_ < need_ && !in.empty()) {
@@ -49,13 +78,41 @@ bool WsServerScrubber::take_header(std::string_view& in, std::string& out) {
             len = (len << 8) | header_[i];
         }
     }
-    out.append(reinterpret_cast<const char*>(header_), have_);
+    const uint8_t opcode = header_[0] & 0x0f;
+    control_ = opcode >= 8;
+    if (control_) {
+        out.append(reinterpret_cast<const char*>(header_), have_);
+    } else {
+        if (opcode != 0 && in_message_) {
+            error_ = "upstream_interleaved_message";
+            return false;
+        }
+        fin_ = (header_[0] & 0x80) != 0;
+        in_message_ = !fin_;
+        // The bytes this frame carries: what earlier fragments left, and its own, but for the
+        // tail it leaves to the next fragment when the message goes on.
+        const uint64_t total = unsent_ + len;
+        send_left_ = fin_ ? total : total - std::min<uint64_t>(keep_, total);
+        if (send_left_ == len) {
+            out.append(reinterpret_cast<const char*>(header_), have_);  // as it came
+        } else {
+            append_header(out, header_[0], send_left_);
+        }
+    }
     payload_left_ = len;
     in_payload_ = true;
     have_ = 0;
     need_ = 2;
     ++frames_;
     return true;
+}
+
+void WsServerScrubber::send_carried(std::string& out) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(send_left_, carry_.size()));
+    out.append(carry_, 0, n);
+    carry_.erase(0, n);
+    send_left_ -= n;
+    unsent_ -= n;
 }
 
 bool WsServerScrubber::feed(std::string_view in, std::string& out) {
@@ -70,14 +127,28 @@ bool WsServerScrubber::feed(std::string_view in, std::string& out) {
                 }
                 break;  // a header cut short: the rest comes with the next piece
             }
-            continue;  // a zero-length payload ends its frame at once (below)
+            send_carried(out);  // bytes an earlier fragment left, as far as this one sends
+            continue;           // a zero-length payload ends its frame at once (below)
         }
         const auto n = static_cast<size_t>(std::min<uint64_t>(payload_left_, in.size()));
-        payload_.feed(in.substr(0, n), out);
+        if (control_) {
+            control_payload_.feed(in.substr(0, n), out);
+        } else {
+            message_.feed(in.substr(0, n), carry_);
+            unsent_ += n;
+            send_carried(out);
+        }
         in.remove_prefix(n);
         payload_left_ -= n;
         if (payload_left_ == 0) {
-            payload_.finish(out);  // the frame ends: nothing of it waits for the next one
+            if (control_) {
+                control_payload_.finish(out);  // the frame ends: nothing waits for another
+            } else if (fin_) {
+                message_.finish(carry_);  // the message ends: nothing waits for another
+                send_carried(out);
+            }
+            // A fragment that does not end its message has sent what its header announced:
+            // the scrubber holds back at most keep_ bytes, and the header left keep_ of them.
             in_payload_ = false;
         }
     }

@@ -1,18 +1,28 @@
 #pragma once
-// The server-to-client bytes of a WebSocket connection (RFC 6455 5.2), scrubbed frame by frame.
-// After a 101 the connection carries frames, not a body: a secret echoed in a message must be
-// replaced like one echoed in a body, but a frame's header must pass untouched (a replacement
-// inside it would break the framing), and a frame must never wait for the next one (the
-// server may wait for the client's answer before it sends another: a body scrubber holding
-// back a tail until the next piece would stall the conversation). So each frame's payload
-// goes through its own Scrubber stream, whose held-back tail is released at the frame's end.
-// Lengths never change. A needle split across two frames is not found (each frame's payload
-// is scrubbed on its own).
+// The server-to-client bytes of a WebSocket connection (RFC 6455 5.2), scrubbed message by
+// message. After a 101 the connection carries frames, not a body: a secret echoed in a message
+// must be replaced like one echoed in a body, but a frame's header must stay a valid header
+// (a replacement inside it would break the framing), and a message must never wait for the
+// next one (the server may wait for the client's answer before it sends another: a body
+// scrubber holding back a tail until the next piece would stall the conversation).
+//
+// So a message's payload, across its fragments, goes through one Scrubber stream, whose
+// held-back tail is released when the message ends (its FIN frame); a control frame's payload
+// (ping, pong, close: never fragmented) through a stream of its own. A fragment that does not
+// end its message leaves its last (longest needle - 1) bytes to the next fragment, which
+// RFC 6455 5.4 allows ("an intermediary MAY change the fragmentation of a message"): its
+// header is rewritten with the shorter length and the next one's with the longer, so that a
+// secret split across two fragments is found as one. A client reads a message when it ends,
+// so holding a fragment's tail back delays nothing it can act on. A frame that ends a message
+// and was not given bytes of an earlier fragment passes with its header as it came; every
+// replacement keeps the length. Two messages are separate: a secret split across two messages
+// is not found (as across two responses).
 //
 // What cannot be scrubbed is refused: a masked server frame (RFC 6455 5.1 forbids it; its
-// payload is XORed), and reserved bits set, which only an extension (permessage-deflate)
-// may use: the pipeline removes the client's Sec-WebSocket-Extensions when it injects, so
-// none was negotiated and compressed payloads never pass unread.
+// payload is XORed), reserved bits set, which only an extension (permessage-deflate) may
+// use: the pipeline removes the client's Sec-WebSocket-Extensions when it injects, so none
+// was negotiated and compressed payloads never pass unread; and a new message begun before
+// the last one ended (5.4 forbids interleaving them; the bytes held for it would be lost).
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -31,12 +41,16 @@ std::string websocket_accept(std::string_view key);
 class WsServerScrubber {
 public:
     explicit WsServerScrubber(std::shared_ptr<const ScrubPlan> plan);
+    ~WsServerScrubber();  // wipes the message bytes not sent yet
+    WsServerScrubber(const WsServerScrubber&) = delete;
+    WsServerScrubber& operator=(const WsServerScrubber&) = delete;
 
     /// Appends to `out` the bytes of `in` that can go now (a payload tail that may begin a
     /// needle waits for the rest of its frame). Returns false, and appends nothing more, on a
     /// frame it cannot scrub (error() says why); every later call also returns false.
     bool feed(std::string_view in, std::string& out);
-    /// "" while the stream is good; else "upstream_masked_frame" or "upstream_reserved_bits".
+    /// "" while the stream is good; else "upstream_masked_frame", "upstream_reserved_bits" or
+    /// "upstream_interleaved_message".
     const char* error() const { return error_; }
     /// Frames whose header has passed so far.
     uint64_t frames() const { return frames_; }
@@ -50,10 +64,20 @@ private:
     bool in_payload_ = false;
     uint64_t frames_ = 0;
     const char* error_ = "";
-    Scrubber payload_;
+    bool control_ = false;     // the current frame is a control frame (opcode 8 and up)
+    bool fin_ = false;         // the current data frame ends its message
+    bool in_message_ = false;  // a data frame without FIN came: its message goes on
+    uint64_t send_left_ = 0;   // payload bytes the current data frame's header announced, unsent
+    uint64_t unsent_ = 0;      // bytes of the message taken in and not sent (carry_ + held)
+    size_t keep_ = 0;          // what a fragment leaves to the next: longest needle - 1
+    std::string carry_;        // scrubbed bytes of the message, not sent yet
+    Scrubber message_;         // a message's payload, across its fragments
+    Scrubber control_payload_; // one control frame's payload
 
     /// Takes header bytes from `in`; true once the header is whole and valid.
     bool take_header(std::string_view& in, std::string& out);
+    /// Moves what the current data frame may still send from carry_ to `out`.
+    void send_carried(std::string& out);
 };
 
 }  // namespace egress::policy

@@ -1,14 +1,18 @@
-// Fuzz target: WebSocket server frames scrubbed frame by frame (policy/ws_frames.h),
+// Fuzz target: WebSocket server frames scrubbed message by message (policy/ws_frames.h),
 // differentially.
 //
 // Input: one needle line (64 bytes at most), then the server's bytes.
 // Invariants checked beyond "no sanitizer report":
 //   * the output, fed whole and fed in pieces (cut after each byte whose low 3 bits are 0),
 //     is the same, and so is where it stops (a refused frame) and why;
-//   * it equals a reference written here: frame by frame, the header as it came and the
-//     payload scrubbed by the byte-by-byte definition (tests/policy/scrubber_definition.h),
-//     for every whole frame; a masked frame or one with reserved bits set stops the stream;
-//   * nothing comes out that did not go in (the output is never longer than the input).
+//   * it equals a reference written here for every whole frame: a control frame's header as
+//     it came and its payload scrubbed by the byte-by-byte definition
+//     (tests/policy/scrubber_definition.h); a data frame carrying the next bytes of its whole
+//     message scrubbed by the definition, all but the last (needle length - 1) of what it
+//     brought and earlier fragments left unless it ends the message, its header as it came
+//     when its length is unchanged, else in the shortest form; a masked frame, one with
+//     reserved bits set, or a new message begun inside another stops the stream;
+//   * no more comes out than went in, but for the rewritten headers' longer length forms.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -25,11 +29,33 @@ using egress::policy::testing::scrub_definition;
 
 namespace {
 
-/// The whole frames of `in`, each header kept and each payload scrubbed; `error` names a
+/// An unmasked frame header: `first`, then `len` in its shortest form.
+std::string header_for(uint8_t first, uint64_t len) {
+    std::string h(1, static_cast<char>(first));
+    if (len < 126) {
+        h.push_back(static_cast<char>(len));
+    } else if (len <= 0xffff) {
+        h.push_back(static_cast<char>(126));
+        h.push_back(static_cast<char>(len >> 8));
+        h.push_back(static_cast<char>(len & 0xff));
+    } else {
+        h.push_back(static_cast<char>(127));
+        for (int shift = 56; shift >= 0; shift -= 8) {
+            h.push_back(static_cast<char>((len >> shift) & 0xff));
+        }
+    }
+    return h;
+}
+
+/// The output for the whole frames of `in` (see the invariants above); `error` names a
 /// refused frame. A frame cut short at the end contributes nothing.
 std::string reference(const std::vector<std::string>& needles, std::string_view in,
                       std::string& error) {
+    const size_t keep = needles[0].empty() ? 0 : needles[0].size() - 1;
     std::string out;
+    std::string message;  // the payload of the message in progress, as it came
+    size_t sent = 0;      // how much of it went out
+    bool in_message = false;
     while (in.size() >= 2) {
         const auto b0 = static_cast<uint8_t>(in[0]);
         const auto b1 = static_cast<uint8_t>(in[1]);
@@ -53,11 +79,32 @@ std::string reference(const std::vector<std::string>& needles, std::string_view 
                 len = (len << 8) | static_cast<uint8_t>(in[i]);
             }
         }
+        const uint8_t opcode = b0 & 0x0f;
+        if (opcode < 8 && opcode != 0 && in_message) {
+            error = "upstream_interleaved_message";
+            break;
+        }
         if (in.size() - header < len) {
             break;
         }
-        out.append(in.substr(0, header));
-        out.append(scrub_definition(needles, in.substr(header, len)));
+        const std::string_view payload = in.substr(header, len);
+        if (opcode >= 8) {
+            out.append(in.substr(0, header));
+            out.append(scrub_definition(needles, payload));
+        } else {
+            const bool fin = (b0 & 0x80) != 0;
+            message.append(payload);
+            const size_t unsent = message.size() - sent;
+            const size_t send = fin ? unsent : unsent - std::min(keep, unsent);
+            out.append(send == len ? std::string(in.substr(0, header)) : header_for(b0, send));
+            out.append(scrub_definition(needles, message).substr(sent, send));
+            sent += send;
+            in_message = !fin;
+            if (fin) {
+                message.clear();
+                sent = 0;
+            }
+        }
         in.remove_prefix(header + len);
     }
     return out;
@@ -102,7 +149,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // both outputs begin with the whole frames' bytes, exactly.
     FUZZ_CHECK(out_whole.compare(0, want.size(), want) == 0, "whole frames differ from the reference");
     FUZZ_CHECK(out_cut.compare(0, want.size(), want) == 0, "pieces differ from the reference");
-    FUZZ_CHECK(out_whole.size() <= stream.size() && out_cut.size() <= stream.size(),
+    // A rewritten header may take a longer length form: 8 bytes at most more per frame.
+    FUZZ_CHECK(out_whole.size() <= stream.size() + 8 * whole.frames() &&
+                   out_cut.size() <= stream.size() + 8 * cut.frames(),
                "more bytes out than in");
     FUZZ_CHECK(out_whole.size() >= want.size() && out_cut.size() >= want.size(),
                "a whole frame was held back");

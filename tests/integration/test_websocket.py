@@ -93,6 +93,16 @@ def test_websocket_to_a_pinned_host_carries_the_credential_and_scrubs_its_echo(w
         assert secret not in echoed, "the origin's echo reached the client unscrubbed"
         assert "[REDACTED]" in echoed, echoed
         assert len(echoed) == len(f"auth=Bearer {secret}")
+        # The same echo as one message in four frames, the secret split across them: the
+        # client reads one message, scrubbed as a whole.
+        for cut in (len("auth=Bearer ") + 3, len("auth=Bearer ") + len(secret) // 2):
+            c.send(f"authsplit:{cut}")
+            echoed = c.recv()
+            # (booleans only: pytest would print the operands, and they may hold the secret)
+            leaked = any(secret[i:i + 8] in echoed for i in range(len(secret) - 7))
+            assert not leaked, f"a split echo (cut at {cut}) reached the client"
+            scrubbed = "[REDACTED]" in echoed and len(echoed) == len(f"auth=Bearer {secret}")
+            assert scrubbed, f"cut at {cut}: not one scrubbed message of the echo's length"
         c.send("echo:after the echo")
         assert c.recv() == "after the echo"
     finally:

@@ -6,6 +6,8 @@ the origin (the injected credential, no Sec-WebSocket-Extensions) without the or
 the secret anywhere but back through egressd. Messages are commands:
   "echo:TEXT"   answers TEXT;           binary data is echoed as it came;
   "auth"        answers "auth=" + the Authorization the handshake carried (an echoed secret);
+  "authsplit:K" answers the same as a fragmented message: its first K characters in one frame,
+                the rest in 3 more (the secret split across frames);
   "big:N"       answers N bytes of b"x" (frames with 16- and 64-bit lengths);
   "close"       the origin closes (its Close frame, then the TCP close);
   "wait:S"      answers "waited" after S seconds.
@@ -70,6 +72,12 @@ class WsUpstream:
                 await ws.send(msg[5:])
             elif msg == "auth":
                 await ws.send("auth=" + auth)
+            elif msg.startswith("authsplit:"):
+                text = "auth=" + auth
+                k = int(msg[10:])
+                rest = text[k:]
+                third = max(1, len(rest) // 3)
+                await ws.send([text[:k], rest[:third], rest[third:2 * third], rest[2 * third:]])
             elif msg.startswith("big:"):
                 await ws.send(b"x" * int(msg[4:]))
             elif msg.startswith("wait:"):
