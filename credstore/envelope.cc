@@ -452,9 +452,12 @@ private:
 }  // namespace
 
 std::string sha256_hex(std::string_view bytes) {
+    // Fetched once: EVP_sha256() has OpenSSL 3 fetch it from the provider on every digest
+    // (an aws-sigv4 request hashes its canonical request, and maybe its body, each time).
+    static EVP_MD* const sha256 = EVP_MD_fetch(nullptr, "SHA256", nullptr);
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int n = 0;
-    EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr);
+    EVP_Digest(bytes.data(), bytes.size(), md, &n, sha256, nullptr);
     static constexpr char kHex[] = "0123456789abcdef";
     std::string out;
     out.reserve(2 * n);

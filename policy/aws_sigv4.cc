@@ -15,6 +15,7 @@
 #include <boost/json/value.hpp>
 
 #include "common/secure_zero.h"
+#include "credstore/envelope.h"
 #include "policy/header_rules.h"
 
 namespace egress::policy {
@@ -171,16 +172,12 @@ std::string hex(const unsigned char* p, size_t n) {
     return out;
 }
 
-// HMAC-SHA256 and SHA-256 through algorithms fetched once: HMAC() and EVP_sha256() fetch
-// theirs from the provider on every call in OpenSSL 3, which was most of a signature's cost.
+// HMAC-SHA256 through an algorithm fetched once: HMAC() fetches its own from the provider on
+// every call in OpenSSL 3, which was most of a signature's cost (credstore::sha256_hex does
+// the same for the digests).
 EVP_MAC* hmac_algorithm() {
     static EVP_MAC* const mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
     return mac;
-}
-
-const EVP_MD* sha256_algorithm() {
-    static EVP_MD* const md = EVP_MD_fetch(nullptr, "SHA256", nullptr);
-    return md;
 }
 
 Mac hmac(std::string_view key, std::string_view data) {
@@ -202,13 +199,6 @@ Mac hmac(std::string_view key, std::string_view data) {
         out.fill(0);  // a signature AWS refuses, never one made with a wrong key
     }
     return out;
-}
-
-std::string sha256_hex(std::string_view bytes) {
-    unsigned char md[EVP_MAX_MD_SIZE];
-    unsigned int n = 0;
-    EVP_Digest(bytes.data(), bytes.size(), md, &n, sha256_algorithm(), nullptr);
-    return hex(md, n);
 }
 
 std::string_view view(const Mac& m) {
@@ -387,7 +377,7 @@ AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool bod
 }
 
 std::string aws_payload_hash(std::string_view bytes) {
-    return sha256_hex(bytes);
+    return credstore::sha256_hex(bytes);
 }
 
 std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spec,
@@ -466,7 +456,7 @@ void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
     scope.append("/aws4_request");
     std::string to_sign;
     to_sign.append(kAlgorithm).append("\n").append(date).append("\n").append(scope);
-    to_sign.append("\n").append(sha256_hex(request));
+    to_sign.append("\n").append(credstore::sha256_hex(request));
 
     AwsSigningKeys::Key k_signing;
     creds.keys.key_for(day, spec, creds.secret_access_key->reveal(), k_signing);
