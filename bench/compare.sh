@@ -14,6 +14,9 @@
 #                    is 1000): requests per upstream connection before nginx closes it (h2:
 #                    a GOAWAY, whose refused streams egressd sends again)
 #   BENCH_ARGS       more egress-bench options (e.g. --new-connection)
+#   EGRESSD_INJECT   the pin's inject (default '{type: bearer}'; e.g. '{type: aws-sigv4,
+#                    access_key_id: AKIAIOSFODNN7EXAMPLE, region: us-east-1, service: s3}': the
+#                    upstream does not check it, the cost of signing is measured)
 #   EGRESSD_LIMITS   'key: value, ...' for a limits: section in egressd's config (e.g.
 #                    'max_upstream_idle_per_host: 0' makes every request dial the upstream)
 #   BENCH_BIN        the load client (default BUILD/bench/egress-bench; bench/goload takes the
@@ -109,6 +112,7 @@ done
 
 echo "bench-token-$(openssl rand -hex 16)" > "$W/secret"
 echo "benchtoken" > "$W/run.token"
+INJECT=${EGRESSD_INJECT:-'{type: bearer}'}
 cat > "$W/egressd.yaml" <<YAML
 listen: {proxy: 127.0.0.1:$PX, admin: 127.0.0.1:$AD}
 admin: {token_file: $W/admin.token}
@@ -123,7 +127,7 @@ runs:
     token_file: $W/run.token
     ca_cert_out: $W/run-ca.pem
     pins:
-      - {host: "127.0.0.1:$UP", secret_file: $W/secret, inject: {type: bearer}}
+      - {host: "127.0.0.1:$UP", secret_file: $W/secret, inject: $INJECT}
 ${EGRESSD_LIMITS:+limits: {$EGRESSD_LIMITS\}}
 YAML
 "$BUILD/egressd" --config "$W/egressd.yaml" 2> "$W/egressd.log" &

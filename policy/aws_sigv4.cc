@@ -180,24 +180,40 @@ EVP_MAC* hmac_algorithm() {
     return mac;
 }
 
-Mac hmac(std::string_view key, std::string_view data) {
-    Mac out{};
+/// An HMAC-SHA256 context keyed with `key`, or null.
+EVP_MAC_CTX* keyed_hmac(std::string_view key) {
     EVP_MAC_CTX* ctx = EVP_MAC_CTX_new(hmac_algorithm());
     char digest[] = "SHA256";
     const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
                                  OSSL_PARAM_construct_end()};
+    if (ctx != nullptr && EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()),
+                                       key.size(), params) != 1) {
+        EVP_MAC_CTX_free(ctx);
+        ctx = nullptr;
+    }
+    return ctx;
+}
+
+/// The HMAC of `data` on a keyed context (consumed, not freed); all zeros on failure: a
+/// signature AWS refuses, never one made with a wrong key.
+Mac finish_hmac(EVP_MAC_CTX* ctx, std::string_view data) {
+    Mac out{};
     size_t n = 0;
     const bool ok =
         ctx != nullptr &&
-        EVP_MAC_init(ctx, reinterpret_cast<const unsigned char*>(key.data()), key.size(),
-                     params) == 1 &&
         EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(data.data()), data.size()) ==
             1 &&
         EVP_MAC_final(ctx, out.data(), &n, out.size()) == 1;
-    EVP_MAC_CTX_free(ctx);  // cleanses its key schedule
     if (!ok) {
-        out.fill(0);  // a signature AWS refuses, never one made with a wrong key
+        out.fill(0);
     }
+    return out;
+}
+
+Mac hmac(std::string_view key, std::string_view data) {
+    EVP_MAC_CTX* ctx = keyed_hmac(key);
+    Mac out = finish_hmac(ctx, data);
+    EVP_MAC_CTX_free(ctx);  // cleanses its key schedule
     return out;
 }
 
@@ -425,17 +441,27 @@ std::string aws_canonical_request(const RequestHead& head, const InjectSpec& spe
     return out;
 }
 
-void AwsSigningKeys::key_for(std::string_view day, const InjectSpec& spec,
-                             std::string_view secret, Key& out) {
-    std::lock_guard lock(mutex_);
-    if (!key_ || day_ != day) {
-        Key fresh = signing_key(day, spec, secret);
-        key_ = std::make_shared<const credstore::SecretValue>(view(fresh));  // mlock'ed
-        egress::secure_zero(fresh.data(), fresh.size());
-        day_ = day;
+AwsSigningKeys::~AwsSigningKeys() {
+    EVP_MAC_CTX_free(keyed_);  // cleanses its key schedule
+}
+
+AwsSigningKeys::Mac AwsSigningKeys::sign(std::string_view day, const InjectSpec& spec,
+                                         std::string_view secret, std::string_view data) {
+    EVP_MAC_CTX* ctx = nullptr;
+    {
+        std::lock_guard lock(mutex_);
+        if (keyed_ == nullptr || day_ != day) {
+            EVP_MAC_CTX_free(keyed_);
+            Mac key = signing_key(day, spec, secret);
+            keyed_ = keyed_hmac(view(key));
+            egress::secure_zero(key.data(), key.size());
+            day_ = day;
+        }
+        ctx = keyed_ != nullptr ? EVP_MAC_CTX_dup(keyed_) : nullptr;
     }
-    const std::string_view k = key_->reveal();
-    std::copy(k.begin(), k.end(), out.begin());
+    Mac out = finish_hmac(ctx, data);
+    EVP_MAC_CTX_free(ctx);
+    return out;
 }
 
 void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
@@ -458,10 +484,7 @@ void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
     to_sign.append(kAlgorithm).append("\n").append(date).append("\n").append(scope);
     to_sign.append("\n").append(credstore::sha256_hex(request));
 
-    AwsSigningKeys::Key k_signing;
-    creds.keys.key_for(day, spec, creds.secret_access_key->reveal(), k_signing);
-    Mac sig = hmac(view(k_signing), to_sign);
-    egress::secure_zero(k_signing.data(), k_signing.size());
+    const Mac sig = creds.keys.sign(day, spec, creds.secret_access_key->reveal(), to_sign);
     std::string value;
     value.reserve(160 + signed_headers.size());
     value.append(kAlgorithm).append(" Credential=").append(creds.access_key_id).append("/");

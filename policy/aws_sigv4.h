@@ -35,6 +35,8 @@
 #include "policy/request_head.h"
 #include "policy/run_policy.h"
 
+struct evp_mac_ctx_st;  // OpenSSL's EVP_MAC_CTX (<openssl/types.h>), kept out of this header
+
 namespace egress::policy {
 
 /// What a request's payload hash will be, decided from its head.
@@ -53,19 +55,25 @@ AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool bod
 
 /// The day's signing key of one pin (HMAC-SHA256 of the secret, the UTC day, the region, the
 /// service and "aws4_request"), made by the day's first request and shared by the pin's
-/// requests on every worker: four of a signature's five HMACs. Kept in an mlock'ed buffer,
-/// wiped when the day's key replaces it or the injection is dropped.
+/// requests on every worker: four of a signature's five HMACs. Kept as an HMAC context keyed
+/// with it, which each signature copies (no key schedule, no algorithm lookup per request);
+/// OpenSSL cleanses it when the next day's replaces it or the injection is dropped.
 class AwsSigningKeys {
 public:
-    using Key = std::array<unsigned char, 32>;
-    /// The key for `day` (YYYYMMDD) into `out`. WARNING: key material; the caller wipes it.
-    void key_for(std::string_view day, const InjectSpec& spec, std::string_view secret,
-                 Key& out);
+    using Mac = std::array<unsigned char, 32>;
+    AwsSigningKeys() = default;
+    ~AwsSigningKeys();
+    AwsSigningKeys(const AwsSigningKeys&) = delete;
+    AwsSigningKeys& operator=(const AwsSigningKeys&) = delete;
+    /// HMAC-SHA256 of `data` under the signing key for `day` (YYYYMMDD); all zeros if OpenSSL
+    /// failed (a signature AWS refuses).
+    Mac sign(std::string_view day, const InjectSpec& spec, std::string_view secret,
+             std::string_view data);
 
 private:
     std::mutex mutex_;
     std::string day_;
-    credstore::SecretPtr key_;
+    ::evp_mac_ctx_st* keyed_ = nullptr;  // EVP_MAC_CTX keyed with the day's signing key
 };
 
 /// What an aws-sigv4 pin signs with, made once per pin (Injection::aws). From the pin's
