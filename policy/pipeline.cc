@@ -98,7 +98,10 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
         head.set(inj.header, std::string(inj.value->reveal()));  // replaces, never merges
         head.never_index = inj.header;
     }
-    head.set("accept-encoding", "identity");
+    if (!aws) {
+        head.set("accept-encoding", "identity");  // the scrubber reads what may echo it
+    }
+    d.secret_sent = !aws;
     if (!head.upgrade.empty()) {
         // No WebSocket extension: permessage-deflate would carry an echoed credential past
         // the frame scrubber (policy/ws_frames.h), as a gzip body would past the body's.

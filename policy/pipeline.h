@@ -38,6 +38,11 @@ struct Decision {
     /// the head is not signed yet. The caller reads the body whole (bounded by
     /// limits.sign_body_bytes), then calls sign_with_body() before the head leaves.
     bool sign_body = false;
+    /// Whether the credential itself went upstream (bearer, basic, header). aws-sigv4 sends a
+    /// signature: an upstream cannot echo a key it never got, so the response need not be
+    /// readable for the scrubber (accept-encoding is left as the client sent it, and an
+    /// encoded answer passes); its session token, if any, signs nothing without the key.
+    bool secret_sent = true;
     std::shared_ptr<AwsCredentials> aws;  // with sign_body: what signs it
 
     bool forward() const { return status == 0; }

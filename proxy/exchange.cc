@@ -994,9 +994,10 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         for (auto& h : resp->headers) {
             scrubber.scrub_in_place(h.value);
         }
-        if (!resp->body.none && encoded(*resp)) {
+        if (!resp->body.none && encoded(*resp) && decision.secret_sent) {
             // The request asked for identity; a body encoded anyway (gzip...) would carry an
-            // echoed credential past the scrubber, which sees only the encoded bytes.
+            // echoed credential past the scrubber, which sees only the encoded bytes. (Not
+            // after aws-sigv4, which sent no credential to echo: the body passes as it is.)
             co_await down.refuse(502, "upstream_encoded_response", false);
             finish(502, "upstream_encoded_response", "response");
             goto done;

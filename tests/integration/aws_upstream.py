@@ -394,7 +394,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             etag = '"' + hashlib.md5(body).hexdigest() + '"'
             with srv.lock:
                 srv.objects[(bucket, key)] = (body, self.headers.get("Content-Type")
-                                              or "binary/octet-stream", etag)
+                                              or "binary/octet-stream", etag,
+                                              self.headers.get("Content-Encoding"))
             return self._send(200, b"", "application/xml", [("ETag", etag)])
         with srv.lock:
             obj = srv.objects.get((bucket, key))
@@ -405,9 +406,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.command in ("GET", "HEAD"):
             if obj is None:
                 return self._error("s3", 404, "NoSuchKey", "The specified key does not exist.")
-            data, ctype, etag = obj
-            return self._send(200, data, ctype, [("ETag", etag),
-                                                 ("Last-Modified", "Mon, 01 Jan 2024 00:00:00 GMT")])
+            data, ctype, etag, encoding = obj
+            extra = [("ETag", etag), ("Last-Modified", "Mon, 01 Jan 2024 00:00:00 GMT")]
+            if encoding:  # as S3 does: the object's Content-Encoding, whatever was accepted
+                extra.append(("Content-Encoding", encoding))
+            return self._send(200, data, ctype, extra)
         return self._error("s3", 405, "MethodNotAllowed", f"{self.command} on an object")
 
     def _list_v2(self, bucket: str, q: dict):
@@ -427,7 +430,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
              "<IsTruncated>false</IsTruncated>"]
         if url_enc:
             x.append("<EncodingType>url</EncodingType>")
-        for k, (data, _ctype, etag) in items:
+        for k, (data, _ctype, etag, _encoding) in items:
             x.append(f"<Contents><Key>{enc(k)}</Key>"
                      "<LastModified>2024-01-01T00:00:00.000Z</LastModified>"
                      f"<ETag>{xml_escape(etag)}</ETag><Size>{len(data)}</Size>"
@@ -472,7 +475,8 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.lock = threading.Lock()
         self.expect = expect
         self.seen: list[AwsSeen] = []
-        self.objects: dict[tuple[str, str], tuple[bytes, str, str]] = {}
+        # (bucket, key) -> (body, content type, etag, content encoding or None)
+        self.objects: dict[tuple[str, str], tuple[bytes, str, str, str | None]] = {}
         self.tables: list[str] = ["egress-table-a", "egress-table-b"]
         self.items: list[tuple[str, dict]] = []
         super().__init__(addr, _Handler)

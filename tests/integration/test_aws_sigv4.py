@@ -640,6 +640,34 @@ def test_no_secret_in_anything_egressd_wrote(world, factory, aws):
     assert leaked == [], f"forms {sorted(set(leaked))} of the secret reached the client"
 
 
+def test_an_s3_object_stored_gzip_encoded_comes_back_as_it_is(world, e, aws):
+    """S3 answers an object's own Content-Encoding whatever the request accepted. A bearer pin
+    must refuse such an answer (an echoed token inside gzip would pass the scrubber unseen);
+    an aws-sigv4 pin sent no key to echo, so the body passes as it is, and the client's
+    accept-encoding is not rewritten."""
+    import gzip
+    bucket = bucket_name()
+    raw = os.urandom(3000)
+    packed = gzip.compress(raw)
+    s3 = boto(world, e, "s3", "s3.test", aws.good.port)
+    s3.put_object(Bucket=bucket, Key="data.bin.gz", Body=packed, ContentEncoding="gzip")
+    got = s3.get_object(Bucket=bucket, Key="data.bin.gz")
+    assert got["ContentEncoding"] == "gzip"
+    assert got["Body"].read() == packed
+    [seen] = [s for s in aws.good.find(f"/{bucket}/data.bin.gz") if s.method == "GET"]
+    assert_signed_by_egressd(seen, aws, "s3")
+    # curl asking for gzip: the upstream sees the client's own accept-encoding (a bearer pin
+    # would have rewritten it to identity), and the answer is relayed encoded, byte for byte.
+    n0 = len(aws.good.requests)
+    r = curl(world, e, f"https://s3.test:{aws.good.port}/{bucket}/data.bin.gz", False,
+             "-H", "Accept-Encoding: gzip, br")
+    assert (r.rc, r.status) == (0, 200), show(r.rc, r.status, r.stderr)
+    assert r.headers.get("content-encoding") == "gzip" and r.body == packed
+    [s2] = new_since(aws.good, n0, "s3.test")
+    assert s2.header("accept-encoding") == ["gzip, br"], s2.header("accept-encoding")
+    assert_signed_by_egressd(s2, aws, "s3")
+
+
 # ---------------------------------------------------------------------------------------------
 # temporary credentials: the secret is a credentials document with a session token
 

@@ -344,7 +344,8 @@ TEST(AwsSigV4Pipeline, ReplacesTheSandboxesSignature) {
                            "aws4_request, SignedHeaders=host, Signature=00"},
          {"x-amz-date", "20200101T000000Z"},
          {"x-amz-security-token", "dummy-session"},
-         {"x-amz-content-sha256", std::string(kEmpty)}});
+         {"x-amz-content-sha256", std::string(kEmpty)},
+         {"accept-encoding", "gzip"}});
     c.ctx.body_empty = true;
     const Decision d = RequestPipeline().run(h, c.ctx);
     ASSERT_TRUE(d.forward()) << d.reason;
@@ -358,6 +359,10 @@ TEST(AwsSigV4Pipeline, ReplacesTheSandboxesSignature) {
     EXPECT_EQ(h.find("authorization")->find("AKIDSANDBOXDUMMY"), std::string::npos);
     EXPECT_EQ(h.find("x-amz-security-token"), nullptr);
     EXPECT_EQ(*h.find("x-amz-date"), "20261206T120000Z");
+    // The key never leaves: the answer may stay encoded (nothing to scrub out of it).
+    EXPECT_FALSE(d.secret_sent);
+    ASSERT_NE(h.find("accept-encoding"), nullptr);
+    EXPECT_EQ(*h.find("accept-encoding"), "gzip");
     // The same request signed directly gives the same signature.
     RequestHead again = head("GET", "aws.test", "/bkt/key",
                              {{"x-amz-content-sha256", std::string(kEmpty)},

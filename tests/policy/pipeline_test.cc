@@ -99,6 +99,7 @@ TEST_F(PipelineTest, BearerInjected) {
     EXPECT_EQ(head_.count("authorization"), 1U);
     EXPECT_EQ(*head_.find("authorization"), "Bearer ghp_s3cr3t");
     EXPECT_EQ(*head_.find("accept-encoding"), "identity");
+    EXPECT_TRUE(d.secret_sent);  // an encoded answer would hide an echo: refused upstream
     EXPECT_TRUE(has(d.scrub, kSecret));
     EXPECT_TRUE(has(d.scrub, "Bearer ghp_s3cr3t"));
 }
