@@ -280,7 +280,6 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
         egress::secure_wipe(blob);
     }
     inj->scrub = std::make_shared<const ScrubPlan>(std::move(needles));  // wipes them
-
     inj->value = std::make_shared<const credstore::SecretValue>(value);
     egress::secure_wipe(value);
     return inj;

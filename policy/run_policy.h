@@ -58,12 +58,12 @@ inline constexpr size_t kMaxExtraHeaders = 20;
 Result<std::vector<Header>> validate_extra_headers(const std::vector<Header>& headers,
                                                    const InjectSpec& inject);
 
+struct AwsCredentials;  // policy/aws_sigv4.h
+
 /// What injecting one pin's credential writes, and what its responses are scrubbed of. Made
 /// once when the pin is built (prepare_injection), so a request copies the value into its
 /// head and shares the plan: building both per request was ~3 k instructions and about
 /// five allocations. WARNING: holds secret bytes (in mlock'ed buffers, wiped when dropped).
-struct AwsCredentials;  // policy/aws_sigv4.h
-
 struct Injection {
     std::string header;                      // lowercase name ("authorization", ...)
     credstore::SecretPtr value;              // the header value: "Bearer S", ... ("" for aws)

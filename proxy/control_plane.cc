@@ -1409,11 +1409,11 @@ void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& sna
             for (size_t i = 0; warnings != nullptr && i < values.size(); ++i) {
                 const auto& sp = statics->store_pins[i];
                 for (const policy::Pin& p : served->policy.pins) {
-                    if (p.id == sp.pin.id && p.injection && !p.injection->aws_error.empty()) {
-                        warnings->lines.push_back(sp.yaml_path + ".secret: " +
-                                                  p.injection->aws_error + "; requests for " +
-                                                  sp.pin.host.text() +
-                                                  " are refused (503 aws_credentials_invalid)");
+                    auto w = p.id == sp.pin.id ? aws_pin_warning(p, sp.yaml_path + ".secret",
+                                                                 sp.pin.host.text())
+                                               : std::string();
+                    if (!w.empty()) {
+                        warnings->lines.push_back(std::move(w));
                     }
                 }
             }
@@ -1546,11 +1546,11 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
             pin.secret = value;
             pin.expires_at = policy::Clock::from_time_t(p.expires_at);
             injections.prepare(pin);
-            if (pin.injection && !pin.injection->aws_error.empty() && warnings != nullptr) {
-                warnings->lines.push_back("run " + id + " pin " + pin.id + ": secret '" +
-                                          pin.secret_name + "': " + pin.injection->aws_error +
-                                          "; requests for " + p.host +
-                                          " are refused (503 aws_credentials_invalid)");
+            if (auto w = aws_pin_warning(pin, "run " + id + " pin " + pin.id + " (secret '" +
+                                                   pin.secret_name + "')",
+                                         p.host);
+                !w.empty() && warnings != nullptr) {
+                warnings->lines.push_back(std::move(w));
             }
             run->policy.pins.push_back(std::move(pin));
         }

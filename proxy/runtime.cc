@@ -143,11 +143,9 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                 }
                 pin.secret = *s;
                 policy::prepare_injection(pin);
-                if (pin.injection && !pin.injection->aws_error.empty()) {
-                    warnings.lines.push_back(pc.yaml_path + ".secret_file: " +
-                                             pin.injection->aws_error + "; requests for " +
-                                             pc.host.text() +
-                                             " are refused (503 aws_credentials_invalid)");
+                if (auto w = aws_pin_warning(pin, pc.yaml_path + ".secret_file", pc.host.text());
+                    !w.empty()) {
+                    warnings.lines.push_back(std::move(w));
                 }
             } else {
                 // A store secret: resolved by the control plane, which reads the store
@@ -310,6 +308,15 @@ std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,
 
 std::string sha256_hex(std::string_view bytes) {
     return credstore::sha256_hex(bytes);
+}
+
+std::string aws_pin_warning(const policy::Pin& pin, const std::string& where,
+                            const std::string& host) {
+    if (!pin.injection || pin.injection->aws_error.empty()) {
+        return {};
+    }
+    return where + ": " + pin.injection->aws_error + "; requests for " + host +
+           " are refused (503 aws_credentials_invalid)";
 }
 
 bool token_matches(const Run& run, std::string_view token) {

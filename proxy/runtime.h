@@ -113,6 +113,12 @@ bool token_matches(const Run& run, std::string_view token);
 /// Hex SHA-256.
 std::string sha256_hex(std::string_view bytes);
 
+/// The load warning for an aws-sigv4 pin whose secret is no valid credentials document
+/// (`where`: the config key or the run and pin; `host`: the pin's host), "" for any other pin.
+/// Names the problem, never a value.
+std::string aws_pin_warning(const policy::Pin& pin, const std::string& where,
+                            const std::string& host);
+
 /// Decodes "Basic b64(user:pass)". Returns false if absent or malformed.
 bool parse_proxy_basic(std::string_view header_value, std::string& user, std::string& pass);
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import calendar
+import gzip
 import hashlib
 import json
 import os
@@ -645,7 +646,6 @@ def test_an_s3_object_stored_gzip_encoded_comes_back_as_it_is(world, e, aws):
     must refuse such an answer (an echoed token inside gzip would pass the scrubber unseen);
     an aws-sigv4 pin sent no key to echo, so the body passes as it is, and the client's
     accept-encoding is not rewritten."""
-    import gzip
     bucket = bucket_name()
     raw = os.urandom(3000)
     packed = gzip.compress(raw)
