@@ -240,7 +240,6 @@ def verify(method: str, raw_target: str, headers: list[tuple[str, str]], body: b
                          f"x-amz-content-sha256 {claimed!r} is not a payload hash", **v)
 
     # The request as botocore would see it, then botocore's canonical request and signature.
-    split = urllib.parse.urlsplit(raw_target)
     if raw_target.startswith(("http://", "https://")):
         return _fail(400, "InvalidRequest", f"absolute-form target {raw_target[:60]!r}", **v)
     req = botocore.awsrequest.AWSRequest(method=method, url=f"https://{host_header}{raw_target}",
