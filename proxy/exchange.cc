@@ -505,6 +505,15 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // it; what the scrubber holds back of this response is wiped by its destructor.
     policy::Scrubber scrubber(std::move(decision.scrub));
 
+    // A body declared larger than aws-sigv4 may read to sign it is refused before a
+    // 100 Continue asks the client to send it (its refusal reads and drops what comes anyway).
+    if (decision.sign_body && req_body.length &&
+        *req_body.length > rt.config->limits.sign_body_bytes) {
+        co_await down.refuse(413, "body_too_large_to_sign", false);
+        audit_refusal(scope, method, head.path, 413, "body_too_large_to_sign", started);
+        co_return false;
+    }
+
     // Expect: 100-continue is answered here; the upstream never sees it.
     if (const auto* expect = head.find("expect"); expect && policy::iequals(*expect, "100-continue")) {
         head.remove("expect");
@@ -607,7 +616,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // most limits.sign_body_bytes, before anything of the request leaves (even the dial), and
     // goes out as a kept body (`replay`), so a refused h2 stream can send it again too.
     if (decision.sign_body) {
-        bool fits = !req_body.length || *req_body.length <= limits.sign_body_bytes;
+        bool fits = true;  // a declared length was checked above
         while (fits) {
             auto chunk = co_await down.read_body();
             if (!chunk.ok) {

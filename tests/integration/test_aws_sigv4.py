@@ -29,6 +29,7 @@ import h2.exceptions
 import pytest
 from botocore.exceptions import ClientError
 
+import helpers
 from aws_upstream import AwsSeen, AwsUpstream, Expect
 from clients import proxy_env, run_ca
 from h2_helpers import H2Client
@@ -533,6 +534,23 @@ def test_sign_body_bytes_limits_what_egressd_reads_to_hash(world, factory, aws, 
     assert rec["reason"] == "body_too_large_to_sign" and rec["decision"] == "deny", show(rec)
     assert rec["run"] == "r1" and rec["method"] == "POST"
     assert rec["proto_in"] == ("h2" if http2 else "http/1.1"), show(rec)
+
+
+def test_a_body_declared_too_large_to_sign_is_refused_before_100_continue(world, factory, aws):
+    """An HTTP/1.1 client that waits for 100 Continue before its body gets the 413 instead: it
+    is never asked to send a body that would only be refused."""
+    e2 = start(factory, aws, {"sign_body_bytes": 1024})
+    c = helpers.tunnel(e2.proxy_port, "ddb.test", aws.good.port, world.auth("r1"), run_ca(e2, "r1"))
+    try:
+        c.send((f"POST /?m=expect HTTP/1.1\r\nHost: ddb.test:{aws.good.port}\r\n"
+                "X-Amz-Target: DynamoDB_20120810.PutItem\r\n"
+                "Content-Type: application/x-amz-json-1.0\r\n"
+                "Content-Length: 2048\r\nExpect: 100-continue\r\n\r\n").encode())
+        r = helpers.read_response(c)
+    finally:
+        c.close()
+    assert (r.status, r.egress_reason) == (413, "body_too_large_to_sign"), (r.status, r.egress_reason)
+    assert aws.good.find("m=expect") == []
 
 
 # ---------------------------------------------------------------------------------------------
