@@ -47,7 +47,6 @@ import hmac
 import http.server
 import json
 import re
-import socketserver
 import ssl
 import threading
 import time
@@ -60,6 +59,8 @@ import botocore.auth
 import botocore.awsrequest
 import botocore.compat
 import botocore.credentials
+
+from upstream import TlsHttpServer
 
 MAX_BODY = 16 << 20
 MAX_SKEW_S = 300
@@ -463,10 +464,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = do_OPTIONS = _handle
 
 
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
+class _Server(TlsHttpServer):
     request_queue_size = 64
 
     def __init__(self, addr, ctx: ssl.SSLContext, expect: dict[str, Expect]):
@@ -484,25 +482,6 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         with self.lock:
             if len(self.seen) < 100_000:
                 self.seen.append(seen)
-
-    def finish_request(self, request, client_address):
-        request.settimeout(30)
-        try:
-            request = self.ctx.wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError):
-            return
-        try:
-            super().finish_request(request, client_address)
-        except (OSError, ssl.SSLError, ConnectionError, ValueError):
-            pass
-        finally:
-            try:
-                request.close()
-            except OSError:
-                pass
-
-    def handle_error(self, request, client_address):
-        pass
 
 
 class AwsUpstream:

@@ -13,7 +13,6 @@ import http.server
 import json
 import os
 import socket
-import socketserver
 import ssl
 import subprocess
 import threading
@@ -347,34 +346,12 @@ class _GitHandler(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_HEAD = _handle
 
 
-class _GitTlsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
+class _GitTlsServer(upstream.TlsHttpServer):
 
     def __init__(self, owner, ctx):
         self.owner = owner
         self.ctx = ctx
         super().__init__(("127.0.0.1", 0), _GitHandler)
-
-    def finish_request(self, request, client_address):
-        request.settimeout(30)
-        try:
-            request = self.ctx.wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError):
-            return
-        try:
-            super().finish_request(request, client_address)
-        except (OSError, ssl.SSLError, ConnectionError, ValueError):
-            pass
-        finally:
-            try:
-                request.close()
-            except OSError:
-                pass
-
-    def handle_error(self, request, client_address):
-        pass
 
 
 class GitServer:

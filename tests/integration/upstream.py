@@ -411,28 +411,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _handle
 
 
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
+class TlsHttpServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """A threaded HTTP/1.1 test server: TLS with `self.ctx` (None: cleartext), the handshake in
+    the connection's own thread, never in the accept loop; a peer's errors end its connection
+    only. Shared by the test origins (this module's, aws_upstream's, cp_helpers' git server)."""
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(self, addr, ctx: ssl.SSLContext | None):
-        self.ctx = ctx
-        self.lock = threading.Lock()
-        self.requests_seen: list[Seen] = []
-        self.connections = 0
-        self.progress: dict[str, int] = {}
-        super().__init__(addr, _Handler)
-
-    def record(self, seen: Seen):
-        with self.lock:
-            self.requests_seen.append(seen)
+    ctx: ssl.SSLContext | None = None
 
     def finish_request(self, request, client_address):
-        # The TLS handshake runs in the connection's own thread, never in the accept loop.
-        with self.lock:
-            self.connections += 1
         request.settimeout(30)
         if self.ctx is not None:
             try:
@@ -451,6 +439,27 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     def handle_error(self, request, client_address):
         pass
+
+
+class _Server(TlsHttpServer):
+    request_queue_size = 128
+
+    def __init__(self, addr, ctx: ssl.SSLContext | None):
+        self.ctx = ctx
+        self.lock = threading.Lock()
+        self.requests_seen: list[Seen] = []
+        self.connections = 0
+        self.progress: dict[str, int] = {}
+        super().__init__(addr, _Handler)
+
+    def record(self, seen: Seen):
+        with self.lock:
+            self.requests_seen.append(seen)
+
+    def finish_request(self, request, client_address):
+        with self.lock:
+            self.connections += 1
+        super().finish_request(request, client_address)
 
 
 class Upstream:
