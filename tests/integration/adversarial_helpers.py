@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import re
 import socket
@@ -310,12 +309,7 @@ class Arena:
                 data = f.read()
         except FileNotFoundError:
             return []
-        end = data.rfind(b"\n")
-        out = []
-        for line in data[:end + 1].split(b"\n"):
-            if line.strip():
-                out.append(json.loads(line))
-        return out
+        return helpers.audit_lines(data)
 
     def snapshot(self) -> Snap:
         m = self.metrics()

@@ -81,6 +81,17 @@ def _die_with_parent():
         pass
 
 
+def audit_lines(data: bytes) -> list[dict]:
+    """The records in audit bytes: every complete line must be one JSON object. A line still
+    being written is left for the next read: a write that crosses a page boundary can be seen
+    half done by a reader polling the file (as a log shipper tailing it would)."""
+    out = []
+    for line in data[:data.rfind(b"\n") + 1].split(b"\n"):
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
 class Egressd:
     def __init__(self, binary: str, workdir: str, config: dict, secrets: dict[str, str]):
         self.binary = binary
@@ -211,12 +222,7 @@ class Egressd:
                 data = f.read()
         except FileNotFoundError:
             return []
-        out = []
-        for line in data.split(b"\n"):
-            if not line.strip():
-                continue
-            out.append(json.loads(line))  # every line must be one JSON object
-        return out
+        return audit_lines(data)
 
     def wait_audit(self, pred, count: int = 1, timeout: float = 5.0) -> list[dict]:
         """Polls the audit file until at least `count` records satisfy pred; returns them."""
