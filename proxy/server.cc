@@ -300,6 +300,39 @@ struct Server::Impl {
     }
     std::map<const tls::RunCa*, CaExpiry> ca_notices;  // the last state logged per CA
 
+    /// Closes the open connections of each static run whose ttl has run out (new requests
+    /// already get 403 run_expired, but a blind tunnel or a keep-alive connection would go on),
+    /// as publish_runtime() does for a dynamic run the sweep removes. Once per expiry: a
+    /// reload that keeps the run keeps its expires_at and closes nothing again; one that gives
+    /// it a new ttl gives it a new expires_at, closed again when that passes. (A connection is
+    /// registered before its run's expiry is checked, so none admitted before the expiry is
+    /// missed.) Runs on the admin thread (sweep_loop).
+    void close_expired_statics() {
+        auto rt = shared.runtime.load();
+        const auto now = policy::Clock::now();
+        for (const auto& [id, run] : rt->runs) {
+            if (run->dynamic || !run->static_ttl || run->policy.expires_at > now) {
+                continue;
+            }
+            auto [it, fresh] = static_expiries_closed.try_emplace(id, run->policy.expires_at);
+            if (!fresh) {
+                if (it->second == run->policy.expires_at) {
+                    continue;
+                }
+                it->second = run->policy.expires_at;
+            }
+            size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
+            spdlog::info("run {} expired (ttl): closing {} connections", id, n);
+        }
+        // Forget runs no longer served as static runs with a ttl (a reload removed them).
+        std::erase_if(static_expiries_closed, [&](const auto& kv) {
+            const auto* r = rt->lookup(kv.first);
+            return r == nullptr || (*r)->dynamic || !(*r)->static_ttl;
+        });
+    }
+    /// Static run id → the expires_at whose passing closed its connections.
+    std::map<std::string, policy::TimePoint> static_expiries_closed;
+
     awaitable<void> reload_loop() {
         net::signal_set hup(admin_ioc, SIGHUP);
         for (;;) {
@@ -322,6 +355,7 @@ struct Server::Impl {
             if (size_t n = control->sweep_expired(); n > 0) {
                 spdlog::info("swept {} expired runs", n);
             }
+            close_expired_statics();
             check_static_cas();
         }
     }
