@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <span>
 
 namespace egress::policy {
 
@@ -91,16 +92,18 @@ AddressClass classify_v4(const Bytes& x, size_t at) {
     return classify_v4(x[at], x[at + 1], x[at + 2], x[at + 3]);
 }
 
-// The IPv4 address an IPv6 form embeds, if any, and the class of the IPv6 form itself.
+// The IPv4 address an IPv6 form embeds, if any, and the class of the IPv6 form itself. Most
+// forms have one reading; local-use NAT64 has one per prefix length its translator may use.
 struct Embedded {
-    std::optional<IpAddress> v4;
+    std::array<IpAddress, 4> v4{};  // v4[0]: the reading allow_networks exceptions key on
+    size_t count = 0;
     AddressClass outer = AddressClass::Public;
 };
 
 Embedded embedded_v4(const Bytes& x) {
     Embedded e;
     auto take = [&](size_t i0, size_t i1, size_t i2, size_t i3) {
-        e.v4 = IpAddress::v4(x[i0], x[i1], x[i2], x[i3]);
+        e.v4[e.count++] = IpAddress::v4(x[i0], x[i1], x[i2], x[i3]);
     };
     if (all_zero(x, 0, 10) && x[10] == 0xff && x[11] == 0xff) {  // ::ffff:0:0/96 mapped
         take(12, 13, 14, 15);
@@ -114,11 +117,18 @@ Embedded embedded_v4(const Bytes& x) {
     } else if (has_prefix(x, {0x00, 0x64, 0xff, 0x9b}, 96)) {
         take(12, 13, 14, 15);  // NAT64 well-known prefix 64:ff9b::/96
     } else if (has_prefix(x, {0x00, 0x64, 0xff, 0x9b, 0x00, 0x01}, 48)) {
-        take(6, 7, 9, 10);  // RFC 8215 local-use NAT64 /48, RFC 6052 layout (skip "u" octet)
+        // RFC 8215 local-use NAT64 64:ff9b:1::/48. The operator's translator prefix may be any
+        // RFC 6052 length carved from the /48, and the address does not say which, so the
+        // IPv4 address is read at each layout that fits (byte 8, RFC 6052's "u" octet, is
+        // never part of it); classify() takes the strictest reading (fail closed).
+        take(6, 7, 9, 10);     // /48 (the key reading, as before)
+        take(7, 9, 10, 11);    // /56
+        take(9, 10, 11, 12);   // /64
+        take(12, 13, 14, 15);  // /96
     } else if (x[0] == 0x20 && x[1] == 0x02) {  // 6to4 2002::/16
         take(2, 3, 4, 5);
     } else if (has_prefix(x, {0x20, 0x01, 0x00, 0x00}, 32)) {  // Teredo: client inverted
-        e.v4 =
+        e.v4[e.count++] =
             IpAddress::v4(static_cast<uint8_t>(x[12] ^ 0xff), static_cast<uint8_t>(x[13] ^ 0xff),
                           static_cast<uint8_t>(x[14] ^ 0xff), static_cast<uint8_t>(x[15] ^ 0xff));
     }
@@ -280,8 +290,12 @@ AddressClass classify(const IpAddress& ip) {
         return outer;  // none of these blocks embeds IPv4 (:: and ::1 are not "compatible")
     }
     const Embedded e = embedded_v4(ip.bytes);
-    if (e.v4) {
-        return stricter(e.outer, classify_v4(e.v4->bytes, 0));
+    if (e.count > 0) {
+        AddressClass cls = e.outer;
+        for (size_t i = 0; i < e.count; ++i) {
+            cls = stricter(cls, classify_v4(e.v4[i].bytes, 0));
+        }
+        return cls;
     }
     // Everything else outside global unicast 2000::/3 (the rest of ::/8, 100::/64 discard,
     // 64:ff9b::/16 outside the NAT64 prefixes, 5f00::/16 SRv6, fec0::/10 site-local,
@@ -299,19 +313,33 @@ AddressVerdict AddressPolicy::vet(const IpAddress& ip) const {
         v.allowed = true;
         return v;
     }
-    std::optional<IpAddress> inner;
+    // Whether an exception contains `a`; metadata only through one that names it exactly.
+    auto excepted = [&](const IpAddress& a, bool metadata) {
+        return std::any_of(allow_.begin(), allow_.end(), [&](const Cidr& c) {
+            return (!metadata || exact(c)) && c.contains(a);
+        });
+    };
+    const bool metadata = v.cls == AddressClass::Metadata;
+    if (excepted(ip, metadata)) {
+        v.allowed = true;
+        return v;
+    }
     // :: and ::1 are IPv6's own unspecified and loopback, not IPv4-compatible forms of
     // 0.0.0.0 / 0.0.0.1: an IPv4 exception such as 0.0.0.0/8 never admits them (found by
     // fuzzing, tests/fuzz/regressions/address).
     const bool v6_special = !ip.is_v4() && all_zero(ip.bytes, 0, 15) && ip.bytes[15] <= 1;
     if (!ip.is_v4() && !v6_special) {
-        inner = embedded_v4(ip.bytes).v4;
-    }
-    for (const Cidr& c : allow_) {
-        if (v.cls == AddressClass::Metadata && !exact(c)) {
-            continue;  // metadata only through an exception that names it exactly
-        }
-        if (c.contains(ip) || (inner && c.contains(*inner))) {
+        // Through the embedded IPv4 address: the key reading must be excepted (exactly when
+        // the address is metadata), and so must every other reading that is not public
+        // (local-use NAT64's other layouts), so that an exception for what one layout reads
+        // never admits a denied address another layout reads.
+        const Embedded e = embedded_v4(ip.bytes);
+        const auto readings = std::span(e.v4).first(e.count);
+        if (!readings.empty() && excepted(readings.front(), metadata) &&
+            std::all_of(readings.begin() + 1, readings.end(), [&](const IpAddress& a) {
+                const AddressClass c = classify_v4(a.bytes, 0);
+                return c == AddressClass::Public || excepted(a, c == AddressClass::Metadata);
+            })) {
             v.allowed = true;
             return v;
         }

@@ -55,7 +55,10 @@ std::string_view to_string(AddressClass c);
 /// Classifies an address. IPv6 forms that embed an IPv4 address are classified by the
 /// embedded address (the more restrictive of the two wins): IPv4-mapped ::ffff:0:0/96,
 /// IPv4-compatible ::/96, NAT64 64:ff9b::/96 and 64:ff9b:1::/48, 6to4 2002::/16 and Teredo
-/// 2001::/32 (client address, bits inverted).
+/// 2001::/32 (client address, bits inverted). The local-use NAT64 /48 (RFC 8215) may hold a
+/// translator prefix of any RFC 6052 length carved from it, so its IPv4 address is read at
+/// the /48, /56, /64 and /96 layouts (skipping the "u" octet, bits 64-71) and the strictest
+/// reading wins: the address is public only when every layout reads a public address.
 AddressClass classify(const IpAddress& ip);
 
 struct AddressVerdict {
@@ -68,7 +71,10 @@ struct AddressVerdict {
 /// Vets resolved addresses. Public addresses are allowed; every other class is denied unless
 /// the address lies in one of `allow_networks` (named exceptions, e.g. 127.0.0.1/32 for test
 /// upstreams). For an IPv6 form embedding IPv4, the exception is checked against the embedded
-/// address too. Metadata addresses are allowed only by an exception that names them exactly
+/// address too; for local-use NAT64 that is the /48 layout's reading, and every other layout
+/// whose reading is not public must be excepted as well (an exception for what one layout
+/// reads never admits what another reads; naming the IPv6 address or its translator prefix
+/// always works). Metadata addresses are allowed only by an exception that names them exactly
 /// (/32 or /128), never by a wider network.
 class AddressPolicy {
 public:

@@ -87,7 +87,13 @@ bool is_loopback_tcp<tcp::socket>(tcp::socket& s, uint16_t& port) {
     error_code ec;
     auto local = s.local_endpoint(ec);
     port = local.port();
-    return !ec && local.address().is_loopback();
+    if (ec) {
+        return false;
+    }
+    // A dual-stack listener (listen.admin [::]:P) sees an IPv4 connection to 127.0.0.1 as
+    // ::ffff:127.0.0.1, which is_loopback() does not count: unmap it first, or such a
+    // connection would skip Host pinning.
+    return unmapped(local.address()).is_loopback();
 }
 
 }  // namespace

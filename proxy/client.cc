@@ -588,7 +588,7 @@ std::optional<tcp::endpoint> original_destination(tcp::socket& socket) {
 
 policy::IpAddress to_policy_address(const net::ip::address& a) {
     if (a.is_v6() && a.to_v6().is_v4_mapped()) {
-        return to_policy_address(net::ip::make_address_v4(net::ip::v4_mapped, a.to_v6()));
+        return to_policy_address(unmapped(a));
     }
     policy::IpAddress ip;
     if (a.is_v4()) {

@@ -28,6 +28,15 @@ using boost::system::error_code;
 template <class T = void>
 using awaitable = net::awaitable<T>;
 
+/// An IPv4-mapped IPv6 address (::ffff:a.b.c.d, what a dual-stack socket reports for an IPv4
+/// peer) as the IPv4 address it is; any other address as it is.
+inline net::ip::address unmapped(const net::ip::address& a) {
+    if (a.is_v6() && a.to_v6().is_v4_mapped()) {
+        return net::ip::make_address_v4(net::ip::v4_mapped, a.to_v6());
+    }
+    return a;
+}
+
 /// Expected errors are values (STYLE.md 10): co_await op(..., use_nothrow) → tuple(ec, ...).
 inline constexpr auto use_nothrow = net::as_tuple(net::use_awaitable);
 

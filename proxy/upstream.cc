@@ -28,10 +28,7 @@ bool is_self(const Shared& s, const tcp::endpoint& ep) {
         if (own.port() != ep.port()) {
             continue;
         }
-        auto a = ep.address();
-        if (a.is_v6() && a.to_v6().is_v4_mapped()) {
-            a = net::ip::make_address_v4(net::ip::v4_mapped, a.to_v6());
-        }
+        const auto a = unmapped(ep.address());
         if (own.address().is_unspecified() || a == own.address() || a.is_loopback() ||
             a.is_unspecified()) {
             return true;

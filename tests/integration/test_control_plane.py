@@ -110,6 +110,57 @@ def test_loopback_host_header_is_accepted(cp, host):
     assert r.status == 200, r.status
 
 
+def _dual_stack_loopback() -> bool:
+    """[::] takes IPv4 connections too (net.ipv6.bindv6only 0) and ::1 is configured."""
+    try:
+        with open("/proc/sys/net/ipv6/bindv6only") as f:
+            if f.read().strip() != "0":
+                return False
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _dual_stack_loopback(), reason="needs a dual-stack [::] and ::1")
+def test_host_is_pinned_on_a_dual_stack_admin_listener(factory, world):
+    """listen.admin [::]:P sees a connection to 127.0.0.1 from ::ffff:127.0.0.1: it is loopback
+    all the same, and its Host is pinned as on [::1] (it was not: any Host got 200)."""
+    import http.client
+
+    def use_dual_stack(cfg):
+        cfg["listen"]["admin"] = "[::]:" + cfg["listen"]["admin"].rsplit(":", 1)[1]
+
+    e = factory.start(mutate=cp_mutate(world, extra=use_dual_stack))
+    port, tok = e.admin_port, admin_token(e)
+
+    def get(addr: str, path: str, host: str, token: str | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(addr, port, timeout=10)
+        headers = {"Host": host}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        try:
+            conn.request("GET", path, headers=headers)
+            r = conn.getresponse()
+            out = (r.status, r.read())
+        finally:
+            conn.close()
+        SEEN.append((f"GET {path}", out[1]))
+        return out
+
+    for addr in ("127.0.0.1", "::1"):
+        for path, token in (("/metrics", None), ("/v1/secrets", tok)):
+            for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.nip.io:{port}",
+                         f"127.0.0.1:{port + 1}"):
+                status, body = get(addr, path, host, token)
+                assert status == 403, (addr, path, host, status)
+                assert json.loads(body)["error"] == "forbidden_host", (addr, path, host)
+            for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+                status, _ = get(addr, path, host, token)
+                assert status == 200, (addr, path, host, status)
+
+
 # ---------------------------------------------------------------------------------------------
 # validation
 

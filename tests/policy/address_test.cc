@@ -150,10 +150,33 @@ INSTANTIATE_TEST_SUITE_P(
         ClassCase{"2001:0:4136:e378:8000:63bf:f7f7:f7f7", AddressClass::Public},
         ClassCase{"2001:0:4136:e378:8000:63bf:80ff:fffe", AddressClass::Loopback},
         ClassCase{"2001:0:4136:e378:8000:63bf:f5ff:fffe", AddressClass::Private},
-        // Local-use NAT64 /48 (RFC 6052 layout, skipping the u octet).
-        ClassCase{"64:ff9b:1:808:8:800::", AddressClass::Public},
-        ClassCase{"64:ff9b:1:7f00:0:100::", AddressClass::Loopback},
-        ClassCase{"64:ff9b:1:a9fe:a9:fe00::", AddressClass::Metadata}));
+        // Local-use NAT64 64:ff9b:1::/48 (RFC 8215): the translator's prefix may be any RFC
+        // 6052 length carved from the /48, so the IPv4 address is read at every layout that
+        // fits (/48: bytes 6,7,9,10; /56: 7,9,10,11; /64: 9-12; /96: 12-15; byte 8 is the u
+        // octet) and the strictest class wins.
+        ClassCase{"64:ff9b:1:7f00:0:100::", AddressClass::Loopback},     // /48 127.0.0.1
+        ClassCase{"64:ff9b:1:a9fe:a9:fe00::", AddressClass::Metadata},   // /48 169.254.169.254
+        // A /96 translator at 64:ff9b:1:abcd:ef01::/96: 169.254.169.254 and 127.0.0.1 (the /48
+        // reading is 171.205.1.0, public, which is all that was looked at before).
+        ClassCase{"64:ff9b:1:abcd:ef01:0:a9fe:a9fe", AddressClass::Metadata},
+        ClassCase{"64:ff9b:1:abcd:ef01::7f00:1", AddressClass::Loopback},
+        ClassCase{"64:ff9b:1:abcd:0:ef01:a00:1", AddressClass::Private},     // /96 10.0.0.1
+        // /56 translator at 64:ff9b:1:1200::/56: 127.0.0.1 and 10.1.2.3.
+        ClassCase{"64:ff9b:1:127f:0:1::", AddressClass::Loopback},
+        ClassCase{"64:ff9b:1:120a:1:203::", AddressClass::Private},
+        // /64 translator at 64:ff9b:1:1234::/64: 127.0.0.1 and 192.168.1.1 (every other
+        // layout reads a public address here).
+        ClassCase{"64:ff9b:1:1234:7f:0:100:0", AddressClass::Loopback},
+        ClassCase{"64:ff9b:1:1234:c0:a801:100:0", AddressClass::Private},
+        // 8.8.8.8 in each layout, where every layout reads a public address: public.
+        ClassCase{"64:ff9b:1:808:8:808:808:808", AddressClass::Public},    // /48 (all 8.8.8.8)
+        ClassCase{"64:ff9b:1:1208:8:808:808:808", AddressClass::Public},   // /56
+        ClassCase{"64:ff9b:1:1234:8:808:800:0", AddressClass::Public},     // /64
+        ClassCase{"64:ff9b:1:abcd:ef01:0:808:808", AddressClass::Public},  // /96
+        // 8.8.8.8 in the /48 layout with the zero suffix RFC 6052 recommends: the /96 layout
+        // reads 0.0.0.0, so it is not public (fail closed; name the translator's prefix in
+        // allow_networks to reach it).
+        ClassCase{"64:ff9b:1:808:8:800::", AddressClass::Unspecified}));
 
 // Every denied IPv4 case again, through the IPv4-mapped and NAT64 /96 forms.
 std::vector<ClassCase> embedded_cases() {
@@ -240,7 +263,31 @@ INSTANTIATE_TEST_SUITE_P(
         VetCase{{"fd00::/8"}, "fd00:ec2::254", false, "denied_address:metadata"},
         VetCase{{"fd00:ec2::254/128"}, "fd00:ec2::254", true, ""},
         VetCase{{"fd00::/8"}, "fd00::1", true, ""},
-        VetCase{{"64:ff9b::/96"}, "64:ff9b::169.254.169.254", false, "denied_address:metadata"}));
+        VetCase{{"64:ff9b::/96"}, "64:ff9b::169.254.169.254", false, "denied_address:metadata"},
+        // Local-use NAT64: an exception for the IPv4 address the /48 layout reads admits the
+        // address as before, but only when every other layout that reads a denied address is
+        // excepted too; the address itself (or its translator's prefix) may always be named.
+        VetCase{{"10.1.2.3/32"}, "64:ff9b:1:a01:2:308:808:808", true, ""},
+        VetCase{{}, "64:ff9b:1:a01:2:308:808:808", false, "denied_address:private"},
+        VetCase{{"10.0.0.1/32"}, "64:ff9b:1:a00:0:100::", false, "denied_address:private"},
+        VetCase{{"10.0.0.1/32", "0.0.0.0/8"}, "64:ff9b:1:a00:0:100::", true, ""},
+        VetCase{{"64:ff9b:1::/48"}, "64:ff9b:1:a00:0:100::", true, ""},
+        // An exception for what one layout reads never admits what another reads; and since
+        // exceptions through the embedded address key on the /48 reading (171.205.1.0 in the
+        // /96 examples), a /96 form is admitted by naming it or its prefix, not its IPv4.
+        VetCase{{"127.0.0.1/32", "0.0.0.0/8"}, "64:ff9b:1:7f00:0:100:a00:1", false,
+                "denied_address:loopback"},
+        VetCase{{"127.0.0.1/32", "0.0.0.0/8", "10.0.0.1/32"}, "64:ff9b:1:7f00:0:100:a00:1", true,
+                ""},
+        VetCase{{"127.0.0.1/32"}, "64:ff9b:1:abcd:ef01::7f00:1", false, "denied_address:loopback"},
+        VetCase{{"64:ff9b:1:abcd:ef01::/96"}, "64:ff9b:1:abcd:ef01::7f00:1", true, ""},
+        // Metadata in any layout: only an exact exception, never a wider network.
+        VetCase{{"169.254.169.254/32"}, "64:ff9b:1:abcd:ef01:0:a9fe:a9fe", false,
+                "denied_address:metadata"},
+        VetCase{{"64:ff9b:1:abcd:ef01::/96"}, "64:ff9b:1:abcd:ef01:0:a9fe:a9fe", false,
+                "denied_address:metadata"},
+        VetCase{{"64:ff9b:1:abcd:ef01:0:a9fe:a9fe/128"}, "64:ff9b:1:abcd:ef01:0:a9fe:a9fe", true,
+                ""}));
 
 TEST(AddressPolicy, DefaultDeniesEverythingSpecial) {
     const AddressPolicy policy;
