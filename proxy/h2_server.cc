@@ -42,6 +42,7 @@ struct ServerStream {
     bool front_out = false;
     // response
     bool response_started = false;
+    bool response_done = false;  // its END_STREAM went out: the response is complete
     PieceQueue out;
     size_t out_off = 0;
     size_t out_bytes = 0;
@@ -53,6 +54,9 @@ struct ServerStream {
     uint32_t error = 0;
     Clock::time_point began = Clock::now();
     std::string refusal;  // why egressd or nghttp2 reset it (audited), empty for a client reset
+    bool peer_reset = false;      // closed by the client's RST_STREAM
+    bool header_refused = false;  // a header callback refused its block: nghttp2 resets it
+                                  // INTERNAL_ERROR, for the client's fault (not an upstream's)
     bool body_stopped = false;  // the core wants no more of the request body (stop_reading)
     bool handled = false;       // a handler owns it
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
@@ -94,7 +98,11 @@ struct Conn {
     uint64_t premature_resets = 0;
     double control_tokens = 0;
     Clock::time_point control_refill = Clock::now();
-    bool calm = false;  // misbehaving peer: GOAWAY ENHANCE_YOUR_CALM after this mem_recv
+    double reset_tokens = 0;  // resets the client provoked (codec_reset)
+    Clock::time_point reset_refill = Clock::now();
+    bool calm = false;    // misbehaving peer: GOAWAY ENHANCE_YOUR_CALM (calm_down), a control
+                          // flood's after this mem_recv, a reset flood's at once
+    bool calmed = false;  // that GOAWAY is queued
 
     ServerStream* find(int32_t id) {
         auto it = streams.find(id);
@@ -118,7 +126,73 @@ struct Conn {
             st->client_gone();
         }
     }
+    /// GOAWAY(ENHANCE_YOUR_CALM) now, once, and no stream of the current read starts. Safe in
+    /// nghttp2's callbacks: a stream may be closed while the writer's mem_send sends its
+    /// RST_STREAM, and the reader may then be waiting for a read that never comes.
+    void calm_down() {
+        calm = true;
+        ready.clear();
+        if (std::exchange(calmed, true)) {
+            return;
+        }
+        spdlog::info("conn={} h2: misbehaving client (resets/control flood): GOAWAY",
+                     scope.conn_id);
+        goaway_sent = true;
+        nghttp2_session_terminate_session(session.get(), NGHTTP2_ENHANCE_YOUR_CALM);
+        io.wsig.notify();
+    }
+    /// A stream reset before its response (rapid reset: it may have cost the upstream a
+    /// request and its cancel, and costs us a handler): past h2_max_premature_resets, when
+    /// they are at least half of the connection's streams, the client goes.
+    void premature_reset() {
+        ++premature_resets;
+        if (premature_resets >= limits.h2_max_premature_resets &&
+            premature_resets * 2 >= total_streams) {
+            calm_down();
+        }
+    }
+    /// A stream nghttp2 (or a header callback) reset because of the client's protocol error
+    /// ("MadeYouReset", CVE-2025-8671: nghttp2 1.52 charges its stream reset bucket only for
+    /// the RST_STREAM frames a client sends). Taken from a bucket of the same burst and rate,
+    /// and, before the response completed, a premature reset like the client's own.
+    void codec_reset(bool premature) {
+        auto now = Clock::now();
+        double burst = static_cast<double>(limits.h2_stream_reset_burst);
+        reset_tokens = std::min(
+            burst, reset_tokens + std::chrono::duration<double>(now - reset_refill).count() *
+                                      static_cast<double>(limits.h2_stream_reset_rate));
+        reset_refill = now;
+        if (reset_tokens < 1.0) {
+            calm_down();
+        } else {
+            reset_tokens -= 1.0;
+        }
+        if (premature) {
+            premature_reset();
+        }
+    }
 };
+
+/// Whether nghttp2 closed a stream that the client did not reset with `error_code` because of
+/// what the client sent. egressd's own resets carry NO_ERROR (after an early answer), CANCEL or
+/// INTERNAL_ERROR (the core gave up: an upstream failure, the client gone) and REFUSED_STREAM
+/// (too many handlers; nghttp2's, over the stream limit, never opened one). nghttp2 resets
+/// with the others for the client's frames: PROTOCOL_ERROR (HTTP messaging: DATA beyond or
+/// short of the content-length, a malformed field; a zero WINDOW_UPDATE), FLOW_CONTROL_ERROR,
+/// STREAM_CLOSED, FRAME_SIZE_ERROR, COMPRESSION_ERROR; and with INTERNAL_ERROR when one of our
+/// header callbacks refused the block.
+bool client_fault(const ServerStream& st, uint32_t error_code) {
+    switch (error_code) {
+        case NGHTTP2_NO_ERROR:
+        case NGHTTP2_CANCEL:
+        case NGHTTP2_REFUSED_STREAM:
+            return false;
+        case NGHTTP2_INTERNAL_ERROR:
+            return st.header_refused;
+        default:
+            return true;
+    }
+}
 
 // --- nghttp2 callbacks: never call mem_send/mem_recv here ---------------------------------
 
@@ -155,6 +229,7 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
                                              c->limits.h2_max_header_list_bytes);
     if (!within && st->in_trailers) {
         st->refusal = "header_too_large";
+        st->header_refused = true;
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // the head went out: RST this stream only
     }
     if (!within || st->refusal == "header_too_large") {
@@ -182,6 +257,7 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
         st->head.path = v;
     } else if (!n.empty() && n[0] == ':') {
         st->refusal = "bad_request";
+        st->header_refused = true;
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // e.g. :protocol (not enabled)
     } else if (n == "host") {
         if (st->has_host) {
@@ -225,12 +301,9 @@ int on_frame_recv(nghttp2_session* session, const nghttp2_frame* frame, void* us
             c->control_frame();
             return 0;
         case NGHTTP2_RST_STREAM:
-            if (auto* st = c->find(frame->hd.stream_id); st && !st->response_started) {
-                ++c->premature_resets;
-                if (c->premature_resets >= c->limits.h2_max_premature_resets &&
-                    c->premature_resets * 2 >= c->total_streams) {
-                    c->calm = true;
-                }
+            // nghttp2 closes the stream next (on_stream_close counts it).
+            if (auto* st = c->find(frame->hd.stream_id)) {
+                st->peer_reset = true;
             }
             return 0;
         default:
@@ -269,8 +342,11 @@ int on_frame_send(nghttp2_session* session, const nghttp2_frame* frame, void* us
     auto* c = static_cast<Conn*>(user_data);
     if ((frame->hd.type == NGHTTP2_HEADERS || frame->hd.type == NGHTTP2_DATA) &&
         (frame->hd.flags & NGHTTP2_FLAG_END_STREAM) != 0) {
-        if (auto* st = c->find(frame->hd.stream_id); st != nullptr && !st->req_end) {
-            nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, st->id, NGHTTP2_NO_ERROR);
+        if (auto* st = c->find(frame->hd.stream_id)) {
+            st->response_done = true;
+            if (!st->req_end) {
+                nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, st->id, NGHTTP2_NO_ERROR);
+            }
         }
     }
     return 0;
@@ -316,6 +392,19 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
         st->refusal = "bad_framing";  // nghttp2 reset it: DATA disagreed with content-length
     }
     st->error = error_code;
+    // Flood accounting, once per stream (it closes once). The client's RST_STREAM before a
+    // response head (one after it is a client giving up on a download or a gRPC stream), or a
+    // reset nghttp2 or a header callback made for the client's protocol error before the
+    // response completed (MadeYouReset: the client's way to a reset without RST_STREAM): a
+    // premature reset. Resets egressd makes for its own reasons (an upstream failure, too many
+    // handlers, after an early answer) are not the client's doing and do not count.
+    if (st->peer_reset) {
+        if (!st->response_started) {
+            c->premature_reset();
+        }
+    } else if (client_fault(*st, error_code)) {
+        c->codec_reset(!st->response_done);
+    }
     st->client_gone();
     // What nghttp2 will not send any more leaves the connection's queue budget.
     c->io.dequeued(st->out_bytes);
@@ -623,11 +712,7 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
             break;
         }
         if (c->calm) {
-            spdlog::info("conn={} h2: misbehaving client (resets/control flood): GOAWAY",
-                         c->scope.conn_id);
-            c->goaway_sent = true;
-            nghttp2_session_terminate_session(c->session.get(), NGHTTP2_ENHANCE_YOUR_CALM);
-            c->ready.clear();
+            c->calm_down();  // a control flood; or resets in this read (already done)
         }
         // Spawn after mem_recv returned: a stream reset in the same read never starts.
         for (int32_t id : c->ready) {
@@ -740,6 +825,7 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
 bool start_session(Conn& c) {
     const auto& l = c.limits;
     c.control_tokens = static_cast<double>(l.h2_control_frame_burst);
+    c.reset_tokens = static_cast<double>(l.h2_stream_reset_burst);
 
     nghttp2_session_callbacks* cbs_raw = nullptr;
     nghttp2_session_callbacks_new(&cbs_raw);

@@ -1,15 +1,18 @@
 """HTTP/2 attacks with raw frames (python3-h2 / hyperframe) against the intercepted leg: rapid
-reset, CONTINUATION flood, HPACK bomb, too many streams, malformed requests, CR/LF meant for an
-HTTP/1.1 upstream. Each is refused, nothing reaches the upstream (so nothing is injected), and
-a well-behaved httpx HTTP/2 client is served the whole time."""
+reset (the client's RST_STREAMs, or resets it provokes: MadeYouReset), CONTINUATION flood, HPACK
+bomb, too many streams, malformed requests, CR/LF meant for an HTTP/1.1 upstream. Each is
+refused, nothing reaches the upstream (so nothing is injected; a provoked reset comes after its
+head went up, and only a bounded number of them do), and a well-behaved httpx HTTP/2 client is
+served the whole time."""
 from __future__ import annotations
 
 import threading
 import time
 
+import h2.events
 import httpx
 import pytest
-from hyperframe.frame import ContinuationFrame, HeadersFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, RstStreamFrame
 
 from clients import run_ca
 from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
@@ -86,6 +89,138 @@ def test_rapid_reset_goaway(world, e2, h2up, marker, good_client):
     time.sleep(0.3)
     assert_nothing_reached(world, h2up, marker)
     assert e2.alive()
+
+
+class UpstreamHeads:
+    """Counts the request heads holding `marker` that the h2 test upstream receives, complete
+    or not (its `requests` has only the complete ones), while the `with` block runs."""
+
+    def __init__(self, h2up, marker):
+        self.h2up, self.marker, self.sids = h2up, marker, []
+
+    def __enter__(self):
+        event = self.h2up._event
+
+        def counting(conn, streams, ev, sni):
+            if isinstance(ev, h2.events.RequestReceived) and \
+                    self.marker in dict(ev.headers).get(":path", ""):
+                self.sids.append(ev.stream_id)
+            return event(conn, streams, ev, sni)
+
+        self.h2up._event = counting  # the instance attribute shadows the method until __exit__
+        return self
+
+    def __exit__(self, *exc):
+        del self.h2up._event
+
+    def __len__(self):
+        return len(self.sids)
+
+
+def overflow_streams(raw, authority, path, n):
+    """`n` streams of a POST that declares content-length: 1 and sends no body yet."""
+    return [raw.send_headers([(":method", "POST"), (":scheme", "https"),
+                              (":authority", authority), (":path", f"{path}-{i}"),
+                              ("content-length", "1")], end_stream=False)
+            for i in range(n)]
+
+
+def overflow(raw, sids):
+    """DATA("xx", END_STREAM) on each: a byte beyond content-length, nghttp2 resets the stream
+    (PROTOCOL_ERROR) without the client sending RST_STREAM."""
+    raw.send(b"".join(DataFrame(s, data=b"xx", flags=["END_STREAM"]).serialize() for s in sids))
+
+
+def wait_heads(raw, heads, n, timeout=2.0):
+    deadline = time.monotonic() + timeout
+    while len(heads) < n and time.monotonic() < deadline and raw.goaway is None and \
+            not raw.closed:
+        raw.pump(timeout=0.02)
+
+
+def test_made_you_reset_goaway(world, e2, h2up, marker, good_client):
+    """MadeYouReset (CVE-2025-8671): the client never sends RST_STREAM but makes nghttp2 reset
+    its streams, each after its handler sent the request head upstream: HEADERS(POST,
+    content-length: 1) without END_STREAM, and once the head is upstream DATA("xx",
+    END_STREAM), one byte beyond the declared length (PROTOCOL_ERROR). These count as premature
+    resets like the client's own: GOAWAY ENHANCE_YOUR_CALM after about
+    h2_max_premature_resets (100) of them, not a request and a cancel upstream per stream."""
+    total, batch = 300, 50
+    authority = f"api.test:{h2up.port}"
+    sent = 0
+    t0 = time.monotonic()
+    with UpstreamHeads(h2up, marker) as heads:
+        c = H2Client(e2, world, "api.test", h2up.port)
+        raw = RawH2(c)
+        try:
+            while sent < total and raw.goaway is None and not raw.closed and \
+                    time.monotonic() - t0 < 20:
+                sids = overflow_streams(raw, authority, f"/upload/{marker}-{sent}", batch)
+                # The heads go upstream (a stream reset in the read that opened it never
+                # starts): what the overflow then cancels has cost the upstream a request.
+                wait_heads(raw, heads, sent + batch)
+                overflow(raw, sids)
+                sent += batch
+                raw.pump(until=lambda: raw.goaway is not None, timeout=0.2)
+            raw.pump(until=lambda: raw.goaway is not None, timeout=3)
+        except OSError:  # egressd closed the connection mid-burst
+            pass
+        finally:
+            c.close()
+            time.sleep(0.3)
+    resets = sum(1 for s in raw.streams.values() if s["reset"] is not None)
+    print(f"made-you-reset: streams={sent} reset={resets} goaway={raw.goaway} "
+          f"closed={raw.closed} upstream_heads={len(heads)} "
+          f"secs={time.monotonic() - t0:.1f}")
+    assert raw.goaway == ENHANCE_YOUR_CALM, (raw.goaway, raw.closed, sent, len(heads))
+    assert len(heads) < 150, (len(heads), sent)
+    # None of them completed upstream: each was cut one byte past its length.
+    assert h2up.find(marker) == []
+    assert e2.alive()
+
+
+def test_made_you_reset_among_good_streams(factory, world, h2up, marker):
+    """Resets the client provokes, hidden among twice as many good streams (so never half of
+    them: the premature-reset check alone would not stop them), are taken from a token bucket
+    of h2_stream_reset_burst / h2_stream_reset_rate, like the client's own RST_STREAMs: here
+    20, then 1 per second, then GOAWAY ENHANCE_YOUR_CALM."""
+    e = factory.start(add_h2_pins(world, h2up, limits={
+        "h2_stream_reset_burst": 20, "h2_stream_reset_rate": 1,
+        "h2_max_premature_resets": 10}))
+    authority = f"api.test:{h2up.port}"
+    rounds = 0
+    t0 = time.monotonic()
+    with UpstreamHeads(h2up, marker + "-bad") as heads:
+        c = H2Client(e, world, "api.test", h2up.port)
+        raw = RawH2(c)
+        try:
+            while rounds < 60 and raw.goaway is None and not raw.closed and \
+                    time.monotonic() - t0 < 30:
+                good = [raw.send_headers([(":method", "GET"), (":scheme", "https"),
+                                          (":authority", authority),
+                                          (":path", f"/echo/{marker}-good-{rounds}-{i}")])
+                        for i in range(2)]
+                bad = overflow_streams(raw, authority, f"/upload/{marker}-bad-{rounds}", 1)
+                wait_heads(raw, heads, rounds + 1)
+                overflow(raw, bad)
+                rounds += 1
+                raw.pump(until=lambda: raw.goaway is not None or
+                         all(raw.streams[s]["ended"] for s in good), timeout=1)
+            raw.pump(until=lambda: raw.goaway is not None, timeout=3)
+        except OSError:
+            pass
+        finally:
+            c.close()
+            time.sleep(0.3)
+    good_done = len([r for r in h2up.find(marker) if "-good-" in r.path])
+    print(f"made-you-reset among good: rounds={rounds} goaway={raw.goaway} "
+          f"closed={raw.closed} bad_heads={len(heads)} good_completed={good_done} "
+          f"secs={time.monotonic() - t0:.1f}")
+    assert raw.goaway == ENHANCE_YOUR_CALM, (raw.goaway, raw.closed, rounds, len(heads))
+    # The burst (20), what refilled while the test ran (1 per second), and the one refused.
+    assert len(heads) <= 20 + int(time.monotonic() - t0) + 2, (len(heads), rounds)
+    assert good_done >= 2 * 10  # the good streams were served meanwhile
+    assert e.alive()
 
 
 def test_continuation_flood(world, e2, h2up, marker, good_client):
