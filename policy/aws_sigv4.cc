@@ -26,6 +26,7 @@ constexpr std::string_view kAlgorithm = "AWS4-HMAC-SHA256";
 constexpr std::string_view kEmptyHash =
     "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 constexpr std::string_view kUnsigned = "UNSIGNED-PAYLOAD";
+constexpr std::string_view kStreamingSigned = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD";
 constexpr char kHex[] = "0123456789abcdef";
 
 bool is_hex64(std::string_view s) {
@@ -370,6 +371,9 @@ AwsPayload aws_payload(const RequestHead& head, const InjectSpec& spec, bool bod
             p.hash = *declared;
         } else if (*declared == kUnsigned || *declared == "STREAMING-UNSIGNED-PAYLOAD-TRAILER") {
             p.hash = *declared;
+        } else if (*declared == kStreamingSigned) {
+            p.hash = *declared;
+            p.chunked = true;
         } else if (declared->starts_with("STREAMING-")) {
             p.kind = AwsPayload::Kind::Refuse;
             p.reason = "aws_chunk_signing";
@@ -464,8 +468,8 @@ AwsSigningKeys::Mac AwsSigningKeys::sign(std::string_view day, const InjectSpec&
     return out;
 }
 
-void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
-              std::string_view payload_hash, TimePoint now) {
+AwsSignature aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
+                      std::string_view payload_hash, TimePoint now) {
     head.remove("authorization");
     if (creds.session_token) {  // ours, signed with the other x-amz-* fields
         head.set("x-amz-security-token", std::string(creds.session_token->reveal()));
@@ -489,9 +493,93 @@ void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
     value.reserve(160 + signed_headers.size());
     value.append(kAlgorithm).append(" Credential=").append(creds.access_key_id).append("/");
     value.append(scope).append(", SignedHeaders=").append(signed_headers);
-    value.append(", Signature=").append(hex(sig.data(), sig.size()));
+    std::string signature = hex(sig.data(), sig.size());
+    value.append(", Signature=").append(signature);
     head.set("authorization", std::move(value));
     head.never_index = "authorization";
+    return {date, std::move(scope), std::move(signature)};
+}
+
+AwsChunkSigner::AwsChunkSigner(std::shared_ptr<AwsCredentials> creds, const InjectSpec& spec,
+                               AwsSignature seed)
+    : creds_(std::move(creds)), spec_(spec), prev_(std::move(seed)) {}
+
+AwsChunkSigner::Status AwsChunkSigner::feed(std::string_view in, size_t max_chunk) {
+    out_.clear();
+    if (in.empty()) {
+        return Status::Ok;
+    }
+    if (done_) {
+        return Status::Malformed;  // bytes after the last chunk
+    }
+    in_.append(in);
+    return parse(max_chunk);
+}
+
+AwsChunkSigner::Status AwsChunkSigner::parse(size_t max_chunk) {
+    static constexpr std::string_view kExt = ";chunk-signature=";
+    // hex(size) (at most 16 digits), the extension, a signature: the longest header line
+    static constexpr size_t kMaxLine = 16 + kExt.size() + 64;
+    for (;;) {
+        if (line_ == 0) {
+            const size_t crlf = in_.find("\r\n");
+            if (crlf == std::string::npos) {
+                return in_.size() > kMaxLine + 1 ? Status::Malformed : Status::Ok;
+            }
+            const std::string_view line(in_.data(), crlf);
+            const size_t semi = line.find(';');
+            if (semi == 0 || semi == std::string_view::npos || semi > 16 ||
+                line.substr(semi, kExt.size()) != kExt ||
+                !is_hex64(line.substr(semi + kExt.size()))) {
+                return Status::Malformed;
+            }
+            uint64_t size = 0;
+            for (const char c : line.substr(0, semi)) {
+                const int v = c >= '0' && c <= '9'   ? c - '0'
+                              : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                              : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                                     : -1;
+                if (v < 0) {
+                    return Status::Malformed;
+                }
+                size = size * 16 + static_cast<uint64_t>(v);
+            }
+            if (size > max_chunk) {
+                return Status::TooLarge;
+            }
+            line_ = crlf;
+            size_ = size;
+        }
+        // The chunk's data and its CRLF; the last chunk (size 0) ends with a CRLF of its own.
+        const size_t need = line_ + 2 + size_ + 2;
+        if (in_.size() < need) {
+            return Status::Ok;
+        }
+        if (in_.compare(need - 2, 2, "\r\n") != 0) {
+            return Status::Malformed;
+        }
+        const std::string_view data(in_.data() + line_ + 2, size_);
+        std::string to_sign;
+        to_sign.reserve(256);
+        to_sign.append(kAlgorithm).append("-PAYLOAD\n").append(prev_.date).append("\n");
+        to_sign.append(prev_.scope).append("\n").append(prev_.signature).append("\n");
+        to_sign.append(kEmptyHash).append("\n").append(credstore::sha256_hex(data));
+        const Mac sig = creds_->keys.sign(std::string_view(prev_.date).substr(0, 8), spec_,
+                                          creds_->secret_access_key->reveal(), to_sign);
+        prev_.signature = hex(sig.data(), sig.size());
+        const size_t semi = in_.find(';');
+        out_.append(in_, 0, semi + kExt.size()).append(prev_.signature).append("\r\n");
+        out_.append(data).append("\r\n");
+        in_.erase(0, need);
+        line_ = 0;
+        if (size_ == 0) {
+            if (!in_.empty()) {
+                return Status::Malformed;  // bytes after the last chunk
+            }
+            done_ = true;
+            return Status::Ok;
+        }
+    }
 }
 
 }  // namespace egress::policy

@@ -16,9 +16,11 @@
 //  - S3: UNSIGNED-PAYLOAD (allowed by S3 over TLS), with x-amz-content-sha256 added;
 //  - any other service: the body's own hash, so egressd reads the body first (AwsPayload's
 //    NeedBody; the exchange bounds it by limits.sign_body_bytes).
-// Refused: a chunk-signed upload (STREAMING-AWS4-HMAC-SHA256-PAYLOAD...: each chunk carries a
-// signature made with the sandbox's dummy key, which egressd would have to rewrite), and a
-// presigned URL (its query carries a signature of its own; AWS refuses two).
+//  - a chunk-signed upload (STREAMING-AWS4-HMAC-SHA256-PAYLOAD, the aws-chunked body of the
+//    AWS SDK for Java v1's PutObject and UploadPart): signed as declared, and each chunk's
+//    signature, made by the sandbox with its dummy key, is made again (AwsChunkSigner).
+// Refused: the other chunk-signed forms (signed trailers, SigV4a), and a presigned URL (its
+// query carries a signature of its own; AWS refuses two).
 //
 // The canonical URI and query are computed from the request as the client sent it, as the
 // SDKs compute them from what they put on the wire (botocore's SigV4Auth and S3SigV4Auth), so
@@ -28,6 +30,7 @@
 #include <array>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -45,6 +48,7 @@ struct AwsPayload {
     Kind kind = Kind::Hash;
     std::string hash;             // Kind::Hash: the value signed as the payload's hash
     bool add_header = false;      // Kind::Hash: set x-amz-content-sha256 to `hash` (S3)
+    bool chunked = false;         // Kind::Hash: an aws-chunked body whose chunks are signed
     const char* reason = nullptr; // Kind::Refuse: "aws_chunk_signing", "bad_aws_payload_hash",
                                   // "aws_presigned_query"
 };
@@ -99,12 +103,57 @@ Result<std::shared_ptr<AwsCredentials>> aws_credentials(const InjectSpec& spec,
 /// SHA-256 of `bytes`, lowercase hex (the payload hash of a body read whole).
 std::string aws_payload_hash(std::string_view bytes);
 
+/// What aws_sign made: the request's date, credential scope and signature (the "seed" a
+/// chunk-signed upload's chunk signatures chain from).
+struct AwsSignature {
+    std::string date;       // x-amz-date, 20130524T000000Z
+    std::string scope;      // 20130524/us-east-1/s3/aws4_request
+    std::string signature;  // lowercase hex
+};
+
 /// Signs `head` for `spec` with `creds` at `now`: removes the client's authorization,
 /// x-amz-date and x-amz-security-token, sets x-amz-date, the session token if any, and
 /// authorization (never_index = "authorization"). WARNING: derives key material from the
 /// secret; every copy of a key is wiped before return.
-void aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
-              std::string_view payload_hash, TimePoint now);
+AwsSignature aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
+                      std::string_view payload_hash, TimePoint now);
+
+/// A chunk-signed upload's body (x-amz-content-sha256: STREAMING-AWS4-HMAC-SHA256-PAYLOAD),
+/// signed again as it streams. The body is in aws-chunked encoding, each chunk
+///   hex(size) ";chunk-signature=" signature CRLF data CRLF
+/// and a last chunk of size 0 followed by CRLF. Each signature is an HMAC over the previous
+/// one (the first: the request's) and the chunk's hash, so a chunk is held until all of its
+/// data came (at most `max_chunk` bytes: limits.sign_body_bytes), then goes on with the
+/// signature made with the pin's key. The output is as long as the input, so the request's
+/// content-length and x-amz-decoded-content-length stay true.
+class AwsChunkSigner {
+public:
+    enum class Status : uint8_t {
+        Ok,
+        Malformed,  // not aws-chunked as above (400 bad_aws_chunk)
+        TooLarge,   // a chunk over max_chunk (413 body_too_large_to_sign)
+    };
+    AwsChunkSigner(std::shared_ptr<AwsCredentials> creds, const InjectSpec& spec,
+                   AwsSignature seed);
+    /// Takes the next bytes of the body; what may go upstream is then in output().
+    Status feed(std::string_view in, size_t max_chunk);
+    /// The signed chunks completed by the last feed() (valid until the next one).
+    std::span<char> output() { return {out_.data(), out_.size()}; }
+    /// The last chunk came, and nothing after it.
+    bool complete() const { return done_; }
+
+private:
+    Status parse(size_t max_chunk);
+
+    std::shared_ptr<AwsCredentials> creds_;
+    const InjectSpec& spec_;  // the pin's, which outlives the request
+    AwsSignature prev_;       // .signature: the previous chunk's (the request's, first)
+    std::string in_;          // a chunk not yet complete: its header line and data so far
+    std::string out_;
+    size_t line_ = 0;         // in_'s header line length (CRLF excluded), once found
+    uint64_t size_ = 0;       // that chunk's data size
+    bool done_ = false;
+};
 
 /// The canonical request of `head` (its x-amz-date already set) and, in `signed_headers`,
 /// the ';'-joined names it signs. Exposed for tests.

@@ -99,7 +99,13 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
         head.never_index = inj.header;
     }
     if (!aws) {
-        head.set("accept-encoding", "identity");  // the scrubber reads what may echo it
+        // The scrubber finds an echoed credential only in a body it reads whole, as it was
+        // sent: in the identity coding, and never a byte range of it (two ranges, or the
+        // parts of one multipart/byteranges answer, would each hold a piece of the echo).
+        // The upstream then answers 200 with the whole body, as RFC 9110 14.2 lets it.
+        head.set("accept-encoding", "identity");
+        head.remove("range");
+        head.remove("if-range");
     }
     d.secret_sent = !aws;
     if (!head.upgrade.empty()) {
@@ -120,7 +126,11 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
             if (payload.add_header) {
                 head.set("x-amz-content-sha256", payload.hash);
             }
-            aws_sign(head, pin.inject, *inj.aws, payload.hash, ctx.now);
+            AwsSignature seed = aws_sign(head, pin.inject, *inj.aws, payload.hash, ctx.now);
+            if (payload.chunked) {
+                d.aws_chunks = std::make_shared<AwsChunkSigner>(inj.aws, pin.inject,
+                                                                std::move(seed));
+            }
         }
     }
     d.pin = &pin;
@@ -169,7 +179,7 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
     }
 
     Decision d;
-    const Pin* pin = match_pin(global, run, ctx.target, head.method, head.path, ctx.now);
+    const Pin* pin = match_pin(global, run, ctx.target, head.method, head.path, ctx.now, &head);
     if (!ctx.tls) {
         if (pin != nullptr || host_pinned(global, run, ctx.target, ctx.now)) {
             d.reason = "cleartext_no_credential";

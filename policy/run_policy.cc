@@ -105,13 +105,48 @@ bool path_matches(const Pin& pin, std::string_view path) {
     if (dangerous_path(path)) {
         return false;
     }
+    // Whole segments: "/repos/acme" grants "/repos/acme" and "/repos/acme/x", never
+    // "/repos/acme-evil" (a prefix ending in '/' already says where its segment ends).
     return std::any_of(pin.path_prefixes.begin(), pin.path_prefixes.end(),
-                       [&](const std::string& prefix) { return path.starts_with(prefix); });
+                       [&](const std::string& prefix) {
+                           return path.starts_with(prefix) &&
+                                  (path.size() == prefix.size() || prefix.ends_with('/') ||
+                                   path[prefix.size()] == '/');
+                       });
 }
 
 bool method_matches(const Pin& pin, std::string_view method) {
     return pin.methods.empty() ||
            std::find(pin.methods.begin(), pin.methods.end(), method) != pin.methods.end();
+}
+
+/// Headers by which some servers take the method (Google APIs, Express's and Laravel's
+/// method-override) or the path (IIS URL Rewrite, Symfony) from the request instead of its
+/// request line: a pin limited to methods or paths must allow what they claim too.
+constexpr std::string_view kMethodOverrides[] = {"x-http-method-override", "x-http-method",
+                                                 "x-method-override"};
+constexpr std::string_view kPathOverrides[] = {"x-original-url", "x-rewrite-url"};
+
+bool overrides_match(const Pin& pin, const RequestHead* head) {
+    if (head == nullptr || (pin.methods.empty() && pin.path_prefixes.empty())) {
+        return true;
+    }
+    for (const Header& h : head->headers) {
+        const auto named = [&](std::string_view n) { return iequals(h.name, n); };
+        if (!pin.methods.empty() && std::any_of(std::begin(kMethodOverrides),
+                                                std::end(kMethodOverrides), named) &&
+            !method_matches(pin, trim_ows(h.value))) {
+            return false;
+        }
+        if (!pin.path_prefixes.empty() &&
+            std::any_of(std::begin(kPathOverrides), std::end(kPathOverrides), named)) {
+            const std::string_view v = trim_ows(h.value);
+            if (!path_matches(pin, v.substr(0, v.find('?')))) {
+                return false;
+            }
+        }
+    }
+    return true;
 }
 
 }  // namespace
@@ -415,7 +450,8 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
 }
 
 const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
-                     std::string_view method, std::string_view path, TimePoint now) {
+                     std::string_view method, std::string_view path, TimePoint now,
+                     const RequestHead* head) {
     if (!run_live(run, now)) {
         return nullptr;
     }
@@ -424,7 +460,8 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
     // that another pin names (or that only an allow pattern admits) and inject there.
     return find_pin(run, dest.host, [&](const Pin& pin) {
         return pin_live(pin, now) && pattern_allows(pin.host, dest, global) &&
-               method_matches(pin, method) && path_matches(pin, path_only);
+               method_matches(pin, method) && path_matches(pin, path_only) &&
+               overrides_match(pin, head);
     });
 }
 

@@ -59,6 +59,7 @@ Result<std::vector<Header>> validate_extra_headers(const std::vector<Header>& he
                                                    const InjectSpec& inject);
 
 struct AwsCredentials;  // policy/aws_sigv4.h
+class AwsChunkSigner;   // policy/aws_sigv4.h
 
 /// What injecting one pin's credential writes, and what its responses are scrubbed of. Made
 /// once when the pin is built (prepare_injection), so a request copies the value into its
@@ -183,9 +184,14 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
 /// (exact, case-sensitive, uppercase) and path prefix. `path` is the origin-form path (query
 /// ignored). Paths containing dot segments ("/./", "/../", trailing "/.." ), encoded dots or
 /// slashes ("%2e", "%2f", case-insensitive) or backslashes never match a pin that has path
-/// prefixes, so a prefix cannot be escaped.
+/// prefixes, so a prefix cannot be escaped. A prefix matches whole segments: "/repos/acme"
+/// matches "/repos/acme" and "/repos/acme/x", not "/repos/acme-evil". With `head`, a pin
+/// limited to methods or paths also requires what the request's override headers claim
+/// (X-HTTP-Method-Override, X-HTTP-Method, X-Method-Override; X-Original-URL, X-Rewrite-URL)
+/// to be among them.
 const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
-                     std::string_view method, std::string_view path, TimePoint now);
+                     std::string_view method, std::string_view path, TimePoint now,
+                     const RequestHead* head = nullptr);
 
 /// True if a live pin matches host and port (port rule above; path and method ignored).
 bool host_pinned(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/secure_zero.h"
+#include "policy/aws_sigv4.h"
 #include "policy/header_rules.h"
 #include "policy/scrubber.h"
 #include "policy/ws_frames.h"
@@ -270,6 +271,28 @@ std::string endpoint_text(const tcp::endpoint& ep) {
 }
 
 namespace {
+
+struct BodyAnswer {
+    int status;  // 0: nobody to answer (the client left)
+    const char* reason;
+};
+
+/// What a client is answered, and the audit records, for a request body that failed.
+BodyAnswer body_answer(BodyFailure failure) {
+    switch (failure) {
+    case BodyFailure::Aborted:
+        return {0, "client_aborted"};
+    case BodyFailure::Timeout:
+        return {408, "body_timeout"};
+    case BodyFailure::Framing:
+        return {400, "bad_framing"};
+    case BodyFailure::AwsChunk:
+        return {400, "bad_aws_chunk"};
+    case BodyFailure::TooLargeToSign:
+        return {413, "body_too_large_to_sign"};
+    }
+    return {400, "bad_framing"};
+}
 
 /// A response whose body is not in the identity coding (Content-Encoding other than
 /// "identity").
@@ -571,21 +594,42 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // so it leans on the retry only when the upstream closes in the instant after the peek.
     const bool idempotent = method == "GET" || method == "HEAD" || method == "OPTIONS" ||
                             method == "PUT" || method == "DELETE" || method == "TRACE";
-    // A request body the client broke off (recorded client_aborted), broke (400 bad_framing)
-    // or stalled (408 body_timeout) before the whole request went upstream.
+    // A request body the client broke off (recorded client_aborted), broke (400 bad_framing,
+    // bad_aws_chunk), stalled (408 body_timeout) or made too large to sign (413) before the
+    // whole request went upstream.
     auto body_failed = [&](BodyFailure failure) -> awaitable<void> {
-        if (failure == BodyFailure::Aborted) {
-            finish(0, "client_aborted", "");
+        const auto [status, reason] = body_answer(failure);
+        if (status == 0) {
+            finish(0, reason, "");
             co_return;
         }
-        const bool framing = failure == BodyFailure::Framing;
-        const int status = framing ? 400 : 408;
-        const char* reason = framing ? "bad_framing" : "body_timeout";
         co_await down.refuse(status, reason, false);
         deny_body(status, reason);
     };
 
     const auto& limits = rt.config->limits;
+    // A chunk-signed aws-sigv4 upload: each piece of the body read from the client passes
+    // through the chunk signer, which gives on the chunks it completed, signed again (none:
+    // an empty piece), or fails the read.
+    auto resign = [&](BodyChunk& chunk) {
+        if (!decision.aws_chunks || !chunk.ok) {
+            return;
+        }
+        auto& signer = *decision.aws_chunks;
+        auto status = signer.feed(chunk.view(), limits.sign_body_bytes);
+        if (status == policy::AwsChunkSigner::Status::Ok && chunk.last && !signer.complete()) {
+            status = policy::AwsChunkSigner::Status::Malformed;  // the body ended mid-chunk
+        }
+        if (status != policy::AwsChunkSigner::Status::Ok) {
+            chunk.ok = false;
+            chunk.failure = status == policy::AwsChunkSigner::Status::TooLarge
+                                ? BodyFailure::TooLargeToSign
+                                : BodyFailure::AwsChunk;
+            chunk.data = {};
+            return;
+        }
+        chunk.data = signer.output();
+    };
     // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
     // it: nginx sends one after keepalive_requests streams) did nothing with the request,
     // which goes out again on another session, from the pool (RFC 9113 8.7). A body read
@@ -736,6 +780,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         uint64_t out_seen = rec.bytes_out;
         for (;;) {
             auto chunk = co_await down.read_body();
+            resign(chunk);
             if (!chunk.ok) {
                 if (response_over || swapping) {
                     break;  // the response ended first, or the stream was refused
@@ -746,10 +791,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     continue;
                 }
                 upload_failure = chunk.failure;
-                cut_reason = chunk.failure == BodyFailure::Aborted   ? "client_aborted"
-                             : chunk.failure == BodyFailure::Framing ? "bad_framing"
-                             : response_started                      ? "idle_timeout"
-                                                                     : "body_timeout";
+                cut_reason = chunk.failure == BodyFailure::Timeout && response_started
+                                 ? "idle_timeout"
+                                 : body_answer(chunk.failure).reason;
                 up->abort();  // the response part ends with it
                 break;
             }
@@ -898,6 +942,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                         break;
                     }
                     auto chunk = co_await down.read_body();
+                    resign(chunk);
                     if (!chunk.ok) {
                         client_failed = true;
                         client_failure = chunk.failure;
@@ -968,7 +1013,10 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     co_return false;
                 }
                 if (auto* r = std::get_if<Refusal>(&got)) {
-                    if (may_retry && r->reason != "upstream_timeout") {
+                    // (A timeout, or a whole head refused for its transfer coding, is an
+                    // answer of this upstream, not a connection it closed while idle.)
+                    if (may_retry && r->reason != "upstream_timeout" &&
+                        r->reason != "upstream_transfer_coding") {
                         goto retry;
                     }
                     refused = r->reason == kRefusedStream && (req_body.none || replay_whole) &&
@@ -1123,7 +1171,7 @@ done:
             if (*upload_failure == BodyFailure::Aborted) {
                 finish(0, "client_aborted", "");
             } else {
-                const int status = *upload_failure == BodyFailure::Framing ? 400 : 408;
+                const int status = body_answer(*upload_failure).status;
                 co_await down.refuse(status, cut_reason, false);
                 deny_body(status, cut_reason);
             }

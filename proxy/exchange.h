@@ -53,6 +53,9 @@ enum class BodyFailure : uint8_t {
     Aborted,  // the peer closed or reset
     Timeout,  // no progress within idle_timeout
     Framing,  // malformed framing (chunk syntax, length mismatch): a smuggling attempt or a bug
+    // Found by the exchange in a chunk-signed aws-sigv4 upload (policy::AwsChunkSigner):
+    AwsChunk,        // not aws-chunked
+    TooLargeToSign,  // a chunk over limits.sign_body_bytes
 };
 
 /// One piece of a body. `data` is the source's own buffer: it stays valid until the next read

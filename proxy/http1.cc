@@ -733,6 +733,16 @@ public:
             }
             break;
         }
+        // A transfer coding other than chunked (gzip, deflate, "gzip, chunked") would reach
+        // the client decoded of its framing only, the compressed bytes with no field saying
+        // so, and past the scrubber, which reads the identity coding: refused, as a
+        // content-encoded answer is for a credential that went upstream.
+        for (const auto& f : rp_->fields()) {
+            if (policy::iequals(f.name, "transfer-encoding") &&
+                !policy::iequals(policy::trim_ows(f.value), "chunked")) {
+                co_return Refusal{502, "upstream_transfer_coding", "response"};
+            }
+        }
         ResponseHead rh;
         rh.status = rp_->status();
         rh.reason = std::string(rp_->reason());

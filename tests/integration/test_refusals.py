@@ -248,7 +248,20 @@ def test_no_matching_pin_403(world, egressd, marker):
     r = in_tunnel(egressd, world, "lim.test", world.U, method="POST", path=f"/echo/{marker}",
                   body=b"x")
     assert_refusal(r, 403, "no_matching_pin")
+    # the prefix "/echo" is a whole segment: "/echoX" is another path
+    r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echoX/{marker}")
+    assert_refusal(r, 403, "no_matching_pin")
+    # headers by which some servers take another method or path than the request line's
+    for name, value in (("X-HTTP-Method-Override", "DELETE"), ("X-Method-Override", "POST"),
+                        ("X-Original-URL", "/admin/delete"), ("X-Rewrite-URL", "/bytes/10")):
+        r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}",
+                      headers=[(name, value)])
+        assert_refusal(r, 403, "no_matching_pin")
     assert world.upstream.find(marker) == []
+    # an override within the pin's limits is no reason to refuse
+    r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}-within",
+                  headers=[("X-HTTP-Method-Override", "GET"), ("X-Original-URL", "/echo/y")])
+    assert r.status == 200
     r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}-ok")
     assert r.status == 200
     [up] = world.upstream.find(marker + "-ok")

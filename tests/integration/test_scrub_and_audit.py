@@ -159,6 +159,38 @@ def test_encoded_response_to_an_injected_request_is_refused(world, egressd, mark
                        and a.get("reason") == "upstream_encoded_response" and a["status"] == 502)
 
 
+def test_transfer_coded_response_to_an_injected_request_is_refused(world, egressd, marker):
+    """A transfer coding other than chunked would reach the client as the coded bytes with no
+    field saying so, past the scrubber: refused like a content coding."""
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/reflect-te-gzip/{marker}", f"api.test:{world.U}")
+    finally:
+        c.close()
+    assert (r.status, r.egress_reason) == (502, "upstream_transfer_coding")
+    assert len(world.upstream.find(marker)) == 1  # the upstream did answer, coded
+    egressd.wait_audit(lambda a: marker in (a.get("path") or "")
+                       and a.get("reason") == "upstream_transfer_coding" and a["status"] == 502)
+
+
+def test_byte_ranges_of_an_injected_request_are_not_asked_for(world, egressd, marker):
+    """Two ranges of an echo (or the parts of one multipart/byteranges answer) would each hold
+    a piece of the credential, which the scrubber finds only whole: Range and If-Range do not
+    go upstream with a credential, and the answer is the whole body, scrubbed."""
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/reflect/{marker}", f"api.test:{world.U}",
+                            headers=[("Range", "bytes=14-33,34-98"), ("If-Range", '"x"')])
+    finally:
+        c.close()
+    assert r.status == 200
+    leaked = world.secrets["api_token"].encode() in r.body
+    assert not leaked
+    [seen] = world.upstream.find(marker)
+    assert seen.header("Range") == [] and seen.header("If-Range") == []
+    assert seen.header("Authorization") == [f"Bearer {world.secrets['api_token']}"]
+
+
 def test_request_trailers_cannot_carry_what_the_head_may_not(world, egressd, marker):
     """Trailer fields the head's rules govern (the proxy's namespace, credentials, routing,
     framing) never reach the upstream; others do."""

@@ -19,6 +19,7 @@
                      ?accept=A: with "Sec-WebSocket-Accept: A")
     /reflect-reason  401 whose reason phrase carries the request's Authorization value
     /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
+    /reflect-te-gzip the same gzip body as a transfer coding (Transfer-Encoding: gzip, chunked)
     /reflect-encoded the Authorization value as a URL and JSON carry it: a Location whose query
                      holds it percent-encoded, and a JSON body with it percent-encoded (upper-
                      and lowercase hex), JSON-escaped, and JSON-escaped with '/' escaped too (PHP)
@@ -329,6 +330,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             value = self.headers.get("Authorization") or ""
             body = gzip.compress(b"seen=" + value.encode("latin-1") + b";end\n")
             self._send(200, body, "text/plain", extra=[("Content-Encoding", "gzip")])
+        elif base == "/reflect-te-gzip":
+            value = self.headers.get("Authorization") or ""
+            body = gzip.compress(b"seen=" + value.encode("latin-1") + b";end\n")
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "gzip, chunked")
+            self.end_headers()
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
         elif base == "/reflect-encoded":
             value = self.headers.get("Authorization") or ""
             quoted = urllib.parse.quote(value, safe="")

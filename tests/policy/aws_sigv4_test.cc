@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <ctime>
 
 #include "credstore/secret.h"
@@ -283,8 +284,17 @@ TEST(AwsSigV4, DecidesThePayloadHashFromTheHead) {
     p = aws_payload(head("PUT", "s3.test", "/b/k",
                          {{"x-amz-content-sha256", "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"}}),
                     s3, false);
-    EXPECT_EQ(p.kind, AwsPayload::Kind::Refuse);
-    EXPECT_STREQ(p.reason, "aws_chunk_signing");
+    EXPECT_EQ(p.kind, AwsPayload::Kind::Hash);  // signed as declared, its chunks again
+    EXPECT_EQ(p.hash, "STREAMING-AWS4-HMAC-SHA256-PAYLOAD");
+    EXPECT_TRUE(p.chunked);
+
+    for (const char* other : {"STREAMING-AWS4-HMAC-SHA256-PAYLOAD-TRAILER",
+                              "STREAMING-AWS4-ECDSA-P256-SHA256-PAYLOAD"}) {
+        p = aws_payload(head("PUT", "s3.test", "/b/k", {{"x-amz-content-sha256", other}}), s3,
+                        false);
+        EXPECT_EQ(p.kind, AwsPayload::Kind::Refuse) << other;
+        EXPECT_STREQ(p.reason, "aws_chunk_signing") << other;
+    }
 
     p = aws_payload(head("PUT", "s3.test", "/b/k", {{"x-amz-content-sha256", "abc"}}), s3,
                     false);
@@ -404,10 +414,118 @@ TEST(AwsSigV4Pipeline, LeavesABodyHashToTheCallerThenSignsIt) {
     EXPECT_EQ(h.find("x-amz-content-sha256"), nullptr);
 }
 
-TEST(AwsSigV4Pipeline, RefusesChunkSigningAndPresignedQueries) {
+// aws-chunked bodies: AWS's example of a chunk-signed upload (the S3 API reference,
+// "Signature calculations ... transferring payload in multiple chunks": 65536 and 1024 bytes of
+// 'a' after the request's seed signature), with the sandbox's chunk signatures replaced.
+std::string aws_chunk(size_t n, std::string_view sig) {
+    char size[32];
+    std::snprintf(size, sizeof(size), "%zx", n);
+    return std::string(size) + ";chunk-signature=" + std::string(sig) + "\r\n" +
+           std::string(n, 'a') + "\r\n";
+}
+
+constexpr std::string_view kDummySig =
+    "0000000000000000000000000000000000000000000000000000000000000000";
+
+struct ChunkCase {
+    InjectSpec s3 = spec("AKIAIOSFODNN7EXAMPLE", "us-east-1", "s3");
+    std::shared_ptr<AwsCredentials> creds;
+    ChunkCase() {
+        auto c = aws_credentials(s3, "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY");
+        EXPECT_TRUE(c);
+        creds = *c;
+    }
+    AwsChunkSigner signer() {
+        return AwsChunkSigner(creds, s3,
+                              {"20130524T000000Z", "20130524/us-east-1/s3/aws4_request",
+                               "4f232c4386841ef735655705268965c44a0e4690baa4adea153f7db9fa80a0a9"});
+    }
+};
+
+TEST(AwsChunkSigner, SignsAwsExampleUploadAgainPieceByPiece) {
+    ChunkCase c;
+    const std::string sent =
+        aws_chunk(65536, kDummySig) + aws_chunk(1024, kDummySig) + aws_chunk(0, kDummySig);
+    const std::string expected =
+        aws_chunk(65536, "ad80c730a21e5b8d04586a2213dd63b9a0e99e0e2307b0ade35a65485a288648") +
+        aws_chunk(1024, "0055627c9e194cb4542bae2aa5492e3c1575bbb81b612b7d234b86a503ef5497") +
+        aws_chunk(0, "b6c6ea8a5354eaf15b3cb7646744f4275b71ea724fed81ceb9323e279d449df9");
+    // Whole, and in pieces that split the header lines, the data and the CRLFs.
+    for (size_t piece : {sent.size(), size_t{1}, size_t{7}, size_t{4096}, size_t{65600}}) {
+        AwsChunkSigner signer = c.signer();
+        std::string out;
+        for (size_t off = 0; off < sent.size(); off += piece) {
+            ASSERT_EQ(signer.feed(std::string_view(sent).substr(off, piece), 65536),
+                      AwsChunkSigner::Status::Ok)
+                << "piece " << piece << " at " << off;
+            out.append(signer.output().data(), signer.output().size());
+            EXPECT_EQ(signer.complete(), off + piece >= sent.size());
+        }
+        EXPECT_EQ(out.size(), sent.size());  // content-length stays true
+        EXPECT_TRUE(out == expected) << "piece " << piece;
+    }
+}
+
+TEST(AwsChunkSigner, RefusesWhatIsNotAwsChunked) {
+    ChunkCase c;
+    const std::string good = aws_chunk(3, kDummySig);
+    const std::vector<std::pair<std::string, AwsChunkSigner::Status>> cases = {
+        {"3\r\naaa\r\n", AwsChunkSigner::Status::Malformed},  // no signature
+        {"3;chunk-signature=00\r\naaa\r\n", AwsChunkSigner::Status::Malformed},
+        {"3;chunk-signaturX=" + std::string(kDummySig) + "\r\naaa\r\n",
+         AwsChunkSigner::Status::Malformed},
+        {"x;chunk-signature=" + std::string(kDummySig) + "\r\n",
+         AwsChunkSigner::Status::Malformed},
+        {";chunk-signature=" + std::string(kDummySig) + "\r\n",
+         AwsChunkSigner::Status::Malformed},
+        {"3;chunk-signature=" + std::string(kDummySig) + "\r\naaaa\r\n",
+         AwsChunkSigner::Status::Malformed},  // data longer than its size
+        {std::string(200, '1'), AwsChunkSigner::Status::Malformed},  // no end of line
+        {"10001;chunk-signature=" + std::string(kDummySig) + "\r\n",
+         AwsChunkSigner::Status::TooLarge},  // over max_chunk, refused before its data
+        {"ffffffffffffffffff;chunk-signature=" + std::string(kDummySig) + "\r\n",
+         AwsChunkSigner::Status::Malformed},  // more than 16 hex digits
+        {aws_chunk(0, kDummySig) + "x", AwsChunkSigner::Status::Malformed},  // after the last
+    };
+    for (const auto& [body, want] : cases) {
+        AwsChunkSigner signer = c.signer();
+        EXPECT_EQ(signer.feed(body, 65536), want) << body.substr(0, 40);
+        EXPECT_FALSE(signer.complete()) << body.substr(0, 40);
+    }
+    // A body that stops inside a chunk is not complete (the exchange refuses it then).
+    AwsChunkSigner signer = c.signer();
+    EXPECT_EQ(signer.feed(good.substr(0, good.size() - 1), 65536), AwsChunkSigner::Status::Ok);
+    EXPECT_EQ(signer.output().size(), 0u);  // nothing goes on before its signature is made
+    EXPECT_FALSE(signer.complete());
+}
+
+TEST(AwsSigV4Pipeline, SignsAChunkSignedUploadAndItsChunks) {
     PipelineCase c("s3");
-    RequestHead chunked = head("PUT", "aws.test", "/bkt/key",
-                               {{"x-amz-content-sha256", "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"}});
+    RequestHead h = head("PUT", "aws.test", "/bkt/key",
+                         {{"x-amz-content-sha256", "STREAMING-AWS4-HMAC-SHA256-PAYLOAD"},
+                          {"content-encoding", "aws-chunked"},
+                          {"x-amz-decoded-content-length", "3"}});
+    Decision d = RequestPipeline().run(h, c.ctx);
+    ASSERT_TRUE(d.forward()) << d.reason;
+    ASSERT_NE(d.aws_chunks, nullptr);
+    EXPECT_FALSE(d.sign_body);
+    EXPECT_EQ(*h.find("x-amz-content-sha256"), "STREAMING-AWS4-HMAC-SHA256-PAYLOAD");
+    // The first chunk chains from the request's own signature.
+    const std::string seed = signature_of(h);
+    ASSERT_EQ(d.aws_chunks->feed(aws_chunk(3, kDummySig), 1024), AwsChunkSigner::Status::Ok);
+    const std::string first(d.aws_chunks->output().data(), d.aws_chunks->output().size());
+    AwsChunkSigner again(c.run.pins[0].injection->aws, c.run.pins[0].inject,
+                         {"20261206T120000Z", "20261206/us-east-1/s3/aws4_request", seed});
+    ASSERT_EQ(again.feed(aws_chunk(3, kDummySig), 1024), AwsChunkSigner::Status::Ok);
+    EXPECT_EQ(first, std::string(again.output().data(), again.output().size()));
+    EXPECT_EQ(first.find(kDummySig), std::string::npos);
+}
+
+TEST(AwsSigV4Pipeline, RefusesOtherChunkSigningAndPresignedQueries) {
+    PipelineCase c("s3");
+    RequestHead chunked =
+        head("PUT", "aws.test", "/bkt/key",
+             {{"x-amz-content-sha256", "STREAMING-AWS4-HMAC-SHA256-PAYLOAD-TRAILER"}});
     Decision d = RequestPipeline().run(chunked, c.ctx);
     EXPECT_EQ(d.status, 400);
     EXPECT_EQ(d.reason, "aws_chunk_signing");

@@ -263,6 +263,11 @@ INSTANTIATE_TEST_SUITE_P(
         PinCase{"method_post", "api.github.com", 443, "POST", "/repos/acme/x", ""},
         PinCase{"method_case", "api.github.com", 443, "get", "/repos/acme/x", ""},
         PinCase{"second_pin", "api.github.com", 443, "POST", "/user/keys", "later"},
+        // A prefix matches whole segments: "/user" is not a prefix of "/users/x".
+        PinCase{"prefix_whole", "api.github.com", 443, "POST", "/user", "later"},
+        PinCase{"prefix_whole_query", "api.github.com", 443, "POST", "/user?x=1", "later"},
+        PinCase{"prefix_not_a_segment", "api.github.com", 443, "POST", "/users/x", ""},
+        PinCase{"prefix_not_a_segment_dash", "api.github.com", 443, "POST", "/user-evil", ""},
         PinCase{"any_path", "uploads.github.com", 443, "PUT", "/whatever/../x", "any"},
         // A pin without a port covers allowed_ports only, as in decide_destination.
         PinCase{"portless_outside_allowed_ports", "uploads.github.com", 8443, "GET", "/", ""},
@@ -284,6 +289,39 @@ INSTANTIATE_TEST_SUITE_P(
         PinCase{"expired_skipped", "old.test", 443, "GET", "/", "live"},
         PinCase{"other_host", "github.com", 443, "GET", "/repos/acme/x", ""}),
     [](const ::testing::TestParamInfo<PinCase>& info) { return info.param.name; });
+
+// Servers that take the method or path from a header (X-HTTP-Method-Override, X-Original-URL)
+// would run what the pin's limits refuse: a limited pin must allow what they claim too.
+TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
+    RunPolicy run;
+    run.expires_at = kNow + minutes(30);
+    run.pins = {make_pin("repos", "api.github.com", {"/repos/acme/"}, {"GET", "POST"}),
+                make_pin("any", "uploads.github.com")};
+    const HostPort gh{"api.github.com", 443};
+    auto with = [](std::string name, std::string value) {
+        RequestHead h;
+        h.headers.push_back({std::move(name), std::move(value)});
+        return h;
+    };
+    auto match = [&](const HostPort& dest, std::string_view method, const RequestHead& h) {
+        const Pin* p = match_pin(GlobalPolicy{}, run, dest, method, "/repos/acme/x", kNow, &h);
+        return p == nullptr ? std::string() : p->id;
+    };
+    EXPECT_EQ(match(gh, "POST", with("X-HTTP-Method-Override", "GET")), "repos");
+    EXPECT_EQ(match(gh, "POST", with("X-HTTP-Method-Override", " DELETE ")), "");
+    EXPECT_EQ(match(gh, "POST", with("x-http-method", "PUT")), "");
+    EXPECT_EQ(match(gh, "POST", with("X-Method-Override", "PATCH")), "");
+    EXPECT_EQ(match(gh, "GET", with("X-Original-URL", "/repos/acme/y?z")), "repos");
+    EXPECT_EQ(match(gh, "GET", with("X-Original-URL", "/admin/delete")), "");
+    EXPECT_EQ(match(gh, "GET", with("X-Rewrite-URL", "/repos/acme/../evil")), "");
+    EXPECT_EQ(match(gh, "GET", with("X-Rewrite-URL", "https://evil.test/repos/acme/")), "");
+    EXPECT_EQ(match(gh, "GET", with("X-Other", "DELETE")), "repos");
+    // A pin without limits has nothing an override could widen.
+    const HostPort up{"uploads.github.com", 443};
+    EXPECT_EQ(match(up, "GET", with("X-HTTP-Method-Override", "DELETE")), "any");
+    // Without a head (callers that match by method and path only), as before.
+    EXPECT_EQ(match_pin(GlobalPolicy{}, run, gh, "GET", "/repos/acme/x", kNow)->id, "repos");
+}
 
 TEST(MatchPin, ExpiryAndRunState) {
     RunPolicy run;
