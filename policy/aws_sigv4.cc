@@ -506,14 +506,14 @@ AwsChunkSigner::AwsChunkSigner(std::shared_ptr<AwsCredentials> creds, const Inje
 
 AwsChunkSigner::Status AwsChunkSigner::feed(std::string_view in, size_t max_chunk) {
     out_.clear();
-    if (in.empty()) {
-        return Status::Ok;
+    if (failed_ != Status::Ok || in.empty()) {
+        return failed_;  // a body that broke stays broken
     }
     if (done_) {
-        return Status::Malformed;  // bytes after the last chunk
+        return failed_ = Status::Malformed;  // bytes after the last chunk
     }
     in_.append(in);
-    return parse(max_chunk);
+    return failed_ = parse(max_chunk);
 }
 
 AwsChunkSigner::Status AwsChunkSigner::parse(size_t max_chunk) {

@@ -135,7 +135,8 @@ public:
     };
     AwsChunkSigner(std::shared_ptr<AwsCredentials> creds, const InjectSpec& spec,
                    AwsSignature seed);
-    /// Takes the next bytes of the body; what may go upstream is then in output().
+    /// Takes the next bytes of the body; what may go upstream is then in output(). Once it
+    /// failed, every later feed fails the same way.
     Status feed(std::string_view in, size_t max_chunk);
     /// The signed chunks completed by the last feed() (valid until the next one).
     std::span<char> output() { return {out_.data(), out_.size()}; }
@@ -153,6 +154,7 @@ private:
     size_t line_ = 0;         // in_'s header line length (CRLF excluded), once found
     uint64_t size_ = 0;       // that chunk's data size
     bool done_ = false;
+    Status failed_ = Status::Ok;
 };
 
 /// The canonical request of `head` (its x-amz-date already set) and, in `signed_headers`,
