@@ -138,7 +138,11 @@ Embedded embedded_v4(const Bytes& x) {
 AddressClass classify_v6_outer(const Bytes& x) {
     static const Bytes kEc2Metadata = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0,    0,
                                        0,    0,    0,    0,    0, 0, 0x02, 0x54};
-    if (x == kEc2Metadata) {
+    // OpenStack's IPv6 metadata service: link-local too, but metadata whatever an fe80::/10
+    // exception says (metadata needs an exception naming it exactly).
+    static const Bytes kOpenStackMetadata = {0xfe, 0x80, 0, 0, 0,    0,    0,    0,
+                                             0,    0,    0, 0, 0xa9, 0xfe, 0xa9, 0xfe};
+    if (x == kEc2Metadata || x == kOpenStackMetadata) {
         return AddressClass::Metadata;
     }
     if (all_zero(x, 0, 16)) {

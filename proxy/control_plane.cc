@@ -552,8 +552,8 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
 }
 
 bool ControlPlane::authorized(std::string_view h) const {
-    constexpr std::string_view kBearer = "Bearer ";
-    if (h.size() <= kBearer.size() || h.substr(0, kBearer.size()) != kBearer) {
+    constexpr std::string_view kBearer = "Bearer ";  // the scheme is case-insensitive
+    if (h.size() <= kBearer.size() || !policy::iequals(h.substr(0, kBearer.size()), kBearer)) {
         return false;
     }
     credstore::SecretPtr token;

@@ -537,10 +537,27 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_return false;
     }
 
-    // Expect: 100-continue is answered here; the upstream never sees it.
-    if (const auto* expect = head.find("expect"); expect && policy::iequals(*expect, "100-continue")) {
+    // Expect (RFC 9110 10.1.1) is egressd's to answer and never goes upstream: 100-continue,
+    // in any of the fields or list members, gets the 100 here; another expectation is dropped
+    // (a server MAY refuse it 417; the upstream, which never sees it, cannot).
+    if (head.find("expect") != nullptr) {
+        bool wants_continue = false;
+        for (const auto& h : head.headers) {
+            if (!policy::iequals(h.name, "expect")) {
+                continue;
+            }
+            std::string_view rest = h.value;
+            while (!rest.empty() && !wants_continue) {
+                const size_t comma = rest.find(',');
+                wants_continue = policy::iequals(policy::trim_ows(rest.substr(0, comma)),
+                                                 "100-continue");
+                rest = comma == std::string_view::npos ? "" : rest.substr(comma + 1);
+            }
+        }
         head.remove("expect");
-        co_await down.send_continue();
+        if (wants_continue) {
+            co_await down.send_continue();
+        }
     }
 
     AuditRecord rec;

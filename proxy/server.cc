@@ -1,5 +1,10 @@
 #include "proxy/server.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <algorithm>
 #include <filesystem>
 #include <thread>
@@ -481,9 +486,21 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     if (cfg.admin.is_unix()) {
         std::error_code fec;
         std::filesystem::remove(cfg.admin.unix_path, fec);
-        impl_->admin_unix_acceptor = std::make_unique<net::local::stream_protocol::acceptor>(
-            impl_->admin_ioc, net::local::stream_protocol::endpoint(cfg.admin.unix_path));
-        ::chmod(cfg.admin.unix_path.c_str(), 0600);
+        // Created 0600 (umask 077 while it is bound), not chmod'ed after: a socket that
+        // listens from bind() on would take another user's connection in between.
+        struct Umask {
+            mode_t old = ::umask(077);
+            ~Umask() { ::umask(old); }
+        };
+        {
+            Umask owner_only;
+            impl_->admin_unix_acceptor = std::make_unique<net::local::stream_protocol::acceptor>(
+                impl_->admin_ioc, net::local::stream_protocol::endpoint(cfg.admin.unix_path));
+        }
+        if (::chmod(cfg.admin.unix_path.c_str(), 0600) != 0) {
+            throw std::runtime_error("listen.admin: cannot make " + cfg.admin.unix_path +
+                                     " owner-only: " + std::strerror(errno));
+        }
     } else {
         auto acc = std::make_unique<tcp::acceptor>(impl_->admin_ioc);
         auto ep = endpoint_of(cfg.admin);

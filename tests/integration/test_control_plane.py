@@ -87,6 +87,23 @@ def test_api_requires_the_admin_token(cp, auth):
     assert not [r for r in api_ok(cp, "GET", "/v1/secrets")["secrets"] if r["name"] == "nope"]
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
+def test_the_bearer_scheme_is_case_insensitive(cp, scheme):
+    """RFC 9110 11.1: an authentication scheme's name is case-insensitive."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", cp.admin_port, timeout=10)
+    try:
+        conn.request("GET", "/v1/secrets", headers={
+            "Host": f"127.0.0.1:{cp.admin_port}",
+            "Authorization": f"{scheme} {admin_token(cp)}"})
+        resp = conn.getresponse()
+        status, data = resp.status, resp.read()
+    finally:
+        conn.close()
+    SEEN.append(("GET /v1/secrets", data))
+    assert status == 200, status
+
+
 def test_health_endpoints_need_no_token(cp):
     assert api(cp, "GET", "/healthz", token=None).status == 200
     assert api(cp, "GET", "/readyz", token=None).status == 200

@@ -47,6 +47,40 @@ def test_http10_client_gets_no_100_continue(world, egressd, marker):
     assert r.status == 200, r.status
 
 
+def test_expect_is_answered_by_egressd_in_any_field_and_never_forwarded(world, egressd, marker):
+    """100-continue in a second Expect field, or as a list member, still gets the 100; no
+    expectation goes upstream (egressd answers them; an unknown one is dropped)."""
+    P = world.plain.port
+    for n, expect in enumerate(["Expect: foo\r\nExpect: 100-continue\r\n",
+                                "Expect: bar, 100-Continue\r\n"]):
+        c = _proxy(egressd)
+        try:
+            c.send((f"POST http://plain.test:{P}/upload/{marker}-{n} HTTP/1.1\r\n"
+                    f"Host: plain.test:{P}\r\nProxy-Authorization: {world.auth()}\r\n"
+                    f"Content-Length: 5\r\n{expect}\r\n").encode())
+            interim = helpers.read_response(c)
+            assert interim.status == 100, interim.status
+            c.send(b"hello")
+            r = helpers.read_response(c)
+        finally:
+            c.close()
+        assert r.status == 200, r.status
+        [seen] = world.plain.find(f"{marker}-{n}")
+        assert seen.header("Expect") == [], seen.header("Expect")
+    # an expectation other than 100-continue alone: dropped, the request served
+    c = _proxy(egressd)
+    try:
+        c.send((f"POST http://plain.test:{P}/upload/{marker}-x HTTP/1.1\r\nHost: plain.test:{P}\r\n"
+                f"Proxy-Authorization: {world.auth()}\r\nContent-Length: 5\r\n"
+                "Expect: foo\r\n\r\nhello").encode())
+        r = helpers.read_response(c)
+    finally:
+        c.close()
+    assert r.status == 200, r.status
+    [seen] = world.plain.find(f"{marker}-x")
+    assert seen.header("Expect") == []
+
+
 def test_http10_request_with_transfer_encoding_ends_the_connection(world, egressd, marker):
     P = world.plain.port
     c = _proxy(egressd)

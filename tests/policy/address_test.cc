@@ -127,6 +127,8 @@ INSTANTIATE_TEST_SUITE_P(
         ClassCase{"fc00::1", AddressClass::UniqueLocal},
         ClassCase{"fdff:ffff::1", AddressClass::UniqueLocal},
         ClassCase{"fd00:ec2::254", AddressClass::Metadata},
+        ClassCase{"fe80::a9fe:a9fe", AddressClass::Metadata},  // OpenStack's IPv6 metadata
+        ClassCase{"fe80::a9fe:a9ff", AddressClass::LinkLocal},
         ClassCase{"ff02::1", AddressClass::Multicast},
         ClassCase{"2001:db8::1", AddressClass::Reserved},
         ClassCase{"100::1", AddressClass::Reserved},
@@ -262,6 +264,8 @@ INSTANTIATE_TEST_SUITE_P(
         VetCase{{"169.254.169.254/32"}, "::ffff:169.254.169.254", true, ""},
         VetCase{{"fd00::/8"}, "fd00:ec2::254", false, "denied_address:metadata"},
         VetCase{{"fd00:ec2::254/128"}, "fd00:ec2::254", true, ""},
+        VetCase{{"fe80::/10"}, "fe80::a9fe:a9fe", false, "denied_address:metadata"},
+        VetCase{{"fe80::/10"}, "fe80::1", true, ""},
         VetCase{{"fd00::/8"}, "fd00::1", true, ""},
         VetCase{{"64:ff9b::/96"}, "64:ff9b::169.254.169.254", false, "denied_address:metadata"},
         // Local-use NAT64: an exception for the IPv4 address the /48 layout reads admits the
