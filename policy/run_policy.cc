@@ -7,6 +7,7 @@
 #include <cctype>
 
 #include <boost/url/encode.hpp>
+#include <boost/url/parse_query.hpp>
 #include <boost/url/rfc/unreserved_chars.hpp>
 
 #include "common/secure_zero.h"
@@ -127,9 +128,43 @@ constexpr std::string_view kMethodOverrides[] = {"x-http-method-override", "x-ht
                                                  "x-method-override"};
 constexpr std::string_view kPathOverrides[] = {"x-original-url", "x-rewrite-url"};
 
-bool overrides_match(const Pin& pin, const RequestHead* head) {
+/// The `_method` query parameters a method-limited pin must also allow (Symfony and Laravel
+/// take a POST's method from it, uppercased). Fails closed: a query that names `_method` and
+/// does not parse allows nothing.
+bool query_method_matches(const Pin& pin, std::string_view path) {
+    const size_t q = path.find('?');
+    if (q == std::string_view::npos) {
+        return true;
+    }
+    const std::string_view query = path.substr(q + 1);
+    const std::string lower = ascii_lower(query);
+    if (lower.find("_method") == std::string::npos && lower.find("%5fmethod") == std::string::npos) {
+        return true;  // the common case: nothing to decode
+    }
+    auto params = boost::urls::parse_query(query);
+    if (!params) {
+        return false;
+    }
+    for (const auto& p : *params) {
+        if (p.key.decode() != "_method") {
+            continue;
+        }
+        std::string method = p.has_value ? p.value.decode() : std::string();
+        std::transform(method.begin(), method.end(), method.begin(),
+                       [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+        if (!method_matches(pin, method)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view path) {
     if (head == nullptr || (pin.methods.empty() && pin.path_prefixes.empty())) {
         return true;
+    }
+    if (!pin.methods.empty() && !query_method_matches(pin, path)) {
+        return false;
     }
     for (const Header& h : head->headers) {
         const auto named = [&](std::string_view n) { return iequals(h.name, n); };
@@ -461,7 +496,7 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
     return find_pin(run, dest.host, [&](const Pin& pin) {
         return pin_live(pin, now) && pattern_allows(pin.host, dest, global) &&
                method_matches(pin, method) && path_matches(pin, path_only) &&
-               overrides_match(pin, head);
+               overrides_match(pin, head, path);
     });
 }
 

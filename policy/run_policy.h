@@ -187,8 +187,8 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
 /// prefixes, so a prefix cannot be escaped. A prefix matches whole segments: "/repos/acme"
 /// matches "/repos/acme" and "/repos/acme/x", not "/repos/acme-evil". With `head`, a pin
 /// limited to methods or paths also requires what the request's override headers claim
-/// (X-HTTP-Method-Override, X-HTTP-Method, X-Method-Override; X-Original-URL, X-Rewrite-URL)
-/// to be among them.
+/// (X-HTTP-Method-Override, X-HTTP-Method, X-Method-Override, a `_method` query parameter;
+/// X-Original-URL, X-Rewrite-URL) to be among them.
 const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                      std::string_view method, std::string_view path, TimePoint now,
                      const RequestHead* head = nullptr);

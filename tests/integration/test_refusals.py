@@ -257,6 +257,8 @@ def test_no_matching_pin_403(world, egressd, marker):
         r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}",
                       headers=[(name, value)])
         assert_refusal(r, 403, "no_matching_pin")
+    r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}?_method=DELETE")
+    assert_refusal(r, 403, "no_matching_pin")
     assert world.upstream.find(marker) == []
     # an override within the pin's limits is no reason to refuse
     r = in_tunnel(egressd, world, "lim.test", world.U, path=f"/echo/{marker}-within",

@@ -316,6 +316,18 @@ TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
     EXPECT_EQ(match(gh, "GET", with("X-Rewrite-URL", "/repos/acme/../evil")), "");
     EXPECT_EQ(match(gh, "GET", with("X-Rewrite-URL", "https://evil.test/repos/acme/")), "");
     EXPECT_EQ(match(gh, "GET", with("X-Other", "DELETE")), "repos");
+    // Symfony and Laravel take a POST's method from a `_method` query parameter too.
+    auto query = [&](std::string_view method, std::string_view path) {
+        RequestHead h;
+        const Pin* p = match_pin(GlobalPolicy{}, run, gh, method, path, kNow, &h);
+        return p == nullptr ? std::string() : p->id;
+    };
+    EXPECT_EQ(query("POST", "/repos/acme/x?_method=get"), "repos");
+    EXPECT_EQ(query("POST", "/repos/acme/x?a=1&_method=DELETE"), "");
+    EXPECT_EQ(query("POST", "/repos/acme/x?%5Fmethod=DEL%45TE"), "");
+    EXPECT_EQ(query("POST", "/repos/acme/x?_method"), "");  // no value: no method it allows
+    EXPECT_EQ(query("POST", "/repos/acme/x?my_method=DELETE"), "repos");
+    EXPECT_EQ(query("POST", "/repos/acme/x?q=%zz_method"), "");  // unparsable: fail closed
     // A pin without limits has nothing an override could widen.
     const HostPort up{"uploads.github.com", 443};
     EXPECT_EQ(match(up, "GET", with("X-HTTP-Method-Override", "DELETE")), "any");
