@@ -78,6 +78,13 @@ bool WsServerScrubber::take_header(std::string_view& in, std::string& out) {
             len = (len << 8) | header_[i];
         }
     }
+    if ((len >> 63) != 0) {
+        // RFC 6455 5.2: a 64-bit length's most significant bit is 0. Taken as a length, it
+        // would wrap the bytes a fragment carries on (unsent_ + len) and the rest of the
+        // stream would be held, never sent, for as long as the upstream sends.
+        error_ = "upstream_bad_frame_length";
+        return false;
+    }
     const uint8_t opcode = header_[0] & 0x0f;
     control_ = opcode >= 8;
     if (control_) {

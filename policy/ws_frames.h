@@ -49,7 +49,8 @@ public:
     /// needle waits for the rest of its frame). Returns false, and appends nothing more, on a
     /// frame it cannot scrub (error() says why); every later call also returns false.
     bool feed(std::string_view in, std::string& out);
-    /// "" while the stream is good; else "upstream_masked_frame", "upstream_reserved_bits" or
+    /// "" while the stream is good; else "upstream_masked_frame", "upstream_reserved_bits",
+    /// "upstream_bad_frame_length" (a 64-bit length with its top bit set) or
     /// "upstream_interleaved_message".
     const char* error() const { return error_; }
     /// Frames whose header has passed so far.

@@ -79,6 +79,10 @@ std::string reference(const std::vector<std::string>& needles, std::string_view 
                 len = (len << 8) | static_cast<uint8_t>(in[i]);
             }
         }
+        if ((len >> 63) != 0) {
+            error = "upstream_bad_frame_length";
+            break;
+        }
         const uint8_t opcode = b0 & 0x0f;
         if (opcode < 8 && opcode != 0 && in_message) {
             error = "upstream_interleaved_message";

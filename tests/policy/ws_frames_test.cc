@@ -178,6 +178,24 @@ TEST(WsServerScrubber, RefusesMaskedFramesAndReservedBits) {
     }
 }
 
+// A 64-bit length with its top bit set (RFC 6455 5.2 forbids it) after a fragment that left
+// bytes to the next: unsent + length wrapped, the next frame announced 17 bytes, and every
+// later byte was held, never sent (a hostile upstream grew egressd by what it sent).
+TEST(WsServerScrubber, RefusesALengthWithItsTopBitSet) {
+    WsServerScrubber s(plan());
+    std::string out;
+    ASSERT_TRUE(s.feed(frame(std::string(100, 'x'), 0x01), out));  // text, FIN=0
+    std::string huge = {static_cast<char>(0x80), static_cast<char>(127)};  // continuation, FIN
+    const uint64_t len = ~uint64_t{0} - 19;  // 2^64 - 20
+    for (int i = 7; i >= 0; --i) {
+        huge.push_back(static_cast<char>((len >> (8 * i)) & 0xff));
+    }
+    const size_t before = out.size();
+    EXPECT_FALSE(s.feed(huge + std::string(4096, 'y'), out));
+    EXPECT_STREQ(s.error(), "upstream_bad_frame_length");
+    EXPECT_EQ(out.size(), before);  // nothing of that frame, and nothing held for it
+}
+
 TEST(WsServerScrubber, WithoutNeedlesTheBytesPassAsTheyCame) {
     WsServerScrubber s(nullptr);
     std::mt19937 rng(7);
