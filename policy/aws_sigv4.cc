@@ -520,18 +520,27 @@ AwsChunkSigner::Status AwsChunkSigner::parse(size_t max_chunk) {
     static constexpr std::string_view kExt = ";chunk-signature=";
     // hex(size) (at most 16 digits), the extension, a signature: the longest header line
     static constexpr size_t kMaxLine = 16 + kExt.size() + 64;
+    // S3's smallest chunk but for the last one with data (S3 refuses smaller ones): a chunk
+    // costs a signature, so a body of 1-byte chunks would cost ~20 times a body's CPU.
+    static constexpr uint64_t kMinChunk = 8192;
+    size_t pos = 0;  // in_'s bytes before pos are done: erased once, on the way out
+    const auto done = [&](Status s) {
+        in_.erase(0, pos);
+        return s;
+    };
     for (;;) {
+        const std::string_view rest = std::string_view(in_).substr(pos);
         if (line_ == 0) {
-            const size_t crlf = in_.find("\r\n");
+            const size_t crlf = rest.find("\r\n");
             if (crlf == std::string::npos) {
-                return in_.size() > kMaxLine + 1 ? Status::Malformed : Status::Ok;
+                return done(rest.size() > kMaxLine + 1 ? Status::Malformed : Status::Ok);
             }
-            const std::string_view line(in_.data(), crlf);
+            const std::string_view line = rest.substr(0, crlf);
             const size_t semi = line.find(';');
             if (semi == 0 || semi == std::string_view::npos || semi > 16 ||
                 line.substr(semi, kExt.size()) != kExt ||
                 !is_hex64(line.substr(semi + kExt.size()))) {
-                return Status::Malformed;
+                return done(Status::Malformed);
             }
             uint64_t size = 0;
             for (const char c : line.substr(0, semi)) {
@@ -540,25 +549,29 @@ AwsChunkSigner::Status AwsChunkSigner::parse(size_t max_chunk) {
                               : c >= 'A' && c <= 'F' ? c - 'A' + 10
                                                      : -1;
                 if (v < 0) {
-                    return Status::Malformed;
+                    return done(Status::Malformed);
                 }
                 size = size * 16 + static_cast<uint64_t>(v);
             }
             if (size > max_chunk) {
-                return Status::TooLarge;
+                return done(Status::TooLarge);
             }
+            if (size > 0 && small_) {
+                return done(Status::Malformed);  // a small chunk was not the last with data
+            }
+            small_ = size > 0 && size < kMinChunk;
             line_ = crlf;
             size_ = size;
         }
         // The chunk's data and its CRLF; the last chunk (size 0) ends with a CRLF of its own.
         const size_t need = line_ + 2 + size_ + 2;
-        if (in_.size() < need) {
-            return Status::Ok;
+        if (rest.size() < need) {
+            return done(Status::Ok);
         }
-        if (in_.compare(need - 2, 2, "\r\n") != 0) {
-            return Status::Malformed;
+        if (rest.substr(need - 2, 2) != "\r\n") {
+            return done(Status::Malformed);
         }
-        const std::string_view data(in_.data() + line_ + 2, size_);
+        const std::string_view data = rest.substr(line_ + 2, size_);
         std::string to_sign;
         to_sign.reserve(256);
         to_sign.append(kAlgorithm).append("-PAYLOAD\n").append(prev_.date).append("\n");
@@ -567,17 +580,16 @@ AwsChunkSigner::Status AwsChunkSigner::parse(size_t max_chunk) {
         const Mac sig = creds_->keys.sign(std::string_view(prev_.date).substr(0, 8), spec_,
                                           creds_->secret_access_key->reveal(), to_sign);
         prev_.signature = hex(sig.data(), sig.size());
-        const size_t semi = in_.find(';');
-        out_.append(in_, 0, semi + kExt.size()).append(prev_.signature).append("\r\n");
-        out_.append(data).append("\r\n");
-        in_.erase(0, need);
+        out_.append(rest.substr(0, rest.find(';') + kExt.size())).append(prev_.signature);
+        out_.append("\r\n").append(data).append("\r\n");
+        pos += need;
         line_ = 0;
         if (size_ == 0) {
-            if (!in_.empty()) {
-                return Status::Malformed;  // bytes after the last chunk
+            if (pos != in_.size()) {
+                return done(Status::Malformed);  // bytes after the last chunk
             }
             done_ = true;
-            return Status::Ok;
+            return done(Status::Ok);
         }
     }
 }

@@ -158,6 +158,10 @@ std::string HostPort::authority() const {
     return bracket(host) + ":" + std::to_string(port);
 }
 
+std::string HostPort::host_header(bool tls) const {
+    return port == (tls ? 443 : 80) ? bracket(host) : authority();
+}
+
 Result<std::string> normalize_host(std::string_view host) {
     if (host.empty()) {
         return make_error("empty host");

@@ -19,6 +19,9 @@ struct HostPort {
     bool is_ipv6_literal() const { return host.find(':') != std::string::npos; }
     /// "host:port", with brackets around an IPv6 literal.
     std::string authority() const;
+    /// The Host / :authority value egressd sends upstream (and aws-sigv4 signs): as
+    /// authority(), the scheme's default port (443 with TLS, else 80) left out.
+    std::string host_header(bool tls) const;
     bool operator==(const HostPort&) const = default;
 };
 

@@ -94,6 +94,10 @@ void inject(RequestHead& head, const Pin& pin, const RequestContext& ctx, Decisi
         }
         head.remove("authorization");  // the sandbox's own signature, and its session
         head.remove("x-amz-security-token");
+        // Signed as it is sent: the agreed destination in its one spelling, not the client's
+        // (host agreement admits "S3.TEST", "s3.test." and an explicit default port), or
+        // the upstream computes another canonical request and refuses the signature.
+        head.authority = ctx.target.host_header(ctx.tls);
     } else {
         head.set(inj.header, std::string(inj.value->reveal()));  // replaces, never merges
         head.never_index = inj.header;

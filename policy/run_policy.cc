@@ -8,6 +8,7 @@
 
 #include <boost/url/encode.hpp>
 #include <boost/url/parse_query.hpp>
+#include <boost/url/pct_string_view.hpp>
 #include <boost/url/rfc/unreserved_chars.hpp>
 
 #include "common/secure_zero.h"
@@ -159,8 +160,50 @@ bool query_method_matches(const Pin& pin, std::string_view path) {
     return true;
 }
 
-bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view path) {
-    if (head == nullptr || (pin.methods.empty() && pin.path_prefixes.empty())) {
+/// The bucket a virtual-hosted S3 name addresses ("photos" of "photos.s3.us-east-1.amazonaws.com"
+/// or "photos.s3-us-west-2.amazonaws.com": a first label before one that begins with "s3"), or
+/// "" for a path-style endpoint.
+std::string_view virtual_hosted_bucket(std::string_view host) {
+    const size_t dot = host.find('.');
+    if (dot == std::string_view::npos || dot == 0) {
+        return {};
+    }
+    return host.substr(dot + 1).starts_with("s3") ? host.substr(0, dot) : std::string_view();
+}
+
+/// S3's x-amz-copy-source (CopyObject, UploadPartCopy: "bucket/key" or "/bucket/key",
+/// percent-encoded, "?versionId=..." after it) names an object the request READS with the
+/// pin's key: an S3 pin limited to a bucket (its virtual-hosted name) or to path prefixes
+/// must also contain it, or a copy would bring any object the key can read into the pin's
+/// reach. An access point ARN or a source that does not decode matches nothing.
+bool copy_source_matches(const Pin& pin, std::string_view host, std::string_view value) {
+    value = trim_ows(value);
+    value = value.substr(0, value.find('?'));
+    auto pct = boost::urls::make_pct_string_view(value);
+    if (!pct || value.starts_with("arn:")) {
+        return false;
+    }
+    std::string src = pct->decode();
+    if (!src.starts_with('/')) {
+        src.insert(src.begin(), '/');
+    }
+    std::string_view rest = src;
+    if (const std::string_view bucket = virtual_hosted_bucket(host); !bucket.empty()) {
+        // the pin's host is one bucket: the source must be in it; its prefixes are key paths
+        if (!rest.substr(1).starts_with(bucket) || rest.size() < bucket.size() + 2 ||
+            rest[bucket.size() + 1] != '/') {
+            return false;
+        }
+        rest.remove_prefix(bucket.size() + 1);
+    }
+    return path_matches(pin, rest);
+}
+
+bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view path,
+                     std::string_view host) {
+    const bool s3 = pin.inject.type == InjectType::AwsSigV4 && pin.inject.service == "s3";
+    if (head == nullptr || (pin.methods.empty() && pin.path_prefixes.empty() &&
+                            (!s3 || virtual_hosted_bucket(host).empty()))) {
         return true;
     }
     if (!pin.methods.empty() && !query_method_matches(pin, path)) {
@@ -168,6 +211,9 @@ bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view p
     }
     for (const Header& h : head->headers) {
         const auto named = [&](std::string_view n) { return iequals(h.name, n); };
+        if (s3 && named("x-amz-copy-source") && !copy_source_matches(pin, host, h.value)) {
+            return false;
+        }
         if (!pin.methods.empty() && std::any_of(std::begin(kMethodOverrides),
                                                 std::end(kMethodOverrides), named) &&
             !method_matches(pin, trim_ows(h.value))) {
@@ -496,7 +542,7 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
     return find_pin(run, dest.host, [&](const Pin& pin) {
         return pin_live(pin, now) && pattern_allows(pin.host, dest, global) &&
                method_matches(pin, method) && path_matches(pin, path_only) &&
-               overrides_match(pin, head, path);
+               overrides_match(pin, head, path, dest.host);
     });
 }
 

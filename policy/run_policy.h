@@ -188,7 +188,9 @@ bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPo
 /// matches "/repos/acme" and "/repos/acme/x", not "/repos/acme-evil". With `head`, a pin
 /// limited to methods or paths also requires what the request's override headers claim
 /// (X-HTTP-Method-Override, X-HTTP-Method, X-Method-Override, a `_method` query parameter;
-/// X-Original-URL, X-Rewrite-URL) to be among them.
+/// X-Original-URL, X-Rewrite-URL) to be among them; an aws-sigv4 S3 pin limited to paths or
+/// to one bucket (a virtual-hosted name) also requires an x-amz-copy-source (the object a
+/// copy reads) within them.
 const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                      std::string_view method, std::string_view path, TimePoint now,
                      const RequestHead* head = nullptr);

@@ -38,15 +38,6 @@ double ms_since(Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
-/// The Host / :authority value sent upstream: the agreed destination, default port omitted.
-std::string host_header(const policy::HostPort& hp, bool tls) {
-    std::string h = hp.is_ipv6_literal() ? "[" + hp.host + "]" : hp.host;
-    if (hp.port != (tls ? 443 : 80)) {
-        h += ":" + std::to_string(hp.port);
-    }
-    return h;
-}
-
 /// An upstream h2 stream refused unprocessed (H2ClientStream::refused): sent again.
 constexpr const char* kRefusedStream = "upstream_refused_stream";
 /// How many times one request is sent again after a refused stream. A GOAWAY'd session takes
@@ -161,7 +152,7 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     Worker& w = *scope.worker;
     const Runtime& rt = *scope.runtime;
     const auto& limits = rt.config->limits;
-    std::string authority = host_header(scope.target, scope.tls);
+    std::string authority = scope.target.host_header(scope.tls);
     dial.pool = nullptr;  // not yet the dial others wait for (a retry reuses `dial`)
     if (!scope.tls) {
         down.abort_with(&DialCut::cut, &dial);  // (a client gone already: cut at once)

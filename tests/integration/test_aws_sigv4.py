@@ -553,6 +553,43 @@ def test_a_body_declared_too_large_to_sign_is_refused_before_100_continue(world,
     assert aws.good.find("m=expect") == []
 
 
+@pytest.mark.parametrize("http2", [False, True], ids=["h1", "h2"])
+@pytest.mark.parametrize("spelling", ["upper", "trailing-dot"])
+def test_the_signed_host_is_the_host_sent(world, e, aws, http2, spelling, marker):
+    """Host agreement admits any spelling of the target; egressd sends its own, and signs that
+    one (it signed the client's spelling: SignatureDoesNotMatch)."""
+    host = {"upper": "S3.TEST", "trailing-dot": "s3.test."}[spelling]
+    bucket = bucket_name()
+    r = curl(world, e, f"https://s3.test:{aws.good.port}/{bucket}/k?m={marker}", http2,
+             "-X", "PUT", "-H", f"Host: {host}:{aws.good.port}", data=b"abc")
+    assert (r.rc, r.status) == (0, 200), show(r.status, r.body[:300], r.stderr)
+    [seen] = aws.good.find(marker)
+    assert seen.verified and seen.host == "s3.test", show(seen.explain())
+
+
+def test_a_copy_source_outside_a_path_limited_s3_pin_is_refused(world, factory, aws, marker):
+    """CopyObject reads the object x-amz-copy-source names with the pin's key: a pin limited
+    to /allowed/ must not copy /secret/data in."""
+    def mutate(cfg):
+        aws_pins(aws)(cfg)
+        r1 = next(r for r in cfg["runs"] if r["id"] == "r1")
+        for p in r1["pins"]:
+            if p["host"] == f"s3.test:{aws.good.port}":
+                p["path_prefixes"] = ["/allowed/"]
+    e2 = factory.start(mutate)
+    e2.secrets = {**e2.secrets, SECRET_NAME: aws.secret}
+    url = f"https://s3.test:{aws.good.port}/allowed/copy?m={marker}"
+    for source in ("/secret/data", "secret/data?versionId=1", "%2Fsecret%2Fdata",
+                   "/allowed/%2e%2e/secret/data"):
+        r = curl(world, e2, url, False, "-X", "PUT", "-H", f"x-amz-copy-source: {source}")
+        assert (r.status, r.reason) == (403, "no_matching_pin"), show(source, r.status, r.body[:200])
+    assert aws.good.find(marker) == []
+    r = curl(world, e2, url + "-in", False, "-X", "PUT", "-H", "x-amz-copy-source: /allowed/src")
+    assert r.status == 200, show(r.status, r.body[:300])
+    [seen] = aws.good.find(marker + "-in")
+    assert seen.verified and "x-amz-copy-source" in seen.verdict.signed_headers
+
+
 # ---------------------------------------------------------------------------------------------
 # chunk-signed uploads (STREAMING-AWS4-HMAC-SHA256-PAYLOAD)
 
@@ -609,13 +646,14 @@ def test_malformed_or_too_large_chunks_are_refused(world, factory, aws, http2, m
     body, data = aws_chunked([2048])
     r = curl(world, e2, url, http2, *chunk_signed_args(len(data)), data=body)
     assert (r.status, r.reason) == (413, "body_too_large_to_sign"), show(r.status, r.body[:200])
-    # not aws-chunked: a signature that is no signature, a chunk longer than its size
+    # not aws-chunked: a signature that is no signature, a chunk longer than its size, a chunk
+    # under S3's 8 KiB minimum that is not the last with data
     for bad in (b"3;chunk-signature=abc\r\nxyz\r\n0;chunk-signature=abc\r\n\r\n",
-                aws_chunked([10])[0].replace(b"a;", b"9;", 1)):
+                aws_chunked([10])[0].replace(b"a;", b"9;", 1), aws_chunked([5, 5])[0]):
         r = curl(world, e2, url, http2, *chunk_signed_args(10), data=bad)
         assert (r.status, r.reason) == (400, "bad_aws_chunk"), show(r.status, r.body[:200])
     assert aws.good.find(marker) == []  # no request with a body that broke reached it whole
-    e2.wait_audit(lambda a: a.get("reason") == "bad_aws_chunk" and a["status"] == 400, count=2)
+    e2.wait_audit(lambda a: a.get("reason") == "bad_aws_chunk" and a["status"] == 400, count=3)
 
 
 # ---------------------------------------------------------------------------------------------

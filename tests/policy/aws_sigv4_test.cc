@@ -486,11 +486,22 @@ TEST(AwsChunkSigner, RefusesWhatIsNotAwsChunked) {
         {"ffffffffffffffffff;chunk-signature=" + std::string(kDummySig) + "\r\n",
          AwsChunkSigner::Status::Malformed},  // more than 16 hex digits
         {aws_chunk(0, kDummySig) + "x", AwsChunkSigner::Status::Malformed},  // after the last
+        // under S3's 8 KiB minimum, and not the last chunk with data
+        {aws_chunk(100, kDummySig) + aws_chunk(100, kDummySig), AwsChunkSigner::Status::Malformed},
     };
     for (const auto& [body, want] : cases) {
         AwsChunkSigner signer = c.signer();
         EXPECT_EQ(signer.feed(body, 65536), want) << body.substr(0, 40);
         EXPECT_FALSE(signer.complete()) << body.substr(0, 40);
+    }
+    // A small chunk as the last with data is S3's own case.
+    {
+        AwsChunkSigner signer = c.signer();
+        EXPECT_EQ(signer.feed(aws_chunk(8192, kDummySig) + aws_chunk(1, kDummySig) +
+                                  aws_chunk(0, kDummySig),
+                              65536),
+                  AwsChunkSigner::Status::Ok);
+        EXPECT_TRUE(signer.complete());
     }
     // A body that stops inside a chunk is not complete (the exchange refuses it then).
     AwsChunkSigner signer = c.signer();

@@ -335,6 +335,48 @@ TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
     EXPECT_EQ(match_pin(GlobalPolicy{}, run, gh, "GET", "/repos/acme/x", kNow)->id, "repos");
 }
 
+// S3's CopyObject reads the object x-amz-copy-source names with the pin's key: a pin limited to
+// paths or to one bucket must contain it too.
+TEST(MatchPin, AnS3CopySourceMustStayWithinThePin) {
+    auto s3 = [](Pin p) {
+        p.inject.type = InjectType::AwsSigV4;
+        p.inject.region = "us-east-1";
+        p.inject.service = "s3";
+        return p;
+    };
+    RunPolicy run;
+    run.expires_at = kNow + minutes(30);
+    run.pins = {s3(make_pin("path", "s3.test", {"/allowed/"})),
+                s3(make_pin("vhost", "photos.s3.us-east-1.amazonaws.com")),
+                s3(make_pin("vhost-prefix", "logs.s3-us-west-2.amazonaws.com", {"/data/"})),
+                make_pin("bearer", "api.test", {"/allowed/"})};
+    auto copy = [&](std::string_view host, std::string_view path, std::string source) {
+        RequestHead h;
+        h.headers.push_back({"X-Amz-Copy-Source", std::move(source)});
+        const Pin* p = match_pin(GlobalPolicy{}, run, HostPort{std::string(host), 443}, "PUT",
+                                 path, kNow, &h);
+        return p == nullptr ? std::string() : p->id;
+    };
+    EXPECT_EQ(copy("s3.test", "/allowed/copy", "/allowed/x"), "path");
+    EXPECT_EQ(copy("s3.test", "/allowed/copy", "allowed/x?versionId=3"), "path");
+    EXPECT_EQ(copy("s3.test", "/allowed/copy", "/secret/data"), "");
+    EXPECT_EQ(copy("s3.test", "/allowed/copy", "%2Fsecret%2Fdata"), "");
+    EXPECT_EQ(copy("s3.test", "/allowed/copy", "/allowed/%2e%2e/secret/data"), "");
+    EXPECT_EQ(copy("s3.test", "/allowed/copy", "/allowed/%zz"), "");  // does not decode
+    EXPECT_EQ(copy("s3.test", "/allowed/copy",
+                   "arn:aws:s3:us-east-1:123456789012:accesspoint/ap/object/k"), "");
+    EXPECT_EQ(copy("photos.s3.us-east-1.amazonaws.com", "/k2", "photos/k1"), "vhost");
+    EXPECT_EQ(copy("photos.s3.us-east-1.amazonaws.com", "/k2", "/photos/a/b"), "vhost");
+    EXPECT_EQ(copy("photos.s3.us-east-1.amazonaws.com", "/k2", "other/k1"), "");
+    EXPECT_EQ(copy("photos.s3.us-east-1.amazonaws.com", "/k2", "photosX/k1"), "");
+    EXPECT_EQ(copy("photos.s3.us-east-1.amazonaws.com", "/k2", "photos"), "");
+    EXPECT_EQ(copy("logs.s3-us-west-2.amazonaws.com", "/data/k2", "logs/data/k1"),
+              "vhost-prefix");
+    EXPECT_EQ(copy("logs.s3-us-west-2.amazonaws.com", "/data/k2", "logs/other/k1"), "");
+    // Only S3 pins read it: to a bearer pin it is any header.
+    EXPECT_EQ(copy("api.test", "/allowed/x", "/secret/data"), "bearer");
+}
+
 TEST(MatchPin, ExpiryAndRunState) {
     RunPolicy run;
     run.expires_at = kNow + minutes(30);
