@@ -1,13 +1,16 @@
 #include "proxy/control_plane.h"
 
 #include <fcntl.h>
+#include <openssl/err.h>
 #include <openssl/rand.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
+#include <unordered_map>
 #include <fstream>
 
 #include <boost/json.hpp>
@@ -15,6 +18,7 @@
 #include <boost/url/parse.hpp>
 #include <boost/url/params_view.hpp>
 #include <boost/url/url_view.hpp>
+#include <spdlog/spdlog.h>
 
 #include "common/secure_zero.h"
 #include "policy/header_rules.h"
@@ -46,9 +50,22 @@ std::string rfc3339(int64_t t) {
     return buf;
 }
 
+/// Run and pin ids, proxy tokens and the admin token. Fails closed: when OpenSSL's CSPRNG
+/// fails, what the buffer holds is not random and a token made of it could be guessed, so the
+/// process stops with a message instead of handing one out.
 std::string random_hex(size_t bytes) {
     std::string raw(bytes, '\0');
-    RAND_bytes(reinterpret_cast<unsigned char*>(raw.data()), static_cast<int>(bytes));
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(raw.data()), static_cast<int>(bytes)) != 1) {
+        char why[256] = "no OpenSSL error";
+        if (const unsigned long e = ERR_get_error(); e != 0) {
+            ERR_error_string_n(e, why, sizeof why);
+        }
+        spdlog::critical("RAND_bytes failed ({}): cannot make an unpredictable id or token; "
+                         "stopping rather than hand out a guessable one",
+                         why);
+        spdlog::default_logger()->flush();
+        std::abort();
+    }
     static constexpr char kHex[] = "0123456789abcdef";
     std::string out;
     for (unsigned char c : raw) {
@@ -95,6 +112,64 @@ json::value secret_meta_json(const credstore::SealedSecret& s) {
     o["version"] = s.version;
     o["created_at"] = s.created_at;
     return o;
+}
+
+/// Appends `field` with its length first, so that different field lists never make the same
+/// bytes.
+void append_field(std::string& out, std::string_view field) {
+    out += std::to_string(field.size());
+    out += ':';
+    out += field;
+}
+
+/// What tells one sealing of a secret from every other: a digest of its nonce and ciphertext
+/// (GCM tag included), both new for every POST and PUT, so a secret deleted and created again
+/// with the same name, scope and version (1) is not taken for the one before. A KEK rotation
+/// re-wraps the data key only and leaves it as it was (no rebuild, no unwrap per pin through
+/// keys.kms_command). Public bytes only, never the value; 128 bits of SHA-256.
+std::string sealing_id(const credstore::SealedSecret& s) {
+    std::string in;
+    in.reserve(s.nonce.size() + s.ciphertext.size() + 16);
+    append_field(in, s.nonce);
+    append_field(in, s.ciphertext);
+    return credstore::sha256_hex(in).substr(0, 32);
+}
+
+/// sealing_id() once per sealed record of one build's snapshot (which outlives it, so the
+/// addresses are stable): pins sharing a secret, the usual case, hash it once.
+class SealingIds {
+public:
+    const std::string& of(const credstore::SealedSecret& s) {
+        auto [it, added] = ids_.try_emplace(&s);
+        if (added) {
+            it->second = sealing_id(s);
+        }
+        return it->second;
+    }
+
+private:
+    std::unordered_map<const credstore::SealedSecret*, std::string> ids_;
+};
+
+/// unseal_cached()'s key: a digest of every field of the sealed record, so two records share
+/// a value only when they are the same record. (A prefix of the wrapped data key is not
+/// enough: a KMS whose output begins with a fixed header gives every record the same one.)
+std::string sealed_record_key(const credstore::SealedSecret& s) {
+    std::string in;
+    in.reserve(s.wrapped_dek.size() + s.nonce.size() + s.ciphertext.size() + s.name.size() +
+               s.kek_id.size() + 128);
+    append_field(in, s.name);
+    append_field(in, s.scope.org);
+    append_field(in, s.scope.project);
+    append_field(in, s.scope.user);
+    append_field(in, s.scope.workflow);
+    append_field(in, std::to_string(s.version));
+    append_field(in, s.created_at);
+    append_field(in, s.kek_id);
+    append_field(in, s.wrapped_dek);
+    append_field(in, s.nonce);
+    append_field(in, s.ciphertext);
+    return credstore::sha256_hex(in);
 }
 
 /// Reads an optional string field; errors name it.
@@ -630,8 +705,7 @@ ApiResponse ControlPlane::handle(std::string_view method, std::string_view targe
 }
 
 Result<credstore::SecretPtr> ControlPlane::unseal_cached(const credstore::SealedSecret& s) {
-    std::string key = credstore::secret_key(s.name, s.scope) + "#" + std::to_string(s.version) +
-                      "#" + s.kek_id + "#" + s.wrapped_dek.substr(0, 16);
+    const std::string key = sealed_record_key(s);
     if (auto it = unsealed_.find(key); it != unsealed_.end()) {
         return it->second;
     }
@@ -1358,19 +1432,22 @@ size_t ControlPlane::sweep_expired() {
 void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& snap, Runtime& rt,
                                              BuildWarnings* warnings) {
     std::map<std::string, StaticBuild> next;
+    SealingIds sealing_ids;
     for (auto& [id, run] : rt.runs) {
         if (run->store_pins.empty()) {
             continue;
         }
         const std::shared_ptr<Run> statics = run;
-        // What the served copy is built from: the static run and the versions of its secrets.
+        // What the served copy is built from: the static run and the sealings of its secrets
+        // (not only their versions: a secret deleted and put again is version 1 again).
         std::vector<const credstore::SealedSecret*> sealed;
         std::string fp;
         for (const auto& sp : statics->store_pins) {
             const auto* s = credstore::resolve_secret(snap, sp.pin.secret_name, statics->scope);
             sealed.push_back(s);
             fp += "|" + (s ? credstore::secret_key(s->name, s->scope) + "v" +
-                                 std::to_string(s->version) + "#" + s->kek_id
+                                 std::to_string(s->version) + "#" + s->kek_id + "#" +
+                                 sealing_ids.of(*s)
                            : std::string("missing"));
         }
         auto prev = static_built_.find(id);
@@ -1462,6 +1539,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
     const int64_t now = unix_now();
     std::map<std::string, std::shared_ptr<Run>> built;
     std::map<std::string, std::string> fps;
+    SealingIds sealing_ids;
     for (const auto& [id, token_sha] : swept_) {
         rt->ended[id] = {token_sha, "run_expired"};
     }
@@ -1473,13 +1551,17 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
         if (rt->runs.count(id) != 0) {
             continue;
         }
-        // What the Run is built from: the record and the versions of the secrets it uses.
+        // What the Run is built from: the record and the sealings of the secrets it uses. A
+        // version alone is not enough: a secret deleted and created again is version 1 again,
+        // and a replica that never saw it missing (a watch resync, events in one batch) would
+        // keep injecting the old value.
         std::string fp = rec.token_sha256 + "|" + std::to_string(rec.expires_at);
         for (const auto& h : rec.allow_hosts) fp += "|a:" + h;
         for (const auto& p : rec.pins) {
             const auto* s = credstore::resolve_secret(*snap, p.secret, rec.scope);
             fp += "|p:" + p.id + "@" + std::to_string(p.expires_at) + "#" +
-                  (s ? credstore::secret_key(s->name, s->scope) + "v" + std::to_string(s->version)
+                  (s ? credstore::secret_key(s->name, s->scope) + "v" +
+                           std::to_string(s->version) + "#" + sealing_ids.of(*s)
                      : std::string("missing"));
         }
         auto prev = built_.find(id);

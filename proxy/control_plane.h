@@ -118,12 +118,13 @@ private:
     std::mutex mu_;        // serializes mutations (admin requests)
     std::mutex build_mu_;  // guards keys_' changes and the caches below (build_runtime runs
                            // inside apply, and unseals with keys_)
-    // secret_key + version + KEK → value; only values a built run uses (build_runtime evicts)
+    // digest of a whole sealed record (every field) → its value; only values a built run
+    // uses (build_runtime evicts)
     std::map<std::string, credstore::SecretPtr> unsealed_;
     std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run
     struct StaticBuild {
         std::shared_ptr<Run> statics;  // the static run (config) it was made from
-        std::string fingerprint;       // its store secrets' keys and versions
+        std::string fingerprint;       // its store secrets' keys, versions, KEKs, sealings
         std::shared_ptr<Run> served;   // with those secrets
     };
     std::map<std::string, StaticBuild> static_built_;  // static run id → its served copy

@@ -18,6 +18,9 @@ namespace fs = std::filesystem;
 
 class StaticStorePins : public ::testing::Test {
 protected:
+    /// The config's `keys:` value (a master key file unless a test says otherwise).
+    virtual std::string keys_yaml() { return "{master_key_file: " + dir_ + "/master.key}"; }
+
     void SetUp() override {
         char tmpl[] = "/tmp/egress-cp-test-XXXXXX";
         ASSERT_NE(::mkdtemp(tmpl), nullptr);
@@ -25,7 +28,7 @@ protected:
         const std::string yaml =
             "admin: {token_file: " + dir_ + "/admin.token}\n"
             "state: {backend: file, path: " + dir_ + "/state}\n"
-            "keys: {master_key_file: " + dir_ + "/master.key}\n"
+            "keys: " + keys_yaml() + "\n"
             "runs:\n"
             "  - id: app\n"
             "    token_file: null\n"
@@ -64,6 +67,59 @@ protected:
         auto r = cp_->handle("PUT", "/v1/secrets/" + name,
                              R"({"scope": )" + scope_json + R"(, "value": ")" + value + R"("})");
         ASSERT_EQ(r.status, 200) << r.body;
+    }
+    void remove(const std::string& name, const std::string& scope_query) {
+        auto r = cp_->handle("DELETE", "/v1/secrets/" + name + "?scope=" + scope_query, "");
+        ASSERT_EQ(r.status, 204) << r.body;
+    }
+    /// POST /v1/runs with one bearer pin on a.test using secret `secret`; the run's id.
+    std::string create_run(const std::string& scope_json, const std::string& secret) {
+        auto r = cp_->handle("POST", "/v1/runs",
+                             R"({"scope": )" + scope_json +
+                                 R"(, "pins": [{"host": "a.test", "secret": ")" + secret +
+                                 R"(", "inject": {"type": "bearer"}}]})");
+        EXPECT_EQ(r.status, 201) << r.body;
+        const auto at = r.body.find(R"("id":")");
+        if (at == std::string::npos) return "";
+        const auto start = at + 6;
+        return r.body.substr(start, r.body.find('"', start) - start);
+    }
+    /// A secret deleted and created again has its name, scope and version (1) again. A build
+    /// that never sees it missing (a replica whose etcd watch resynchronized, or got both
+    /// changes in one batch; here: no build between the two writes) must still take the new
+    /// value, for the static run's store pin and for a dynamic run's pin, and let the old one
+    /// go (wiped once the last runtime holding it is dropped).
+    void expect_a_recreated_secret_is_a_new_value() {
+        put("gh", R"({"org": "acme"})", "v-old");
+        const std::string run_id = create_run(R"({"org": "acme"})", "gh");
+        ASSERT_FALSE(run_id.empty());
+        auto before = build();
+        auto app1 = before->find("app");
+        auto dyn1 = before->find(run_id);
+        ASSERT_TRUE(app1 && dyn1);
+        ASSERT_FALSE(app1->policy.pins.empty() || dyn1->policy.pins.empty());
+        EXPECT_TRUE(injected_value(*app1) == "v-old" && injected_value(*dyn1) == "v-old");
+        const std::weak_ptr<const credstore::SecretValue> old_value = app1->policy.pins[0].secret;
+
+        remove("gh", "org%3Dacme");
+        put("gh", R"({"org": "acme"})", "v-new");
+        auto after = build();
+        auto app2 = after->find("app");
+        auto dyn2 = after->find(run_id);
+        ASSERT_TRUE(app2 && dyn2);
+        EXPECT_TRUE(app2 != app1) << "the static run's served copy was kept";
+        EXPECT_TRUE(dyn2 != dyn1) << "the dynamic run was kept";
+        EXPECT_TRUE(injected_value(*app2) == "v-new")
+            << "static run: want the re-created secret's value";
+        EXPECT_TRUE(injected_value(*dyn2) == "v-new")
+            << "dynamic run: want the re-created secret's value";
+        EXPECT_EQ(app2->ca, app1->ca);  // the same runs: their CAs are kept
+        EXPECT_EQ(dyn2->ca, dyn1->ca);
+        // Only the runtime held here keeps the old value now.
+        before.reset();
+        app1.reset();
+        dyn1.reset();
+        EXPECT_TRUE(old_value.expired()) << "the deleted secret's value is still held";
     }
     /// The value the run's first pin injects. Compared with EXPECT_TRUE, so a failure names
     /// which value was wanted without printing one (the project's rule for secret values).
@@ -145,6 +201,53 @@ TEST_F(StaticStorePins, TheServedCopyIsKeptUntilItsSecretChanges) {
     ASSERT_EQ(fourth->policy.pins.size(), 1u);
     EXPECT_EQ(fourth->policy.pins[0].methods, std::vector<std::string>{"GET"});
     EXPECT_TRUE(injected_value(*fourth) == "v2") << "want the rotated value";
+}
+
+TEST_F(StaticStorePins, ASecretDeletedAndCreatedAgainBetweenTwoBuildsIsANewValue) {
+    expect_a_recreated_secret_is_a_new_value();
+}
+
+// The same with keys.kms_command whose output starts with a fixed header, as some KMS's
+// ciphertexts do: every wrapped data key then begins with the same bytes, and the unsealed
+// value cache must not take the re-created record for the old one.
+class HeaderKmsStorePins : public StaticStorePins {
+protected:
+    std::string keys_yaml() override {
+        const std::string script = dir_ + "/kms.sh";
+        std::ofstream f(script);
+        // Not a cipher: "wrap" puts an 18-byte header before the data key (base64 of each
+        // joins into base64 of both), "unwrap" takes it off.
+        f << "#!/bin/sh\n"
+             "case \"$1\" in\n"
+             "  key-id) echo header-kms ;;\n"
+             "  wrap) printf %s SEVBREVSSEVBREVSSEVBREVS; tr -d '\\n' ;;\n"
+             "  unwrap) tr -d '\\n' | cut -c25- ;;\n"
+             "  *) exit 2 ;;\n"
+             "esac\n";
+        f.close();
+        std::filesystem::permissions(script, fs::perms::owner_all);
+        return "{kms_command: " + script + "}";
+    }
+};
+
+TEST_F(HeaderKmsStorePins, ASecretDeletedAndCreatedAgainBetweenTwoBuildsIsANewValue) {
+    expect_a_recreated_secret_is_a_new_value();
+}
+
+// A KEK rotation re-wraps every data key but seals nothing anew: dynamic runs are kept (no
+// unwrap per pin through the KMS), and keep injecting the same value.
+TEST_F(HeaderKmsStorePins, AKeyRotationKeepsDynamicRuns) {
+    put("gh", R"({"org": "acme"})", "v-old");
+    const std::string run_id = create_run(R"({"org": "acme"})", "gh");
+    ASSERT_FALSE(run_id.empty());
+    auto dyn1 = build()->find(run_id);
+    ASSERT_TRUE(dyn1);
+    auto r = cp_->handle("POST", "/v1/keys/rotate", "");
+    ASSERT_EQ(r.status, 200) << r.body;
+    auto dyn2 = build()->find(run_id);
+    EXPECT_EQ(dyn2, dyn1);
+    ASSERT_FALSE(dyn2->policy.pins.empty());
+    EXPECT_TRUE(std::string(dyn2->policy.pins[0].secret->reveal()) == "v-old");
 }
 
 }  // namespace
