@@ -1,6 +1,7 @@
 // egressd: credential-injecting egress forward proxy.
 #include <sys/resource.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -52,6 +53,34 @@ void harden_process() {
     // No core dumps: they would contain keys and secrets.
     rlimit none{0, 0};
     setrlimit(RLIMIT_CORE, &none);
+}
+
+/// Raises the soft limit on open files to the hard limit, as nginx's worker_rlimit_nofile and
+/// many servers do: a tunnel holds two descriptors, so the usual soft limit of 1024 ran out
+/// before limits.connections_per_run's 512 (then accepts fail with EMFILE and wait: server.cc).
+/// The hard limit is the operator's (systemd LimitNOFILE=, docker --ulimit, prlimit). Logged.
+void raise_open_files_limit() {
+    rlimit lim{};
+    if (getrlimit(RLIMIT_NOFILE, &lim) != 0) {
+        spdlog::warn("open files: cannot read the limit: {}", std::strerror(errno));
+        return;
+    }
+    auto text = [](rlim_t v) {
+        return v == RLIM_INFINITY ? std::string("unlimited") : std::to_string(v);
+    };
+    const rlim_t soft = lim.rlim_cur;
+    if (soft != lim.rlim_max) {
+        lim.rlim_cur = lim.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &lim) != 0) {
+            spdlog::warn("open files: limit {} (cannot raise it to the hard limit {}: {})",
+                         text(soft), text(lim.rlim_max), std::strerror(errno));
+            return;
+        }
+        spdlog::info("open files: limit {} (the hard limit; raised from {})", text(lim.rlim_cur),
+                     text(soft));
+        return;
+    }
+    spdlog::info("open files: limit {} (the hard limit)", text(soft));
 }
 
 }  // namespace
@@ -109,6 +138,7 @@ int main(int argc, char** argv) {
     }
     harden_process();
     egress::proxy::setup_logging(cfg->log_format, cfg->log_level);
+    raise_open_files_limit();
     if (const char* tunables = std::getenv("GLIBC_TUNABLES")) {
         spdlog::info("malloc: GLIBC_TUNABLES={}", tunables);
     }

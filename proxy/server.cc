@@ -102,6 +102,89 @@ tcp::endpoint endpoint_of(const ListenAddress& a) {
     return {net::ip::make_address(a.host), a.port};
 }
 
+/// After an accept failed for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS,
+/// ENOMEM): how long that listener waits before it accepts again. The connection stays in the
+/// listen queue, so an accept at once fails at once: the loop spun a core and wrote a warning
+/// per turn (1.6 M lines in 4 s). nginx waits 500 ms (its accept_mutex_delay) the same way.
+constexpr auto kAcceptPause = std::chrono::milliseconds(100);
+/// At most one accept line per listener this often; the failures in between are counted and
+/// said with the next line.
+constexpr auto kAcceptLogEvery = std::chrono::seconds(1);
+
+bool out_of_resources(const error_code& ec) {
+    if (ec.category() != boost::system::system_category()) {
+        return false;
+    }
+    switch (ec.value()) {
+    case EMFILE:
+    case ENFILE:
+    case ENOBUFS:
+    case ENOMEM:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/// One listener's accept failures (every accept loop has one: proxy, transparent, admin).
+/// At most two lines per kAcceptLogEvery: a failure, and the recovery after it.
+class AcceptFailures {
+public:
+    explicit AcceptFailures(const char* listener) : listener_(listener) {}
+
+    /// After a failed accept: logs it (at most one line per kAcceptLogEvery, with the count of
+    /// failures not logged before it) and, when it failed for want of descriptors or memory,
+    /// waits kAcceptPause (a timer: the loop's thread keeps serving the connections it has).
+    awaitable<void> failed(const error_code& ec) {
+        const bool exhausted = out_of_resources(ec);
+        failing_ = true;
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= next_line_) {
+            spdlog::warn("accept on {}: {}{}{}", listener_, ec.message(),
+                         exhausted ? fmt::format(" (trying again every {} ms while it lasts)",
+                                                 kAcceptPause.count())
+                                   : std::string(),
+                         unlogged_note());
+            unlogged_ = 0;
+            next_line_ = now + kAcceptLogEvery;
+            said_ = true;
+        } else {
+            ++unlogged_;
+        }
+        if (exhausted) {
+            net::steady_timer t(co_await net::this_coro::executor, kAcceptPause);
+            co_await t.async_wait(use_nothrow);
+        }
+    }
+
+    /// After an accept that succeeded: the first after failures says that accepts work again
+    /// (with the failures no line said), if a line said they failed; failures whose line was
+    /// held back are said with the next failure line.
+    void succeeded() {
+        if (!failing_) {
+            return;
+        }
+        failing_ = false;
+        if (said_) {
+            spdlog::info("accept on {}: accepting again{}", listener_, unlogged_note());
+            unlogged_ = 0;
+            said_ = false;
+        }
+    }
+
+private:
+    std::string unlogged_note() const {
+        return unlogged_ == 0 ? std::string()
+                              : fmt::format("; {} more failures were not logged", unlogged_);
+    }
+
+    const char* listener_;
+    std::chrono::steady_clock::time_point next_line_{};
+    uint64_t unlogged_ = 0;  // failures since the last line that no line said
+    bool failing_ = false;   // the last accept failed
+    bool said_ = false;      // a failure line was written since the last "accepting again"
+};
+
 void log_spawn_error(std::exception_ptr e) {
     if (!e) {
         return;
@@ -366,15 +449,19 @@ struct Server::Impl {
     }
 
     awaitable<void> admin_unix_loop() {
+        AcceptFailures failures("listen.admin");
         for (;;) {
             auto [ec, sock] = co_await admin_unix_acceptor->async_accept(use_nothrow);
             if (ec == net::error::operation_aborted || !admin_unix_acceptor->is_open()) {
                 co_return;
             }
-            if (!ec) {
-                net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
-                              log_spawn_error);
+            if (ec) {
+                co_await failures.failed(ec);
+                continue;
             }
+            failures.succeeded();
+            net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
+                          log_spawn_error);
         }
     }
 
@@ -403,22 +490,28 @@ struct Server::Impl {
     }
 
     awaitable<void> admin_tcp_loop() {
+        AcceptFailures failures("listen.admin");
         for (;;) {
             // Accepted on the acceptor's own executor (admin_ioc): no socket conversion.
             auto [ec, sock] = co_await admin_acceptor->async_accept(use_nothrow);
             if (ec == net::error::operation_aborted || !admin_acceptor->is_open()) {
                 co_return;
             }
-            if (!ec) {
-                net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
-                              log_spawn_error);
+            if (ec) {
+                co_await failures.failed(ec);
+                continue;
             }
+            failures.succeeded();
+            net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
+                          log_spawn_error);
         }
     }
 
     using Serve = awaitable<void> (*)(tcp::socket, Worker&);
 
-    awaitable<void> accept_loop(tcp::acceptor& acceptor, Serve serve) {
+    /// `key`: the listener's config key, for the log.
+    awaitable<void> accept_loop(tcp::acceptor& acceptor, Serve serve, const char* key) {
+        AcceptFailures failures(key);
         for (;;) {
             Worker& w = pick_worker();
             auto [ec, sock] = co_await acceptor.async_accept(w.ioc, use_nothrow);
@@ -426,9 +519,11 @@ struct Server::Impl {
                 co_return;
             }
             if (ec) {
-                spdlog::warn("accept: {}", ec.message());
-                continue;  // e.g. EMFILE: keep serving the connections we have
+                // E.g. EMFILE: keep serving the connections we have, and accept again later.
+                co_await failures.failed(ec);
+                continue;
             }
+            failures.succeeded();
             net::co_spawn(w.ioc, serve(std::move(sock), w), log_spawn_error);
         }
     }
@@ -556,11 +651,13 @@ int Server::run() {
                      rt->config->transparent->host + ":" +
                          std::to_string(impl_->transparent_acceptor->local_endpoint().port()));
     }
-    net::co_spawn(ioc0, impl_->accept_loop(*impl_->proxy_acceptor, serve_proxy_client),
+    net::co_spawn(ioc0,
+                  impl_->accept_loop(*impl_->proxy_acceptor, serve_proxy_client, "listen.proxy"),
                   log_spawn_error);
     if (impl_->transparent_acceptor) {
         net::co_spawn(ioc0,
-                      impl_->accept_loop(*impl_->transparent_acceptor, serve_transparent_client),
+                      impl_->accept_loop(*impl_->transparent_acceptor, serve_transparent_client,
+                                         "listen.transparent"),
                       log_spawn_error);
     }
     if (impl_->admin_acceptor) {
