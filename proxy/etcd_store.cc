@@ -44,6 +44,8 @@ constexpr auto nothrow = net::as_tuple(net::use_awaitable);
 constexpr int kMaxAttempts = 8;
 // The etcd answer to one unary call (a range of the whole state included).
 constexpr uint64_t kMaxAnswerBytes = 256u << 20;
+// How often an open watch is checked (watch_check): one tiny read per replica.
+constexpr std::chrono::milliseconds kWatchCheckEvery{1000};
 
 struct Endpoint {
     std::string text;  // as configured, for messages
@@ -174,6 +176,30 @@ std::string range_body(const std::string& key, const std::string& range_end) {
     return json::serialize(o);
 }
 
+/// The watch's liveness check: a linearizable count of the keys under the prefix (etcd counts
+/// them in its in-memory index; the answer's header holds the cluster's revision).
+std::string count_body(const std::string& key, const std::string& range_end) {
+    json::object o;
+    o["key"] = b64(key);
+    o["range_end"] = b64(range_end);
+    o["count_only"] = true;
+    return json::serialize(o);
+}
+
+/// The newest write under the prefix (its key only) and the count: what the check reads, at
+/// most once per state.etcd.timeout, when etcd's revision moved and the watch's did not (etcd
+/// reads every key of the range to sort them, so not every second).
+std::string newest_body(const std::string& key, const std::string& range_end) {
+    json::object o;
+    o["key"] = b64(key);
+    o["range_end"] = b64(range_end);
+    o["limit"] = 1;
+    o["sort_order"] = "DESCEND";
+    o["sort_target"] = "MOD";
+    o["keys_only"] = true;
+    return json::serialize(o);
+}
+
 std::string watch_body(const std::string& key, const std::string& range_end, int64_t from) {
     json::object create;
     create["key"] = b64(key);
@@ -210,11 +236,13 @@ public:
             auto guard = net::make_work_guard(ioc_);
             ioc_.run();
         });
-        auto loaded = run_sync(load());
+        int64_t keys = 0;
+        auto loaded = run_sync(load(keys));
         if (!loaded) {
             return make_error(loaded.error());
         }
         install(std::make_shared<View>(std::move(*loaded)), false);
+        watched_keys_ = keys;
         net::co_spawn(ioc_, watch_loop(), net::detached);
         return true;
     }
@@ -310,15 +338,28 @@ private:
     using Clock = std::chrono::steady_clock;
 
     awaitable<Result<json::object>> call(std::string_view path, std::string body) {
+        co_return co_await call_from(preferred_, path, std::move(body), nullptr, nullptr);
+    }
+
+    /// call() that tries endpoints_[first] first. `answered`: the index of the endpoint that
+    /// answered; `failed`: why those tried before it did not ("" when the first answered).
+    awaitable<Result<json::object>> call_from(size_t first, std::string_view path,
+                                              std::string body, size_t* answered,
+                                              std::string* failed) {
         std::string failures;
         const size_t n = endpoints_.size();
-        const size_t first = preferred_;
         for (size_t i = 0; i < n; ++i) {
             const size_t idx = (first + i) % n;
             bool refused = false;
             auto r = co_await call_one(endpoints_[idx], path, body, refused);
             if (r) {
                 preferred_ = idx;
+                if (answered != nullptr) {
+                    *answered = idx;
+                }
+                if (failed != nullptr) {
+                    *failed = std::move(failures);
+                }
                 co_return r;
             }
             if (refused) {  // another member would refuse it too
@@ -441,18 +482,21 @@ private:
     }
 
     // ---- the state ------------------------------------------------------------------------
-    /// Reads every record under the prefix (one consistent revision).
-    awaitable<Result<View>> load() {
+    /// Reads every record under the prefix (one consistent revision); `keys`: how many keys
+    /// etcd holds under it (records that do not parse, keys outside the layout included).
+    awaitable<Result<View>> load(int64_t& keys) {
         auto r = co_await call("/v3/kv/range", range_body(options_.prefix, range_end_));
         if (!r) {
             co_return make_error(r.error());
         }
         StateSnapshot snap;
         View view;
+        keys = 0;
         if (const json::value* kvs = r->if_contains("kvs"); kvs != nullptr && kvs->is_array()) {
             for (const json::value& kv : kvs->as_array()) {
                 apply_event(snap, view.mod_revisions, kv, false);
             }
+            keys = static_cast<int64_t>(kvs->as_array().size());
         }
         snap.revision = static_cast<uint64_t>(header_revision(*r));
         view.snap = std::make_shared<const StateSnapshot>(std::move(snap));
@@ -462,11 +506,13 @@ private:
     /// Reads the whole state and makes it this replica's view (on the store's thread, so
     /// listeners stay in order; watch events it already holds are skipped when they come).
     awaitable<Result<bool>> resync() {
-        auto loaded = co_await load();
+        int64_t keys = 0;
+        auto loaded = co_await load(keys);
         if (!loaded) {
             co_return make_error(loaded.error());
         }
         install(std::make_shared<View>(std::move(*loaded)), true);
+        watched_keys_ = keys;
         co_return true;
     }
 
@@ -584,35 +630,59 @@ private:
         co_await t.async_wait(nothrow);
     }
 
-    /// Streams watch events from `from_revision` until the stream breaks; returns why.
+    /// Streams watch events from `from_revision` until the stream breaks or watch_check drops
+    /// it; returns why.
     awaitable<std::string> watch(int64_t from_revision, std::chrono::milliseconds& backoff) {
-        const Endpoint& ep = endpoints_[preferred_ % endpoints_.size()];
+        const size_t watched = preferred_ % endpoints_.size();
+        const Endpoint& ep = endpoints_[watched];
         const auto deadline = Clock::now() + options_.timeout;
         beast::tcp_stream tcp(ioc_);
         std::string bad = co_await dial(ep, tcp, deadline);
         if (bad.empty()) {
             keep_alive(tcp.socket().native_handle());
             if (!ep.tls) {
-                co_return co_await watch_on(tcp, ep, from_revision, backoff, deadline);
+                co_return co_await watch_on(tcp, watched, from_revision, backoff, deadline);
             }
             TlsSocket tls(std::move(tcp), *tls_ctx_);
             bad = co_await handshake(ep, tls, deadline);
             if (bad.empty()) {
-                co_return co_await watch_on(tls, ep, from_revision, backoff, deadline);
+                co_return co_await watch_on(tls, watched, from_revision, backoff, deadline);
             }
         }
-        preferred_ = (preferred_ + 1) % endpoints_.size();
+        preferred_ = (watched + 1) % endpoints_.size();
         co_return bad;
     }
 
+    /// What an open watch shares with its check (watch_check): the check sets `stalled` and
+    /// cuts the stream's pending read; the watch ends the check when it ends.
+    struct WatchCheck {
+        explicit WatchCheck(net::io_context& ioc) : timer(ioc) {}
+        net::steady_timer timer;  // the check's wait for its next round
+        bool over = false;        // the watch has ended: the check stops
+        std::string stalled;      // why the check dropped the watch
+        std::function<void()> cut;
+
+        void drop(std::string why) {
+            stalled = std::move(why);
+            if (cut) {
+                cut();
+            }
+        }
+    };
+
     template <class Stream>
-    awaitable<std::string> watch_on(Stream& stream, const Endpoint& ep, int64_t from_revision,
+    awaitable<std::string> watch_on(Stream& stream, size_t watched, int64_t from_revision,
                                     std::chrono::milliseconds& backoff,
                                     Clock::time_point deadline) {
+        const Endpoint& ep = endpoints_[watched];
         stream.expires_after(left(deadline));
         http::request<http::string_body> req{http::verb::post, "/v3/watch", 11};
         req.set(http::field::host, ep.host + ":" + ep.port);
         req.set(http::field::content_type, "application/json");
+        // A member cut off from the leader keeps a watch open and sends nothing; a watch that
+        // requires a leader is ended by etcd instead ("etcdserver: no leader"), and resumes
+        // on a member that has one.
+        req.set("Grpc-Metadata-hasleader", "true");
         req.body() = watch_body(options_.prefix, range_end_, from_revision);
         req.prepare_payload();
         auto [wec, written] = co_await http::async_write(stream, req, nothrow);
@@ -629,13 +699,35 @@ private:
         if (parser.get().result() != http::status::ok) {
             co_return ep.text + "/v3/watch: HTTP " + std::to_string(parser.get().result_int());
         }
-        stream.expires_never();  // a quiet fleet sends nothing for hours
+        // A quiet fleet sends nothing for hours; a member that hangs sends nothing either (and
+        // its kernel still answers TCP keepalive): watch_check tells them apart.
+        stream.expires_never();
+        auto check = std::make_shared<WatchCheck>(ioc_);
+        check->cut = [&stream] {
+            boost::system::error_code ignored;
+            stream.socket().cancel(ignored);
+        };
+        struct EndCheck {  // on every way out of this frame, its destruction included
+            EtcdStateStore& store;
+            std::shared_ptr<WatchCheck> check;
+            ~EndCheck() {
+                check->over = true;
+                check->cut = nullptr;
+                if (!store.stopping_) {
+                    check->timer.cancel();
+                }
+            }
+        } end_check{*this, check};
+        net::co_spawn(ioc_, watch_check(check, watched), net::detached);
         json::stream_parser messages;
         std::array<char, 16384> piece;
         for (;;) {
             parser.get().body().data = piece.data();
             parser.get().body().size = piece.size();
             auto [ec, n] = co_await http::async_read_some(stream, buf, parser, nothrow);
+            if (!check->stalled.empty()) {
+                co_return check->stalled;
+            }
             if (ec == http::error::need_buffer) {
                 ec = {};
             }
@@ -662,6 +754,109 @@ private:
             }
             if (parser.is_done()) {
                 co_return "etcd closed the watch";
+            }
+        }
+    }
+
+    /// Checks an open watch about once a second until it ends: one linearizable count of the
+    /// keys under the prefix, asked of the watched member first.
+    /// - The watched member does not answer it and another member does (the watched one
+    ///   hangs, lost its leader, or went away without a FIN): the watch is dropped at once and
+    ///   resumes from the member that answered.
+    /// - etcd's revision is past the view's while the watch delivers nothing: that alone is
+    ///   not a stall (writes elsewhere in etcd move the revision, and never come through a
+    ///   watch of this prefix). It is one once etcd holds a change under the prefix that the
+    ///   view lacks (another count of keys, or, read once the revision has been ahead for
+    ///   state.etcd.timeout, a newer write) and the watch has still delivered nothing
+    ///   state.etcd.timeout after that change was seen: the watch is dropped, and the state
+    ///   read again. Otherwise the view is etcd's prefix at that revision, which is noted.
+    /// An idle cluster answers the view's own revision: nothing more is read or done.
+    awaitable<void> watch_check(std::shared_ptr<WatchCheck> check, size_t watched) {
+        const Endpoint& ep = endpoints_[watched];
+        const std::string count_request = count_body(options_.prefix, range_end_);
+        const auto bound = options_.timeout;
+        int64_t current_at = 0;  // the view held etcd's prefix at this revision (a check)
+        std::optional<Clock::time_point> behind_since;  // etcd ahead of an unchanged view
+        int64_t behind_view = 0;                        // the view's revision meanwhile
+        int64_t behind_etcd = 0;                        // etcd's when it was first ahead
+        std::optional<Clock::time_point> lacking_since;  // a change the view lacks, seen
+        for (;;) {
+            check->timer.expires_after(kWatchCheckEvery);
+            co_await check->timer.async_wait(nothrow);
+            if (check->over) {
+                co_return;
+            }
+            size_t answered = watched;
+            std::string failed;
+            auto r = co_await call_from(watched, "/v3/kv/range", count_request, &answered,
+                                        &failed);
+            if (check->over) {
+                co_return;
+            }
+            if (!r) {  // no member answers: none to move to (the watch breaks or resumes)
+                spdlog::debug("etcd: watch check: {}", r.error());
+                continue;
+            }
+            if (answered != watched) {
+                check->drop(ep.text + " did not answer a liveness check (" + failed + "), " +
+                            endpoints_[answered].text + " did: the watch moves there");
+                co_return;
+            }
+            const int64_t etcd_revision = header_revision(*r);
+            const int64_t etcd_keys = int_field(*r, "count");
+            const auto view_revision = static_cast<int64_t>(current_.load()->revision);
+            if (etcd_revision <= std::max(view_revision, current_at)) {
+                behind_since.reset();
+                lacking_since.reset();
+                continue;
+            }
+            const auto now = Clock::now();
+            if (!behind_since || view_revision != behind_view) {  // the watch delivered since
+                behind_since = now;
+                behind_view = view_revision;
+                behind_etcd = etcd_revision;
+                lacking_since.reset();
+            }
+            int64_t newest = 0;
+            if (!lacking_since && etcd_keys != watched_keys_) {
+                lacking_since = now;
+            } else if (!lacking_since && now - *behind_since >= bound) {
+                auto n = co_await call_from(answered, "/v3/kv/range",
+                                            newest_body(options_.prefix, range_end_), nullptr,
+                                            nullptr);
+                if (check->over) {
+                    co_return;
+                }
+                if (!n || static_cast<int64_t>(current_.load()->revision) != behind_view) {
+                    continue;  // no answer, or the watch delivered meanwhile: the next round
+                }
+                if (const json::value* kvs = n->if_contains("kvs");
+                    kvs != nullptr && kvs->is_array() && !kvs->as_array().empty() &&
+                    kvs->as_array().front().is_object()) {
+                    newest = int_field(kvs->as_array().front().as_object(), "mod_revision");
+                }
+                if (newest <= behind_view && int_field(*n, "count") == watched_keys_) {
+                    current_at = header_revision(*n);  // the writes were elsewhere in etcd
+                    behind_since.reset();
+                    continue;
+                }
+                // A write etcd held when it was first seen ahead is that old already.
+                lacking_since = newest > behind_view && newest <= behind_etcd ? *behind_since
+                                                                              : now;
+            }
+            if (lacking_since && now - *lacking_since >= bound) {
+                check->drop(
+                    "the watch on " + ep.text + " is stalled: etcd holds changes under the prefix "
+                    "that it has not delivered for " +
+                    std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       now - *lacking_since)
+                                       .count()) +
+                    " ms (etcd at revision " + std::to_string(etcd_revision) + ", " +
+                    std::to_string(etcd_keys) + " keys; this replica at " +
+                    std::to_string(view_revision) + ", " + std::to_string(watched_keys_) +
+                    " keys" + (newest > 0 ? ", newest write " + std::to_string(newest) : "") +
+                    ")");
+                co_return;
             }
         }
     }
@@ -711,6 +906,12 @@ private:
             const bool deleted = type != nullptr && type->is_string() && type->as_string() == "DELETE";
             apply_event(snap, revs, *kv, deleted);
             newest = std::max(newest, rev);
+            // etcd sends a delete only for a key it held; a put of version 1 creates one
+            if (deleted) {
+                --watched_keys_;
+            } else if (int_field(kv->as_object(), "version") == 1) {
+                ++watched_keys_;
+            }
         }
         if (newest == held) {
             return "";
@@ -728,6 +929,10 @@ private:
     std::unique_ptr<net::ssl::context> tls_ctx_;  // set when an endpoint is https://
     std::string range_end_;
     std::atomic<size_t> preferred_{0};
+    // How many keys etcd holds under the prefix as of the view (the load's count, then each
+    // watched create and delete): the watch check compares it with etcd's count. The store's
+    // thread only (start() sets it before the watch starts).
+    int64_t watched_keys_ = 0;
     std::atomic<bool> stopping_{false};
 
     std::mutex write_mu_;  // one apply() at a time on this replica

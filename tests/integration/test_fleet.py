@@ -722,6 +722,9 @@ def test_a_rotation_larger_than_state_etcd_max_txn_ops_waits_for_a_larger_bound(
     assert etcd.dump(prefix) == before, "a refused rotation changed etcd"
     put_secret(a, "after_refusal", sval("after"), org="acme")
     wait_run_known(b, run, world)
+    # B rotates what it holds: the secret put on A a moment ago too, once its watch brought it
+    helpers.poll(lambda: "after_refusal" in secret_names(b), PROPAGATE_S,
+                 "B to list the secret put on A after the refusal")
     r = api(b, "POST", "/v1/keys/rotate", timeout=30)
     # five secrets (four, and the one put after the refusal) and the run's CA key
     assert r.status == 200 and r.json["rewrapped"] == 6, (r.status, r.body[:300])
