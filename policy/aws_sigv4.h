@@ -121,11 +121,11 @@ AwsSignature aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials&
 /// A chunk-signed upload's body (x-amz-content-sha256: STREAMING-AWS4-HMAC-SHA256-PAYLOAD),
 /// signed again as it streams. The body is in aws-chunked encoding, each chunk
 ///   hex(size) ";chunk-signature=" signature CRLF data CRLF
-/// and a last chunk of size 0 followed by CRLF. Chunks are at least 8 KiB but for the last one
-/// with data, as S3 requires (a chunk costs a signature). Each signature is an HMAC over the previous
-/// one (the first: the request's) and the chunk's hash, so a chunk is held until all of its
-/// data came (at most `max_chunk` bytes: limits.sign_body_bytes), then goes on with the
-/// signature made with the pin's key. The output is as long as the input, so the request's
+/// and a last chunk of size 0 followed by CRLF. Chunks are at least 8 KiB but for the last
+/// one with data, as S3 requires (a chunk costs a signature). Each signature is an HMAC over
+/// the previous one (the first: the request's) and the chunk's hash, so a chunk is held until
+/// all of its data came (at most `max_chunk` bytes: limits.sign_body_bytes), then goes on
+/// with the signature made with the pin's key. The output is as long as the input, so the request's
 /// content-length and x-amz-decoded-content-length stay true.
 class AwsChunkSigner {
 public:

@@ -47,7 +47,8 @@ std::string connection_values(const std::vector<Header>& headers) {
     return joined;
 }
 
-/// Whether `name` is one of the comma-separated tokens in `tokens` (OWS around each ignored).
+}  // namespace
+
 bool named_in(std::string_view tokens, std::string_view name) {
     while (!tokens.empty()) {
         const size_t comma = tokens.find(',');
@@ -61,8 +62,6 @@ bool named_in(std::string_view tokens, std::string_view name) {
     }
     return false;
 }
-
-}  // namespace
 
 std::string_view trim_ows(std::string_view s) {
     while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) {

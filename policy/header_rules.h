@@ -25,6 +25,9 @@ bool valid_header_name(std::string_view name);
 bool valid_header_value(std::string_view value);
 /// `s` without leading and trailing optional whitespace (SP, HTAB; RFC 9110 5.6.3).
 std::string_view trim_ows(std::string_view s);
+/// Whether `name` is one of the comma-separated tokens in `tokens` (OWS around each ignored,
+/// case-insensitive).
+bool named_in(std::string_view tokens, std::string_view name);
 
 /// Whether the fields ask to switch the connection to a WebSocket (RFC 6455 4.1): "websocket"
 /// among the Upgrade tokens and "upgrade" among the Connection tokens (case-insensitive).

@@ -68,9 +68,10 @@ void sign_with_body(RequestHead& head, const Decision& d, std::string_view body,
 ///     but the host has pins → forwarded without a credential if the host is also allowed,
 ///     else 403 "no_matching_pin". Over cleartext nothing is injected (reason
 ///     "cleartext_no_credential" is recorded while forwarding).
-///     An aws-sigv4 pin signs the request instead (policy/aws_sigv4.h): a chunk-signed upload
-///     other than STREAMING-AWS4-HMAC-SHA256-PAYLOAD, a presigned query or a malformed x-amz-content-sha256 → 400 "aws_chunk_signing" /
-///     "aws_presigned_query" / "bad_aws_payload_hash"; a secret that is no valid credentials
+///     An aws-sigv4 pin signs the request instead (policy/aws_sigv4.h): a chunk-signed
+///     upload other than STREAMING-AWS4-HMAC-SHA256-PAYLOAD, a presigned query or a malformed
+///     x-amz-content-sha256 → 400 "aws_chunk_signing" / "aws_presigned_query" /
+///     "bad_aws_payload_hash"; a secret that is no valid credentials
 ///     document → 503 "aws_credentials_invalid".
 ///  4. expiry: an expired or revoked run → 403 "run_expired" / "run_revoked".
 class RequestPipeline {

@@ -139,15 +139,19 @@ bool query_method_matches(const Pin& pin, std::string_view path) {
     }
     const std::string_view query = path.substr(q + 1);
     const std::string lower = ascii_lower(query);
-    if (lower.find("_method") == std::string::npos && lower.find("%5fmethod") == std::string::npos) {
-        return true;  // the common case: nothing to decode
+    if (lower.find('%') == std::string::npos && lower.find("method") == std::string::npos) {
+        return true;  // the common case: no key can decode to _method
     }
     auto params = boost::urls::parse_query(query);
     if (!params) {
         return false;
     }
     for (const auto& p : *params) {
-        if (p.key.decode() != "_method") {
+        // PHP reads "_%6Dethod" as "_method", and makes '.', ' ' and '[' in a key '_'.
+        std::string key = p.key.decode();
+        std::replace_if(key.begin(), key.end(),
+                        [](char c) { return c == '.' || c == ' ' || c == '['; }, '_');
+        if (key != "_method") {
             continue;
         }
         std::string method = p.has_value ? p.value.decode() : std::string();
@@ -231,6 +235,13 @@ bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view p
 }
 
 }  // namespace
+
+bool is_override_header(std::string_view name) {
+    const auto named = [&](std::string_view n) { return iequals(name, n); };
+    return std::any_of(std::begin(kMethodOverrides), std::end(kMethodOverrides), named) ||
+           std::any_of(std::begin(kPathOverrides), std::end(kPathOverrides), named) ||
+           named("x-amz-copy-source");
+}
 
 Result<InjectSpec> validate_injection(InjectSpec spec) {
     switch (spec.type) {

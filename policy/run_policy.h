@@ -195,6 +195,10 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
                      std::string_view method, std::string_view path, TimePoint now,
                      const RequestHead* head = nullptr);
 
+/// Whether `name` is a header match_pin reads as a method or path override, or an S3 copy
+/// source (dropped from request trailers, where no pin match checks it).
+bool is_override_header(std::string_view name);
+
 /// True if a live pin matches host and port (port rule above; path and method ignored).
 bool host_pinned(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest,
                  TimePoint now);

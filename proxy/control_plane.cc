@@ -125,8 +125,9 @@ void append_field(std::string& out, std::string_view field) {
 /// What tells one sealing of a secret from every other: a digest of its nonce and ciphertext
 /// (GCM tag included), both new for every POST and PUT, so a secret deleted and created again
 /// with the same name, scope and version (1) is not taken for the one before. A KEK rotation
-/// re-wraps the data key only and leaves it as it was (no rebuild, no unwrap per pin through
-/// keys.kms_command). Public bytes only, never the value; 128 bits of SHA-256.
+/// re-wraps the data key only and leaves it as it was (no rebuild of a dynamic run, no unwrap
+/// per pin through keys.kms_command; a static run's fingerprint names the key id as well, so
+/// its store pins are unsealed again). Public bytes only, never the value; 128 bits of SHA-256.
 std::string sealing_id(const credstore::SealedSecret& s) {
     std::string in;
     in.reserve(s.nonce.size() + s.ciphertext.size() + 16);

@@ -310,10 +310,14 @@ void drop_governed_trailers(Headers& trailers, const policy::Decision& d) {
         }
         for (std::string_view n : {"authorization", "cookie", "accept-encoding",
                                    "content-encoding", "content-type", "content-range",
-                                   "cache-control", "max-forwards", "expect", "range"}) {
+                                   "cache-control", "max-forwards", "expect", "range",
+                                   "if-range"}) {
             if (policy::iequals(h.name, n)) {
                 return true;
             }
+        }
+        if (policy::is_override_header(h.name)) {
+            return true;  // what pin matching checks in the head (policy/run_policy.h)
         }
         if (d.pin == nullptr) {
             return false;
@@ -534,16 +538,8 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     if (head.find("expect") != nullptr) {
         bool wants_continue = false;
         for (const auto& h : head.headers) {
-            if (!policy::iequals(h.name, "expect")) {
-                continue;
-            }
-            std::string_view rest = h.value;
-            while (!rest.empty() && !wants_continue) {
-                const size_t comma = rest.find(',');
-                wants_continue = policy::iequals(policy::trim_ows(rest.substr(0, comma)),
-                                                 "100-continue");
-                rest = comma == std::string_view::npos ? "" : rest.substr(comma + 1);
-            }
+            wants_continue = wants_continue || (policy::iequals(h.name, "expect") &&
+                                                policy::named_in(h.value, "100-continue"));
         }
         head.remove("expect");
         if (wants_continue) {

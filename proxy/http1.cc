@@ -735,8 +735,8 @@ public:
         }
         // A transfer coding other than chunked (gzip, deflate, "gzip, chunked") would reach
         // the client decoded of its framing only, the compressed bytes with no field saying
-        // so, and past the scrubber, which reads the identity coding: refused, as a
-        // content-encoded answer is for a credential that went upstream.
+        // so (and past the scrubber, which reads the identity coding): refused for every
+        // request, with or without a credential.
         for (const auto& f : rp_->fields()) {
             if (policy::iequals(f.name, "transfer-encoding") &&
                 !policy::iequals(policy::trim_ows(f.value), "chunked")) {

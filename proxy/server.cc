@@ -582,7 +582,8 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
         std::error_code fec;
         std::filesystem::remove(cfg.admin.unix_path, fec);
         // Created 0600 (umask 077 while it is bound), not chmod'ed after: a socket that
-        // listens from bind() on would take another user's connection in between.
+        // listens from bind() on would take another user's connection in between. (The
+        // umask is the process's: a file another thread creates meanwhile is only stricter.)
         struct Umask {
             mode_t old = ::umask(077);
             ~Umask() { ::umask(old); }

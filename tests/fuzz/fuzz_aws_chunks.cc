@@ -58,12 +58,11 @@ Run feed(const Fixture& f, std::string_view body, size_t max_chunk, uint8_t cut)
     Run r;
     size_t prev = 0;
     auto step = [&](size_t end) {
-        const size_t before = r.out.size();
         r.status = signer.feed(body.substr(prev, end - prev), max_chunk);
         if (r.status == AwsChunkSigner::Status::Ok) {
             r.out.append(signer.output().data(), signer.output().size());
         }
-        FUZZ_CHECK(r.out.size() - before <= end, "gave on more than it took");
+        FUZZ_CHECK(r.out.size() <= end, "gave on more than it took");
         prev = end;
     };
     for (size_t i = 0; i < body.size() && r.status == AwsChunkSigner::Status::Ok; ++i) {

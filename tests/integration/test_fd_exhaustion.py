@@ -294,4 +294,5 @@ def test_a_client_hello_trickled_in_pieces_is_served(stall_setup, world, marker)
     assert r.stdout.strip() == "HTTP/1.1 200 OK", (r.stdout, r.stderr)
     seen = world.upstream.find(marker)
     assert len(seen) == 1
-    assert seen[0].header("authorization") == [f"Bearer {world.secrets['api_token']}"]
+    injected = seen[0].header("authorization") == [f"Bearer {world.secrets['api_token']}"]
+    assert injected

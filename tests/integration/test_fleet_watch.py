@@ -247,7 +247,8 @@ def test_a_hung_member_does_not_hold_back_a_revocation(factory, world, cluster, 
         dropped = [line for line in log.splitlines() if "watch ended" in line]
         assert len(dropped) == 1, dropped
         assert e1.url in dropped[0] and "liveness check" in dropped[0], dropped[0]
-        assert watches(a, e2) or watches(a, e3), "A's watch did not move off e1"
+        helpers.poll(lambda: watches(a, e2) or watches(a, e3), 5.0,
+                     "A's watch to move off e1")
     finally:
         e1.cont_signal()
     cluster.wait_healthy()

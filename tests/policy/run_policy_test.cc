@@ -328,6 +328,15 @@ TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
     EXPECT_EQ(query("POST", "/repos/acme/x?_method"), "");  // no value: no method it allows
     EXPECT_EQ(query("POST", "/repos/acme/x?my_method=DELETE"), "repos");
     EXPECT_EQ(query("POST", "/repos/acme/x?q=%zz_method"), "");  // unparsable: fail closed
+    // keys PHP reads as _method: partly encoded, or with '.', ' ' or '[' for '_'
+    EXPECT_EQ(query("POST", "/repos/acme/x?_%6Dethod=DELETE"), "");
+    EXPECT_EQ(query("POST", "/repos/acme/x?%5F%6Dethod=DELETE"), "");
+    EXPECT_EQ(query("POST", "/repos/acme/x?.method=DELETE"), "");
+    EXPECT_EQ(query("POST", "/repos/acme/x?%20method=DELETE"), "");
+    EXPECT_EQ(query("POST", "/repos/acme/x?a=%41"), "repos");  // decodes to nothing of it
+    EXPECT_TRUE(is_override_header("X-Original-URL"));
+    EXPECT_TRUE(is_override_header("x-amz-copy-source"));
+    EXPECT_FALSE(is_override_header("x-amz-date"));
     // A pin without limits has nothing an override could widen.
     const HostPort up{"uploads.github.com", 443};
     EXPECT_EQ(match(up, "GET", with("X-HTTP-Method-Override", "DELETE")), "any");
