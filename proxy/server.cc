@@ -140,9 +140,12 @@ public:
         failing_ = true;
         const auto now = std::chrono::steady_clock::now();
         if (now >= next_line_) {
+            // (Strings built here, not with fmt::format: the fmt headers' buffer type seen
+            // from this file and from libfmt trips UBSan's vptr check.)
             spdlog::warn("accept on {}: {}{}{}", listener_, ec.message(),
-                         exhausted ? fmt::format(" (trying again every {} ms while it lasts)",
-                                                 kAcceptPause.count())
+                         exhausted ? " (trying again every " +
+                                         std::to_string(kAcceptPause.count()) +
+                                         " ms while it lasts)"
                                    : std::string(),
                          unlogged_note());
             unlogged_ = 0;
@@ -174,8 +177,9 @@ public:
 
 private:
     std::string unlogged_note() const {
-        return unlogged_ == 0 ? std::string()
-                              : fmt::format("; {} more failures were not logged", unlogged_);
+        return unlogged_ == 0
+                   ? std::string()
+                   : "; " + std::to_string(unlogged_) + " more failures were not logged";
     }
 
     const char* listener_;
