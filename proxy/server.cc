@@ -452,11 +452,14 @@ struct Server::Impl {
         }
     }
 
-    awaitable<void> admin_unix_loop() {
+    /// The admin listener's accept loop, TCP or unix socket: connections are accepted on the
+    /// acceptor's own executor (admin_ioc), so no socket conversion.
+    template <class Acceptor>
+    awaitable<void> admin_loop(Acceptor& acceptor) {
         AcceptFailures failures("listen.admin");
         for (;;) {
-            auto [ec, sock] = co_await admin_unix_acceptor->async_accept(use_nothrow);
-            if (ec == net::error::operation_aborted || !admin_unix_acceptor->is_open()) {
+            auto [ec, sock] = co_await acceptor.async_accept(use_nothrow);
+            if (ec == net::error::operation_aborted || !acceptor.is_open()) {
                 co_return;
             }
             if (ec) {
@@ -491,24 +494,6 @@ struct Server::Impl {
         auto& w = *workers[next_worker];
         next_worker = (next_worker + 1) % workers.size();
         return w;
-    }
-
-    awaitable<void> admin_tcp_loop() {
-        AcceptFailures failures("listen.admin");
-        for (;;) {
-            // Accepted on the acceptor's own executor (admin_ioc): no socket conversion.
-            auto [ec, sock] = co_await admin_acceptor->async_accept(use_nothrow);
-            if (ec == net::error::operation_aborted || !admin_acceptor->is_open()) {
-                co_return;
-            }
-            if (ec) {
-                co_await failures.failed(ec);
-                continue;
-            }
-            failures.succeeded();
-            net::co_spawn(admin_ioc, serve_admin_client(std::move(sock), shared),
-                          log_spawn_error);
-        }
     }
 
     using Serve = awaitable<void> (*)(tcp::socket, Worker&);
@@ -666,9 +651,9 @@ int Server::run() {
                       log_spawn_error);
     }
     if (impl_->admin_acceptor) {
-        net::co_spawn(impl_->admin_ioc, impl_->admin_tcp_loop(), log_spawn_error);
+        net::co_spawn(impl_->admin_ioc, impl_->admin_loop(*impl_->admin_acceptor), log_spawn_error);
     } else {
-        net::co_spawn(impl_->admin_ioc, impl_->admin_unix_loop(), log_spawn_error);
+        net::co_spawn(impl_->admin_ioc, impl_->admin_loop(*impl_->admin_unix_acceptor), log_spawn_error);
     }
     net::co_spawn(impl_->admin_ioc, impl_->sweep_loop(), log_spawn_error);
     net::co_spawn(impl_->admin_ioc, impl_->reload_loop(), log_spawn_error);

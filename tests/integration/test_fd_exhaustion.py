@@ -81,6 +81,15 @@ def get_via_proxy(e: helpers.Egressd, world, path: str) -> helpers.Response:
 
 
 @needs_prlimit
+
+def cpu_over_window(pid: int) -> tuple[float, float]:
+    """egressd's CPU seconds over WINDOW_S (after 0.2 s to settle), and the seconds it took."""
+    time.sleep(0.2)
+    cpu0 = cpu_seconds(pid)
+    t0 = time.monotonic()
+    time.sleep(WINDOW_S)
+    return cpu_seconds(pid) - cpu0, time.monotonic() - t0
+
 def test_out_of_descriptors_the_acceptor_waits_instead_of_spinning(factory, world, marker):
     """Under `prlimit --nofile=64:64` with 160 idle connections (egressd holds what it can,
     the rest wait in the listen queue): over 3 s egressd uses < 0.5 s of CPU and writes a
@@ -104,12 +113,7 @@ def test_out_of_descriptors_the_acceptor_waits_instead_of_spinning(factory, worl
             idle.append(socket.create_connection(("127.0.0.1", e.proxy_port), timeout=2))
         helpers.poll(lambda: log_head_has(e, b"Too many open files"), 10,
                      "an accept failing with EMFILE")
-        time.sleep(0.2)
-        cpu0 = cpu_seconds(pid)
-        t0 = time.monotonic()
-        time.sleep(WINDOW_S)
-        cpu = cpu_seconds(pid) - cpu0
-        elapsed = time.monotonic() - t0
+        cpu, elapsed = cpu_over_window(pid)
         assert e.alive()
     finally:
         for s in idle:
@@ -263,12 +267,7 @@ def test_stalled_client_hellos_cost_no_cpu(stall_setup, world):
         line = proc.stdout.readline()
         assert line.strip() == f"opened {n}", (line, proc.stderr.read() if proc.poll() else "")
         helpers.poll(lambda: active_connections(e) >= n, 5, f"{n} connections in egressd")
-        time.sleep(0.2)
-        cpu0 = cpu_seconds(pid)
-        t0 = time.monotonic()
-        time.sleep(WINDOW_S)
-        cpu = cpu_seconds(pid) - cpu0
-        elapsed = time.monotonic() - t0
+        cpu, elapsed = cpu_over_window(pid)
         assert active_connections(e) >= n  # still waiting (header_timeout is 15 s)
     finally:
         proc.stdin.close()  # the script exits: its sockets close (FIN)

@@ -203,6 +203,19 @@ def watches(e: helpers.Egressd, m: Member) -> bool:
     return m.client_port in remote_ports(e.proc.pid)
 
 
+
+def refused_on(a, run_a, world, bound: float, why: str):
+    """Polls until replica A refuses run_a (the run revoked through B); its CONNECT status."""
+    def refused():
+        st = connect_status(run_a, api_host(world))
+        return st if st[0] != 200 else None
+    try:
+        return helpers.poll(refused, bound, "A to refuse the run revoked through B",
+                            interval=0.05)
+    except AssertionError:
+        pytest.fail(f"A still admits the run {bound:.0f} s after its revocation with its "
+                    f"{why}; A's etcd log lines:\n{etcd_lines(a)}", pytrace=False)
+
 def test_a_hung_member_does_not_hold_back_a_revocation(factory, world, cluster, prefix):
     """Replica A watches e1 (first in its endpoints); e1 hangs (SIGSTOP: the kernel still ACKs,
     TCP keepalive never fires); a run is revoked through B (on e2 and e3, still a majority).
@@ -229,17 +242,8 @@ def test_a_hung_member_does_not_hold_back_a_revocation(factory, world, cluster, 
         t0 = time.monotonic()
         assert connect_status(run, api_host(world)) == (403, "run_revoked")
 
-        def refused_on_a():
-            st = connect_status(run_a, api_host(world))
-            return st if st[0] != 200 else None
         bound = TIMEOUT_S + SLACK_S
-        try:
-            st = helpers.poll(refused_on_a, bound, "A to refuse the run revoked through B",
-                              interval=0.05)
-        except AssertionError:
-            pytest.fail(f"A still admits the run {bound:.0f} s after its revocation with its "
-                        f"watched member e1 hung; A's etcd log lines:\n{etcd_lines(a)}",
-                        pytrace=False)
+        st = refused_on(a, run_a, world, bound, "watched member e1 hung")
         took = time.monotonic() - t0
         assert st == (403, "run_revoked"), st
         assert took <= bound, took
@@ -406,16 +410,8 @@ def test_a_stalled_watch_on_a_member_that_answers_is_dropped(factory, world, clu
         assert api(b, "DELETE", f"/v1/runs/{run.id}").status == 200
         t0 = time.monotonic()
 
-        def refused_on_a():
-            st = connect_status(run_a, api_host(world))
-            return st if st[0] != 200 else None
         bound = TIMEOUT_S + SLACK_S
-        try:
-            st = helpers.poll(refused_on_a, bound, "A to refuse the run revoked through B",
-                              interval=0.05)
-        except AssertionError:
-            pytest.fail(f"A still admits the run {bound:.0f} s after its revocation with its "
-                        f"watch frozen; A's etcd log lines:\n{etcd_lines(a)}", pytrace=False)
+        st = refused_on(a, run_a, world, bound, "watch frozen")
         assert st == (403, "run_revoked"), st
         assert time.monotonic() - t0 <= bound
         dropped = [line for line in a.stderr_text().splitlines() if "watch ended" in line]
