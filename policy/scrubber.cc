@@ -261,4 +261,31 @@ void Scrubber::scrub_in_place(std::string& value) {
     replacements_ += st.replacements;
 }
 
+bool Scrubber::name_holds_secret(std::string_view name) {
+    if (!active()) {
+        return false;
+    }
+    // Every needle holds a kernel, so the kernels alone decide; names are short.
+    for (const auto& k : plan_->search().kernels) {
+        const std::string_view n = plan_->needles()[k.needle];
+        for (size_t i = 0; i + n.size() <= name.size(); ++i) {
+            if (iequals(name.substr(i, n.size()), n)) {
+                ++replacements_;
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+void Scrubber::scrub_fields(std::vector<Header>& fields) {
+    if (!active()) {
+        return;
+    }
+    std::erase_if(fields, [this](const Header& h) { return name_holds_secret(h.name); });
+    for (auto& h : fields) {
+        scrub_in_place(h.value);
+    }
+}
+
 }  // namespace egress::policy

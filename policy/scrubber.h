@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "credstore/secret.h"
+#include "policy/request_head.h"
 
 namespace egress::policy {
 
@@ -79,6 +80,14 @@ public:
     std::string scrub_value(std::string_view value);
     /// The same, in place: `value` changes only where a needle occurs (no allocation).
     void scrub_in_place(std::string& value);
+    /// Whether a field name holds a needle, compared without case (an HTTP/2 upstream
+    /// lowercases the names it sends, and an echoed credential's letters with them). Such a
+    /// field is dropped whole: a name cannot be redacted into one that means anything. Counts
+    /// as a replacement.
+    bool name_holds_secret(std::string_view name);
+    /// A response's or trailers' fields: values scrubbed in place, fields whose names hold a
+    /// needle dropped.
+    void scrub_fields(std::vector<Header>& fields);
 
     size_t replacements() const { return replacements_; }
 

@@ -1052,9 +1052,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
     if (scrubber.active()) {
         scrubber.scrub_in_place(resp->reason);  // an h1 reason phrase is upstream text too
-        for (auto& h : resp->headers) {
-            scrubber.scrub_in_place(h.value);
-        }
+        scrubber.scrub_fields(resp->headers);
         if (!resp->body.none && encoded(*resp) && decision.secret_sent) {
             // The request asked for identity; a body encoded anyway (gzip...) would carry an
             // echoed credential past the scrubber, which sees only the encoded bytes. (Not
@@ -1139,11 +1137,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             Headers trailers;
             if (chunk.last) {
                 trailers = up->response_trailers();
-                if (scrubber.active()) {
-                    for (auto& h : trailers) {
-                        scrubber.scrub_in_place(h.value);
-                    }
-                }
+                scrubber.scrub_fields(trailers);
             }
             if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
                 finish(resp->status, "client_aborted", "");

@@ -142,6 +142,24 @@ def test_reason_phrase_echoing_the_credential_is_scrubbed(world, egressd, marker
     assert_scrubbed(value, r.reason, secret)
 
 
+@pytest.mark.parametrize("proto", ["--http1.1", "--http2"])
+def test_field_names_echoing_the_credential_are_dropped(world, egressd, proto, marker):
+    """A name cannot be redacted into a valid one: fields named after the secret (as sent, or
+    lowercased as an HTTP/2 hop would) are dropped whole; the others reach the client."""
+    secret = world.secrets["api_token"]
+    r = curl_via(world, egressd, f"https://api.test:{world.U}/reflect-name/{marker}", proto,
+                 "-sS", "-i", "-f", "--suppress-connect-headers")
+    assert r.returncode == 0, r.stderr
+    head = r.stdout.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    leaked = secret.lower() in head or secret.lower() in r.stderr.decode("latin-1").lower()
+    assert not leaked, "a field name carrying the secret reached the client"
+    assert "x-kept: yes" in head
+    assert "x-echo-" not in head and "x-lower-" not in head
+    [seen] = world.upstream.find(marker)
+    injected = seen.header("Authorization") == [f"Bearer {secret}"]
+    assert injected, "the upstream did not get the credential"
+
+
 def test_encoded_response_to_an_injected_request_is_refused(world, egressd, marker):
     """The scrubber reads only identity-coded bodies: an upstream that encodes anyway (here
     gzip, though the request egressd sent asked for identity) gets the response refused."""

@@ -18,6 +18,7 @@
     /status/N        an empty response with status N (?upgrade=P: with "Upgrade: P";
                      ?accept=A: with "Sec-WebSocket-Accept: A")
     /reflect-reason  401 whose reason phrase carries the request's Authorization value
+    /reflect-name    200 whose field names carry the request's Authorization token
     /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
     /reflect-te-gzip the same gzip body as a transfer coding (Transfer-Encoding: gzip, chunked)
     /reflect-encoded the Authorization value as a URL and JSON carry it: a Location whose query
@@ -326,6 +327,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"no")
+        elif base == "/reflect-name":
+            # The credential (its token, without the scheme) in field names, as sent and
+            # lowercased, beside a field that is kept.
+            token = (self.headers.get("Authorization") or "").split(" ")[-1]
+            self._send(200, b"{}", extra=[("X-Echo-" + token, "1"),
+                                          ("x-lower-" + token.lower(), "2"), ("X-Kept", "yes")])
         elif base == "/reflect-gzip":
             value = self.headers.get("Authorization") or ""
             body = gzip.compress(b"seen=" + value.encode("latin-1") + b";end\n")

@@ -107,6 +107,27 @@ TEST(Scrubber, ScrubInPlaceChangesOnlyWhereANeedleOccurs) {
     EXPECT_EQ(s.replacements(), 2U);  // occurrences: "Bearer tok" and the "tok" inside it
 }
 
+TEST(Scrubber, FieldsNamedAfterTheSecretAreDroppedAndValuesScrubbed) {
+    Scrubber s({"Bearer sk-Tok9", "sk-Tok9"});
+    std::vector<Header> fields = {{"content-type", "text/plain"},
+                                  {"x-echo-sk-tok9", "1"},  // lowercased by an h2 upstream
+                                  {"X-Seen", "Bearer sk-Tok9"},
+                                  {"X-SK-TOK9-Suffix", "2"},
+                                  {"x-sk-tok", "a prefix of the secret is not the secret"}};
+    s.scrub_fields(fields);
+    ASSERT_EQ(fields.size(), 3U);
+    EXPECT_EQ(fields[0].name, "content-type");
+    EXPECT_EQ(fields[1].name, "X-Seen");
+    EXPECT_EQ(fields[1].value, "[REDACTED]****");
+    EXPECT_EQ(fields[2].name, "x-sk-tok");
+    EXPECT_EQ(s.replacements(), 4U);  // two names, and both needles in X-Seen's value
+
+    Scrubber inactive;
+    std::vector<Header> kept = {{"x-echo-sk-tok9", "1"}};
+    inactive.scrub_fields(kept);
+    EXPECT_EQ(kept.size(), 1U);
+}
+
 TEST(Scrubber, HoldsBackAtMostLongestMinusOne) {
     Scrubber s({"abcdef"});
     std::string out;
