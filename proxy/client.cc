@@ -232,6 +232,31 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         co_return;
     }
     auto& d = std::get<Dialed>(dialed);
+    AuditRecord rec;
+    rec.req_id = w.next_req_id();
+    rec.run = scope.run->policy.id;
+    rec.method = scope.method;
+    rec.host = scope.target.host;
+    rec.port = scope.target.port;
+    rec.decision = "allow";
+    rec.reason = "tunnel";
+    rec.upstream_addr = endpoint_text(d.peer);
+    rec.proto_in = "tunnel";
+    rec.proto_out = "tunnel";
+    if (w.shared.audit->durable()) {
+        // audit.durable: the tunnel's decision is on disk before a byte reaches the upstream,
+        // as a request's is before it leaves; if it cannot be written, nothing is relayed.
+        AuditRecord pre = rec;
+        pre.event = "decision";
+        if (!co_await audit_durably(*w.shared.audit, pre)) {
+            if (announce) {
+                co_await write_refusal(client, rt.config->limits.refusal_timeout, 503,
+                                       "audit_unavailable", false);
+            }
+            audit_refusal(scope, scope.method, "", 503, "audit_unavailable", started);
+            co_return;
+        }
+    }
     if (announce && !co_await announce_established(client)) {
         co_return;
     }
@@ -242,7 +267,6 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     auto& us = d.stream->socket();
     std::string refused;
     const auto idle_timeout = rt.config->limits.idle_timeout;
-    const std::string run_id = scope.run->policy.id;
     // Once the bytes flow, the tunnel needs neither the runtime nor its run (the audit names
     // the run by id): one open for hours must not keep a replaced runtime, or the Run of a
     // secret rotated since (its pins hold the old value), in memory. `rt` is not used after.
@@ -300,23 +324,13 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
                      "CONNECT host)",
                      scope.conn_id, scope.target.host, scope.target.port, refused);
         audit_refusal(scope, scope.method, "", refused == "sni_mismatch" ? 421 : 400, refused,
-                      started);
+                      started, rec.req_id);
         co_return;
     }
-    AuditRecord rec;
-    rec.run = run_id;
-    rec.method = scope.method;
-    rec.host = scope.target.host;
-    rec.port = scope.target.port;
     rec.status = 200;
-    rec.decision = "allow";
-    rec.reason = "tunnel";
     rec.bytes_in = up_bytes;
     rec.bytes_out = down_bytes;
     rec.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
-    rec.upstream_addr = endpoint_text(d.peer);
-    rec.proto_in = "tunnel";
-    rec.proto_out = "tunnel";
     w.audit(rec);
     w.metrics.request("allow", "tunnel", rec.duration_ms / 1000.0);
 }

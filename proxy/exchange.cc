@@ -19,21 +19,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// Queues `rec` on the durable audit log and resumes on this coroutine's executor once the
-/// writer thread has synced it (true) or failed to (false). The event loop never blocks on
-/// the disk; requests waiting at the same time share one fdatasync.
-awaitable<bool> audit_durably(AuditLog& log, const AuditRecord& rec) {
-    auto ex = co_await net::this_coro::executor;
-    co_return co_await net::async_initiate<decltype(net::use_awaitable), void(bool)>(
-        [&log, &rec, ex](auto handler) {
-            auto h = std::make_shared<decltype(handler)>(std::move(handler));
-            log.write_durable(rec, [h, ex](bool ok) {
-                net::post(ex, [h, ok]() mutable { (*h)(ok); });
-            });
-        },
-        net::use_awaitable);
-}
-
 double ms_since(Clock::time_point t) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
@@ -444,8 +429,20 @@ void Worker::cut_all() {
     }
 }
 
+awaitable<bool> audit_durably(AuditLog& log, const AuditRecord& rec) {
+    auto ex = co_await net::this_coro::executor;
+    co_return co_await net::async_initiate<decltype(net::use_awaitable), void(bool)>(
+        [&log, &rec, ex](auto handler) {
+            auto h = std::make_shared<decltype(handler)>(std::move(handler));
+            log.write_durable(rec, [h, ex](bool ok) {
+                net::post(ex, [h, ok]() mutable { (*h)(ok); });
+            });
+        },
+        net::use_awaitable);
+}
+
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
-                   const std::string& reason, Clock::time_point started) {
+                   const std::string& reason, Clock::time_point started, uint64_t req_id) {
     AuditRecord rec;
     rec.run = scope.run ? scope.run->policy.id : "";
     rec.method = method;
@@ -458,7 +455,7 @@ void audit_refusal(Scope& scope, const std::string& method, const std::string& p
     rec.reason = reason;
     rec.duration_ms = ms_since(started);
     rec.proto_in = scope.proto_in;
-    rec.req_id = scope.worker->next_req_id();
+    rec.req_id = req_id != 0 ? req_id : scope.worker->next_req_id();
     record_denial(scope, rec);
 }
 

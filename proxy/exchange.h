@@ -195,9 +195,17 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
 /// "host:port" of an upstream peer as the audit record's upstream_addr names it.
 std::string endpoint_text(const tcp::endpoint& ep);
 
-/// Records a refusal in audit and metrics.
+/// audit.durable: queues `rec` (a decision record) on the durable audit log and resumes on
+/// the calling coroutine's executor once the writer thread synced it (true) or failed to
+/// (false). The event loop never blocks on the disk; records waiting at the same time share
+/// one fdatasync.
+awaitable<bool> audit_durably(AuditLog& log, const AuditRecord& rec);
+
+/// Records a refusal in audit and metrics; `req_id` that of a decision record already
+/// written for it (audit.durable), or 0 for a new one.
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
-                   const std::string& reason, std::chrono::steady_clock::time_point started);
+                   const std::string& reason, std::chrono::steady_clock::time_point started,
+                   uint64_t req_id = 0);
 
 // --- codec factories (defined by the codecs) ---------------------------------------------
 std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> conn, bool reused,

@@ -110,3 +110,36 @@ def test_kill_9_under_load_leaves_a_decision_record_for_every_forwarded_request(
     e2.wait_audit(lambda x: x.get("path") == f"/echo/after-{tag}", count=2)
     assert len(read_audit_lines(e.audit_path)) >= before + 2
     assert not e.leaks(), "secret bytes written by the killed egressd"
+
+
+def test_a_blind_tunnel_has_its_decision_on_disk_before_a_byte_is_relayed(factory, world):
+    """audit.durable covers tunnels too: the decision record is written before the CONNECT's
+    200, so a kill -9 with the tunnel open leaves it on disk; the completion shares its id."""
+    e = factory.start(durable)
+    tag = uuid.uuid4().hex[:8]
+    c = helpers.tunnel(e.proxy_port, "tunnel.test", world.U, world.auth("r1"), world.pki.ca)
+    r = helpers.request(c, "GET", f"/echo/tunnel-{tag}", f"tunnel.test:{world.U}")
+    assert r.status == 200
+    recs = [x for x in read_audit_lines(e.audit_path) if x.get("host") == "tunnel.test"]
+    assert [(x.get("event"), x["reason"], x["status"]) for x in recs] == [
+        ("decision", "tunnel", 0)]
+    assert recs[0]["req_id"] and recs[0]["upstream_addr"] and recs[0]["run"] == "r1"
+    c.close()
+    done = e.wait_audit(lambda x: x.get("host") == "tunnel.test" and "event" not in x)
+    assert done[0]["req_id"] == recs[0]["req_id"] and done[0]["status"] == 200
+
+
+def test_an_audit_log_that_cannot_be_written_stops_requests_and_tunnels(factory, world, marker):
+    """audit.durable on a device where every write fails (/dev/full: ENOSPC): nothing is
+    forwarded, an intercepted request and a blind tunnel alike get 503 audit_unavailable."""
+    e = factory.start(lambda c: (durable(c), c["audit"].update(path="/dev/full")))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth("r1"), run_ca(e))
+    r = helpers.request(c, "GET", f"/echo/{marker}-pinned", f"api.test:{world.U}")
+    c.close()
+    assert (r.status, r.egress_reason) == (503, "audit_unavailable")
+    c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth("r1"))
+    c.close()
+    assert (r.status, r.egress_reason) == (503, "audit_unavailable")
+    assert not world.upstream.find(marker)
+    # And it keeps serving: the refusals did not end the process.
+    assert e.proc.poll() is None
