@@ -387,11 +387,19 @@ void H2ClientStream::reset() {
     if (!st.closed && !(st.eof && st.out_last && st.out.empty())) {
         nghttp2_submit_rst_stream(im.session.get(), NGHTTP2_FLAG_NONE, st.id, NGHTTP2_CANCEL);
     }
+    // The piece read() handed out may still be in its reader's hands (the full-duplex
+    // upload aborts the stream while the response part waits to pass that piece on): it
+    // stays until that reader's next read(), which takes it back and ends the stream there.
     size_t left = 0;
     for (const auto& c : st.in) {
         left += c.size();
     }
-    st.in.clear();
+    if (st.front_out) {
+        left -= st.in.front().size();
+        st.in.clear_after_front();
+    } else {
+        st.in.clear();
+    }
     if (left > 0) {
         nghttp2_session_consume_stream(im.session.get(), st.id, left);  // connection: on receipt
     }
@@ -437,6 +445,9 @@ awaitable<H2ClientStream::Piece> H2ClientStream::read() {
             nghttp2_session_consume_stream(im.session.get(), st.id, n);
             im.io.wsig.notify();
         }
+    }
+    if (st.abandoned) {
+        co_return Piece{{}, false, false};  // reset(): nothing more is read
     }
     for (;;) {
         if (!st.in.empty()) {

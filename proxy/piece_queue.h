@@ -38,6 +38,12 @@ public:
         items_.clear();
         head_ = 0;
     }
+    /// Drops every piece but the first (one its reader may still be using).
+    void clear_after_front() {
+        if (!empty()) {
+            items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(head_) + 1, items_.end());
+        }
+    }
     auto begin() const { return items_.begin() + static_cast<std::ptrdiff_t>(head_); }
     auto end() const { return items_.end(); }
     /// Slots held, consumed ones included (what the compaction bounds; for tests).

@@ -3,6 +3,8 @@
 Endpoints (like upstream.Upstream):
     /echo       JSON: method, path, headers, body length/sha256, request trailers, proto "h2"
     /bytes/N    N deterministic bytes (upstream.payload), Content-Length
+    /early-bytes/N  the same, answered on the request's HEADERS while its body still comes
+                (a server streaming back, as gRPC's bidirectional calls do)
     /trailers   JSON echo as above, then response trailers grpc-status: 0, x-trailer: t1
     /reflect    the request's Authorization / X-Api-Key value in header x-seen and the body
     /status/N   an empty response with status N
@@ -184,6 +186,8 @@ class H2Upstream:
                 conn.reset_stream(st.sid, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
                 return
             streams[ev.stream_id] = st
+            if st.pseudo.get(":path", "/").startswith("/early-bytes/"):
+                self._respond(conn, st)  # at once, while the request body may still come
         elif isinstance(ev, h2.events.DataReceived):
             st = streams.get(ev.stream_id)
             if st is not None:
@@ -241,7 +245,7 @@ class H2Upstream:
             body = json.dumps(echo).encode()
             self._send(conn, st, 200, [("content-type", "application/json")], body,
                        trailers=[("grpc-status", "0"), ("x-trailer", "t1")])
-        elif len(parts) == 3 and parts[1] == "bytes" and parts[2].isdigit():
+        elif len(parts) == 3 and parts[1] in ("bytes", "early-bytes") and parts[2].isdigit():
             total = int(parts[2])
             st.body_iter = iter_payload(total, 16384)
             conn.send_headers(st.sid, [(":status", "200"), ("content-type", "application/octet-stream"),

@@ -374,3 +374,41 @@ def test_ping_and_settings_flood_goaway(world, e2, h2up, marker, good_client):
     c.close()
     assert c.goaway is not None or c.closed
     assert e2.alive()
+
+
+def test_duplex_upload_timing_out_while_a_response_piece_waits(factory, world, h2up, marker):
+    """HTTP/2 on both legs, the upstream answering while the upload still comes: the client
+    opens no window for the response (a 10-byte trickle keeps the response part waiting with
+    a piece in hand) and sends no body, so the upload ends on idle_timeout and aborts the
+    upstream stream. The piece in hand must outlive that abort: the stream ends, and egressd
+    serves on (it crashed with a use after free: the abort freed the piece)."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"idle_timeout": "2s"}))
+    c = H2Client(e, world, "api.test", h2up.port, timeout=30, settings={4: 0})
+    try:
+        sid = c.headers(f"/early-bytes/{64 << 20}?m={marker}", "POST", end_stream=False)
+        c.hold.add(sid)
+        c.flush()
+        r = c.responses[sid]
+        c.pump(until=lambda: r["status"] is not None, timeout=10)
+        assert r["status"] == 200
+        deadline = time.monotonic() + 6.5  # the upload idles out after ~2-4 s of this
+        while time.monotonic() < deadline and r["reset"] is None and not c.closed:
+            c.conn.increment_flow_control_window(10, stream_id=sid)
+            c.conn.increment_flow_control_window(10)
+            c.flush()
+            c.pump(timeout=0.4)
+        c.conn.increment_flow_control_window(16 << 20, stream_id=sid)
+        c.conn.increment_flow_control_window(16 << 20)
+        c.flush()
+        c.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=15)
+        assert r["reset"] is not None, "the aborted exchange must end its stream with a reset"
+    finally:
+        c.close()
+    assert e.alive(), "egressd died"
+    c2 = H2Client(e, world, "api.test", h2up.port)
+    try:
+        assert c2.request(f"/echo/{marker}-after")["status"] == 200
+    finally:
+        c2.close()
+    rec = e.wait_audit(lambda a: a.get("path") == f"/early-bytes/{64 << 20}")  # no query
+    assert (rec[0]["status"], rec[0]["reason"]) == (200, "idle_timeout"), rec[0]

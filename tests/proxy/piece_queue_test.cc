@@ -33,6 +33,25 @@ TEST(PieceQueue, IsFirstInFirstOut) {
     EXPECT_TRUE(q.empty());
 }
 
+// A reset stream keeps the piece its reader holds (its bytes, where they are) and drops the
+// rest; on an empty queue it does nothing.
+TEST(PieceQueue, ClearAfterFrontKeepsThePieceInHand) {
+    PieceQueue q;
+    q.clear_after_front();
+    EXPECT_TRUE(q.empty());
+    q.emplace_back("gone");
+    q.emplace_back(std::string(100, 'h'));
+    q.emplace_back("x");
+    q.emplace_back("y");
+    q.pop_front();
+    const char* in_hand = q.front().data();
+    q.clear_after_front();
+    EXPECT_EQ(contents(q), (std::vector<std::string>{std::string(100, 'h')}));
+    EXPECT_EQ(q.front().data(), in_hand);  // not moved: a reader's view of it stays valid
+    q.pop_front();
+    EXPECT_TRUE(q.empty());
+}
+
 // A stream's usual queue (one or two pieces) allocates no slots, and keeps first-in-first-out
 // order when it outgrows them.
 TEST(PieceQueue, FirstPiecesUseInlineSlots) {
