@@ -63,7 +63,8 @@ struct Limits {
     size_t h2_max_settings = 32;              // entries per SETTINGS frame
     size_t h2_stream_window = 262144;         // per-stream window = per-stream buffer bound
     // Per connection, both legs: the receive window and, on the client leg, the response bytes
-    // queued for the client. 0: 4 × h2_stream_window (connection_window()).
+    // queued for the client (what an h2 upstream's streams hold, each within its stream
+    // window, comes on top). 0: 4 × h2_stream_window (connection_window()).
     size_t h2_connection_window = 0;
     size_t connection_window() const {
         return h2_connection_window != 0 ? h2_connection_window : h2_stream_window * 4;

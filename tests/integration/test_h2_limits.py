@@ -132,6 +132,39 @@ def test_non_reading_client_pins_bounded_response_bytes(world, factory, marker):
             c.close()
 
 
+def test_non_reading_client_behind_an_h2_upstream_pins_streams_times_window(world, factory,
+                                                                          h2up, marker):
+    """The same two connections of 100 unread downloads, behind an HTTP/2 upstream: each
+    upstream stream also holds what it was sent within its stream window (given back only as
+    it is forwarded), so a client connection pins up to h2_max_concurrent_streams x
+    h2_stream_window besides its queue; with a 64 KiB window that is ~6.5 MiB a connection
+    (the default 256 KiB took ~57 MiB for the two)."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"h2_stream_window": 65536}))
+    clients = []
+    try:
+        base = e.vm_hwm_kib()
+        for k in range(2):
+            c = H2Client(e, world, "api.test", h2up.port, timeout=30, settings={4: 0})
+            c.pump(timeout=0.3)
+            for i in range(100):
+                c.headers(f"/bytes/{4 * MiB}?id={marker}-{k}-{i}")
+            c.flush()
+            clients.append(c)
+        for c in clients:  # the heads come back (HEADERS are not flow-controlled)
+            c.pump(until=lambda c=c: sum(r["status"] == 200 for r in c.responses.values()) == 100,
+                   timeout=20)
+            assert sum(r["status"] == 200 for r in c.responses.values()) == 100
+        time.sleep(1.5)  # every upstream stream has filled its window
+        grown = e.vm_hwm_kib() - base
+        print(f"peak RSS grew {grown} KiB")
+        assert e.alive()
+        if not SANITIZER:
+            assert grown < 32 * 1024, f"peak RSS grew {grown} KiB"
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_h2_connection_window_is_the_clients_connection_window(world, factory, marker):
     """limits.h2_connection_window is the connection-level window a client may fill: a client
     uploading on several streams at once stops at it (the streams' own windows allow more)
