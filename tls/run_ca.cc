@@ -149,9 +149,13 @@ bool add_san(X509* cert, std::string_view host, ASN1_OCTET_STRING* ip, bool crit
 namespace {
 
 /// "permitted;DNS:a.test,permitted;IP:1.2.3.4/255.255.255.255,...", from validated names only
-/// (no ',' ';' ':' beyond IPv6 colons can reach the conf string).
+/// (no ',' ';' ':' beyond IPv6 colons can reach the conf string). A name type with no subtree
+/// is not constrained at all (RFC 5280 4.2.1.10): without a permitted address of a family,
+/// every address of it is excluded, so a CA made for host names cannot certify an address.
 Result<std::string> name_constraints_conf(const std::vector<std::string>& names) {
     std::string conf = "critical";
+    bool v4 = false;
+    bool v6 = false;
     for (const auto& n : names) {
         if (n.empty() || n.size() > 253) {
             return make_error("name constraint: bad name");
@@ -159,10 +163,12 @@ Result<std::string> name_constraints_conf(const std::vector<std::string>& names)
         unsigned char buf[16];
         if (inet_pton(AF_INET, n.c_str(), buf) == 1) {
             conf += ",permitted;IP:" + n + "/255.255.255.255";
+            v4 = true;
             continue;
         }
         if (inet_pton(AF_INET6, n.c_str(), buf) == 1) {
             conf += ",permitted;IP:" + n + "/ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff";
+            v6 = true;
             continue;
         }
         for (char c : n) {
@@ -173,6 +179,12 @@ Result<std::string> name_constraints_conf(const std::vector<std::string>& names)
             }
         }
         conf += ",permitted;DNS:" + n;
+    }
+    if (!v4) {
+        conf += ",excluded;IP:0.0.0.0/0.0.0.0";
+    }
+    if (!v6) {
+        conf += ",excluded;IP:::/::";
     }
     return conf;
 }

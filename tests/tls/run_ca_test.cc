@@ -196,6 +196,29 @@ TEST(RunCaTest, NameConstraintsPermitOnlyTheRunsHosts) {
               X509_V_ERR_PERMITTED_VIOLATION);
     EXPECT_FALSE(RunCa::create("bad", hours(1), {"a,DNS:evil.test"}).ok());
     EXPECT_TRUE(RunCa::has_name_constraints((*ca)->cert_pem()));
+    // Addresses: only the permitted one; no other IPv4, and no IPv6 (OpenSSL finds it outside
+    // the permitted addresses first; it is also excluded, for verifiers that keep families apart).
+    auto ip_other = must_mint(**ca, "10.0.0.1");
+    auto ip6 = must_mint(**ca, "::1");
+    EXPECT_EQ(verify_error(ip_other->cert.get(), (*ca)->cert(), "10.0.0.1"),
+              X509_V_ERR_PERMITTED_VIOLATION);
+    EXPECT_EQ(verify_error(ip6->cert.get(), (*ca)->cert(), "::1"),
+              X509_V_ERR_PERMITTED_VIOLATION);
+}
+
+// A CA made for host names only certifies no address of either family: a name type without a
+// subtree would be unconstrained (RFC 5280), so both are excluded.
+TEST(RunCaTest, NameConstraintsOfHostNamesExcludeEveryAddress) {
+    auto ca = RunCa::create("run-names", hours(1), {"api.test"});
+    ASSERT_TRUE(ca.ok()) << ca.error();
+    auto name = must_mint(**ca, "api.test");
+    auto v4 = must_mint(**ca, "93.184.216.34");
+    auto v6 = must_mint(**ca, "2001:db8::1");
+    EXPECT_EQ(verify_error(name->cert.get(), (*ca)->cert(), "api.test"), X509_V_OK);
+    EXPECT_EQ(verify_error(v4->cert.get(), (*ca)->cert(), "93.184.216.34"),
+              X509_V_ERR_EXCLUDED_VIOLATION);
+    EXPECT_EQ(verify_error(v6->cert.get(), (*ca)->cert(), "2001:db8::1"),
+              X509_V_ERR_EXCLUDED_VIOLATION);
     EXPECT_FALSE(RunCa::has_name_constraints(make_ca("plain")->cert_pem()));
 }
 
