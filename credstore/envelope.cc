@@ -309,6 +309,9 @@ Result<std::string> run_command(const std::string& command, std::string_view inp
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, in_read.get(), STDIN_FILENO);
     posix_spawn_file_actions_adddup2(&actions, out_write.get(), STDOUT_FILENO);
+    // Only stdin, stdout and stderr: egressd's listening and client sockets (Asio opens them
+    // without close-on-exec) must not live on in a helper the plugin leaves running.
+    posix_spawn_file_actions_addclosefrom_np(&actions, STDERR_FILENO + 1);
     std::string sh = "/bin/sh";
     std::string dash_c = "-c";
     std::string cmd = command;

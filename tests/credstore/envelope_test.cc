@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -399,6 +400,25 @@ TEST(KmsCommandProvider, FailuresNameTheCommandNotTheData) {
     ASSERT_FALSE(unwrapped.ok());
     EXPECT_NE(unwrapped.error().find("not base64"), std::string::npos) << unwrapped.error();
     EXPECT_FALSE(seal(**provider, "tok", kScope, 1, "v").ok());
+}
+
+// The plugin gets stdin, stdout and stderr only: a descriptor of ours without close-on-exec
+// (as Asio's sockets are) is not inherited.
+TEST(KmsCommandProvider, ChildInheritsNoOtherDescriptor) {
+    TempDir dir;
+    const int fd = ::open("/dev/null", O_RDONLY);  // no O_CLOEXEC
+    ASSERT_GT(fd, STDERR_FILENO);
+    const std::string script = dir.path() + "/fds.sh";
+    {
+        std::ofstream out(script);
+        out << "#!/bin/sh\n"
+               "if [ -e /proc/self/fd/" << fd << " ]; then echo inherited; else echo clean; fi\n";
+    }
+    chmod(script.c_str(), 0700);
+    auto provider = make_kms_command_provider(script);
+    ::close(fd);
+    ASSERT_TRUE(provider.ok()) << provider.error();
+    EXPECT_EQ((*provider)->key_id(), "kms:clean");
 }
 
 TEST(KmsCommandProvider, ChildThatIgnoresStdinDoesNotHangOrKillUs) {
