@@ -551,7 +551,22 @@ void KeyRing::add(std::unique_ptr<credstore::KeyProvider> p, bool primary) {
 
 credstore::KeyProvider* KeyRing::find(const std::string& key_id) {
     auto it = providers_.find(key_id);
-    return it == providers_.end() ? nullptr : it->second.get();
+    if (it != providers_.end()) {
+        return it->second.get();
+    }
+    // A KMS plugin's key id moves with its key version (Kubernetes KMS v2 plugins report a
+    // new one after the KMS rotated), and the plugin still unwraps what an earlier version
+    // wrapped (its ciphertext names the version): a record sealed under an earlier "kms:" id
+    // goes to the KMS, and `keys rotate` rewraps it under the current id. A KMS that cannot
+    // unwrap it says so in the unwrap error.
+    if (key_id.starts_with("kms:")) {
+        for (auto& [id, p] : providers_) {
+            if (id.starts_with("kms:")) {
+                return p.get();
+            }
+        }
+    }
+    return nullptr;
 }
 
 Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const Runtime> statics) {
@@ -1587,14 +1602,24 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
             run->ca = prev->second->ca;  // same run: keep its CA and warm leaf cache
             run->leaves = prev->second->leaves;
         } else {
+            // A run whose CA cannot be loaded is not served (its clients get 407): said once
+            // per build, naming the run and why, never silently.
             auto* kp = keys_.find(rec.ca_key.kek_id);
             if (kp == nullptr) {
+                spdlog::warn("run {}: not served: no key '{}' unwraps its CA key", id,
+                             rec.ca_key.kek_id);
                 continue;
             }
             auto key = credstore::unseal(*kp, rec.ca_key);
-            if (!key) continue;
+            if (!key) {
+                spdlog::warn("run {}: not served: its CA key: {}", id, key.error());
+                continue;
+            }
             auto ca = tls::RunCa::load(rec.ca_cert_pem, (*key)->reveal());
-            if (!ca) continue;
+            if (!ca) {
+                spdlog::warn("run {}: not served: its CA: {}", id, ca.error());
+                continue;
+            }
             run->ca = std::shared_ptr<tls::RunCa>(std::move(*ca));
             run->leaves = make_leaf_cache(run->ca, config_->limits);
         }

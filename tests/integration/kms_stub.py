@@ -6,7 +6,9 @@
 `wrap` reads base64 on stdin and prints base64 of nonce || ciphertext || tag: the input XORed
 with a SHA-256 keystream of KEYFILE's bytes and an HMAC-SHA-256 tag (standard library only).
 Not a cipher to use anywhere else; enough that a wrong key fails and that no data key reaches
-etcd in the clear. `unwrap` reverses it; `key-id` prints the key's fingerprint.
+etcd in the clear. `unwrap` reverses it; `key-id` prints the key's fingerprint, or the text
+of KEYFILE.id when that file exists (a KMS whose key version moved on: a new key id, and it
+still unwraps what it wrapped before, as Kubernetes KMS v2 plugins do).
 """
 import base64
 import hashlib
@@ -29,7 +31,11 @@ def main() -> int:
         key = f.read()
     verb = sys.argv[2]
     if verb == "key-id":
-        print(hashlib.sha256(key).hexdigest()[:16])
+        if os.path.exists(sys.argv[1] + ".id"):
+            with open(sys.argv[1] + ".id") as f:
+                print(f.read().strip())
+        else:
+            print(hashlib.sha256(key).hexdigest()[:16])
         return 0
     data = base64.b64decode(sys.stdin.read().strip())
     if verb == "wrap":

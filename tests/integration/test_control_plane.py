@@ -14,6 +14,7 @@ import socket
 import ssl
 import stat
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -1100,6 +1101,50 @@ def test_kek_rotation(factory, world):
     c.close()
     expect(seen_auth(world.upstream, marker) == [f"Bearer {v2}"],
            "not injected after rotate + restart")
+
+
+def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
+    """keys.kms_command: after a restart the plugin reports a new key id (its KMS rotated the
+    key version) and still unwraps what it wrapped before. Runs and secrets sealed under the
+    old id stay served (they go to the KMS), and `keys rotate` rewraps them under the new id;
+    a record no key unwraps is logged, naming the run, never dropped silently."""
+    kek = os.path.join(world.new_dir("kms-moved-"), "kek")
+    with open(kek, "wb") as f:
+        f.write(os.urandom(32))
+    with open(kek + ".id", "w") as f:
+        f.write("v1\n")
+    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
+    kms = f"{sys.executable} {stub} {kek}"
+    e = factory.start(mutate=cp_mutate(world, extra=lambda c: c["keys"].update(kms_command=kms)))
+    v = sval("kms-moved")
+    put_secret(e, "kms_tok", v, org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), "kms_tok")])
+
+    def injected(tag: str) -> bool:
+        marker = f"m-kms-{tag}-" + pysecrets.token_hex(3)
+        c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+        c.close()
+        return resp.status == 200 and seen_auth(world.upstream, marker) == [f"Bearer {v}"]
+
+    assert injected("v1")
+    assert e.stop() == 0
+    with open(kek + ".id", "w") as f:
+        f.write("v2\n")
+    e.start()
+    assert injected("v2-before-rotate"), "a run sealed under the KMS's earlier key id was dropped"
+    r = api(e, "POST", "/v1/keys/rotate", timeout=30)
+    assert r.status == 200 and r.json["kek_id"] == "kms:v2" and r.json["rewrapped"] >= 2, r.body
+    assert e.stop() == 0
+    os.unlink(kek + ".id")  # now a key id nothing was sealed under, and no earlier "kms:" id
+    e.start()
+    assert injected("fingerprint"), "the KMS unwraps what it wrapped, whatever id it reports"
+    # A key id that is no KMS's: a file master key cannot open them; the run is named.
+    assert e.stop() == 0
+    e.config["keys"].pop("kms_command")
+    e.start()
+    helpers.poll(lambda: f"run {run.id}: not served: no key 'kms:v2'" in e.stderr_text(), 10,
+                 "the unserved run logged")
+    assert api(e, "GET", f"/v1/runs/{run.id}").status == 200
 
 
 def test_restart_keeps_secrets_runs_and_ca(factory, world):
