@@ -497,6 +497,7 @@ AwsSignature aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials&
     value.append(", Signature=").append(signature);
     head.set("authorization", std::move(value));
     head.never_index = "authorization";
+    head.never_index_also = creds.session_token ? "x-amz-security-token" : "";
     return {date, std::move(scope), std::move(signature)};
 }
 

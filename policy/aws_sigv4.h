@@ -113,7 +113,8 @@ struct AwsSignature {
 
 /// Signs `head` for `spec` with `creds` at `now`: removes the client's authorization,
 /// x-amz-date and x-amz-security-token, sets x-amz-date, the session token if any, and
-/// authorization (never_index = "authorization"). WARNING: derives key material from the
+/// authorization (never_index = "authorization", never_index_also the session token's field
+/// when there is one). WARNING: derives key material from the
 /// secret; every copy of a key is wiped before return.
 AwsSignature aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials& creds,
                       std::string_view payload_hash, TimePoint now);

@@ -64,7 +64,7 @@ void RequestHead::wipe_injected() {
         return;
     }
     for (Header& h : headers) {
-        if (h.name == never_index) {
+        if (never_indexed(h.name)) {
             egress::secure_zero(h.value.data(), h.value.size());
         }
     }

@@ -27,6 +27,14 @@ struct RequestHead {
     /// HPACK table it would be a target for compression-length probing by the sandbox's own
     /// requests. nghttp2 does so by itself only for "authorization" and short cookies.
     std::string never_index;
+    /// A second such field, "" if none: aws-sigv4's x-amz-security-token (a session token is
+    /// a credential too) beside its authorization.
+    std::string never_index_also;
+    /// Whether `name` (lowercase) is one of those fields.
+    bool never_indexed(std::string_view name) const {
+        return (!never_index.empty() && name == never_index) ||
+               (!never_index_also.empty() && name == never_index_also);
+    }
     /// "websocket" when an HTTP/1.1 client asked to switch this request's connection to a
     /// WebSocket (RFC 6455 4.1: GET, no body, "Upgrade: websocket", "Connection: upgrade");
     /// "" otherwise. Upgrade and Connection are hop-by-hop and never in `headers`: the HTTP/1.1
@@ -43,7 +51,7 @@ struct RequestHead {
     void set(std::string_view name, std::string value);
     /// Path without the query string.
     std::string_view path_only() const;
-    /// Overwrites the value of the injected credential field (never_index) with zeros, in
+    /// Overwrites the values of the injected credential fields (never_indexed) with zeros, in
     /// place: the request is done and this copy of the secret is not left in freed memory.
     void wipe_injected();
 };

@@ -336,7 +336,7 @@ std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead&
     nva.push_back(make_nv(":path", head.path));
     for (const auto& h : head.headers) {
         if (!h2_forbidden(h)) {
-            const bool secret = !head.never_index.empty() && h.name == head.never_index;
+            const bool secret = head.never_indexed(h.name);
             nva.push_back(make_nv(h.name, h.value,
                                   secret ? NGHTTP2_NV_FLAG_NO_INDEX : NGHTTP2_NV_FLAG_NONE));
         }

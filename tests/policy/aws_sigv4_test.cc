@@ -157,10 +157,19 @@ TEST(AwsSigV4, ReadsACredentialsDocumentWithASessionToken) {
     aws_sign(h, s, **creds, kEmpty, at(2015, 8, 30, 12, 36, 0));
     ASSERT_EQ(h.count("x-amz-security-token"), 1u);
     EXPECT_EQ(*h.find("x-amz-security-token"), "FwoGZXIvYXdzEXAMPLE==");
-    const std::string& auth = *h.find("authorization");
+    // The token is a credential too: never indexed by an HTTP/2 encoder, wiped after use.
+    EXPECT_TRUE(h.never_indexed("authorization"));
+    EXPECT_TRUE(h.never_indexed("x-amz-security-token"));
+    EXPECT_FALSE(h.never_indexed("x-amz-date"));
+    const std::string auth = *h.find("authorization");
     EXPECT_EQ(auth.rfind("AWS4-HMAC-SHA256 Credential=ASIAEXAMPLETEMP00001/20150830/", 0), 0u);
     EXPECT_NE(auth.find("SignedHeaders=host;x-amz-date;x-amz-security-token,"),
               std::string::npos);
+    RequestHead wiped = h;
+    wiped.wipe_injected();
+    EXPECT_EQ(*wiped.find("x-amz-security-token"), std::string(21, '\0'));
+    EXPECT_EQ(*wiped.find("authorization"), std::string(auth.size(), '\0'));
+    EXPECT_EQ(*wiped.find("x-amz-date"), "20150830T123600Z");
     // The same request signed with the key alone differs only by the token it signs.
     s.access_key_id = "ASIAEXAMPLETEMP00001";
     RequestHead plain = head("GET", "example.amazonaws.com", "/",
