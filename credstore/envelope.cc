@@ -316,8 +316,18 @@ Result<std::string> run_command(const std::string& command, std::string_view inp
     std::string dash_c = "-c";
     std::string cmd = command;
     char* argv[] = {sh.data(), dash_c.data(), cmd.data(), nullptr};
+    // SIGHUP as the plugin expects it: egressd ignores it while it starts (main.cc), and an
+    // ignored signal would stay ignored in the child.
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t defaults;
+    sigemptyset(&defaults);
+    sigaddset(&defaults, SIGHUP);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF);
     pid_t pid = -1;
-    const int rc = posix_spawn(&pid, "/bin/sh", &actions, nullptr, argv, environ);
+    const int rc = posix_spawn(&pid, "/bin/sh", &actions, &attr, argv, environ);
+    posix_spawnattr_destroy(&attr);
     posix_spawn_file_actions_destroy(&actions);
     if (rc != 0) {
         return make_error("kms command '" + command + "': cannot start: " + std::strerror(rc));

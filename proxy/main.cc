@@ -3,6 +3,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -112,6 +113,10 @@ int main(int argc, char** argv) {
         return 2;
     }
     if (!check) {
+        // A SIGHUP before the reload handler exists (the admin loop installs it once the
+        // runtime, the control plane and the store are up: seconds on etcd) would end the
+        // process: ignored until then. The disposition survives the exec below.
+        std::signal(SIGHUP, SIG_IGN);
         // Once, before anything else (threads, files): see proxy/malloc_tuning.h.
         egress::proxy::reexec_with_malloc_tuning(argv);
     }

@@ -403,8 +403,9 @@ TEST(KmsCommandProvider, FailuresNameTheCommandNotTheData) {
 }
 
 // The plugin gets stdin, stdout and stderr only: a descriptor of ours without close-on-exec
-// (as Asio's sockets are) is not inherited.
-TEST(KmsCommandProvider, ChildInheritsNoOtherDescriptor) {
+// (as Asio's sockets are) is not inherited; nor is SIGHUP ignored (egressd ignores it while
+// it starts).
+TEST(KmsCommandProvider, ChildInheritsNoOtherDescriptorNorIgnoredSighup) {
     TempDir dir;
     const int fd = ::open("/dev/null", O_RDONLY);  // no O_CLOEXEC
     ASSERT_GT(fd, STDERR_FILENO);
@@ -412,10 +413,16 @@ TEST(KmsCommandProvider, ChildInheritsNoOtherDescriptor) {
     {
         std::ofstream out(script);
         out << "#!/bin/sh\n"
-               "if [ -e /proc/self/fd/" << fd << " ]; then echo inherited; else echo clean; fi\n";
+               "if [ -e /proc/self/fd/" << fd << " ]; then echo inherited; exit; fi\n"
+               "case $(awk '/^SigIgn/ {print substr($2, length($2))}' /proc/self/status) in\n"
+               "  1|3|5|7|9|b|d|f) echo sighup-ignored ;;\n"
+               "  *) echo clean ;;\n"
+               "esac\n";
     }
     chmod(script.c_str(), 0700);
+    auto* const before = std::signal(SIGHUP, SIG_IGN);
     auto provider = make_kms_command_provider(script);
+    std::signal(SIGHUP, before);
     ::close(fd);
     ASSERT_TRUE(provider.ok()) << provider.error();
     EXPECT_EQ((*provider)->key_id(), "kms:clean");

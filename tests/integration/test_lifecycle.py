@@ -212,6 +212,37 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
     c.close()
 
 
+def sighup_ignored(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return int(line.split()[1], 16) & (1 << (signal.SIGHUP - 1)) != 0
+    except OSError:
+        pass
+    return False
+
+
+def test_sighup_during_startup_does_not_end_egressd(world, factory, marker):
+    """A SIGHUP before the reload handler exists (a config tool reloading right after a
+    restart) is ignored, not fatal: egressd ignores it first thing, then serves."""
+    e = factory.make()
+    factory.started.append(e)
+    wait_ready = e.wait_ready
+
+    def hup_then_wait(timeout: float = helpers.DEADLINE_READY_S):
+        poll(lambda: sighup_ignored(e.proc.pid), 10, "SIGHUP ignored from the start",
+             interval=0.001)
+        e.proc.send_signal(signal.SIGHUP)
+        wait_ready(timeout)
+    e.wait_ready = hup_then_wait
+    e.start()
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
+    assert e.stop() == 0
+
+
 def test_sigterm_uses_the_drain_timeout_of_the_last_reload(world, factory):
     e = factory.start()  # drain_timeout 2s
     e.rewrite_config(lambda c: c["limits"].update({"drain_timeout": "20s"}))
