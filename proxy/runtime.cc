@@ -329,6 +329,19 @@ bool token_matches(const Run& run, std::string_view token) {
     return run.anonymous;
 }
 
+bool same_admission(const Run& before, const Run& after) {
+    if (before.anonymous != after.anonymous || before.token_sha256 != after.token_sha256 ||
+        (before.token == nullptr) != (after.token == nullptr) ||
+        (before.token && !credstore::constant_time_equals(before.token->reveal(),
+                                                          after.token->reveal()))) {
+        return false;
+    }
+    return std::equal(before.sources.begin(), before.sources.end(), after.sources.begin(),
+                      after.sources.end(), [](const policy::Cidr& a, const policy::Cidr& b) {
+                          return a.prefix == b.prefix && a.to_string() == b.to_string();
+                      });
+}
+
 bool parse_proxy_basic(std::string_view v, std::string& user, std::string& pass) {
     constexpr std::string_view kBasic = "basic ";
     if (v.size() <= kBasic.size()) {

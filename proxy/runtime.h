@@ -110,6 +110,11 @@ std::shared_ptr<tls::LeafCache> make_leaf_cache(std::shared_ptr<tls::RunCa> ca,
 /// True if `token` is the run's proxy token (constant time).
 bool token_matches(const Run& run, std::string_view token);
 
+/// Whether a client `before` admitted is admitted by `after` on the same terms: the same
+/// proxy token (or none) and the same source ranges. A reload that changes them (a leaked
+/// token rotated) closes the run's open connections.
+bool same_admission(const Run& before, const Run& after);
+
 /// Hex SHA-256.
 std::string sha256_hex(std::string_view bytes);
 

@@ -245,10 +245,17 @@ struct Server::Impl {
             net::post(w->ioc, [w = w.get()] { w->runtime(); });
         }
         for (const auto& [id, run] : prev->runs) {
-            if ((*next)->runs.count(id) == 0) {
+            auto now = (*next)->runs.find(id);
+            if (now == (*next)->runs.end()) {
                 // Waited for (at most 1 s): the revoke's answer means they are cut.
                 size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
                 spdlog::info("run {} revoked or expired: closing {} connections", id, n);
+            } else if (!same_admission(*run, *now->second)) {
+                // A connection admitted with the old token (or from a source no longer the
+                // run's) must not go on under the new terms: its client authenticates again.
+                size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
+                spdlog::info("run {}: its token or sources changed: closing {} connections", id,
+                             n);
             }
         }
         shared.metrics.runs_active.store(static_cast<int64_t>((*next)->runs.size()));

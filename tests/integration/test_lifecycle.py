@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import time
 
@@ -209,6 +210,56 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
     assert not os.path.exists(ca + ".tmp")
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca)
     assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
+
+
+def closed_by_peer(c: helpers.Conn, timeout: float = 5.0) -> bool:
+    """Whether the peer closes `c` (EOF or a reset) within `timeout`, sending nothing."""
+    c.sock.settimeout(timeout)
+    try:
+        return c.sock.recv(1) == b""
+    except (ssl.SSLError, ConnectionError):
+        return True
+    except (socket.timeout, TimeoutError):
+        return False
+
+
+def test_a_static_token_changed_by_reload_closes_what_the_old_one_opened(world, factory, marker):
+    """A leaked static proxy token rotated by a reload locks its holder out at once: the
+    tunnel and the intercepted connection it opened are closed (an intercepted one had gone
+    on injecting under the new terms), the old token gets 407, the new one is served."""
+    tf = os.path.join(world.new_dir("tok-"), "r1.token")
+    old, new = "old-" + os.urandom(8).hex(), "new-" + os.urandom(8).hex()
+
+    def write_token(value: str):
+        with open(tf, "w") as f:
+            f.write(value + "\n")
+        os.chmod(tf, 0o600)
+    write_token(old)
+    e = factory.start(lambda c: c["runs"][0].update(token_file=tf))
+    old_auth, new_auth = helpers.basic_auth("r1", old), helpers.basic_auth("r1", new)
+    blind, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", old_auth)
+    assert r.status == 200
+    icpt = helpers.tunnel(e.proxy_port, "api.test", world.U, old_auth, run_ca(e, "r1"))
+    assert helpers.request(icpt, "GET", f"/echo/{marker}-1", f"api.test:{world.U}").status == 200
+    write_token(new)
+    e.reload()
+    try:
+        assert closed_by_peer(blind), "the tunnel opened with the old token goes on"
+        assert closed_by_peer(icpt), "the connection opened with the old token goes on"
+    finally:
+        blind.close()
+        icpt.close()
+    _, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", old_auth)
+    assert (r.status, r.egress_reason) == (407, "bad_identity")
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, new_auth, run_ca(e, "r1"))
+    assert helpers.request(c, "GET", f"/echo/{marker}-2", f"api.test:{world.U}").status == 200
+    c.close()
+    assert "run r1: its token or sources changed" in e.stderr_text()
+    # A reload that changes nothing of it closes nothing.
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, new_auth, run_ca(e, "r1"))
+    e.reload()
+    assert helpers.request(c, "GET", f"/echo/{marker}-3", f"api.test:{world.U}").status == 200
     c.close()
 
 
