@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <set>
 #include <unordered_map>
 #include <fstream>
@@ -1423,26 +1424,44 @@ void ControlPlane::set_statics(std::shared_ptr<const Runtime> statics) {
     config_ = statics->config;
 }
 
-size_t ControlPlane::sweep_expired() {
+Result<size_t> ControlPlane::sweep_expired() {
     std::lock_guard lock(mu_);
     auto snap = store_->snapshot();
     const int64_t now = unix_now();
+    // One delete per run, so at most max_txn_ops runs per etcd transaction: a larger batch
+    // is refused whole, and was, every second, while more runs expired behind it.
+    const auto cfg = current_config();
+    const size_t batch = cfg->state_backend == "etcd" ? std::max<size_t>(1, cfg->etcd.max_txn_ops)
+                                                      : std::numeric_limits<size_t>::max();
     std::vector<credstore::Mutation> muts;
+    size_t swept = 0;
+    auto write = [&]() -> Result<bool> {
+        if (!muts.empty()) {
+            if (auto r = store_->apply(muts); !r) {
+                return make_error(r.error());
+            }
+            swept += muts.size();
+            muts.clear();
+        }
+        return true;
+    };
     for (const auto& [id, run] : snap->runs) {
         if (run.expires_at <= now) {
             credstore::Mutation m;
             m.kind = credstore::Mutation::Kind::DeleteRun;
             m.run_id = id;
             muts.push_back(m);
-            std::lock_guard build_lock(build_mu_);
-            remember_swept(id, run.token_sha256);
+            {
+                std::lock_guard build_lock(build_mu_);
+                remember_swept(id, run.token_sha256);
+            }
+            if (muts.size() == batch) {
+                if (auto w = write(); !w) return make_error(w.error());
+            }
         }
     }
-    if (muts.empty()) return 0;
-    if (auto r = store_->apply(muts); !r) {
-        return 0;
-    }
-    return muts.size();
+    if (auto w = write(); !w) return make_error(w.error());
+    return swept;
 }
 
 void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& snap, Runtime& rt,

@@ -66,8 +66,10 @@ public:
     /// Replaces the static part (a config reload).
     void set_statics(std::shared_ptr<const Runtime> statics);
 
-    /// Deletes expired runs from the store. Returns how many were swept.
-    size_t sweep_expired();
+    /// Deletes expired runs from the store, in transactions of at most state.etcd.max_txn_ops
+    /// runs on etcd. Returns how many were swept, or why a write failed (those before it
+    /// stay swept; the rest are tried again at the next sweep).
+    Result<size_t> sweep_expired();
 
     /// Where the proxy listens, for proxy_url ("127.0.0.1:3128").
     void set_proxy_authority(std::string authority) { proxy_authority_ = std::move(authority); }

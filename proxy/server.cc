@@ -399,21 +399,24 @@ struct Server::Impl {
     }
     std::map<const tls::RunCa*, CaExpiry> ca_notices;  // the last state logged per CA
 
-    /// Closes the open connections of each static run whose ttl has run out (new requests
-    /// already get 403 run_expired, but a blind tunnel or a keep-alive connection would go on),
-    /// as publish_runtime() does for a dynamic run the sweep removes. Once per expiry: a
-    /// reload that keeps the run keeps its expires_at and closes nothing again; one that gives
-    /// it a new ttl gives it a new expires_at, closed again when that passes. (A connection is
-    /// registered before its run's expiry is checked, so none admitted before the expiry is
-    /// missed.) Runs on the admin thread (sweep_loop).
-    void close_expired_statics() {
+    /// Closes the open connections of each run whose expiry has passed (new requests already
+    /// get 403 run_expired, but a blind tunnel or a keep-alive connection would go on): a
+    /// static run with a ttl, and a dynamic run before the sweep has removed it from the store
+    /// (publish_runtime() closes its connections again then, none left), so a store that
+    /// cannot be written does not keep them open. Once per expiry: a reload that keeps a static
+    /// run keeps its expires_at and closes nothing again; one that gives it a new ttl gives it
+    /// a new expires_at, closed again when that passes. (A connection is registered before its
+    /// run's expiry is checked, so none admitted before the expiry is missed.) Runs on the
+    /// admin thread (sweep_loop).
+    void close_expired() {
         auto rt = shared.runtime.load();
         const auto now = policy::Clock::now();
+        auto expiring = [](const Run& r) { return r.dynamic || r.static_ttl.has_value(); };
         for (const auto& [id, run] : rt->runs) {
-            if (run->dynamic || !run->static_ttl || run->policy.expires_at > now) {
+            if (!expiring(*run) || run->policy.expires_at > now) {
                 continue;
             }
-            auto [it, fresh] = static_expiries_closed.try_emplace(id, run->policy.expires_at);
+            auto [it, fresh] = expiries_closed.try_emplace(id, run->policy.expires_at);
             if (!fresh) {
                 if (it->second == run->policy.expires_at) {
                     continue;
@@ -421,16 +424,16 @@ struct Server::Impl {
                 it->second = run->policy.expires_at;
             }
             size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
-            spdlog::info("run {} expired (ttl): closing {} connections", id, n);
+            spdlog::info("run {} expired: closing {} connections", id, n);
         }
-        // Forget runs no longer served as static runs with a ttl (a reload removed them).
-        std::erase_if(static_expiries_closed, [&](const auto& kv) {
+        // Forget runs no longer served (swept, revoked, removed by a reload).
+        std::erase_if(expiries_closed, [&](const auto& kv) {
             const auto* r = rt->lookup(kv.first);
-            return r == nullptr || (*r)->dynamic || !(*r)->static_ttl;
+            return r == nullptr || !expiring(**r);
         });
     }
-    /// Static run id → the expires_at whose passing closed its connections.
-    std::map<std::string, policy::TimePoint> static_expiries_closed;
+    /// Run id → the expires_at whose passing closed its connections.
+    std::map<std::string, policy::TimePoint> expiries_closed;
 
     awaitable<void> reload_loop() {
         net::signal_set hup(admin_ioc, SIGHUP);
@@ -445,16 +448,37 @@ struct Server::Impl {
 
     awaitable<void> sweep_loop() {
         net::steady_timer t(admin_ioc);
+        // A failing store write (etcd without quorum, a full disk) blocks this thread, which
+        // also answers /healthz and /readyz, up to state.etcd.timeout: after a failure the
+        // sweep waits 2, 4 ... 32 s before it tries again (expired runs' connections are
+        // closed meanwhile all the same, and their requests refused).
+        int failures = 0;
+        auto next_sweep = std::chrono::steady_clock::now();
         for (;;) {
             t.expires_after(std::chrono::seconds(1));
             auto [ec] = co_await t.async_wait(use_nothrow);
             if (ec) {
                 co_return;
             }
-            if (size_t n = control->sweep_expired(); n > 0) {
-                spdlog::info("swept {} expired runs", n);
+            if (const auto now = std::chrono::steady_clock::now(); now >= next_sweep) {
+                auto swept = control->sweep_expired();
+                if (!swept) {
+                    ++failures;
+                    const auto wait = std::chrono::seconds(1 << std::min(failures, 5));
+                    next_sweep = now + wait;
+                    spdlog::warn("sweeping expired runs failed (next try in {} s): {}",
+                                 wait.count(), swept.error());
+                } else {
+                    if (failures > 0) {
+                        spdlog::info("sweeping expired runs works again");
+                    }
+                    failures = 0;
+                    if (*swept > 0) {
+                        spdlog::info("swept {} expired runs", *swept);
+                    }
+                }
             }
-            close_expired_statics();
+            close_expired();
             check_static_cas();
         }
     }

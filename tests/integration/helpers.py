@@ -490,6 +490,29 @@ def curl(args: list[str], env: dict | None = None, timeout: float = 60.0,
     return r
 
 
+def closed_by_peer(c: Conn) -> bool:
+    """True once the peer has closed c (EOF or reset), without sending anything on it."""
+    s = c.sock
+    pending = s.pending() if isinstance(s, ssl.SSLSocket) else 0
+    if not pending and not select.select([s], [], [], 0)[0]:
+        return False
+    old = s.gettimeout()
+    try:
+        s.settimeout(0.05)
+        data = s.recv(1)
+    except (ssl.SSLWantReadError, socket.timeout):  # a TLS record with no data (a ticket)
+        return False
+    except (OSError, ssl.SSLError):
+        return True
+    finally:
+        try:
+            s.settimeout(old)
+        except OSError:
+            pass
+    assert not data, f"unexpected bytes on an idle connection: {data!r}"
+    return True
+
+
 def occurrences_in_memory(pid: int, needle: bytes) -> int:
     """How often `needle` occurs in the writable memory of process `pid` (heap, thread arenas,
     stacks, anonymous mappings), read through /proc/PID/mem (the test runs egressd as a child)."""

@@ -6,6 +6,7 @@ Secret values never appear in test output: see cp_helpers.expect / fp.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import secrets as pysecrets

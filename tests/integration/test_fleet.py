@@ -21,10 +21,8 @@ import dataclasses
 import os
 import re
 import secrets as pysecrets
-import select
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -169,29 +167,6 @@ def connect_status(run: DynRun, target: str) -> tuple[int, str | None]:
     return resp.status, resp.egress_reason
 
 
-def closed_by_peer(c: helpers.Conn) -> bool:
-    """True once the peer has closed c (EOF or reset), without sending anything on it."""
-    s = c.sock
-    pending = s.pending() if isinstance(s, ssl.SSLSocket) else 0
-    if not pending and not select.select([s], [], [], 0)[0]:
-        return False
-    old = s.gettimeout()
-    try:
-        s.settimeout(0.05)
-        data = s.recv(1)
-    except (ssl.SSLWantReadError, socket.timeout):  # a TLS record with no data (a ticket)
-        return False
-    except (OSError, ssl.SSLError):
-        return True
-    finally:
-        try:
-            s.settimeout(old)
-        except OSError:
-            pass
-    assert not data, f"unexpected bytes on an idle connection: {data!r}"
-    return True
-
-
 # ---------------------------------------------------------------------------------------------
 # sharing
 
@@ -242,7 +217,7 @@ def test_revocation_on_one_replica_reaches_the_other_within_a_second(fleet, worl
     blind = helpers.tls_wrap(c, "tunnel.test", world.pki.ca)
     assert helpers.request(blind, "GET", f"/echo/{marker}-b", f"tunnel.test:{world.U}") \
         .status == 200
-    assert not closed_by_peer(blind) and not closed_by_peer(intercepted)
+    assert not helpers.closed_by_peer(blind) and not helpers.closed_by_peer(intercepted)
 
     api_ok(b, "DELETE", f"/v1/runs/{run.id}")
     t0 = time.monotonic()
@@ -253,7 +228,7 @@ def test_revocation_on_one_replica_reaches_the_other_within_a_second(fleet, worl
     st = helpers.poll(refused_on_a, PROPAGATE_S, "A to refuse the run revoked on B")
     assert st == (403, "run_revoked"), \
         f"A refused the revoked run with {st} after {time.monotonic() - t0:.2f}s"
-    helpers.poll(lambda: closed_by_peer(blind), PROPAGATE_S,
+    helpers.poll(lambda: helpers.closed_by_peer(blind), PROPAGATE_S,
                  "A to close the blind tunnel of the run revoked on B", interval=0.02)
     st = refused_or_closed(intercepted, api_host(world), f"/echo/{marker}-after")
     assert st in ((None, "closed"), (403, "run_revoked")), st
@@ -549,6 +524,32 @@ def test_an_expired_run_is_refused_everywhere_and_leaves_etcd(fleet, world):
     assert "exp_tok" in secret_names(a) and "exp_tok" in secret_names(b)
 
 
+def test_more_runs_expiring_at_once_than_one_transaction_takes_are_all_swept(factory, world,
+                                                                            etcd):
+    """Seven runs expiring in the same second, on a replica whose state.etcd.max_txn_ops is 3:
+    the sweep deletes them in transactions of at most 3 (one transaction for all was refused
+    whole, every second, and logged nothing), so they leave etcd long before their leases
+    (lease_grace 60 s) would take them; and the open connection of one is closed at its
+    expiry, whatever the sweep does."""
+    prefix = f"/egressd-sweep-{pysecrets.token_hex(3)}/"
+    a = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], os.urandom(32),
+                                            max_txn_ops=3))
+    put_secret(a, "sw_tok", sval("sweep"), org="acme")
+    runs = [create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "sw_tok")], ttl=3)
+            for _ in range(7)]
+    held = runs[0].tunnel("api.test", world.U)
+    try:
+        helpers.poll(lambda: helpers.closed_by_peer(held), 10.0,
+                     "the connection of an expired run to be closed", interval=0.05)
+    finally:
+        held.close()
+    helpers.poll(lambda: not any(r.id in k for r in runs for k in etcd.keys(prefix)), 15.0,
+                 "every expired run to leave etcd", interval=0.2)
+    assert "sweeping expired runs failed" not in a.stderr_text()
+    for r in runs:
+        assert connect_status(r, api_host(world)) == (403, "run_expired")
+
+
 def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
     """After puts and a rotation on both replicas, runs and traffic through both: no value (in
     clear, base64 or JSON-escaped) is in any key or value under the prefix, in etcd's files or
@@ -634,6 +635,43 @@ def test_a_write_etcd_refuses_is_not_taken_for_an_outage(factory, world):
         a.stop()
     finally:
         small.stop()
+
+
+def test_a_sweep_that_cannot_write_says_so_and_backs_off(factory, world):
+    """An expired run to sweep and an etcd that answers nothing: each failed sweep is logged
+    with the wait before the next (2, 4 ... s: a sweep holds the admin thread, which answers
+    the probes, for state.etcd.timeout), the run's connection is closed at its expiry all the
+    same, and once etcd answers again the sweep goes through and says so."""
+    stalled = Etcd(require_etcd_bin(), world.new_dir("etcd-sweep-")).start()
+    try:
+        a = start_replica(factory, make_replica(
+            factory, world, "/egressd-sweep-stall/", [stalled.url], os.urandom(32),
+            timeout="300ms"))
+        put_secret(a, "st_tok", sval("stall"), org="acme")
+        run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "st_tok")],
+                         ttl=2)
+        held = run.tunnel("api.test", world.U)
+        os.kill(stalled.proc.pid, signal.SIGSTOP)
+        try:
+            helpers.poll(lambda: helpers.closed_by_peer(held), 10.0,
+                         "the expired run's connection to be closed", interval=0.05)
+            helpers.poll(lambda: "sweeping expired runs failed (next try in 4 s)"
+                         in a.stderr_text(), 15.0, "the second failed sweep logged")
+            log = a.stderr_text()
+            assert log.count("sweeping expired runs failed") == 2, log[-2000:]
+            assert "(next try in 2 s)" in log
+            assert api(a, "GET", "/healthz", token=None).status == 200
+        finally:
+            held.close()
+            os.kill(stalled.proc.pid, signal.SIGCONT)
+        helpers.poll(lambda: "sweeping expired runs works again" in a.stderr_text(), 15.0,
+                     "the sweep to go through after etcd resumed")
+        # (The write a stalled sweep sent may land when etcd resumes: the run is gone then.)
+        helpers.poll(lambda: api(a, "GET", f"/v1/runs/{run.id}").status == 404, 5.0,
+                     "the swept run to be gone")
+        a.stop()
+    finally:
+        stalled.stop()
 
 
 def test_state_etcd_timeout_bounds_a_write_to_a_stalled_etcd(factory, world):

@@ -18,7 +18,7 @@ TTL_S = 3.0
 # Expiry is checked once a second (the server's sweep) and the close is posted to the
 # connection's worker: a connection must be gone within this many seconds of the expiry.
 CLOSE_WITHIN_S = 2.0
-CLOSED_LOG = "run r1 expired (ttl): closing"
+CLOSED_LOG = "run r1 expired: closing"
 
 
 class EchoServer:
