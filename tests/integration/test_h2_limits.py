@@ -8,10 +8,13 @@ import hashlib
 import json
 import os
 import signal
+import socket
+import ssl
+import struct
 import subprocess
 import time
 
-from hyperframe.frame import HeadersFrame, RstStreamFrame
+from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
 import helpers
 from clients import proxy_env, run_ca
@@ -163,6 +166,67 @@ def test_non_reading_client_behind_an_h2_upstream_pins_streams_times_window(worl
     finally:
         for c in clients:
             c.close()
+
+
+def frames_until_closed(sock, timeout: float) -> tuple[float | None, int | None]:
+    """Reads raw HTTP/2 frames until the peer closes (within `timeout`): (seconds it took, or
+    None if still open; the error code of the GOAWAY that came, or None)."""
+    buf, goaway, t0 = b"", None, time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < timeout:
+        try:
+            data = sock.recv(65536)
+        except (socket.timeout, TimeoutError):
+            continue
+        except (ssl.SSLError, OSError):
+            return time.monotonic() - t0, goaway
+        if not data:
+            return time.monotonic() - t0, goaway
+        buf += data
+        while len(buf) >= 9:
+            f, n = Frame.parse_frame_header(memoryview(buf[:9]))
+            if len(buf) < 9 + n:
+                break
+            f.parse_body(memoryview(buf[9:9 + n]))
+            buf = buf[9 + n:]
+            if isinstance(f, GoAwayFrame):
+                goaway = f.error_code
+    return None, goaway
+
+
+def test_h2_settings_timeout_ends_a_client_that_never_acknowledges(world, factory, h2up):
+    """limits.h2_settings_timeout: a client that never acknowledges egressd's SETTINGS (it
+    reads nothing, so python-h2 never ACKs) gets GOAWAY SETTINGS_TIMEOUT after it, 1 s here."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"h2_settings_timeout": "1s"}))
+    c = H2Client(e, world, "api.test", h2up.port, timeout=30)
+    try:
+        took, goaway = frames_until_closed(c.sock, 8)
+    finally:
+        c.close()
+    assert goaway == 4 and took is not None and 0.8 < took < 5, (took, goaway)
+
+
+def test_h2_max_settings_bounds_the_entries_of_a_settings_frame(world, factory, h2up):
+    """limits.h2_max_settings: a SETTINGS frame of more entries (40 > 10 here) ends the
+    connection with GOAWAY ENHANCE_YOUR_CALM; one within it is acknowledged."""
+    e = factory.start(add_h2_pins(world, h2up, limits={"h2_max_settings": 10}))
+
+    def settings(n: int) -> bytes:
+        payload = b"".join(struct.pack("!HI", 0x4, 65535) for _ in range(n))
+        return struct.pack("!I", len(payload))[1:] + bytes([4, 0]) + bytes(4) + payload
+    ok = H2Client(e, world, "api.test", h2up.port, timeout=30)
+    try:
+        ok.send_raw(settings(10))
+        assert ok.request("/echo/settings-ok")["status"] == 200
+    finally:
+        ok.close()
+    c = H2Client(e, world, "api.test", h2up.port, timeout=30)
+    try:
+        c.send_raw(settings(40))
+        took, goaway = frames_until_closed(c.sock, 5)
+    finally:
+        c.close()
+    assert goaway == 11 and took is not None, (took, goaway)
 
 
 def test_h2_connection_window_is_the_clients_connection_window(world, factory, marker):
