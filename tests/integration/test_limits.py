@@ -61,6 +61,24 @@ def test_max_header_bytes_answers_431(world, factory):
     assert r.status == 200
 
 
+def test_max_header_bytes_bounds_an_upstream_response_head(world, factory, marker):
+    """An upstream's response head over limits.max_header_bytes is 502 upstream_bad_response
+    (431 is the client's answer for its own head); one under it is relayed."""
+    e = factory.start(mutate=_limits(max_header_bytes=4096))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        big = helpers.request(c, "GET", f"/bighead/6000?m={marker}", f"api.test:{world.U}")
+    finally:
+        c.close()
+    assert (big.status, big.egress_reason) == (502, "upstream_bad_response")
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        small = helpers.request(c, "GET", f"/bighead/1000?m={marker}", f"api.test:{world.U}")
+    finally:
+        c.close()
+    assert small.status == 200 and small.header("X-Pad") == "p" * 1000
+
+
 def test_idle_timeout_closes_an_idle_keep_alive_connection(world, factory, marker):
     e = factory.start(mutate=_limits(idle_timeout="1s"))
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))

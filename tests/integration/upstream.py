@@ -15,6 +15,7 @@
                      header X-Seen and into a chunked body, the value split across two chunks
                      (?split=1: one byte per chunk; ?cl=1: a Content-Length body instead)
     /redirect?to=U   302 to U
+    /bighead/N       200 whose head has an N-byte field (X-Pad)
     /status/N        an empty response with status N (?upgrade=P: with "Upgrade: P";
                      ?accept=A: with "Sec-WebSocket-Accept: A")
     /reflect-reason  401 whose reason phrase carries the request's Authorization value
@@ -412,6 +413,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, b"{}", extra=[("Connection", "X-Update, keep-alive"),
                                           ("Keep-Alive", "timeout=5"), ("X-Update", "1"),
                                           ("Update", "2"), ("X-Kept", "yes")])
+        elif len(parts) == 3 and parts[1] == "bighead" and parts[2].isdigit():
+            # A response head of about N bytes (an X-Pad field), whatever the request's size.
+            self._send(200, b"{}", extra=[("X-Pad", "p" * min(int(parts[2]), 1 << 20))])
         elif base == "/redirect":
             self._send(302, b"", "text/plain", [("Location", q.get("to", "/echo"))])
         elif len(parts) == 3 and parts[1] == "status" and parts[2].isdigit():
