@@ -87,8 +87,9 @@ Identity identify(const Runtime& rt, const H1RequestParser& req) {
     std::string ended_reason;
     if (!run) {
         if (auto e = rt.ended.find(user);
-            e != rt.ended.end() && credstore::constant_time_equals(sha256_hex(pass), e->second.first)) {
-            ended_reason = e->second.second;
+            e != rt.ended.end() && credstore::constant_time_equals(sha256_hex(pass),
+                                                                   e->second.token_sha256)) {
+            ended_reason = e->second.reason;
         }
     }
     egress::secure_zero(pass.data(), pass.size());
@@ -815,7 +816,14 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
         co_return;
     }
     // Identity: the run bound to the client's source address (or the sidecar's only run).
-    scope.run = rt.find_by_source(to_policy_address(peer.address()));
+    auto match = rt.find_by_source(to_policy_address(peer.address()));
+    if (!match.ended.empty()) {
+        // Bound to a run that was revoked or expired: refused as its token would be, never
+        // handed to a broader run (or the anonymous one) instead.
+        audit_refusal(scope, "", "", 403, std::string(match.ended), started);
+        co_return;
+    }
+    scope.run = std::move(match.run);
     if (!scope.run) {
         spdlog::info("conn={} transparent: no run for source {}", scope.conn_id,
                      peer.address().to_string());

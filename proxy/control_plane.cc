@@ -1453,7 +1453,7 @@ Result<size_t> ControlPlane::sweep_expired() {
             muts.push_back(m);
             {
                 std::lock_guard build_lock(build_mu_);
-                remember_swept(id, run.token_sha256);
+                remember_swept(id, {run.token_sha256, run.source_cidrs, run.expires_at});
             }
             if (muts.size() == batch) {
                 if (auto w = write(); !w) return make_error(w.error());
@@ -1539,8 +1539,8 @@ void ControlPlane::resolve_static_store_pins(const credstore::StateSnapshot& sna
     static_built_ = std::move(next);
 }
 
-void ControlPlane::remember_swept(const std::string& id, const std::string& token_sha) {
-    if (swept_.emplace(id, token_sha).second) {
+void ControlPlane::remember_swept(const std::string& id, RunTrace trace) {
+    if (swept_.emplace(id, std::move(trace)).second) {
         swept_order_.push_back(id);
     }
     while (swept_order_.size() > 4096) {  // remember recent ones only
@@ -1555,14 +1555,14 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
     built_revision_.store(snap->revision);
     {
         const int64_t now = unix_now();
-        for (const auto& [id, seen] : last_built_runs_) {
-            if (snap->runs.count(id) == 0 && seen.second <= now) {
-                remember_swept(id, seen.first);
+        for (auto& [id, seen] : last_built_runs_) {
+            if (snap->runs.count(id) == 0 && seen.expires_at <= now) {
+                remember_swept(id, std::move(seen));
             }
         }
         last_built_runs_.clear();
         for (const auto& [id, rec] : snap->runs) {
-            last_built_runs_[id] = {rec.token_sha256, rec.expires_at};
+            last_built_runs_[id] = {rec.token_sha256, rec.source_cidrs, rec.expires_at};
         }
     }
     auto rt = std::make_shared<Runtime>();
@@ -1575,12 +1575,20 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
     std::map<std::string, std::shared_ptr<Run>> built;
     std::map<std::string, std::string> fps;
     SealingIds sealing_ids;
-    for (const auto& [id, token_sha] : swept_) {
-        rt->ended[id] = {token_sha, "run_expired"};
+    auto cidrs = [](const std::vector<std::string>& texts) {
+        std::vector<policy::Cidr> out;
+        for (const auto& t : texts) {
+            if (auto c = policy::Cidr::parse(t)) out.push_back(*c);
+        }
+        return out;
+    };
+    for (const auto& [id, trace] : swept_) {
+        rt->ended[id] = {trace.token_sha256, "run_expired", cidrs(trace.sources)};
     }
     for (const auto& [id, rec] : snap->runs) {
         if (rec.revoked || rec.expires_at <= now) {
-            rt->ended[id] = {rec.token_sha256, rec.revoked ? "run_revoked" : "run_expired"};
+            rt->ended[id] = {rec.token_sha256, rec.revoked ? "run_revoked" : "run_expired",
+                             cidrs(rec.source_cidrs)};
             continue;
         }
         if (rt->runs.count(id) != 0) {

@@ -131,14 +131,21 @@ private:
     };
     std::map<std::string, StaticBuild> static_built_;  // static run id → its served copy
     std::map<std::string, std::string> fingerprints_;      // run id → what it was built from
-    std::map<std::string, std::string> swept_;             // swept run id → token SHA-256
+    /// What is remembered of a run that left the store: its token's SHA-256 and its source
+    /// ranges (Runtime::ended).
+    struct RunTrace {
+        std::string token_sha256;
+        std::vector<std::string> sources;
+        int64_t expires_at = 0;
+    };
+    std::map<std::string, RunTrace> swept_;                // swept run id → its trace
     std::deque<std::string> swept_order_;                  // bounds swept_ (oldest first)
-    /// Run id → (token SHA-256, expires_at) at the last build: a run that leaves the store
-    /// after its expiry, swept by another replica (state.backend etcd), is remembered as
-    /// swept here too, so its token gets 403 run_expired on every replica, not 407.
-    std::map<std::string, std::pair<std::string, int64_t>> last_built_runs_;
+    /// Run id → its trace at the last build: a run that leaves the store after its expiry,
+    /// swept by another replica (state.backend etcd), is remembered as swept here too, so its
+    /// token gets 403 run_expired on every replica, not 407.
+    std::map<std::string, RunTrace> last_built_runs_;
     std::atomic<uint64_t> built_revision_{0};
-    void remember_swept(const std::string& id, const std::string& token_sha);  // build_mu_ held
+    void remember_swept(const std::string& id, RunTrace trace);  // build_mu_ held
 };
 
 }  // namespace egress::proxy

@@ -57,7 +57,7 @@ const std::shared_ptr<Run>* Runtime::lookup(const std::string& id) const {
     return it == runs.end() ? nullptr : &it->second;
 }
 
-std::shared_ptr<Run> Runtime::find_by_source(const policy::IpAddress& client) const {
+Runtime::SourceMatch Runtime::find_by_source(const policy::IpAddress& client) const {
     std::shared_ptr<Run> best;
     int best_prefix = -1;
     bool tied = false;
@@ -75,14 +75,32 @@ std::shared_ptr<Run> Runtime::find_by_source(const policy::IpAddress& client) co
             }
         }
     }
+    // An ended run's range decides only where it is longer than every live run's: a new run
+    // bound to the same address as one that ended takes it over.
+    std::string_view ended_reason;
+    int ended_prefix = -1;
+    for (const auto& [id, e] : ended) {
+        for (const auto& c : e.sources) {
+            if (c.prefix > ended_prefix && c.contains(client)) {
+                ended_reason = e.reason;
+                ended_prefix = c.prefix;
+            }
+        }
+    }
+    if (ended_prefix > best_prefix) {
+        return {nullptr, ended_reason};
+    }
     if (tied) {
-        return nullptr;
+        return {};
     }
     if (best) {
-        return best;
+        return {best, {}};
     }
     // The sidecar's single run serves any source, unless it is bound to some.
-    return anonymous && anonymous->sources.empty() ? anonymous : nullptr;
+    if (anonymous && anonymous->sources.empty()) {
+        return {anonymous, {}};
+    }
+    return {};
 }
 
 Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> config,

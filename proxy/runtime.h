@@ -62,18 +62,32 @@ struct Runtime {
     policy::AddressPolicy addresses;
     std::map<std::string, std::shared_ptr<Run>> runs;
     std::shared_ptr<Run> anonymous;  // set when the only static run has no token
-    /// Dynamic runs that ended (revoked, expired, or recently swept): id → (token SHA-256,
-    /// reason). A client presenting such a run's own token gets 403 with the reason instead
-    /// of 407, so it learns why; nobody else learns the run existed.
-    std::map<std::string, std::pair<std::string, std::string>> ended;
+    /// Dynamic runs that ended (revoked, expired, or recently swept). A client presenting
+    /// such a run's own token gets 403 with the reason instead of 407, so it learns why;
+    /// nobody else learns the run existed. On the transparent listener a source whose longest
+    /// match is an ended run's range is refused the same way, not given to a broader run.
+    struct Ended {
+        std::string token_sha256;
+        std::string reason;  // run_revoked, run_expired
+        std::vector<policy::Cidr> sources;
+    };
+    std::map<std::string, Ended> ended;
+
+    /// The transparent listener's identity of a client address: a run, or the reason the
+    /// run its address is bound to ended (run null), or neither.
+    struct SourceMatch {
+        std::shared_ptr<Run> run;
+        std::string_view ended;  // a reason in `ended` (valid while this Runtime lives)
+    };
 
     std::shared_ptr<Run> find(const std::string& id) const;
     /// The same without a copy: the map's own pointer (valid while this Runtime lives), or null.
     const std::shared_ptr<Run>* lookup(const std::string& id) const;
     /// Transparent mode: the run whose `sources` hold `client` (longest prefix wins; two runs
     /// tied on the longest prefix: none, the binding is ambiguous), else the anonymous run
-    /// if it has no sources of its own.
-    std::shared_ptr<Run> find_by_source(const policy::IpAddress& client) const;
+    /// if it has no sources of its own. An ended run's sources take part: when one of them
+    /// is the longest match, the answer is its end reason.
+    SourceMatch find_by_source(const policy::IpAddress& client) const;
 };
 
 struct BuildWarnings {

@@ -232,3 +232,40 @@ def test_a_direct_connection_to_the_transparent_port_is_refused(factory, world):
     s.close()
     rec = e.wait_audit(lambda x: x.get("reason") == "no_original_destination")
     assert rec[-1]["decision"] == "deny"
+
+
+def test_a_revoked_runs_sandbox_is_refused_not_given_to_a_broader_run(world, factory, marker):
+    """Dynamic runs bound by source: A to the sandbox's address (/32), B to its whole /24.
+    Once A is revoked, the sandbox's connections are refused 403 run_revoked; they are not
+    handed to B, the next-longest match (B's credential had reached the upstream for them)."""
+    why = _netns_unavailable()
+    if why:
+        pytest.skip(why)
+    from cp_helpers import api, api_ok, bearer_pin, cp_mutate, put_secret
+    tp = free_port()
+    sb = Sandbox(f"egt{uuid.uuid4().hex[:4]}r", "10.250.33.0", tp, [world.U], ["api.test"])
+    try:
+        def mutate(cfg):
+            cp_mutate(world, ports=[world.U])(cfg)
+            cfg["listen"]["transparent"] = f"0.0.0.0:{tp}"
+        e = factory.start(mutate)
+        put_secret(e, "tp_tok", "sk-tp-" + os.urandom(12).hex(), org="acme")
+        ids = {}
+        for name, cidr in (("a", f"{sb.address}/32"), ("b", "10.250.33.0/24")):
+            ids[name] = api_ok(e, "POST", "/v1/runs", {
+                "scope": {"org": "acme"}, "source_cidrs": [cidr],
+                "pins": [bearer_pin(f"api.test:{world.U}", "tp_tok")]})["id"]
+        # -k: a run other than A would answer with its own CA; the test is what reaches the
+        # upstream, not the certificate.
+        r = sb.curl("-k", f"https://api.test:{world.U}/echo?{marker}-a")
+        assert r.returncode == 0, r.stderr
+        assert e.wait_audit(lambda x: x.get("path") == "/echo" and x.get("run") == ids["a"])
+        api_ok(e, "DELETE", f"/v1/runs/{ids['a']}")
+        r = sb.curl("-k", f"https://api.test:{world.U}/echo?{marker}-after")
+        assert r.returncode != 0
+        assert world.upstream.find(f"{marker}-after") == []
+        rec = e.wait_audit(lambda x: x.get("reason") == "run_revoked")
+        assert rec[-1]["status"] == 403 and rec[-1]["proto_in"] == "transparent"
+        assert api(e, "GET", f"/v1/runs/{ids['b']}").status == 200
+    finally:
+        sb.down()

@@ -20,18 +20,18 @@ TEST(FindBySource, LongestPrefixWins) {
     Runtime rt;
     rt.runs["wide"] = run_with("wide", {"10.0.0.0/8"});
     rt.runs["narrow"] = run_with("narrow", {"10.1.2.0/24", "fd00::/64"});
-    EXPECT_EQ(rt.find_by_source(ip("10.1.2.3"))->policy.id, "narrow");
-    EXPECT_EQ(rt.find_by_source(ip("10.9.9.9"))->policy.id, "wide");
-    EXPECT_EQ(rt.find_by_source(ip("fd00::5"))->policy.id, "narrow");
-    EXPECT_EQ(rt.find_by_source(ip("192.168.1.1")), nullptr);
+    EXPECT_EQ(rt.find_by_source(ip("10.1.2.3")).run->policy.id, "narrow");
+    EXPECT_EQ(rt.find_by_source(ip("10.9.9.9")).run->policy.id, "wide");
+    EXPECT_EQ(rt.find_by_source(ip("fd00::5")).run->policy.id, "narrow");
+    EXPECT_EQ(rt.find_by_source(ip("192.168.1.1")).run, nullptr);
 }
 
 TEST(FindBySource, TwoRunsTiedOnTheLongestPrefixMatchNeither) {
     Runtime rt;
     rt.runs["a"] = run_with("a", {"10.0.0.0/24", "10.0.0.7/32"});
     rt.runs["b"] = run_with("b", {"10.0.0.0/24"});
-    EXPECT_EQ(rt.find_by_source(ip("10.0.0.7"))->policy.id, "a");  // /32 beats the tie
-    EXPECT_EQ(rt.find_by_source(ip("10.0.0.8")), nullptr);         // tied /24: ambiguous
+    EXPECT_EQ(rt.find_by_source(ip("10.0.0.7")).run->policy.id, "a");  // /32 beats the tie
+    EXPECT_EQ(rt.find_by_source(ip("10.0.0.8")).run, nullptr);         // tied /24: ambiguous
 }
 
 TEST(FindBySource, TheSidecarRunServesAnySourceUnlessItIsBound) {
@@ -39,10 +39,33 @@ TEST(FindBySource, TheSidecarRunServesAnySourceUnlessItIsBound) {
     auto only = run_with("only", {});
     rt.runs["only"] = only;
     rt.anonymous = only;
-    EXPECT_EQ(rt.find_by_source(ip("10.2.3.4")), only);
+    EXPECT_EQ(rt.find_by_source(ip("10.2.3.4")).run, only);
     only->sources.push_back(policy::Cidr::parse("10.9.0.0/16").value());
-    EXPECT_EQ(rt.find_by_source(ip("10.2.3.4")), nullptr);
-    EXPECT_EQ(rt.find_by_source(ip("10.9.1.1")), only);
+    EXPECT_EQ(rt.find_by_source(ip("10.2.3.4")).run, nullptr);
+    EXPECT_EQ(rt.find_by_source(ip("10.9.1.1")).run, only);
+}
+
+// A source bound to a run that ended is refused with the end reason, not handed to a broader
+// run or to the sidecar's; a new run bound to the same range takes it over.
+TEST(FindBySource, AnEndedRunsRangeRefusesRatherThanFallsBack) {
+    Runtime rt;
+    auto only = run_with("only", {});
+    rt.runs["wide"] = run_with("wide", {"10.0.0.0/8"});
+    rt.anonymous = only;
+    rt.ended["gone"] = {"sha", "run_revoked", {policy::Cidr::parse("10.1.2.3/32").value()}};
+    auto m = rt.find_by_source(ip("10.1.2.3"));
+    EXPECT_EQ(m.run, nullptr);
+    EXPECT_EQ(m.ended, "run_revoked");
+    EXPECT_EQ(rt.find_by_source(ip("10.1.2.4")).run->policy.id, "wide");
+    EXPECT_TRUE(rt.find_by_source(ip("10.1.2.4")).ended.empty());
+    rt.runs.erase("wide");
+    EXPECT_EQ(rt.find_by_source(ip("10.1.2.3")).ended, "run_revoked");  // not the sidecar's
+    EXPECT_EQ(rt.find_by_source(ip("10.7.7.7")).run, only);
+    rt.runs["again"] = run_with("again", {"10.1.2.3/32"});
+    m = rt.find_by_source(ip("10.1.2.3"));
+    ASSERT_NE(m.run, nullptr);
+    EXPECT_EQ(m.run->policy.id, "again");
+    EXPECT_TRUE(m.ended.empty());
 }
 
 }  // namespace
