@@ -1,4 +1,5 @@
 // egressd: credential-injecting egress forward proxy.
+#include <sys/prctl.h>
 #include <sys/resource.h>
 
 #include <cerrno>
@@ -51,9 +52,15 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
 }
 
 void harden_process() {
-    // No core dumps: they would contain keys and secrets.
+    // No core dumps: they would contain keys and secrets. RLIMIT_CORE alone does not stop a
+    // core_pattern pipe (systemd-coredump, apport, a container runtime's handler: the kernel
+    // ignores the limit for pipes), so egressd is also not dumpable, which also keeps
+    // processes of the same user from attaching to it or reading /proc/PID/mem (only
+    // CAP_SYS_PTRACE can: the memory tests run as root). Set after the malloc re-exec, which
+    // would reset it.
     rlimit none{0, 0};
     setrlimit(RLIMIT_CORE, &none);
+    ::prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
 }
 
 /// Raises the soft limit on open files to the hard limit, as nginx's worker_rlimit_nofile and
@@ -127,6 +134,7 @@ int main(int argc, char** argv) {
         return 1;
     }
     if (check) {
+        harden_process();  // the check reads secret and key files too
         auto config = std::make_shared<const egress::proxy::Config>(std::move(*cfg));
         egress::proxy::BuildWarnings warnings;
         const std::string errors = start_errors(config, warnings);
