@@ -1155,10 +1155,14 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     if (!v) return error(400, "invalid_request", v.error());
     auto p = parse_pin(*v, "pin", run.scope, *snap, run.expires_at, now);
     if (!p) return error(400, "invalid_request", p.error());
-    auto permitted = run_constraints(run, *current_config());
-    auto wanted = constraint_name(p->host);
-    bool covered = !tls::RunCa::has_name_constraints(run.ca_cert_pem) || std::any_of(permitted.begin(), permitted.end(),
-                               [&](const std::string& n) { return constraint_covers(n, wanted); });
+    // What the CA itself permits, read from it: the config the run was created under may
+    // have changed since (unpinned: intercept adds the global allow list).
+    const auto permitted = tls::RunCa::permitted_names(run.ca_cert_pem);
+    const auto wanted = constraint_name(p->host);
+    const bool covered =
+        !permitted || std::any_of(permitted->begin(), permitted->end(), [&](const std::string& n) {
+            return constraint_covers(n, wanted);
+        });
     if (!covered) {
         return error(409, "conflict",
                      "pin.host: " + p->host + " is outside the names this run's CA may certify "

@@ -266,11 +266,37 @@ std::string RunCa::cert_pem() const {
     return len > 0 ? std::string(data, static_cast<size_t>(len)) : std::string();
 }
 
-bool RunCa::has_name_constraints(const std::string& cert_pem) {
+std::optional<std::vector<std::string>> RunCa::permitted_names(const std::string& cert_pem) {
     BioPtr bio(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())));
     X509Ptr cert(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr) : nullptr);
     ERR_clear_error();
-    return cert != nullptr && X509_get_ext_by_NID(cert.get(), NID_name_constraints, -1) >= 0;
+    if (cert == nullptr) {
+        return std::nullopt;
+    }
+    auto* nc = static_cast<NAME_CONSTRAINTS*>(
+        X509_get_ext_d2i(cert.get(), NID_name_constraints, nullptr, nullptr));
+    if (nc == nullptr) {
+        ERR_clear_error();
+        return std::nullopt;
+    }
+    std::vector<std::string> out;
+    for (int i = 0; i < sk_GENERAL_SUBTREE_num(nc->permittedSubtrees); ++i) {
+        const GENERAL_NAME* base = sk_GENERAL_SUBTREE_value(nc->permittedSubtrees, i)->base;
+        if (base->type == GEN_DNS) {
+            const ASN1_IA5STRING* d = base->d.dNSName;
+            out.emplace_back(reinterpret_cast<const char*>(d->data), static_cast<size_t>(d->length));
+        } else if (base->type == GEN_IPADD) {
+            // Address then mask: 8 bytes (IPv4) or 32 (IPv6); ours are single addresses.
+            const ASN1_OCTET_STRING* ip = base->d.iPAddress;
+            char text[INET6_ADDRSTRLEN] = {};
+            if ((ip->length == 8 && inet_ntop(AF_INET, ip->data, text, sizeof text)) ||
+                (ip->length == 32 && inet_ntop(AF_INET6, ip->data, text, sizeof text))) {
+                out.emplace_back(text);
+            }
+        }
+    }
+    NAME_CONSTRAINTS_free(nc);
+    return out;
 }
 
 std::string RunCa::key_pem() const {

@@ -3,6 +3,7 @@
 // certificate, created in memory; the key is never written anywhere.
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -36,8 +37,10 @@ public:
 
     std::string cert_pem() const;
 
-    /// Whether a CA certificate (PEM) carries X.509 name constraints.
-    static bool has_name_constraints(const std::string& cert_pem);
+    /// The names a CA certificate (PEM) permits by its X.509 name constraints: DNS names as
+    /// they are (".a.test": subdomains only), single addresses as text ("127.0.0.1", "::1");
+    /// nullopt when it carries none (it may certify any name).
+    static std::optional<std::vector<std::string>> permitted_names(const std::string& cert_pem);
 
     /// The CA private key as PKCS#8 PEM, for sealing into the state store (fleet replicas
     /// and restarts must serve the run with the same CA). WARNING: key material; the caller

@@ -1395,6 +1395,35 @@ def test_run_ca_is_name_constrained_to_the_runs_hosts(cp, world, api_secret):
     assert resp.status == 200
 
 
+def test_a_pin_added_later_is_checked_against_the_run_cas_own_constraints(factory, world):
+    """The names a run's CA permits were fixed when it was made: a reload that changes what a
+    new run would get (policy.unpinned: intercept adds the global allow list) changes nothing
+    for it. A pin added afterwards is judged by the CA's constraints as the CA carries them:
+    refused if the CA cannot certify it (it had been accepted, and then failed every TLS
+    handshake), accepted if it can (it had been refused)."""
+    def policy_mode(mode: str):
+        def mutate(c):
+            c["policy"]["unpinned"] = mode
+        return mutate
+    e = factory.start(mutate=lambda c: (cp_mutate(world)(c), policy_mode("tunnel")(c)))
+    put_secret(e, "nc_tok", sval("nc"), org="acme")
+    made_under_tunnel = create_run(e, world, {"org": "acme"},
+                                   [bearer_pin(api_host(world), "nc_tok")])
+    e.config["policy"]["unpinned"] = "intercept"
+    e.write_config()
+    e.reload()
+    made_under_intercept = create_run(e, world, {"org": "acme"},
+                                      [bearer_pin(api_host(world), "nc_tok")])
+    # tunnel.test is in the global allow list: only the CA made under intercept permits it.
+    r = api(e, "POST", f"/v1/runs/{made_under_tunnel.id}/pins", bearer_pin("tunnel.test", "nc_tok"))
+    assert r.status == 409 and b"name constraints" in r.body, (r.status, r.body[:300])
+    e.config["policy"]["unpinned"] = "tunnel"
+    e.write_config()
+    e.reload()
+    api_ok(e, "POST", f"/v1/runs/{made_under_intercept.id}/pins",
+           bearer_pin("tunnel.test", "nc_tok"))
+
+
 # ---------------------------------------------------------------------------------------------
 # secret values in egressd's memory; admin requests it cannot read
 

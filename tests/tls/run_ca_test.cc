@@ -195,7 +195,8 @@ TEST(RunCaTest, NameConstraintsPermitOnlyTheRunsHosts) {
     EXPECT_EQ(verify_error(apex->cert.get(), (*ca)->cert(), "s3.test"),
               X509_V_ERR_PERMITTED_VIOLATION);
     EXPECT_FALSE(RunCa::create("bad", hours(1), {"a,DNS:evil.test"}).ok());
-    EXPECT_TRUE(RunCa::has_name_constraints((*ca)->cert_pem()));
+    EXPECT_EQ(RunCa::permitted_names((*ca)->cert_pem()),
+              (std::vector<std::string>{"api.test", ".s3.test", "127.0.0.1"}));
     // Addresses: only the permitted one; no other IPv4, and no IPv6 (OpenSSL finds it outside
     // the permitted addresses first; it is also excluded, for verifiers that keep families apart).
     auto ip_other = must_mint(**ca, "10.0.0.1");
@@ -219,7 +220,8 @@ TEST(RunCaTest, NameConstraintsOfHostNamesExcludeEveryAddress) {
               X509_V_ERR_EXCLUDED_VIOLATION);
     EXPECT_EQ(verify_error(v6->cert.get(), (*ca)->cert(), "2001:db8::1"),
               X509_V_ERR_EXCLUDED_VIOLATION);
-    EXPECT_FALSE(RunCa::has_name_constraints(make_ca("plain")->cert_pem()));
+    EXPECT_EQ(RunCa::permitted_names(make_ca("plain")->cert_pem()), std::nullopt);
+    EXPECT_EQ(RunCa::permitted_names("junk"), std::nullopt);
 }
 
 TEST(RunCaTest, LeafHasServerFieldsAndAkid) {
