@@ -131,6 +131,10 @@ struct AdminLimits {
     // is closed after it.
     std::chrono::milliseconds read_timeout{30'000};
     std::chrono::milliseconds write_timeout{5'000};  // an answer must be written within this
+    // The store's bounds: every run (with its CA) and pin is in each replica's memory and in
+    // every runtime rebuild, so a runaway caller must not grow them without end.
+    size_t max_runs = 10'000;         // runs in the store (revoked ones until they expire): 409
+    size_t max_pins_per_run = 1'000;  // pins of one run: 400 at creation, 409 when added
 };
 
 struct AuditConfig {

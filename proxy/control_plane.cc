@@ -1055,10 +1055,22 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     run.allow_hosts = *allow;
     run.source_cidrs = *cidrs;
 
+    const AdminLimits limits = current_config()->admin_limits;
     std::lock_guard lock(mu_);
     auto snap = store_->snapshot();
+    if (snap->runs.size() >= limits.max_runs) {
+        return error(409, "conflict",
+                     std::to_string(snap->runs.size()) + " runs exist, admin.max_runs (" +
+                         std::to_string(limits.max_runs) +
+                         "); revoked runs count until they expire");
+    }
     if (auto* pins = o->if_contains("pins"); pins != nullptr && !pins->is_null()) {
         if (!pins->is_array()) return error(400, "invalid_request", "pins: must be an array");
+        if (pins->as_array().size() > limits.max_pins_per_run) {
+            return error(400, "invalid_request",
+                         "pins: more than admin.max_pins_per_run (" +
+                             std::to_string(limits.max_pins_per_run) + ")");
+        }
         for (size_t i = 0; i < pins->as_array().size(); ++i) {
             auto p = parse_pin(pins->as_array()[i], "pins[" + std::to_string(i) + "]", *scope,
                                *snap, run.expires_at, now);
@@ -1150,6 +1162,12 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     const int64_t now = unix_now();
     if (run.revoked || run.expires_at <= now) {
         return error(409, "conflict", "run '" + id + "' is revoked or expired");
+    }
+    if (const size_t most = current_config()->admin_limits.max_pins_per_run;
+        run.pins.size() >= most) {
+        return error(409, "conflict", "run '" + id + "' has " + std::to_string(run.pins.size()) +
+                                          " pins, admin.max_pins_per_run (" +
+                                          std::to_string(most) + ")");
     }
     auto v = parse_json(body, "pin");
     if (!v) return error(400, "invalid_request", v.error());

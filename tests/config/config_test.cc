@@ -54,6 +54,8 @@ void expect_default(const Config& c) {
     EXPECT_FALSE(c.transparent.has_value());
     EXPECT_EQ(c.admin_token_file, d.admin_token_file);
     EXPECT_EQ(c.admin_limits.max_body_bytes, 1u << 20);
+    EXPECT_EQ(c.admin_limits.max_runs, 10'000u);
+    EXPECT_EQ(c.admin_limits.max_pins_per_run, 1'000u);
     EXPECT_EQ(c.admin_limits.max_header_bytes, 16u * 1024);
     EXPECT_EQ(c.admin_limits.read_timeout, milliseconds(30'000));
     EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(5'000));
@@ -141,6 +143,8 @@ admin:
   max_header_bytes: 4096
   read_timeout: 3s
   write_timeout: 250ms
+  max_runs: 50
+  max_pins_per_run: 7
 state:
   backend: etcd
   path: /var/lib/egressd
@@ -253,6 +257,8 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.admin_limits.max_header_bytes, 4096u);
     EXPECT_EQ(c.admin_limits.read_timeout, milliseconds(3'000));
     EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(250));
+    EXPECT_EQ(c.admin_limits.max_runs, 50u);
+    EXPECT_EQ(c.admin_limits.max_pins_per_run, 7u);
     EXPECT_EQ(c.state_backend, "etcd");
     EXPECT_EQ(c.state_path, "/var/lib/egressd");
     EXPECT_EQ(c.etcd.endpoints,

@@ -1395,6 +1395,32 @@ def test_run_ca_is_name_constrained_to_the_runs_hosts(cp, world, api_secret):
     assert resp.status == 200
 
 
+def test_admin_max_runs_and_max_pins_per_run_bound_the_store(factory, world):
+    """admin.max_runs counts every run in the store (a revoked one until it expires) and
+    admin.max_pins_per_run the pins of one: over them, 409 (400 for a creation asking for
+    more pins at once), the detail naming the key; below them everything works."""
+    def limits(c):
+        cp_mutate(world)(c)
+        c["admin"].update(max_runs=2, max_pins_per_run=2)
+    e = factory.start(mutate=limits)
+    put_secret(e, "lim_tok", sval("lim"), org="acme")
+    pin = bearer_pin(api_host(world), "lim_tok")
+    r = api(e, "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": [pin, pin, pin]})
+    assert r.status == 400 and "admin.max_pins_per_run (2)" in r.json["detail"], r.body
+    one = create_run(e, world, {"org": "acme"}, [pin, pin])
+    r = api(e, "POST", f"/v1/runs/{one.id}/pins", pin)
+    assert r.status == 409 and "admin.max_pins_per_run (2)" in r.json["detail"], r.body
+    two = create_run(e, world, {"org": "acme"}, [pin])
+    api_ok(e, "POST", f"/v1/runs/{two.id}/pins", pin)
+    api_ok(e, "DELETE", f"/v1/runs/{two.id}")
+    r = api(e, "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": [pin]})
+    assert r.status == 409 and "admin.max_runs (2)" in r.json["detail"], r.body
+    marker = "m-lim-" + pysecrets.token_hex(3)
+    c, resp = get_via(one, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200
+
+
 def test_a_pin_added_later_is_checked_against_the_run_cas_own_constraints(factory, world):
     """The names a run's CA permits were fixed when it was made: a reload that changes what a
     new run would get (policy.unpinned: intercept adds the global allow list) changes nothing
