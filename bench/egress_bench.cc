@@ -73,23 +73,28 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
     }
     side.options = std::move(*options);
   }
-  for (int pair = 1; pair <= pairs; ++pair) {
+  // Ctrl-C ends the comparison: the run it cut is partial and left out, and so is the A run
+  // of a pair whose B never ran; the report covers the complete pairs.
+  bool interrupted = false;
+  for (int pair = 1; pair <= pairs && !interrupted; ++pair) {
     for (auto& side : sides) {
       RunResult r = run_benchmark(side.options);
+      if (r.interrupted) {
+        interrupted = true;
+        std::fprintf(stderr, "egress-bench: pair %d %s: interrupted, left out\n", pair,
+                     side.label.c_str());
+        break;
+      }
       std::fprintf(stderr, "egress-bench: pair %d %s: %.1f req/s, %llu errors\n", pair,
                    side.label.c_str(), r.rps(), static_cast<unsigned long long>(r.stats.failed));
       if (!r.fatal_error.empty()) {
         std::cerr << "egress-bench: run " << side.label << ": " << r.fatal_error << "\n";
         return kExitFailed;
       }
-      const bool interrupted = r.interrupted;
       side.runs.push_back(std::move(r));
-      if (interrupted) {
-        break;
-      }
     }
-    if (sides[0].runs.back().interrupted || sides[1].runs.size() < sides[0].runs.size()) {
-      break;
+    if (sides[0].runs.size() > sides[1].runs.size()) {
+      sides[0].runs.pop_back();
     }
   }
   if (json) {
@@ -104,7 +109,7 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
       }
     }
   }
-  return kExitOk;
+  return interrupted && sides[0].runs.empty() ? kExitFailed : kExitOk;
 }
 
 int main_impl(int argc, char** argv) {

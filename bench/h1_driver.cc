@@ -6,6 +6,7 @@
 #include <boost/asio/write.hpp>
 #include <boost/beast/http.hpp>
 #include <cctype>
+#include <optional>
 
 #include "bench/driver.h"
 #include "bench/scheduler.h"
@@ -174,12 +175,14 @@ net::awaitable<std::optional<Failure>> Http1Driver::open() {
     conn_.close();
     co_return failure;
   }
-  stats_.connect_latency.record(micros_since(started, Clock::now()));
-  ++stats_.connections_opened;
-  ++stats_.protocols[opened.protocol];
-  if (opened.protocol != "cleartext") {
-    ++stats_.tls_handshakes;
-    stats_.tls_resumed += opened.resumed ? 1 : 0;
+  if (started >= context_.scheduler.measure_start()) {  // a warmup connection is not counted
+    stats_.connect_latency.record(micros_since(started, Clock::now()));
+    ++stats_.connections_opened;
+    ++stats_.protocols[opened.protocol];
+    if (opened.protocol != "cleartext") {
+      ++stats_.tls_handshakes;
+      stats_.tls_resumed += opened.resumed ? 1 : 0;
+    }
   }
   co_return std::nullopt;
 }
@@ -197,10 +200,25 @@ net::awaitable<Exchange> Http1Driver::exchange(Stream& stream) {
   if (buffer_.capacity() < kReadBuffer) {
     buffer_.reserve(kReadBuffer);  // Beast reads up to capacity − size at a time
   }
-  http::response_parser<DiscardBody> parser;
-  parser.body_limit(boost::none);
-  parser.skip(request_.head_method);
-  auto [rec, read] = co_await http::async_read(stream, buffer_, parser, use_nothrow);
+  // Interim responses (100 Continue unasked, 103 Early Hints) are skipped: the answer is
+  // the final one (Beast's parser stops at a 1xx head, whose answer would then be read as
+  // the next request's).
+  std::optional<http::response_parser<DiscardBody>> reading;
+  error_code rec;
+  std::size_t read = 0;
+  for (;;) {
+    auto& p = reading.emplace();
+    p.body_limit(boost::none);
+    p.skip(request_.head_method);
+    auto [ec, n] = co_await http::async_read(stream, buffer_, p, use_nothrow);
+    rec = ec;
+    read += n;
+    const unsigned status = ec ? 0 : p.get().result_int();
+    if (ec || status < 100 || status > 199 || status == 101) {
+      break;
+    }
+  }
+  auto& parser = *reading;
   if (rec) {
     if (rec == beast::error::timeout) {
       x.failure = Failure{ErrorKind::kTimeout, 0, "timed out"};

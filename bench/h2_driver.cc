@@ -209,8 +209,15 @@ net::awaitable<void> Http2Driver::worker(std::shared_ptr<H2ClientSession> sessio
     const Exchange x = co_await exchange(*session, *stream);
     if (x.failure && stream->refused() && !retried) {
       // Refused unprocessed (RST_STREAM REFUSED_STREAM, or above the last stream id of a
-      // GOAWAY: nginx sends one after keepalive_requests streams). RFC 9113 8.7: the next
-      // session sends it, once, as a client does; not an error of the server's.
+      // GOAWAY: nginx sends one after keepalive_requests streams). RFC 9113 8.7: sent again,
+      // once, as a client does; not an error of the server's. On this session while it still
+      // takes streams (a server refusing one stream, at a moment it had too many); else the
+      // next session sends it (parked until then, the ticket's latency would span the run).
+      stream.reset();
+      retried = true;
+      if (session->has_capacity()) {
+        continue;
+      }
       pending_.push_back(*ticket);
       co_return;
     }
@@ -237,11 +244,13 @@ net::awaitable<std::optional<Failure>> Http2Driver::open() {
     conn.close();
     co_return failure;
   }
-  stats_.connect_latency.record(micros_since(started, Clock::now()));
-  ++stats_.connections_opened;
-  ++stats_.protocols[opened.protocol];
-  ++stats_.tls_handshakes;
-  stats_.tls_resumed += opened.resumed ? 1 : 0;
+  if (started >= context_.scheduler.measure_start()) {  // a warmup connection is not counted
+    stats_.connect_latency.record(micros_since(started, Clock::now()));
+    ++stats_.connections_opened;
+    ++stats_.protocols[opened.protocol];
+    ++stats_.tls_handshakes;
+    stats_.tls_resumed += opened.resumed ? 1 : 0;
+  }
   if (opened.protocol != "h2") {
     conn.close();
     co_return Failure{ErrorKind::kAlpn, 0,

@@ -74,7 +74,10 @@ std::uint64_t LatencyHistogram::value_at_percentile(double p) const {
     return 0;
   }
   p = std::clamp(p, 0.0, 100.0);
-  auto rank = static_cast<std::uint64_t>(std::ceil(p / 100.0 * static_cast<double>(total_)));
+  // The rank ceil(p% of total) in integers, p in parts per million: in doubles 99.9 / 100 is
+  // a hair above 0.999, so p99.9 of 1000 values took rank 1000 (the max), not 999.
+  const auto ppm = static_cast<std::uint64_t>(std::llround(p * 10'000.0));
+  auto rank = (ppm * total_ + 999'999) / 1'000'000;
   rank = std::clamp<std::uint64_t>(rank, 1, total_);
   std::uint64_t seen = 0;
   for (std::size_t i = 0; i < counts_.size(); ++i) {

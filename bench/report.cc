@@ -1,6 +1,7 @@
 #include "bench/report.h"
 
 #include <algorithm>
+#include <optional>
 #include <boost/json.hpp>
 #include <cstdio>
 
@@ -20,6 +21,26 @@ std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", digits, v);
   return buf;
+}
+
+std::vector<double> present(const std::vector<std::optional<double>>& values) {
+  std::vector<double> out;
+  for (const auto& v : values) {
+    if (v) {
+      out.push_back(*v);
+    }
+  }
+  return out;
+}
+
+/// A median as text, "n/a" for none.
+std::string median_text(const std::vector<double>& values, int digits) {
+  return values.empty() ? std::string("n/a") : fixed(median(values), digits);
+}
+
+/// A median for JSON, null for none.
+json::value median_json(const std::vector<double>& values) {
+  return values.empty() ? json::value(nullptr) : json::value(median(values));
 }
 
 std::string mode_text(const BenchOptions& o) {
@@ -129,19 +150,22 @@ json::object side_json(const CompareSide& side) {
     p99.push_back(static_cast<double>(r.stats.latency.value_at_percentile(99)));
   }
   o["runs"] = std::move(runs);
-  o["median_rps"] = median(rps);
-  o["median_p99_us"] = median(p99);
+  o["median_rps"] = median_json(rps);
+  o["median_p99_us"] = median_json(p99);
   return o;
 }
 
-std::vector<double> pair_ratios(const CompareSide& a, const CompareSide& b) {
-  std::vector<double> ratios;
+/// B/A of each pair; none (nullopt) where A made no request (no ratio to take, and none
+/// enters the median).
+std::vector<std::optional<double>> pair_ratios(const CompareSide& a, const CompareSide& b) {
+  std::vector<std::optional<double>> ratios;
   for (std::size_t i = 0; i < std::min(a.runs.size(), b.runs.size()); ++i) {
     const double ra = a.runs[i].rps();
-    ratios.push_back(ra > 0 ? b.runs[i].rps() / ra : 0.0);
+    ratios.push_back(ra > 0 ? std::optional<double>(b.runs[i].rps() / ra) : std::nullopt);
   }
   return ratios;
 }
+
 
 }  // namespace
 
@@ -212,8 +236,9 @@ void print_compare_text(std::ostream& out, const CompareSide& a, const CompareSi
   out << "pair   A rps        B rps        B/A     A p99 us   B p99 us\n";
   for (std::size_t i = 0; i < ratios.size(); ++i) {
     char line[160];
-    std::snprintf(line, sizeof line, "%-6zu %-12.1f %-12.1f %-7.3f %-10llu %llu\n", i + 1,
-                  a.runs[i].rps(), b.runs[i].rps(), ratios[i],
+    const std::string ratio = ratios[i] ? fixed(*ratios[i], 3) : std::string("n/a");
+    std::snprintf(line, sizeof line, "%-6zu %-12.1f %-12.1f %-7s %-10llu %llu\n", i + 1,
+                  a.runs[i].rps(), b.runs[i].rps(), ratio.c_str(),
                   static_cast<unsigned long long>(a.runs[i].stats.latency.value_at_percentile(99)),
                   static_cast<unsigned long long>(b.runs[i].stats.latency.value_at_percentile(99)));
     out << line;
@@ -221,9 +246,9 @@ void print_compare_text(std::ostream& out, const CompareSide& a, const CompareSi
   std::vector<double> ra, rb;
   for (const auto& r : a.runs) ra.push_back(r.rps());
   for (const auto& r : b.runs) rb.push_back(r.rps());
-  out << "median A rps    " << fixed(median(ra), 1) << "\n";
-  out << "median B rps    " << fixed(median(rb), 1) << "\n";
-  out << "median B/A      " << fixed(median(ratios), 3) << "\n";
+  out << "median A rps    " << median_text(ra, 1) << "\n";
+  out << "median B rps    " << median_text(rb, 1) << "\n";
+  out << "median B/A      " << median_text(present(ratios), 3) << "\n";
 }
 
 void print_compare_json(std::ostream& out, const CompareSide& a, const CompareSide& b) {
@@ -233,11 +258,11 @@ void print_compare_json(std::ostream& out, const CompareSide& a, const CompareSi
   o["b"] = side_json(b);
   const auto ratios = pair_ratios(a, b);
   json::array r;
-  for (double x : ratios) {
-    r.push_back(x);
+  for (const auto& x : ratios) {
+    r.push_back(x ? json::value(*x) : json::value(nullptr));
   }
   o["ratios"] = std::move(r);
-  o["median_ratio"] = median(ratios);
+  o["median_ratio"] = median_json(present(ratios));
   out << json::serialize(o) << "\n";
 }
 

@@ -30,6 +30,17 @@ int main() {
     CHECK(h.min() == 1 && h.max() == 2000);
     CHECK(h.mean() > 1000.4 && h.mean() < 1000.6);
   }
+  {  // Ranks are exact: p99.9 of 1..1000 is the 999th value, not the max.
+    LatencyHistogram h;
+    for (std::uint64_t v = 1; v <= 1000; ++v) h.record(v);
+    CHECK(h.value_at_percentile(99.9) == 999);
+    CHECK(h.value_at_percentile(99) == 990);
+    CHECK(h.value_at_percentile(50) == 500);
+    CHECK(h.value_at_percentile(100) == 1000);
+    LatencyHistogram one;
+    one.record(7);
+    CHECK(one.value_at_percentile(0) == 7 && one.value_at_percentile(99.9) == 7);
+  }
   {  // Relative error below 1/1024 for large values; percentile never above max.
     for (std::uint64_t v : {2048ull, 2049ull, 4095ull, 123457ull, 9876543ull, 4000000000ull}) {
       LatencyHistogram h;

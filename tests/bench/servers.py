@@ -66,6 +66,8 @@ class _OriginHandler(http.server.BaseHTTPRequestHandler):
             status = int(path.split("/")[2])
         body = b"hello from origin\n"
         head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        if path.startswith("/early-hints"):  # an interim answer first, as a CDN may send
+            head = b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n" + head
         # One write per response: no Nagle / delayed-ACK stall between head and body.
         self.wfile.write(head + (b"" if self.command == "HEAD" else body))
 
@@ -299,7 +301,8 @@ class H2Origin:
     answers N; every other path answers 200 with a small body. With ``goaway_after = N`` a
     connection answers N requests, then sends GOAWAY naming the last and closes (as nginx
     after keepalive_requests): streams the client sent past it are refused unprocessed and
-    counted in ``refused``."""
+    counted in ``refused``. With ``refuse_nth = N`` the N-th request it receives (across
+    connections) is refused with RST_STREAM REFUSED_STREAM, the connection going on."""
 
     BODY = b"hello from h2 origin\n"
 
@@ -312,6 +315,8 @@ class H2Origin:
         self.requests: list[tuple[str, str, list, int]] = []
         self.connections = 0
         self.goaway_after = 0
+        self.refuse_nth = 0
+        self.received = 0
         self.refused = 0
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -338,6 +343,7 @@ class H2Origin:
     def _serve(self, raw: socket.socket):
         import h2.config
         import h2.connection
+        import h2.errors
         import h2.events
 
         _nodelay(raw)
@@ -365,6 +371,14 @@ class H2Origin:
                                 self.refused += 1
                         continue
                     if isinstance(ev, h2.events.RequestReceived):
+                        with self.lock:
+                            self.received += 1
+                            refuse = self.received == self.refuse_nth
+                            self.refused += 1 if refuse else 0
+                        if refuse:
+                            conn.reset_stream(ev.stream_id, error_code=h2.errors.ErrorCodes
+                                              .REFUSED_STREAM)
+                            continue
                         streams[ev.stream_id] = [
                             [(k.decode() if isinstance(k, bytes) else k,
                               v.decode() if isinstance(v, bytes) else v) for k, v in ev.headers],

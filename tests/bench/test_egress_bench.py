@@ -8,8 +8,10 @@ import base64
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -294,6 +296,26 @@ def test_rate_with_duration(origin, pki):
     assert out["rate"] == 200
 
 
+def test_open_loop_rate_is_the_offered_rate_when_the_server_keeps_up(origin, pki):
+    """n requests offered at R/s span n/R seconds: req/s is R when every answer comes in time
+    (measured to the last completion alone it read n/(n-1) of R: 11.1 at --rate 10 for 1 s)."""
+    out = bench_json("--cacert", pki["ca"], "--rate", 20, "--duration", "1s", origin.url())
+    n = out["requests"]["total"]
+    assert n == 20 and out["requests"]["ok"] == n, out["requests"]
+    assert out["rps"] <= 20.0 + 1e-6 and out["elapsed_s"] >= 1.0 - 1e-6, out
+
+
+def test_warmup_connections_are_not_counted(origin, pki):
+    """--new-connection with a warmup: the connection figures cover the counted requests'
+    connections only (warmup's had been counted too: 62 for 10 requests)."""
+    out = bench_json("--cacert", pki["ca"], "--new-connection", "--warmup", "300ms",
+                     "--requests", 10, origin.url())
+    assert out["requests"]["total"] == 10 and out["requests"]["warmup"] > 0
+    assert out["connections_opened"] == 10 and out["tls_handshakes"] == 10, out
+    assert out["connect_latency_us"]["count"] == 10
+    assert sum(out["alpn"].values()) == 10, out["alpn"]
+
+
 def test_rate_with_requests_is_exact(origin, pki):
     out = bench_json("--cacert", pki["ca"], "--rate", 500, "--requests", 40, "--warmup", "100ms",
                      "--connections", 2, origin.url())
@@ -328,6 +350,30 @@ def test_compare_json(origin, pki):
         rps = sorted(r["rps"] for r in out[side]["runs"])
         assert out[side]["median_rps"] == pytest.approx(rps[1])
         assert all(r["requests"] == 30 for r in out[side]["runs"])
+
+
+def test_compare_interrupted_reports_the_complete_pairs(origin, pki):
+    """Ctrl-C during a comparison: the cut run is left out, and so is the A run of its pair;
+    the report of the complete pairs is printed (it had printed nothing, or medians with a
+    B of 0)."""
+    p = subprocess.Popen([BIN, "--json", "--cacert", pki["ca"], "--rate", "50", "--duration",
+                          "1s", origin.url(), "--compare", "", "--connections 2",
+                          "--pairs", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    before = len(origin.requests)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(origin.requests) - before < 50 * 3 + 10:
+            time.sleep(0.02)  # into pair 2's B run
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    rep = json.loads(out)
+    assert rep["pairs"] == 1 and len(rep["a"]["runs"]) == len(rep["b"]["runs"]) == 1, rep
+    assert rep["median_ratio"] == pytest.approx(rep["ratios"][0])
+    assert "interrupted, left out" in err
 
 
 # --- usage -----------------------------------------------------------------------------------
@@ -384,6 +430,35 @@ def test_h2_streams_refused_by_a_goaway_are_sent_again(pki):
         assert len(o.requests) == 300
         assert o.connections >= 12, o.connections
         assert o.refused > 0, "no stream was refused: the GOAWAY path was not exercised"
+    finally:
+        o.stop()
+
+
+@pytest.mark.parametrize("mode", ["keep-alive", "--new-connection"])
+def test_h1_interim_responses_are_skipped(origin, pki, mode):
+    """A 103 Early Hints before each answer is not the answer: every request gets its 200,
+    and exactly as many requests reach the server (the 200 had been read as the next
+    request's answer, and --new-connection never read it)."""
+    before = len(origin.requests)
+    args = ["--cacert", pki["ca"], "--requests", 6, origin.url("/early-hints")]
+    out = bench_json(*(args if mode == "keep-alive" else [mode, *args]))
+    assert out["status"] == {"200": 6}, out["status"]
+    assert out["requests"]["ok"] == 6 and len(origin.requests) - before == 6
+
+
+def test_an_h2_stream_refused_on_a_live_connection_is_sent_again_on_it(pki):
+    """A server that refuses one stream (RST_STREAM REFUSED_STREAM) and goes on: the request
+    is sent again at once on the same connection, not parked until the run's end (its
+    latency had spanned the run, and the run had opened a second connection for it)."""
+    o = servers.H2Origin(pki)
+    o.refuse_nth = 3
+    try:
+        out = bench_json("--h2", "--cacert", pki["ca"], "--streams", 4, "--duration", "1500ms",
+                         "--rate", 40, o.url("/r"))
+        assert out["requests"]["errors"] == 0 and out["requests"]["ok"] >= 40, out["requests"]
+        assert o.refused == 1
+        assert o.connections == 1, o.connections
+        assert out["latency_us"]["max"] < 1_000_000, out["latency_us"]
     finally:
         o.stop()
 
