@@ -511,6 +511,15 @@ private:
         if (!loaded) {
             co_return make_error(loaded.error());
         }
+        {
+            // The watch runs on while the read is in flight: if it installed a newer revision
+            // meanwhile (a revocation from another replica), the older read must not replace
+            // it. The watch will not send that change again; the view would roll back for good.
+            std::lock_guard lock(mu_);
+            if (view_ && loaded->snap->revision < view_->snap->revision) {
+                co_return true;
+            }
+        }
         install(std::make_shared<View>(std::move(*loaded)), true);
         watched_keys_ = keys;
         co_return true;

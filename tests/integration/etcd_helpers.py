@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import urllib.request
@@ -227,3 +228,122 @@ class Etcd:
                 except OSError:
                     pass
         return b"".join(out)
+
+
+class GatewayRelay:
+    """An HTTP/1.1 relay on 127.0.0.1 in front of etcd's JSON gateway, one request per
+    connection (as egressd makes them), that can hold back what a replica reads: with
+    `pause_watch` set the watch stream's bytes wait (up to 30 s); with `hold_range` set the
+    answer to a read of the whole prefix (a resync) is kept until `release` is set, and
+    `held` tells that one is being kept. For races between a replica's watch and its reads."""
+
+    def __init__(self, etcd_port: int):
+        import threading
+        self.etcd_port = etcd_port
+        self.pause_watch = threading.Event()
+        self.hold_range = threading.Event()
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self):
+        import threading
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _read_request(c: socket.socket) -> tuple[str, bytes, bytes] | None:
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            d = c.recv(65536)
+            if not d:
+                return None
+            buf += d
+        head, body = buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        length = 0
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            if k.strip().lower() == "content-length":
+                length = int(v.strip())
+        while len(body) < length:
+            d = c.recv(65536)
+            if not d:
+                break
+            body += d
+        return lines[0].split(" ")[1], head + b"\r\n\r\n" + body, body
+
+    def _serve(self, c: socket.socket):
+        import time
+        u = None
+        try:
+            c.settimeout(60)
+            req = self._read_request(c)
+            if req is None:
+                return
+            path, raw, body = req
+            u = socket.create_connection(("127.0.0.1", self.etcd_port), timeout=60)
+            u.sendall(raw)
+            whole = False
+            if path == "/v3/kv/range":
+                j = json.loads(body or b"{}")
+                whole = not (j.get("count_only") or j.get("keys_only") or j.get("limit"))
+            if whole and self.hold_range.is_set():
+                answer = b""
+                u.settimeout(5)
+                while True:  # etcd's gateway answers with Content-Length: read it whole
+                    try:
+                        d = u.recv(65536)
+                    except socket.timeout:
+                        break
+                    if not d:
+                        break
+                    answer += d
+                    head, _, rest = answer.partition(b"\r\n\r\n")
+                    m = [ln for ln in head.split(b"\r\n")
+                         if ln.lower().startswith(b"content-length:")]
+                    if m and len(rest) >= int(m[0].split(b":")[1]):
+                        break
+                self.held.set()
+                self.release.wait(60)
+                c.sendall(answer)
+                return
+            while True:
+                d = u.recv(65536)
+                if not d:
+                    return
+                if path == "/v3/watch":
+                    for _ in range(600):  # 30 s at most
+                        if not self.pause_watch.is_set():
+                            break
+                        time.sleep(0.05)
+                c.sendall(d)
+        except OSError:
+            pass
+        finally:
+            for s in (c, u):
+                if s is not None:
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+
+    def close(self):
+        self.closed = True
+        self.release.set()
+        self.pause_watch.clear()
+        self.sock.close()

@@ -38,7 +38,7 @@ import upstream
 from cp_helpers import (SEEN, DynRun, api, api_ok, bearer_pin, contains_any, cp_mutate,
                         create_run, expect, fp, get_via, put_secret, refused_or_closed,
                         rotate_secret, seen_auth)
-from etcd_helpers import Etcd, EtcdTls, require_etcd_bin
+from etcd_helpers import Etcd, EtcdTls, GatewayRelay, require_etcd_bin
 
 # DESIGN's bound for a change made on one replica to reach every other (the watch). A
 # sanitizer build rebuilds its runtime several times slower: the bound is doubled there.
@@ -548,6 +548,47 @@ def test_more_runs_expiring_at_once_than_one_transaction_takes_are_all_swept(fac
     assert "sweeping expired runs failed" not in a.stderr_text()
     for r in runs:
         assert connect_status(r, api_host(world)) == (403, "run_expired")
+
+
+def test_a_read_in_flight_does_not_roll_back_what_the_watch_brought(factory, world, etcd):
+    """Replica A reads the whole state again (its write lost a race: another replica changed
+    the record first) while its watch runs on. The watch brings a revocation from B before
+    that read's older answer lands: the older answer must not replace the newer state (the
+    watch never sends the revocation again; A had served the revoked run for good)."""
+    prefix = f"/egressd-race-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    relay = GatewayRelay(etcd.client_port)
+    try:
+        # (A's etcd timeout outlasts the held read: a read that timed out would install nothing.)
+        a = start_replica(factory, make_replica(factory, world, prefix, [relay.url], key,
+                                                timeout="30s"))
+        b = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key))
+        put_secret(b, "race_tok", sval("race1"), org="acme")
+        run = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "race_tok")])
+        wait_run_known(a, run, world)
+        relay.pause_watch.set()  # A's view of the secret goes stale ...
+        rotate_secret(b, "race_tok", sval("race2"), org="acme")
+        relay.hold_range.set()  # ... so its own rotation loses, and it reads the state again
+        result = {}
+        writer = threading.Thread(target=lambda: result.setdefault("r", api(
+            a, "PUT", "/v1/secrets/race_tok", {"scope": {"org": "acme"}, "value": sval("race3")},
+            timeout=60)), daemon=True)
+        writer.start()
+        assert relay.held.wait(15), "A did not read the state again"
+        api_ok(b, "DELETE", f"/v1/runs/{run.id}")  # newer than the read A holds
+        relay.pause_watch.clear()
+        helpers.poll(lambda: connect_status(on(run, a), api_host(world)) == (403, "run_revoked"),
+                     10.0, "A's watch to bring the revocation")
+        relay.hold_range.clear()
+        relay.release.set()  # the older read lands now
+        writer.join(60)
+        assert "r" in result, "A's write did not answer"
+        put_secret(b, "race_other", sval("race4"), org="acme")  # moves A's watch on
+        helpers.poll(lambda: "race_other" in secret_names(a), 10.0, "A to see a later write")
+        assert connect_status(on(run, a), api_host(world)) == (403, "run_revoked")
+        assert api_ok(a, "GET", f"/v1/runs/{run.id}")["revoked"] is True
+    finally:
+        relay.close()
 
 
 def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
