@@ -57,27 +57,38 @@ Result<bool> apply_kv(StateSnapshot& snap, std::map<std::string, int64_t>& revs,
         revs.erase(std::string(key));
         return true;
     }
+    // The key's revision is kept whatever its value holds: a record that does not parse is
+    // still there, and a write that replaces or deletes it must be guarded by its revision.
+    revs[std::string(key)] = mod_revision;
+    // A record that does not parse is dropped from the state (fail closed: the value it had
+    // before is not served on), and the error says why.
+    auto unreadable = [&](const std::string& why) -> Result<bool> {
+        if (is_secret) {
+            snap.secrets.erase(name);
+        } else {
+            snap.runs.erase(name);
+        }
+        return make_error("etcd key " + std::string(key) + ": " + why);
+    };
     if (is_secret) {
         auto s = secret_record_from_json(*value);
         if (!s) {
-            return make_error("etcd key " + std::string(key) + ": " + s.error());
+            return unreadable(s.error());
         }
         if (secret_key(s->name, s->scope) != name) {
-            return make_error("etcd key " + std::string(key) + ": holds secret " +
-                              secret_key(s->name, s->scope));
+            return unreadable("holds secret " + secret_key(s->name, s->scope));
         }
         snap.secrets[name] = std::move(*s);
     } else {
         auto r = run_record_from_json(*value);
         if (!r) {
-            return make_error("etcd key " + std::string(key) + ": " + r.error());
+            return unreadable(r.error());
         }
         if (r->id != name) {
-            return make_error("etcd key " + std::string(key) + ": holds run " + r->id);
+            return unreadable("holds run " + r->id);
         }
         snap.runs[name] = std::move(*r);
     }
-    revs[std::string(key)] = mod_revision;
     return true;
 }
 

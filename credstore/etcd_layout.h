@@ -36,7 +36,8 @@ struct View {
 
 /// Applies one key of a range or watch answer to `snap` and `revs`: a put (`value` set) or a
 /// delete. A key outside the layout is ignored. A value that does not parse is an error naming
-/// the key; nothing is changed then (the caller logs it and keeps the rest).
+/// the key; its record is dropped (fail closed: the value it had is not served on) and its
+/// revision kept, so a write can replace it (the caller logs it and keeps the rest).
 Result<bool> apply_kv(StateSnapshot& snap, std::map<std::string, int64_t>& revs,
                       const std::string& prefix, std::string_view key,
                       std::optional<std::string_view> value, int64_t mod_revision);

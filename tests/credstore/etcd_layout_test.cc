@@ -92,18 +92,38 @@ TEST(EtcdLayout, KeysOutsideTheLayoutAreIgnored) {
     EXPECT_TRUE(revs.empty());
 }
 
-TEST(EtcdLayout, ARecordThatDoesNotParseIsAnErrorNamingTheKeyAndChangesNothing) {
+// Fail closed: a record that no longer parses is not served with the value it had before (a
+// revoked run would have gone on), and its key keeps its revision, so a write can replace or
+// delete it (guarded by a stale revision, every write to it had failed).
+TEST(EtcdLayout, ARecordThatDoesNotParseIsDroppedAndItsRevisionKept) {
     StateSnapshot snap;
     std::map<std::string, int64_t> revs;
     const SealedSecret gh = secret("gh", "acme");
     const std::string key = secret_path(kPrefix, gh);
     ASSERT_TRUE(apply_kv(snap, revs, kPrefix, key, secret_record_to_json(gh), 5).ok());
+    ASSERT_TRUE(apply_kv(snap, revs, kPrefix, run_path(kPrefix, "run_1"),
+                         run_record_to_json(run("run_1")), 6)
+                    .ok());
 
     auto bad = apply_kv(snap, revs, kPrefix, key, "{not json", 9);
     ASSERT_FALSE(bad.ok());
     EXPECT_NE(bad.error().find(key), std::string::npos) << bad.error();
-    EXPECT_EQ(snap.secrets.at("gh@org=acme").ciphertext, gh.ciphertext);
-    EXPECT_EQ(revs.at(key), 5);
+    EXPECT_EQ(snap.secrets.count("gh@org=acme"), 0U);
+    EXPECT_EQ(revs.at(key), 9);
+    auto bad_run = apply_kv(snap, revs, kPrefix, run_path(kPrefix, "run_1"), "[]", 10);
+    ASSERT_FALSE(bad_run.ok());
+    EXPECT_TRUE(snap.runs.empty());
+    EXPECT_EQ(revs.at(run_path(kPrefix, "run_1")), 10);
+    // A write of the name again is planned against the unreadable record's revision.
+    View v;
+    v.snap = std::make_shared<const StateSnapshot>(snap);
+    v.mod_revisions = revs;
+    StateSnapshot next = snap;
+    next.secrets["gh@org=acme"] = gh;
+    const TxnPlan plan = plan_txn(v, next, kPrefix);
+    ASSERT_EQ(plan.puts.size(), 1U);
+    EXPECT_EQ(plan.expect.at(key), 9);
+    ASSERT_TRUE(apply_kv(snap, revs, kPrefix, key, secret_record_to_json(gh), 12).ok());
 
     // A record under another record's key (a hand edit, a bug) is refused, not filed there.
     auto moved = apply_kv(snap, revs, kPrefix, "/egressd/secrets/npm@org=acme",
@@ -113,7 +133,7 @@ TEST(EtcdLayout, ARecordThatDoesNotParseIsAnErrorNamingTheKeyAndChangesNothing) 
     auto run_moved = apply_kv(snap, revs, kPrefix, run_path(kPrefix, "run_2"),
                               run_record_to_json(run("run_1")), 11);
     ASSERT_FALSE(run_moved.ok());
-    EXPECT_EQ(snap.secrets.size(), 1U);
+    EXPECT_EQ(snap.secrets.size(), 1U);  // gh, written again above
     EXPECT_TRUE(snap.runs.empty());
 }
 

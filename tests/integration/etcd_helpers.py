@@ -210,6 +210,10 @@ class Etcd:
         """The TTL (seconds) lease was granted with; -1 for a lease that is gone."""
         return int(self._post("/v3/lease/timetolive", {"ID": lease}).get("grantedTTL", -1))
 
+    def put(self, key: str, value: str) -> None:
+        """Writes a key as it is (a hand edit, or a record another version wrote)."""
+        self._post("/v3/kv/put", {"key": b64(key), "value": b64(value)})
+
     def keys(self, prefix: str) -> list[str]:
         return [kv["key"] for kv in self.range(prefix)]
 

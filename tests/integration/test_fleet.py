@@ -591,6 +591,26 @@ def test_a_read_in_flight_does_not_roll_back_what_the_watch_brought(factory, wor
         relay.close()
 
 
+def test_a_record_that_does_not_parse_is_not_served_and_can_be_written_again(fleet, world):
+    """A secret's record in etcd overwritten with something that does not parse (a hand edit,
+    a format another version wrote): no replica serves the value it had before (fail closed),
+    the log names the key, and the name can be written again through the API (every write
+    to it had failed on a stale revision: 409 after eight full reads)."""
+    a, b = fleet.a, fleet.b
+    put_secret(a, "bad_tok", sval("bad1"), org="acme")
+    helpers.poll(lambda: "bad_tok" in secret_names(b), 5 * PROPAGATE_S, "B to see the secret")
+    [key] = [k for k in fleet.etcd.keys(fleet.prefix) if "bad_tok" in k]
+    fleet.etcd.put(key, "{not json")
+    for e in (a, b):
+        helpers.poll(lambda e=e: "bad_tok" not in secret_names(e), 5 * PROPAGATE_S,
+                     f"replica :{e.admin_port} to stop serving the unreadable record")
+        assert f"etcd key {key}" in e.stderr_text()
+    put_secret(b, "bad_tok", sval("bad2"), org="acme")
+    for e in (a, b):
+        helpers.poll(lambda e=e: "bad_tok" in secret_names(e), 5 * PROPAGATE_S,
+                     f"replica :{e.admin_port} to serve the record written again")
+
+
 def test_no_secret_value_reaches_etcd_or_any_output(fleet, world):
     """After puts and a rotation on both replicas, runs and traffic through both: no value (in
     clear, base64 or JSON-escaped) is in any key or value under the prefix, in etcd's files or
