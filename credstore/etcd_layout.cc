@@ -123,7 +123,11 @@ TxnPlan plan_txn(const View& base, const StateSnapshot& next, const std::string&
         }
         std::string key = run_path(prefix, id);
         guard(key);
-        plan.puts.push_back({std::move(key), std::move(text), r.expires_at});
+        const bool same_life = it != old.runs.end() && it->second.expires_at == r.expires_at &&
+                               base.mod_revisions.count(key) != 0;
+        plan.puts.push_back({std::move(key), std::move(text),
+                             same_life ? std::nullopt : std::optional<int64_t>(r.expires_at),
+                             same_life});
     }
     for (const auto& [id, r] : old.runs) {
         if (next.runs.count(id) == 0) {

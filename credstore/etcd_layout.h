@@ -48,7 +48,11 @@ struct TxnPlan {
     struct Put {
         std::string key;
         std::string value;
-        std::optional<int64_t> run_expires_at;  // a run: its key gets a lease ending after it
+        std::optional<int64_t> run_expires_at;  // a new run: its key gets a lease ending after it
+        /// A run rewritten with the same expiry (a pin added, a revoke, a rewrap): it keeps
+        /// the lease it has (etcd's ignore_lease), rather than a new one for each write that
+        /// would leave the old one granted, keyless, until it ran out.
+        bool keep_lease = false;
     };
     std::vector<Put> puts;
     std::vector<std::string> deletes;

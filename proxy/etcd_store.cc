@@ -151,6 +151,8 @@ std::string txn_body(const credstore::etcd::TxnPlan& plan, const std::vector<int
         put["value"] = b64(plan.puts[i].value);
         if (leases[i] != 0) {
             put["lease"] = std::to_string(leases[i]);
+        } else if (plan.puts[i].keep_lease) {
+            put["ignore_lease"] = true;
         }
         json::object op;
         op["request_put"] = std::move(put);

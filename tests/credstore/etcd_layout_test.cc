@@ -171,10 +171,19 @@ TEST(EtcdLayout, ThePlanWritesOnlyChangedRecordsGuardedByTheirRevisions) {
     ASSERT_EQ(puts.count("/egressd/secrets/s3@org=acme"), 1U);
     ASSERT_EQ(puts.count("/egressd/runs/run_1"), 1U);
     EXPECT_EQ(puts.count("/egressd/secrets/npm@org=acme"), 0U);  // unchanged: not written
-    // Secrets carry no lease; a run's put carries its expiry (its key gets a lease).
+    // Secrets carry no lease; a run rewritten with the same expiry keeps the lease it has.
     EXPECT_FALSE(puts["/egressd/secrets/gh@org=acme"]->run_expires_at.has_value());
-    ASSERT_TRUE(puts["/egressd/runs/run_1"]->run_expires_at.has_value());
-    EXPECT_EQ(*puts["/egressd/runs/run_1"]->run_expires_at, 1700001800);
+    EXPECT_FALSE(puts["/egressd/secrets/gh@org=acme"]->keep_lease);
+    EXPECT_FALSE(puts["/egressd/runs/run_1"]->run_expires_at.has_value());
+    EXPECT_TRUE(puts["/egressd/runs/run_1"]->keep_lease);
+    // A new run's put carries its expiry (its key gets a lease ending after it).
+    StateSnapshot with_new = *base.snap;
+    with_new.runs["run_3"] = run("run_3");
+    const auto created = plan_txn(base, with_new, kPrefix);
+    ASSERT_EQ(created.puts.size(), 1U);
+    ASSERT_TRUE(created.puts[0].run_expires_at.has_value());
+    EXPECT_EQ(*created.puts[0].run_expires_at, 1700001800);
+    EXPECT_FALSE(created.puts[0].keep_lease);
 
     // Every written or deleted key is guarded: existing ones by the revision the view saw,
     // a new one by 0 (it must still be absent); untouched keys are not compared.

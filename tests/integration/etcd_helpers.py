@@ -210,6 +210,10 @@ class Etcd:
         """The TTL (seconds) lease was granted with; -1 for a lease that is gone."""
         return int(self._post("/v3/lease/timetolive", {"ID": lease}).get("grantedTTL", -1))
 
+    def leases(self) -> set[int]:
+        """The IDs of every lease granted and not yet ended."""
+        return {int(x["ID"]) for x in self._post("/v3/lease/leases", {}).get("leases", [])}
+
     def put(self, key: str, value: str) -> None:
         """Writes a key as it is (a hand edit, or a record another version wrote)."""
         self._post("/v3/kv/put", {"key": b64(key), "value": b64(value)})

@@ -591,6 +591,26 @@ def test_a_read_in_flight_does_not_roll_back_what_the_watch_brought(factory, wor
         relay.close()
 
 
+def test_a_run_keeps_one_lease_however_often_it_is_written(fleet, world):
+    """A run's record is rewritten when a pin is added or it is revoked: it keeps the lease it
+    was created with (one lease per run in etcd), instead of a new one per write that left the
+    old one granted, with no key, for the run's whole life (7 for a run and 5 writes)."""
+    a = fleet.a
+    put_secret(a, "lease_tok", sval("lease"), org="acme")
+    before = fleet.etcd.leases()
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "lease_tok")],
+                     ttl=3600)
+    created = fleet.etcd.leases() - before
+    assert len(created) == 1, created
+    for i in range(3):
+        api_ok(a, "POST", f"/v1/runs/{run.id}/pins",
+               bearer_pin(api_host(world), "lease_tok", path_prefixes=[f"/l{i}"]))
+    api_ok(a, "DELETE", f"/v1/runs/{run.id}")
+    assert fleet.etcd.leases() - before == created
+    leases = {kv["lease"] for kv in fleet.etcd.range(fleet.prefix) if run.id in kv["key"]}
+    assert leases == created, (leases, created)
+
+
 def test_a_record_that_does_not_parse_is_not_served_and_can_be_written_again(fleet, world):
     """A secret's record in etcd overwritten with something that does not parse (a hand edit,
     a format another version wrote): no replica serves the value it had before (fail closed),
