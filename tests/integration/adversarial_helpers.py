@@ -20,7 +20,6 @@ and time.
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import re
 import socket
@@ -40,11 +39,7 @@ from h2_helpers import H2Client, RawH2
 GOOD_PREFIX = "/echo/good-"
 
 
-def fp(value: str | bytes) -> str:
-    """A short fingerprint for messages (never the value itself)."""
-    if isinstance(value, str):
-        value = value.encode()
-    return "sha256:" + hashlib.sha256(value).hexdigest()[:12]
+fp = helpers.fp
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import helpers
+from dns_server import DnsServer
 from upstream import Pki, SilentListener, Upstream, free_port, make_pki
 
 
@@ -43,6 +44,9 @@ class World:
     secrets: dict[str, str]     # secret name (file basename) -> value
     secret_files: dict[str, str]
     tokens: dict[str, str] = field(default_factory=dict)  # run id -> proxy token
+    # The resolver egressd asks for names no override covers: on loopback, NXDOMAIN for all
+    # (without it, such a lookup went to the machine's resolver, off loopback).
+    dns: DnsServer | None = None
     _n: int = 0
 
     def new_dir(self, prefix: str) -> str:
@@ -57,6 +61,24 @@ class World:
 
     def auth(self, run: str = "r1") -> str:
         return helpers.basic_auth(run, self.tokens[run])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report never shows a secret: pytest prints both sides of a failed
+    comparison, and a test's messages and output may hold one. Every value registered with
+    helpers.secret() (the world's secrets and tokens, the control-plane tests' values, admin
+    tokens) is replaced by its fingerprint in the report and the captured output."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed:
+        return
+    if rep.longrepr is not None and not isinstance(rep.longrepr, tuple):
+        text = str(rep.longrepr)
+        redacted = helpers.redact_secrets(text)
+        if redacted != text:
+            rep.longrepr = redacted
+    rep.sections = [(title, helpers.redact_secrets(body)) for title, body in rep.sections]
 
 
 @pytest.fixture(scope="session")
@@ -85,7 +107,11 @@ def world():
         files[name] = p
     w = World(tmp, pki, up, plain, bad, silent, free_port(), values, files)
     w.tokens = {"r1": "tok1-" + pysecrets.token_hex(12), "r2": "tok2-" + pysecrets.token_hex(12)}
+    for v in [*values.values(), *w.tokens.values()]:
+        helpers.secret(v)
+    w.dns = DnsServer()
     yield w
+    w.dns.close()
     up.close()
     plain.close()
     bad.close()
@@ -157,7 +183,7 @@ def base_config(w: World, wd: str, *, unpinned: str = "tunnel", single_anonymous
         "state": {"backend": "file", "path": os.path.join(var, "state")},
         "keys": {"master_key_file": os.path.join(var, "master.key")},
         "upstream": {"ca_file": w.pki.ca},
-        "resolver": {"overrides": overrides},
+        "resolver": {"overrides": overrides, "servers": [f"127.0.0.1:{w.dns.port}"]},
         "policy": {
             "unpinned": unpinned,
             "allow_hosts": ["tunnel.test", "self.test", "deny.test", "meta.test",

@@ -7,7 +7,6 @@ secrets by a short fingerprint only.
 """
 from __future__ import annotations
 
-import hashlib
 import http.client
 import http.server
 import json
@@ -28,17 +27,8 @@ import upstream
 SEEN: list[tuple[str, bytes]] = []
 
 
-def fp(value: str | bytes) -> str:
-    """A short fingerprint for messages (never the value itself)."""
-    if isinstance(value, str):
-        value = value.encode()
-    return "sha256:" + hashlib.sha256(value).hexdigest()[:12]
-
-
-def expect(cond, msg: str):
-    """assert without pytest's introspection (which would print the compared values)."""
-    if not cond:
-        raise AssertionError(msg)
+fp = helpers.fp
+expect = helpers.expect
 
 
 def contains_any(data: bytes | str, values: dict[str, str]) -> list[str]:
@@ -87,7 +77,7 @@ def cp_mutate(w, overrides: dict[str, list[str]] | None = None, ports: list[int]
 
 def admin_token(e: helpers.Egressd) -> str:
     with open(e.config["admin"]["token_file"]) as f:
-        return f.read().strip()
+        return helpers.secret(f.read().strip())
 
 
 def state_dir(e: helpers.Egressd) -> str:

@@ -513,6 +513,93 @@ def closed_by_peer(c: Conn) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------------------------
+# secret values in test output
+
+
+SECRET_VALUES: set[str] = set()
+
+
+def secret(value: str) -> str:
+    """Registers `value` as a secret of this test session and returns it: a failing test's
+    report (assertion introspection, messages, captured output) is redacted of it by the
+    conftest hook (redact_secrets)."""
+    if value:
+        SECRET_VALUES.add(value)
+    return value
+
+
+_GRAM = 10  # a run of this many characters of a secret is taken for a piece of it
+_grams: tuple[int, frozenset[str]] = (-1, frozenset())
+
+
+def _secret_grams() -> frozenset[str]:
+    global _grams
+    if _grams[0] != len(SECRET_VALUES):
+        grams = {v[i:i + _GRAM] for v in SECRET_VALUES for i in range(len(v) - _GRAM + 1)}
+        _grams = (len(SECRET_VALUES), frozenset(grams))
+    return _grams[1]
+
+
+def redact_secrets(text: str) -> str:
+    """`text` with every registered secret replaced by its fingerprint, as it is and in the
+    forms a report may show it in (percent-encoded, JSON-escaped, base64); then any run of
+    10 or more characters of a secret left (pytest shortens a long repr to 'head...tail')
+    by a mark."""
+    import urllib.parse
+    for v in sorted(SECRET_VALUES, key=len, reverse=True):
+        mark = f"[secret {fp(v)}]"
+        forms = {v, urllib.parse.quote(v, safe=""), json.dumps(v)[1:-1],
+                 base64.b64encode(v.encode()).decode()}
+        for form in sorted(forms, key=len, reverse=True):
+            if form in text:
+                text = text.replace(form, mark)
+    grams = _secret_grams()
+    covered = bytearray(len(text))
+    for i in range(len(text) - _GRAM + 1):
+        if text[i:i + _GRAM] in grams:
+            covered[i:i + _GRAM] = b"\1" * _GRAM
+    if not any(covered):
+        return text
+    out, i = [], 0
+    while i < len(text):
+        if covered[i]:
+            while i < len(text) and covered[i]:
+                i += 1
+            out.append("[secret piece]")
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def fp(value: str | bytes) -> str:
+    """A short fingerprint for messages (never the value itself)."""
+    import hashlib
+    if isinstance(value, str):
+        value = value.encode()
+    return "sha256:" + hashlib.sha256(value).hexdigest()[:12]
+
+
+def expect(cond, msg: str):
+    """assert without pytest's introspection (which would print the compared values)."""
+    if not cond:
+        raise AssertionError(msg)
+
+
+def copies_in_memory(pid: int, value: str, want, timeout: float = 5.0) -> int:
+    """How many copies of `value` the memory of process `pid` holds, once `want(count)` holds
+    (or the deadline passes). The needle is the value's random tail: a freed heap block keeps
+    all but its first 16 bytes, so the whole value would hide a copy left behind."""
+    tail = value[-32:].encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        n = occurrences_in_memory(pid, tail)
+        if want(n) or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
 def occurrences_in_memory(pid: int, needle: bytes) -> int:
     """How often `needle` occurs in the writable memory of process `pid` (heap, thread arenas,
     stacks, anonymous mappings), read through /proc/PID/mem (the test runs egressd as a child)."""

@@ -30,7 +30,7 @@ from cp_helpers import (SEEN, GitServer, admin_token, api, api_ok, bearer_pin, c
 
 
 def sval(tag: str) -> str:
-    return f"cpv-{tag}-" + pysecrets.token_hex(16)
+    return helpers.secret(f"cpv-{tag}-" + pysecrets.token_hex(16))
 
 
 @pytest.fixture(scope="module")
@@ -1454,19 +1454,6 @@ def test_a_pin_added_later_is_checked_against_the_run_cas_own_constraints(factor
 # secret values in egressd's memory; admin requests it cannot read
 
 
-def _copies(e, value: str, want, timeout: float = 5.0) -> int:
-    """How many copies of `value` egressd's memory holds, once `want(count)` holds (or the
-    deadline passes). The needle is the value's random tail: a freed heap block keeps all but
-    its first 16 bytes, so the whole value would hide a copy left behind."""
-    tail = value[-32:].encode()
-    deadline = time.monotonic() + timeout
-    while True:
-        n = helpers.occurrences_in_memory(e.proc.pid, tail)
-        if want(n) or time.monotonic() > deadline:
-            return n
-        time.sleep(0.1)
-
-
 def _raw_admin(e, head: str, body: bytes = b"", timeout: float = 10.0) -> helpers.Response:
     """Sends one request as written (head and body in separate writes) on a fresh connection."""
     s = socket.create_connection(("127.0.0.1", e.admin_port), timeout=timeout)
@@ -1510,7 +1497,7 @@ def test_admin_request_leaves_no_copy_of_a_secret_value(cp, framing):
         resp = _raw_admin(cp, head + f"Content-Length: {len(body)}\r\n\r\n", body)
     SEEN.append(("POST /v1/secrets", resp.body))
     assert resp.status == want_status, (resp.status, resp.body[:300])
-    n = _copies(cp, v, lambda n: n == 0)
+    n = helpers.copies_in_memory(cp.proc.pid, v, lambda n: n == 0)
     assert n == 0, f"{n} copies of a secret value no run uses left in egressd's memory"
 
 
@@ -1521,14 +1508,15 @@ def test_deleted_or_rotated_secret_leaves_memory(cp, world):
     name = "gone_" + pysecrets.token_hex(4)
     put_secret(cp, name, v1, org="acme")
     run = create_run(cp, world, {"org": "acme"}, [bearer_pin(api_host(world), name)])
-    assert _copies(cp, v1, lambda n: n >= 1) >= 1  # the pin's value: the scan finds it
+    # the pin's value: the scan finds it
+    assert helpers.copies_in_memory(cp.proc.pid, v1, lambda n: n >= 1) >= 1
     rotate_secret(cp, name, v2, org="acme")
-    assert _copies(cp, v2, lambda n: n >= 1) >= 1
-    n = _copies(cp, v1, lambda n: n == 0)
+    assert helpers.copies_in_memory(cp.proc.pid, v2, lambda n: n >= 1) >= 1
+    n = helpers.copies_in_memory(cp.proc.pid, v1, lambda n: n == 0)
     assert n == 0, f"{n} copies of a rotated-away version left in egressd's memory"
     api_ok(cp, "DELETE", f"/v1/runs/{run.id}")
     assert api(cp, "DELETE", f"/v1/secrets/{name}").status == 204
-    n = _copies(cp, v2, lambda n: n == 0)
+    n = helpers.copies_in_memory(cp.proc.pid, v2, lambda n: n == 0)
     assert n == 0, f"{n} copies of a deleted secret left in egressd's memory"
 
 
@@ -1558,13 +1546,13 @@ def test_connections_left_open_do_not_keep_a_rotated_value(cp, world, marker):
         assert helpers.request(h1, "GET", f"/bytes/64?{marker}-a1", host).status == 200
         assert h2c.request(f"/bytes/64?{marker}-b1")["status"] == 200
         expect(seen_auth(world.upstream, f"{marker}-a1") == [f"Bearer {v1}"], "v1 injected")
-        assert _copies(cp, v1, lambda n: n >= 1) >= 1
+        assert helpers.copies_in_memory(cp.proc.pid, v1, lambda n: n >= 1) >= 1
         rotate_secret(cp, name, v2, org="acme")
         assert helpers.request(h1, "GET", f"/bytes/64?{marker}-a2", host).status == 200
         assert h2c.request(f"/bytes/64?{marker}-b2")["status"] == 200
         expect(seen_auth(world.upstream, f"{marker}-a2") == [f"Bearer {v2}"], "h1: v2 injected")
         expect(seen_auth(world.upstream, f"{marker}-b2") == [f"Bearer {v2}"], "h2: v2 injected")
-        n = _copies(cp, v1, lambda n: n == 0)
+        n = helpers.copies_in_memory(cp.proc.pid, v1, lambda n: n == 0)
         assert n == 0, f"{n} copies of the rotated-away value left while connections stay open"
         if time.monotonic() - tunnel_used > 25:
             # The test upstream closes a connection idle for 30 s, and egressd then closes the

@@ -46,7 +46,7 @@ PROPAGATE_S = 1.0 * (2 if helpers.SANITIZER else 1)
 
 
 def sval(tag: str) -> str:
-    return f"flv-{tag}-" + pysecrets.token_hex(16)
+    return helpers.secret(f"flv-{tag}-" + pysecrets.token_hex(16))
 
 
 def api_host(w) -> str:

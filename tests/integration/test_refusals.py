@@ -161,9 +161,13 @@ def test_self_connection_403(world, egressd):
 
 
 def test_dns_failure_502(world, egressd):
-    connect_refused(egressd, f"nx-egressd-test.invalid:{world.U}", world.auth(), 502,
-                    "dns_failure")
+    """A name the resolver does not know (the tests' loopback DNS server answers NXDOMAIN;
+    no lookup leaves the machine) is 502 dns_failure."""
+    name = "nx-egressd-test.invalid"  # allowed in the test config, resolvable nowhere
+    connect_refused(egressd, f"{name}:{world.U}", world.auth(), 502, "dns_failure")
     audited(egressd, "dns_failure", 502)
+    assert any(q.name == name for q in world.dns.log), "the lookup did not go to the test's DNS"
+
 
 
 def test_connect_failed_502(world, egressd, marker):

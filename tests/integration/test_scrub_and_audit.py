@@ -411,3 +411,17 @@ def test_echoed_credential_is_scrubbed_in_its_url_and_json_forms(world, factory,
     e.stop()
     leaks = e.leaks([f.encode() for f in forms])
     assert not leaks, leaks
+
+
+def test_a_failing_tests_report_is_redacted_of_registered_secrets(world):
+    """The conftest hook's redaction (helpers.redact_secrets): a registered secret is replaced
+    as it is, percent-encoded, JSON-escaped and in base64, and so is a piece of one that
+    pytest's shortened repr leaves ('head...tail'); other text is left alone."""
+    import base64 as b64
+    v = world.secrets["api_token"]
+    text = (f"assert '{v}' == 'x'; q={urllib.parse.quote(v)}; j={json.dumps(v)}; "
+            f"b={b64.b64encode(v.encode()).decode()}; short='{v[:12]}...{v[-13:]}'; keep=abc")
+    red = helpers.redact_secrets(text)
+    assert v[-10:] not in red and v[:10] not in red  # booleans only: no secret in a report
+    assert red.count(f"[secret {helpers.fp(v)}]") == 4
+    assert "[secret piece]...[secret piece]" in red and red.endswith("keep=abc")

@@ -158,17 +158,6 @@ def _which(got: list[str], values: dict[str, str]) -> str:
     return f"something else ({[fp(g) for g in got]})"
 
 
-def _copies(e: helpers.Egressd, value: str, want, timeout: float = 5.0) -> int:
-    """How many copies of value's random tail e's memory holds, once want(count) holds."""
-    tail = value[-32:].encode()
-    deadline = time.monotonic() + timeout
-    while True:
-        n = helpers.occurrences_in_memory(e.proc.pid, tail)
-        if want(n) or time.monotonic() > deadline:
-            return n
-        time.sleep(0.1)
-
-
 def test_a_secret_deleted_and_created_again_while_a_replica_is_cut_off(factory, world, etcd,
                                                                          request):
     relay = CuttableRelay(etcd.client_port)
@@ -224,7 +213,7 @@ def test_a_secret_deleted_and_created_again_while_a_replica_is_cut_off(factory, 
                                              ("A, static run", static_a, "other.test", "sa1"))}
         wrong = {what: g for what, g in got.items() if g != "new"}
         expect(not wrong, f"not the re-created secret's value (want new): {wrong}")
-        n = _copies(a, v1, lambda n: n == 0)
+        n = helpers.copies_in_memory(a.proc.pid, v1, lambda n: n == 0)
         expect(n == 0, f"A still holds {n} copies of the deleted secret's value")
     finally:
         relay.close()
