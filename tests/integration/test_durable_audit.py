@@ -117,13 +117,16 @@ def test_a_blind_tunnel_has_its_decision_on_disk_before_a_byte_is_relayed(factor
     200, so a kill -9 with the tunnel open leaves it on disk; the completion shares its id."""
     e = factory.start(durable)
     tag = uuid.uuid4().hex[:8]
-    c = helpers.tunnel(e.proxy_port, "tunnel.test", world.U, world.auth("r1"), world.pki.ca)
-    r = helpers.request(c, "GET", f"/echo/tunnel-{tag}", f"tunnel.test:{world.U}")
-    assert r.status == 200
+    raw, resp = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth("r1"))
+    assert resp.status == 200
+    # Read right after the 200, before a byte of the tunnel's TLS went anywhere.
     recs = [x for x in read_audit_lines(e.audit_path) if x.get("host") == "tunnel.test"]
     assert [(x.get("event"), x["reason"], x["status"]) for x in recs] == [
         ("decision", "tunnel", 0)]
     assert recs[0]["req_id"] and recs[0]["upstream_addr"] and recs[0]["run"] == "r1"
+    c = helpers.tls_wrap(raw, "tunnel.test", world.pki.ca)
+    r = helpers.request(c, "GET", f"/echo/tunnel-{tag}", f"tunnel.test:{world.U}")
+    assert r.status == 200
     c.close()
     done = e.wait_audit(lambda x: x.get("host") == "tunnel.test" and "event" not in x)
     assert done[0]["req_id"] == recs[0]["req_id"] and done[0]["status"] == 200

@@ -272,8 +272,8 @@ def test_audit_one_json_line_per_request(world, factory, marker):
     assert int(ok["port"]) == U and ok["status"] == 200
     assert ok["decision"] == "allow" and ok["pin"] is not None and ok["secret"] == "api_token"
     assert ok["upstream_addr"] in (f"127.0.0.1:{U}", "127.0.0.1")
-    assert ok["bytes_out"] > 0 or ok["bytes_in"] > 0
-    assert ok["duration_ms"] >= 0
+    assert ok["bytes_out"] > 0  # the echo's body (a GET sends none: bytes_in may be 0)
+    assert 0 < ok["duration_ms"] < 60_000
     assert ok["proto_in"] and ok["proto_out"]
 
     up = by_path[f"/upload/{marker}"][0]
