@@ -3,6 +3,7 @@ with decision "deny". CONNECT-level refusals are read from the CONNECT response 
 socket; in-tunnel refusals from the response to the request sent through the run-CA TLS."""
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import time
@@ -15,6 +16,26 @@ from clients import curl_via, requests_session, run_ca
 from upstream import free_port
 
 
+def audit_mark(e) -> int:
+    """Where the next audit record will begin (the file's size now)."""
+    return os.path.getsize(e.audit_path) if os.path.exists(e.audit_path) else 0
+
+
+def one_record_since(e, offset: int, status: int, reason: str, prefix=False) -> dict:
+    """The refusal's own record: exactly one deny record with `reason` written since `offset`
+    (one refusal, one record), with `status`."""
+    def matching():
+        with open(e.audit_path, "rb") as f:
+            f.seek(offset)
+            recs = helpers.audit_lines(f.read())
+        rs = [a for a in recs if a.get("decision") == "deny" and
+              ((a.get("reason") or "").startswith(reason) if prefix else a.get("reason") == reason)]
+        return rs or None
+    recs = helpers.poll(matching, 5.0, f"the audit record of this {reason} refusal")
+    assert len(recs) == 1 and recs[0]["status"] == status, recs
+    return recs[0]
+
+
 def assert_refusal(r: helpers.Response, status: int, reason: str | None, prefix=False):
     assert r.status == status, f"want {status} {reason}, got {r.status} " \
                                f"{r.egress_reason!r} {r.body[:200]!r}"
@@ -22,27 +43,36 @@ def assert_refusal(r: helpers.Response, status: int, reason: str | None, prefix=
         got = r.egress_reason or ""
         assert (got.startswith(reason) if prefix else got == reason), \
             f"X-Egress-Reason {got!r}, want {reason!r}"
+        if (since := getattr(r, "audit_since", None)) is not None:
+            one_record_since(*since, status, reason, prefix)
     ctype = (r.header("Content-Type") or "").lower()
     assert ctype.startswith("text/plain"), f"Content-Type {ctype!r}"
 
 
 def connect_refused(e, target, auth, status, reason, prefix=False):
+    offset = audit_mark(e)
     c, r = helpers.proxy_connect(e.proxy_port, target, auth)
     c.close()
+    r.audit_since = (e, offset)
     assert_refusal(r, status, reason, prefix)
     return r
 
 
 def in_tunnel(e, w, host, port, method="GET", path="/echo/x", host_header=None, headers=(),
               sni=None, check_hostname=True, body=None):
-    """CONNECT host:port (must be 200), TLS, one request; returns the response."""
+    """CONNECT host:port (must be 200), TLS, one request; returns the response (with where
+    the audit file stood before it, for assert_refusal to find the refusal's own record)."""
+    offset = audit_mark(e)
     c, r = helpers.proxy_connect(e.proxy_port, f"{host}:{port}", w.auth())
     if r.status != 200:
         c.close()
+        r.audit_since = (e, offset)
         return r  # a refusal at CONNECT time
     t = helpers.tls_wrap(c, sni or host, run_ca(e, "r1"), check_hostname=check_hostname)
     try:
-        return helpers.request(t, method, path, host_header or f"{host}:{port}", headers, body)
+        r = helpers.request(t, method, path, host_header or f"{host}:{port}", headers, body)
+        r.audit_since = (e, offset)
+        return r
     finally:
         t.close()
 
