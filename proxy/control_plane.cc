@@ -622,7 +622,7 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
     }
 
     if (cfg.state_backend == "etcd") {
-        auto store = open_etcd_store(cfg.etcd);
+        auto store = open_etcd_store(cfg.etcd, cfg.resolver_servers, cfg.resolver_overrides);
         if (!store) {
             return make_error(store.error());  // names the state.etcd key to fix
         }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "common/published.h"
 #include "credstore/envelope.h"
 #include "credstore/etcd_layout.h"
+#include "proxy/resolver.h"
 #include "proxy/tls_socket.h"
 #include "tls/contexts.h"
 #include "tls/session_cache.h"
@@ -215,11 +217,14 @@ std::string watch_body(const std::string& key, const std::string& range_end, int
 class EtcdStateStore final : public credstore::StateStore {
 public:
     EtcdStateStore(EtcdConfig options, std::vector<Endpoint> endpoints,
-                   std::unique_ptr<net::ssl::context> tls_ctx)
+                   std::unique_ptr<net::ssl::context> tls_ctx, std::vector<std::string> dns_servers,
+                   std::map<std::string, std::vector<policy::IpAddress>> dns_overrides)
         : options_(std::move(options)),
           endpoints_(std::move(endpoints)),
           tls_ctx_(std::move(tls_ctx)),
-          range_end_(credstore::etcd::prefix_range_end(options_.prefix)) {
+          range_end_(credstore::etcd::prefix_range_end(options_.prefix)),
+          dns_servers_(std::move(dns_servers)),
+          dns_overrides_(std::move(dns_overrides)) {
         current_.store(std::make_shared<const StateSnapshot>());
     }
 
@@ -234,6 +239,9 @@ public:
     }
 
     Result<bool> start() {
+        resolver_ = std::make_unique<Resolver>(
+            ioc_, dns_servers_, dns_overrides_,
+            std::max(std::chrono::milliseconds(1), options_.timeout / 2));
         thread_ = std::thread([this] {
             auto guard = net::make_work_guard(ioc_);
             ioc_.run();
@@ -399,13 +407,21 @@ private:
     /// A TCP connection to `ep` within the deadline; "" or why not.
     awaitable<std::string> dial(const Endpoint& ep, beast::tcp_stream& stream,
                                 Clock::time_point deadline) {
-        tcp::resolver resolver(ioc_);
-        auto [rec, results] = co_await resolver.async_resolve(ep.host, ep.port, nothrow);
-        if (rec) {
-            co_return ep.text + ": " + rec.message();
+        auto addresses = co_await resolver_->resolve(ep.host);
+        std::vector<tcp::endpoint> targets;
+        if (addresses) {
+            const auto port = static_cast<unsigned short>(std::stoi(ep.port));
+            for (const auto& a : *addresses) {
+                targets.emplace_back(net::ip::make_address(a.to_string()), port);
+            }
+            resolved_[ep.text] = targets;
+        } else if (auto last = resolved_.find(ep.text); last != resolved_.end()) {
+            targets = last->second;  // the DNS failed: the last answer it gave
+        } else {
+            co_return ep.text + ": " + addresses.error();
         }
         stream.expires_after(left(deadline));
-        auto [cec, connected] = co_await stream.async_connect(results, nothrow);
+        auto [cec, connected] = co_await stream.async_connect(targets, nothrow);
         if (cec) {
             co_return ep.text + ": " + cec.message();
         }
@@ -960,6 +976,16 @@ private:
     tls::ClientSessionCache tls_sessions_{16};
     // Last: destroyed first, with the coroutine frames it owns (they use the members above).
     net::io_context ioc_{1};
+    // etcd's host names, looked up with c-ares within half of state.etcd.timeout (Asio's
+    // resolver blocks a thread in getaddrinfo for as long as the system's resolver takes,
+    // and every later lookup queues behind it); resolver.servers and resolver.overrides apply
+    // as for upstreams. A failed lookup falls back on the endpoint's last answer. The store's
+    // thread only (made in start(), before that thread runs). After ioc_: the resolver's
+    // descriptors and timer go before the io_context.
+    std::vector<std::string> dns_servers_;
+    std::map<std::string, std::vector<policy::IpAddress>> dns_overrides_;
+    std::unique_ptr<Resolver> resolver_;
+    std::map<std::string, std::vector<tcp::endpoint>> resolved_;  // endpoint text → last answer
 };
 
 }  // namespace
@@ -982,7 +1008,9 @@ Result<tls::SslCtxPtr> etcd_tls_context(const EtcdConfig& options) {
     return std::move(*ctx);
 }
 
-Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdConfig& options) {
+Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(
+    const EtcdConfig& options, std::vector<std::string> dns_servers,
+    std::map<std::string, std::vector<policy::IpAddress>> dns_overrides) {
     if (options.endpoints.empty()) {
         return make_error("state.etcd.endpoints: no endpoint");
     }
@@ -1005,8 +1033,9 @@ Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdConfig&
     if (*ctx) {
         tls_ctx = std::make_unique<net::ssl::context>(ctx->release());
     }
-    auto store =
-        std::make_unique<EtcdStateStore>(options, std::move(endpoints), std::move(tls_ctx));
+    auto store = std::make_unique<EtcdStateStore>(options, std::move(endpoints),
+                                                  std::move(tls_ctx), std::move(dns_servers),
+                                                  std::move(dns_overrides));
     if (auto s = store->start(); !s) {
         return make_error("state.etcd.endpoints: " + s.error());
     }

@@ -24,6 +24,7 @@
 // - https:// endpoints: TLS 1.2+, etcd's certificate verified for the endpoint's host (name or
 //   IP) against ca_file, and a client certificate for an etcd with --client-cert-auth.
 #include <chrono>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,7 +44,10 @@ Result<tls::SslCtxPtr> etcd_tls_context(const EtcdConfig& options);
 
 /// Connects, loads the state under the prefix and starts the watch. Errors name what failed
 /// (an endpoint that is not http://host:port, no endpoint reachable, a record that does not
-/// parse is only logged).
-Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(const EtcdConfig& options);
+/// parse is only logged). Endpoint names are looked up with resolver.servers and
+/// resolver.overrides (`dns_servers`, `dns_overrides`) as upstream names are.
+Result<std::unique_ptr<credstore::StateStore>> open_etcd_store(
+    const EtcdConfig& options, std::vector<std::string> dns_servers = {},
+    std::map<std::string, std::vector<policy::IpAddress>> dns_overrides = {});
 
 }  // namespace egress::proxy

@@ -38,6 +38,7 @@ import upstream
 from cp_helpers import (SEEN, DynRun, api, api_ok, bearer_pin, contains_any, cp_mutate,
                         create_run, expect, fp, get_via, put_secret, refused_or_closed,
                         rotate_secret, seen_auth)
+from dns_server import DnsServer, fixed
 from etcd_helpers import Etcd, EtcdTls, GatewayRelay, require_etcd_bin
 
 # DESIGN's bound for a change made on one replica to reach every other (the watch). A
@@ -753,6 +754,33 @@ def test_a_sweep_that_cannot_write_says_so_and_backs_off(factory, world):
         a.stop()
     finally:
         stalled.stop()
+
+
+def test_etcd_names_are_resolved_by_the_resolver_and_a_silent_dns_holds_no_write(factory,
+                                                                                world, etcd):
+    """An endpoint named by host (http://etcd.test:PORT) is looked up with resolver.servers,
+    as upstream names are. When that DNS stops answering, a write still goes through on the
+    endpoint's last answer, well within state.etcd.timeout (a lookup that hung had held
+    every call for the system resolver's whole timeout, and the calls behind it)."""
+    dns = DnsServer(scripts={"etcd.test": fixed("127.0.0.1")})
+    try:
+        def with_dns(cfg: dict):
+            cfg["resolver"]["servers"] = [f"127.0.0.1:{dns.port}"]
+        a = start_replica(factory, make_replica(
+            factory, world, f"/egressd-dns-{pysecrets.token_hex(3)}/",
+            [f"http://etcd.test:{etcd.client_port}"], os.urandom(32), then=with_dns,
+            timeout="2s"))
+        put_secret(a, "dns_tok", sval("dns1"), org="acme")
+        assert any(q.name == "etcd.test" for q in dns.log), "etcd.test was not looked up"
+        dns.mute = True
+        t0 = time.monotonic()
+        r = api(a, "POST", "/v1/secrets", {"name": "dns_tok2", "scope": {"org": "acme"},
+                                           "value": sval("dns2")}, timeout=30)
+        took = time.monotonic() - t0
+        assert r.status == 201, (r.status, r.body[:300])
+        assert took < 6.0, f"a write with a silent DNS took {took:.1f} s"
+    finally:
+        dns.close()
 
 
 def test_state_etcd_timeout_bounds_a_write_to_a_stalled_etcd(factory, world):
