@@ -1475,7 +1475,8 @@ Result<size_t> ControlPlane::sweep_expired() {
             muts.push_back(m);
             {
                 std::lock_guard build_lock(build_mu_);
-                remember_swept(id, {run.token_sha256, run.source_cidrs, run.expires_at});
+                remember_swept(
+                    id, {run.token_sha256, run.source_cidrs, run.expires_at, run.created_at});
             }
             if (muts.size() == batch) {
                 if (auto w = write(); !w) return make_error(w.error());
@@ -1584,7 +1585,8 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
         }
         last_built_runs_.clear();
         for (const auto& [id, rec] : snap->runs) {
-            last_built_runs_[id] = {rec.token_sha256, rec.source_cidrs, rec.expires_at};
+            last_built_runs_[id] = {rec.token_sha256, rec.source_cidrs, rec.expires_at,
+                                    rec.created_at};
         }
     }
     auto rt = std::make_shared<Runtime>();
@@ -1605,12 +1607,13 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
         return out;
     };
     for (const auto& [id, trace] : swept_) {
-        rt->ended[id] = {trace.token_sha256, "run_expired", cidrs(trace.sources)};
+        rt->ended[id] = {trace.token_sha256, "run_expired", cidrs(trace.sources),
+                         trace.created_at};
     }
     for (const auto& [id, rec] : snap->runs) {
         if (rec.revoked || rec.expires_at <= now) {
             rt->ended[id] = {rec.token_sha256, rec.revoked ? "run_revoked" : "run_expired",
-                             cidrs(rec.source_cidrs)};
+                             cidrs(rec.source_cidrs), rec.created_at};
             continue;
         }
         if (rt->runs.count(id) != 0) {
@@ -1638,6 +1641,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
         }
         auto run = std::make_shared<Run>();
         run->dynamic = true;
+        run->created_at = rec.created_at;
         run->policy.id = id;
         run->policy.expires_at = policy::Clock::from_time_t(rec.expires_at);
         run->token_sha256 = rec.token_sha256;

@@ -137,6 +137,7 @@ private:
         std::string token_sha256;
         std::vector<std::string> sources;
         int64_t expires_at = 0;
+        int64_t created_at = 0;
     };
     std::map<std::string, RunTrace> swept_;                // swept run id → its trace
     std::deque<std::string> swept_order_;                  // bounds swept_ (oldest first)

@@ -52,7 +52,8 @@ constexpr std::chrono::milliseconds kWatchCheckEvery{1000};
 struct Endpoint {
     std::string text;  // as configured, for messages
     std::string host;
-    std::string port;
+    std::string port;  // 1..65535, as digits (the Host header)
+    unsigned short port_number = 0;
     bool tls = false;  // https://
 };
 
@@ -71,7 +72,18 @@ Result<Endpoint> parse_endpoint(const std::string& text) {
     if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
         host = host.substr(1, host.size() - 2);
     }
-    return Endpoint{text, host, u->has_port() ? std::string(u->port()) : "2379",
+    const std::string port = u->has_port() ? std::string(u->port()) : "2379";
+    unsigned long number = 0;
+    const bool digits =
+        !port.empty() && port.size() <= 5 &&
+        std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (digits) {
+        number = std::stoul(port);
+    }
+    if (!digits || number == 0 || number > 65535) {
+        return make_error("'" + text + "': the port must be a number from 1 to 65535");
+    }
+    return Endpoint{text, host, port, static_cast<unsigned short>(number),
                     u->scheme() == "https"};
 }
 
@@ -253,7 +265,21 @@ public:
         }
         install(std::make_shared<View>(std::move(*loaded)), false);
         watched_keys_ = keys;
-        net::co_spawn(ioc_, watch_loop(), net::detached);
+        // The watch must not end unseen: an exception out of it is logged, and the replica
+        // would serve a state nobody updates, so it ends the process (a supervisor restarts it).
+        net::co_spawn(ioc_, watch_loop(), [](std::exception_ptr e) {
+            if (e) {
+                try {
+                    std::rethrow_exception(e);
+                } catch (const std::exception& ex) {
+                    spdlog::critical("etcd: the watch failed: {}; exiting", ex.what());
+                } catch (...) {
+                    spdlog::critical("etcd: the watch failed; exiting");
+                }
+                spdlog::default_logger()->flush();
+                std::abort();
+            }
+        });
         return true;
     }
 
@@ -410,9 +436,8 @@ private:
         auto addresses = co_await resolver_->resolve(ep.host);
         std::vector<tcp::endpoint> targets;
         if (addresses) {
-            const auto port = static_cast<unsigned short>(std::stoi(ep.port));
             for (const auto& a : *addresses) {
-                targets.emplace_back(net::ip::make_address(a.to_string()), port);
+                targets.emplace_back(net::ip::make_address(a.to_string()), ep.port_number);
             }
             resolved_[ep.text] = targets;
         } else if (auto last = resolved_.find(ep.text); last != resolved_.end()) {

@@ -58,43 +58,59 @@ const std::shared_ptr<Run>* Runtime::lookup(const std::string& id) const {
 }
 
 Runtime::SourceMatch Runtime::find_by_source(const policy::IpAddress& client) const {
-    std::shared_ptr<Run> best;
-    int best_prefix = -1;
-    bool tied = false;
-    for (const auto& [id, run] : runs) {
-        for (const auto& c : run->sources) {
-            if (!c.contains(client)) {
+    // The live run with the longest range holding `client` among those `eligible` admits; a
+    // tie on the longest: none (ambiguous).
+    auto best_live = [&](auto eligible) -> std::pair<std::shared_ptr<Run>, int> {
+        std::shared_ptr<Run> best;
+        int best_prefix = -1;
+        bool tied = false;
+        for (const auto& [id, run] : runs) {
+            if (!eligible(*run)) {
                 continue;
             }
-            if (c.prefix > best_prefix) {
-                best = run;
-                best_prefix = c.prefix;
-                tied = false;
-            } else if (c.prefix == best_prefix && best != run) {
-                tied = true;
+            for (const auto& c : run->sources) {
+                if (!c.contains(client)) {
+                    continue;
+                }
+                if (c.prefix > best_prefix) {
+                    best = run;
+                    best_prefix = c.prefix;
+                    tied = false;
+                } else if (c.prefix == best_prefix && best != run) {
+                    tied = true;
+                }
             }
         }
-    }
-    // An ended run's range decides only where it is longer than every live run's: a new run
-    // bound to the same address as one that ended takes it over.
-    std::string_view ended_reason;
+        return {tied ? nullptr : best, best_prefix};
+    };
+    auto [best, best_prefix] = best_live([](const Run&) { return true; });
+    // An ended run's range decides where it is longer than every live run's: its address is
+    // not handed to a broader run that was there before (nor to the sidecar's). Only a run
+    // created after it may take the address over, whatever its range.
+    const Ended* ended_best = nullptr;
     int ended_prefix = -1;
     for (const auto& [id, e] : ended) {
         for (const auto& c : e.sources) {
             if (c.prefix > ended_prefix && c.contains(client)) {
-                ended_reason = e.reason;
+                ended_best = &e;
                 ended_prefix = c.prefix;
             }
         }
     }
-    if (ended_prefix > best_prefix) {
-        return {nullptr, ended_reason};
-    }
-    if (tied) {
-        return {};
+    if (ended_best != nullptr && ended_prefix > best_prefix) {
+        const int64_t after = ended_best->created_at;
+        auto [newer, newer_prefix] =
+            best_live([after](const Run& r) { return r.dynamic && r.created_at > after; });
+        if (newer_prefix < 0) {
+            return {nullptr, ended_best->reason};
+        }
+        return {newer, {}};
     }
     if (best) {
         return {best, {}};
+    }
+    if (best_prefix >= 0) {
+        return {};  // tied
     }
     // The sidecar's single run serves any source, unless it is bound to some.
     if (anonymous && anonymous->sources.empty()) {

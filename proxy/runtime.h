@@ -25,6 +25,7 @@ struct Run {
     std::optional<std::chrono::seconds> static_ttl;  // static runs: the ttl they were built with
     std::chrono::seconds ca_validity{0};  // static runs: what their CA was made with
     bool dynamic = false;        // created through the admin API (state store)
+    int64_t created_at = 0;      // dynamic runs: when (unix seconds); static ones: 0
     credstore::SecretPtr token;  // static runs with token_file
     std::string token_sha256;    // dynamic runs: hex SHA-256 of the proxy token
     bool anonymous = false;      // the sole static run without token_file
@@ -70,6 +71,7 @@ struct Runtime {
         std::string token_sha256;
         std::string reason;  // run_revoked, run_expired
         std::vector<policy::Cidr> sources;
+        int64_t created_at = 0;  // when the run was made: a run made after it takes its sources
     };
     std::map<std::string, Ended> ended;
 
@@ -86,7 +88,8 @@ struct Runtime {
     /// Transparent mode: the run whose `sources` hold `client` (longest prefix wins; two runs
     /// tied on the longest prefix: none, the binding is ambiguous), else the anonymous run
     /// if it has no sources of its own. An ended run's sources take part: when one of them
-    /// is the longest match, the answer is its end reason.
+    /// is the longest match, the answer is its end reason, unless a run created after the
+    /// ended one holds the address (any range): the longest of those.
     SourceMatch find_by_source(const policy::IpAddress& client) const;
 };
 

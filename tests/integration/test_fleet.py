@@ -783,6 +783,18 @@ def test_etcd_names_are_resolved_by_the_resolver_and_a_silent_dns_holds_no_write
         dns.close()
 
 
+def test_an_etcd_endpoint_with_a_bad_port_is_refused_at_start(factory, world, etcd):
+    """An endpoint whose port is empty, 0 or out of range is an error at start naming
+    state.etcd.endpoints (an empty one had thrown inside the watch, which ended unseen: the
+    replica served a state nobody updated)."""
+    for bad in ("http://127.0.0.1:", "http://127.0.0.1:0", "http://127.0.0.1:99999999999"):
+        e = make_replica(factory, world, "/egressd-port/", [etcd.url, bad], os.urandom(32))
+        with pytest.raises(AssertionError):
+            e.start()
+        log = e.stderr_text()
+        assert "state.etcd.endpoints" in log and "a number from 1 to 65535" in log, log[-800:]
+
+
 def test_state_etcd_timeout_bounds_a_write_to_a_stalled_etcd(factory, world):
     """An etcd that accepts connections but answers nothing (SIGSTOP: the kernel still
     completes the handshake) holds a write for state.etcd.timeout, here 400 ms, not the 5 s

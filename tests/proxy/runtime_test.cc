@@ -46,13 +46,16 @@ TEST(FindBySource, TheSidecarRunServesAnySourceUnlessItIsBound) {
 }
 
 // A source bound to a run that ended is refused with the end reason, not handed to a broader
-// run or to the sidecar's; a new run bound to the same range takes it over.
+// run that was there before or to the sidecar's; a run created after it takes it over, with
+// the same range or a broader one.
 TEST(FindBySource, AnEndedRunsRangeRefusesRatherThanFallsBack) {
     Runtime rt;
     auto only = run_with("only", {});
     rt.runs["wide"] = run_with("wide", {"10.0.0.0/8"});
+    rt.runs["wide"]->dynamic = true;
+    rt.runs["wide"]->created_at = 50;
     rt.anonymous = only;
-    rt.ended["gone"] = {"sha", "run_revoked", {policy::Cidr::parse("10.1.2.3/32").value()}};
+    rt.ended["gone"] = {"sha", "run_revoked", {policy::Cidr::parse("10.1.2.3/32").value()}, 100};
     auto m = rt.find_by_source(ip("10.1.2.3"));
     EXPECT_EQ(m.run, nullptr);
     EXPECT_EQ(m.ended, "run_revoked");
@@ -61,11 +64,16 @@ TEST(FindBySource, AnEndedRunsRangeRefusesRatherThanFallsBack) {
     rt.runs.erase("wide");
     EXPECT_EQ(rt.find_by_source(ip("10.1.2.3")).ended, "run_revoked");  // not the sidecar's
     EXPECT_EQ(rt.find_by_source(ip("10.7.7.7")).run, only);
-    rt.runs["again"] = run_with("again", {"10.1.2.3/32"});
+    auto again = run_with("again", {"10.1.0.0/16"});  // broader, but made after "gone"
+    again->dynamic = true;
+    again->created_at = 101;
+    rt.runs["again"] = again;
     m = rt.find_by_source(ip("10.1.2.3"));
     ASSERT_NE(m.run, nullptr);
     EXPECT_EQ(m.run->policy.id, "again");
     EXPECT_TRUE(m.ended.empty());
+    again->created_at = 100;  // made in the same second as "gone": not after it
+    EXPECT_EQ(rt.find_by_source(ip("10.1.2.3")).ended, "run_revoked");
 }
 
 }  // namespace
