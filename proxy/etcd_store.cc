@@ -634,11 +634,24 @@ private:
             }
         }
         auto r = co_await call("/v3/kv/txn", txn_body(plan, leases));
+        const json::value* ok = r ? r->if_contains("succeeded") : nullptr;
+        const bool succeeded = ok != nullptr && ok->is_bool() && ok->as_bool();
+        if (r && !succeeded) {
+            // etcd answered that the guard failed: the leases granted for this attempt hold
+            // no key. Ended now, best effort, rather than left to run out with the run (the
+            // next attempt grants its own). Not after a transport error: the transaction may
+            // have been applied, and its keys would go with the lease.
+            for (const int64_t id : leases) {
+                if (id != 0) {
+                    json::object o;
+                    o["ID"] = std::to_string(id);
+                    (void)co_await call("/v3/lease/revoke", json::serialize(o));
+                }
+            }
+        }
         if (!r) {
             co_return make_error(r.error());
         }
-        const json::value* ok = r->if_contains("succeeded");
-        const bool succeeded = ok != nullptr && ok->is_bool() && ok->as_bool();
         co_return std::pair<int64_t, bool>{header_revision(*r), succeeded};
     }
 

@@ -71,14 +71,16 @@ def pytest_runtest_makereport(item, call):
     tokens) is replaced by its fingerprint in the report and the captured output."""
     outcome = yield
     rep = outcome.get_result()
-    if not rep.failed:
-        return
-    if rep.longrepr is not None and not isinstance(rep.longrepr, tuple):
+    # Captured output is shown for passing tests too (-rP), and a skip's reason always.
+    rep.sections = [(title, helpers.redact_secrets(body)) for title, body in rep.sections]
+    if isinstance(rep.longrepr, tuple) and len(rep.longrepr) == 3:  # a skip: (file, line, why)
+        path, line, why = rep.longrepr
+        rep.longrepr = (path, line, helpers.redact_secrets(str(why)))
+    elif rep.failed and rep.longrepr is not None:
         text = str(rep.longrepr)
         redacted = helpers.redact_secrets(text)
         if redacted != text:
             rep.longrepr = redacted
-    rep.sections = [(title, helpers.redact_secrets(body)) for title, body in rep.sections]
 
 
 @pytest.fixture(scope="session")

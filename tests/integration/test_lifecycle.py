@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -264,10 +265,19 @@ def sighup_ignored(pid: int) -> bool:
     return False
 
 
-def test_sighup_during_startup_does_not_end_egressd(world, factory, marker):
+def test_sighup_during_startup_does_not_end_egressd(world, factory, marker, tmp_path):
     """A SIGHUP before the reload handler exists (a config tool reloading right after a
-    restart) is ignored, not fatal: egressd ignores it first thing, then serves."""
-    e = factory.make()
+    restart) is ignored, not fatal: egressd ignores it first thing, then serves. The start is
+    made a second longer (a KMS plugin slow to give its key id, as a remote KMS may be), so
+    the window before the handler is one the test cannot miss."""
+    kek = tmp_path / "kek"
+    kek.write_bytes(os.urandom(32))
+    slow = tmp_path / "slow-kms.sh"
+    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
+    slow.write_text(f'#!/bin/sh\n[ "$1" = key-id ] && sleep 1\nexec {sys.executable} {stub} '
+                    f'{kek} "$@"\n')
+    slow.chmod(0o700)
+    e = factory.make(lambda c: c["keys"].update(kms_command=str(slow)))
     factory.started.append(e)
     wait_ready = e.wait_ready
 

@@ -17,8 +17,19 @@ from upstream import free_port
 
 
 def audit_mark(e) -> int:
-    """Where the next audit record will begin (the file's size now)."""
-    return os.path.getsize(e.audit_path) if os.path.exists(e.audit_path) else 0
+    """Where the next audit record will begin: the file's size once it has stopped growing
+    for 50 ms (a record is written after its refusal was sent: one made just before, through
+    another client, must not land after the mark). Bounded: 2 s."""
+    def size():
+        return os.path.getsize(e.audit_path) if os.path.exists(e.audit_path) else 0
+    last, deadline = size(), time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = size()
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def one_record_since(e, offset: int, status: int, reason: str, prefix=False) -> dict:
@@ -43,7 +54,12 @@ def assert_refusal(r: helpers.Response, status: int, reason: str | None, prefix=
         got = r.egress_reason or ""
         assert (got.startswith(reason) if prefix else got == reason), \
             f"X-Egress-Reason {got!r}, want {reason!r}"
-        if (since := getattr(r, "audit_since", None)) is not None:
+    if (since := getattr(r, "audit_since", None)) is not None:
+        # Every refusal made through the helpers waits for its own record, also one whose
+        # reason the test leaves open (it would otherwise land in the next one's window).
+        if reason is None:
+            one_record_since(*since, status, r.egress_reason or "", prefix=not r.egress_reason)
+        else:
             one_record_since(*since, status, reason, prefix)
     ctype = (r.header("Content-Type") or "").lower()
     assert ctype.startswith("text/plain"), f"Content-Type {ctype!r}"
