@@ -600,6 +600,16 @@ def copies_in_memory(pid: int, value: str, want, timeout: float = 5.0) -> int:
         time.sleep(0.1)
 
 
+def active_connections(e: "Egressd") -> int:
+    """egressd_active_connections, read from /metrics."""
+    import re
+    r = e.admin_get("/metrics", timeout=5)
+    assert r is not None and r[0] == 200, r
+    m = re.search(rb"^egressd_active_connections (\d+)", r[1], re.M)
+    assert m, r[1][:2000]
+    return int(m.group(1))
+
+
 def occurrences_in_memory(pid: int, needle: bytes) -> int:
     """How often `needle` occurs in the writable memory of process `pid` (heap, thread arenas,
     stacks, anonymous mappings), read through /proc/PID/mem (the test runs egressd as a child)."""

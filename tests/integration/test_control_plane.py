@@ -770,9 +770,11 @@ def test_connection_accepted_before_a_revoke_is_refused_at_its_first_head(cp, wo
     # revoke: the identity is checked against the runtime of the head, not of the accept
     # (and a revoke racing the connection's registration is seen either way).
     run = create_run(cp, world, {"org": "acme"}, [], allow=["tunnel.test"])
+    before = helpers.active_connections(cp)
     s = socket.create_connection(("127.0.0.1", run.proxy_port), timeout=10)
     c = helpers.Conn(s)
-    time.sleep(0.3)  # egressd has accepted it (and read its runtime) before the revoke
+    helpers.poll(lambda: helpers.active_connections(cp) > before, 5.0,
+                 "egressd to accept the connection before the revoke")
     api_ok(cp, "DELETE", f"/v1/runs/{run.id}")
     c.send(f"CONNECT tunnel.test:{world.U} HTTP/1.1\r\nHost: tunnel.test:{world.U}\r\n"
            f"Proxy-Authorization: {run.auth}\r\n\r\n".encode())

@@ -244,14 +244,6 @@ def stall_setup(world, factory):
         sb.down()
 
 
-def active_connections(e: helpers.Egressd) -> int:
-    r = e.admin_get("/metrics", timeout=5)
-    assert r is not None and r[0] == 200, r
-    m = re.search(rb"^egressd_active_connections (\d+)", r[1], re.M)
-    assert m, r[1][:2000]
-    return int(m.group(1))
-
-
 def test_stalled_client_hellos_cost_no_cpu(stall_setup, world):
     """100 connections that sent 15000 of a 16000-byte ClientHello record and stall: over 3 s
     egressd uses < 0.15 s of CPU (the build before peeked each one every 5 ms: ~0.8 s); when
@@ -266,9 +258,9 @@ def test_stalled_client_hellos_cost_no_cpu(stall_setup, world):
     try:
         line = proc.stdout.readline()
         assert line.strip() == f"opened {n}", (line, proc.stderr.read() if proc.poll() else "")
-        helpers.poll(lambda: active_connections(e) >= n, 5, f"{n} connections in egressd")
+        helpers.poll(lambda: helpers.active_connections(e) >= n, 5, f"{n} connections in egressd")
         cpu, elapsed = cpu_over_window(pid)
-        assert active_connections(e) >= n  # still waiting (header_timeout is 15 s)
+        assert helpers.active_connections(e) >= n  # still waiting (header_timeout is 15 s)
     finally:
         proc.stdin.close()  # the script exits: its sockets close (FIN)
         proc.wait(timeout=10)
@@ -277,7 +269,7 @@ def test_stalled_client_hellos_cost_no_cpu(stall_setup, world):
     assert cpu < 0.15 * SLOW, \
         f"egressd used {cpu:.2f} s of CPU in {elapsed:.1f} s with {n} stalled ClientHellos"
     # Their rest can no longer come: egressd lets them go now, not at header_timeout (15 s).
-    helpers.poll(lambda: active_connections(e) == 0, 5,
+    helpers.poll(lambda: helpers.active_connections(e) == 0, 5,
                  "the stalled connections let go once their client closed them")
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import time
 
 import helpers
 
@@ -103,7 +102,7 @@ def test_drain_beginning_mid_request_answers_with_connection_close(world, factor
     c = _proxy(e)
     try:
         c.send(_get(world, f"/delay/1500?{marker}"))
-        time.sleep(0.5)  # in flight at the upstream
+        helpers.poll(lambda: world.plain.find(marker), 5.0, "the request at the upstream")
         e.proc.send_signal(signal.SIGTERM)
         r = helpers.read_response(c)
         assert r.status == 200
