@@ -226,10 +226,8 @@ print(got.split(b"\\r\\n")[0].decode(), flush=True)
 
 @pytest.fixture(scope="module")
 def stall_setup(world, factory):
-    from test_transparent import SCRIPT, Sandbox, _netns_unavailable
-    why = _netns_unavailable()
-    if why:
-        pytest.skip(why)
+    from test_transparent import SCRIPT, Sandbox, require_netns
+    require_netns()
     tp = free_port()
     sb = Sandbox(f"egf{uuid.uuid4().hex[:4]}", "10.250.57.0", tp, [world.U], ["api.test"])
     try:

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from test_transparent import Sandbox, _netns_unavailable
+from test_transparent import Sandbox, require_netns
 from upstream import free_port
 
 
@@ -22,9 +22,7 @@ def _ipv6_addresses(*prefix: str) -> str:
 
 
 def test_the_sandbox_and_its_veth_pair_have_no_ipv6():
-    why = _netns_unavailable()
-    if why:
-        pytest.skip(why)
+    require_netns()
     if not os.path.isdir("/proc/sys/net/ipv6"):
         pytest.skip("this kernel has no IPv6")
     name = f"eg6{uuid.uuid4().hex[:4]}"

@@ -35,6 +35,13 @@ def _netns_unavailable() -> str | None:
     return None
 
 
+def require_netns():
+    """Skips the test (with why) where network namespaces cannot be made."""
+    why = _netns_unavailable()
+    if why:
+        pytest.skip(why)
+
+
 class Sandbox:
     def __init__(self, name: str, subnet_base: str, proxy_port: int, ports: list[int],
                  hosts: list[str]):
@@ -64,9 +71,7 @@ class Sandbox:
 
 @pytest.fixture(scope="module")
 def netns_setup(world, factory):
-    why = _netns_unavailable()
-    if why:
-        pytest.skip(why)
+    require_netns()
     tp = free_port()
     tag = uuid.uuid4().hex[:4]
     w = world
@@ -238,9 +243,7 @@ def test_a_revoked_runs_sandbox_is_refused_not_given_to_a_broader_run(world, fac
     """Dynamic runs bound by source: A to the sandbox's address (/32), B to its whole /24.
     Once A is revoked, the sandbox's connections are refused 403 run_revoked; they are not
     handed to B, the next-longest match (B's credential had reached the upstream for them)."""
-    why = _netns_unavailable()
-    if why:
-        pytest.skip(why)
+    require_netns()
     from cp_helpers import api, api_ok, bearer_pin, cp_mutate, put_secret
     tp = free_port()
     sb = Sandbox(f"egt{uuid.uuid4().hex[:4]}r", "10.250.33.0", tp, [world.U], ["api.test"])
