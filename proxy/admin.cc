@@ -1,5 +1,7 @@
 // Admin listener: /healthz, /readyz, /metrics, and the /v1 control-plane API (bearer token).
-// Runs on its own io_context thread, so control-plane writes (fsync) never stall the proxy.
+// Runs on its own io_context thread; the /v1 calls run on the control thread (Shared::
+// control_executor), so a store write (fsync, a stalled etcd) stalls neither the proxy nor the
+// probes.
 #include <sys/stat.h>
 
 #include <array>
@@ -249,16 +251,26 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             res.set(http::field::content_type, "text/plain; version=0.0.4");
             res.body() = shared.metrics.render();
         } else if (target.substr(0, 4) == "/v1/" && shared.control != nullptr) {
-            if (!shared.control->authorized(req[http::field::authorization])) {
+            // On the control thread (the call may wait on the store up to state.etcd.timeout;
+            // the probes on this thread go on answering); this coroutine resumes here after.
+            auto r = co_await net::co_spawn(
+                shared.control_executor,
+                [&]() -> awaitable<std::optional<ApiResponse>> {
+                    if (!shared.control->authorized(req[http::field::authorization])) {
+                        co_return std::nullopt;
+                    }
+                    co_return shared.control->handle(req.method_string(), target, req.body());
+                },
+                net::use_awaitable);
+            if (!r) {
                 res.result(http::status::unauthorized);
                 res.set(http::field::www_authenticate, "Bearer realm=\"egressd-admin\"");
                 res.body() = R"({"error":"unauthorized","detail":"missing or wrong bearer token"})";
             } else {
-                auto r = shared.control->handle(req.method_string(), target, req.body());
-                res.result(static_cast<http::status>(r.status));
-                res.body() = std::move(r.body);
-                if (!r.allow.empty()) {
-                    res.set(http::field::allow, r.allow);
+                res.result(static_cast<http::status>(r->status));
+                res.body() = std::move(r->body);
+                if (!r->allow.empty()) {
+                    res.set(http::field::allow, r->allow);
                 }
             }
             // The request body may hold a secret value: wipe it.

@@ -206,7 +206,12 @@ struct Server::Impl {
     Shared shared;
     std::string config_path;
     std::unique_ptr<ControlPlane> control;
-    net::io_context admin_ioc{1};  // admin API: blocking store writes stay off the data path
+    // The admin listener (HTTP, probes, /metrics) runs on admin_ioc; everything that may block
+    // on the store (API calls, the sweep, SIGHUP reloads) on control_ioc, so neither the data
+    // path nor the probes wait for an etcd that stalls (up to state.etcd.timeout per call):
+    // a kubelet whose liveness probe timed out would restart a healthy sidecar.
+    net::io_context admin_ioc{1};
+    net::io_context control_ioc{1};
     std::vector<std::unique_ptr<Worker>> workers;
     std::unique_ptr<tcp::acceptor> proxy_acceptor;
     std::unique_ptr<tcp::acceptor> transparent_acceptor;
@@ -222,7 +227,7 @@ struct Server::Impl {
         }
     }
 
-    /// Serializes publish_runtime(): it runs on the admin thread (API writes, reload, sweep)
+    /// Serializes publish_runtime(): it runs on the control thread (API writes, reload, sweep)
     /// and, with state.backend etcd, on the store's watch thread. Building and publishing
     /// under one lock keeps an older build from being published after a newer one.
     std::mutex publish_mu;
@@ -407,7 +412,7 @@ struct Server::Impl {
     /// run keeps its expires_at and closes nothing again; one that gives it a new ttl gives it
     /// a new expires_at, closed again when that passes. (A connection is registered before its
     /// run's expiry is checked, so none admitted before the expiry is missed.) Runs on the
-    /// admin thread (sweep_loop).
+    /// control thread (sweep_loop).
     void close_expired() {
         auto rt = shared.runtime.load();
         const auto now = policy::Clock::now();
@@ -436,7 +441,7 @@ struct Server::Impl {
     std::map<std::string, policy::TimePoint> expiries_closed;
 
     awaitable<void> reload_loop() {
-        net::signal_set hup(admin_ioc, SIGHUP);
+        net::signal_set hup(control_ioc, SIGHUP);
         for (;;) {
             auto [ec, sig] = co_await hup.async_wait(use_nothrow);
             if (ec) {
@@ -447,11 +452,11 @@ struct Server::Impl {
     }
 
     awaitable<void> sweep_loop() {
-        net::steady_timer t(admin_ioc);
+        net::steady_timer t(control_ioc);
         // A failing store write (etcd without quorum, a full disk) blocks this thread, which
-        // also answers /healthz and /readyz, up to state.etcd.timeout: after a failure the
-        // sweep waits 2, 4 ... 32 s before it tries again (expired runs' connections are
-        // closed meanwhile all the same, and their requests refused).
+        // also serves the API's calls, up to state.etcd.timeout: after a failure the sweep
+        // waits 2, 4 ... 32 s before it tries again (expired runs' connections are closed
+        // meanwhile all the same, and their requests refused).
         int failures = 0;
         auto next_sweep = std::chrono::steady_clock::now();
         for (;;) {
@@ -651,6 +656,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     }
     impl_->control->set_proxy_authority(host + ":" + std::to_string(pep.port()));
     s.control = impl_->control.get();
+    s.control_executor = impl_->control_ioc.get_executor();
     // Listener first: a change the etcd watch brings in between is then built either way.
     impl_->control->on_change([impl = impl_.get()] { impl->publish_runtime(); });
     impl_->publish_runtime();
@@ -686,8 +692,8 @@ int Server::run() {
     } else {
         net::co_spawn(impl_->admin_ioc, impl_->admin_loop(*impl_->admin_unix_acceptor), log_spawn_error);
     }
-    net::co_spawn(impl_->admin_ioc, impl_->sweep_loop(), log_spawn_error);
-    net::co_spawn(impl_->admin_ioc, impl_->reload_loop(), log_spawn_error);
+    net::co_spawn(impl_->control_ioc, impl_->sweep_loop(), log_spawn_error);
+    net::co_spawn(impl_->control_ioc, impl_->reload_loop(), log_spawn_error);
 
     net::signal_set signals(ioc0, SIGINT, SIGTERM);
     signals.async_wait([this, &s](error_code ec, int sig) {
@@ -740,6 +746,7 @@ int Server::run() {
                     w->ioc.stop();
                 }
                 impl_->admin_ioc.stop();
+                impl_->control_ioc.stop();
             },
             log_spawn_error);
     });
@@ -754,6 +761,8 @@ int Server::run() {
     }
     guards.emplace_back(impl_->admin_ioc.get_executor());
     threads.emplace_back([this] { impl_->admin_ioc.run(); });
+    guards.emplace_back(impl_->control_ioc.get_executor());
+    threads.emplace_back([this] { impl_->control_ioc.run(); });
     impl_->workers[0]->run();
     for (auto& t : threads) {
         t.join();

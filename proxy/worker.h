@@ -103,6 +103,8 @@ struct Shared {
     std::atomic<uint64_t> next_req_id{1};  // workers take request ids from here in blocks
     ConnectionRegistry connections;
     ControlPlane* control = nullptr;  // set when the admin API is enabled
+    /// The control thread: `control`'s calls run there, off the admin listener's thread.
+    net::any_io_executor control_executor;
 };
 
 /// One event loop on one thread. Everything on it runs without locks.

@@ -831,6 +831,52 @@ def test_state_etcd_timeout_bounds_a_write_to_a_stalled_etcd(factory, world):
         stalled.stop()
 
 
+def test_the_probes_answer_at_once_while_an_api_write_waits_on_a_stalled_etcd(factory, world):
+    """A write held by an etcd that answers nothing (state.etcd.timeout 4 s) runs on the
+    control thread: meanwhile /healthz, /readyz and /metrics answer from the admin thread at
+    once (they had waited behind the write, and a kubelet whose liveness probe timed out
+    restarts a healthy sidecar), and the proxy serves; the write still ends with 503."""
+    stalled = Etcd(require_etcd_bin(), world.new_dir("etcd-probe-")).start()
+    try:
+        a = start_replica(factory, make_replica(
+            factory, world, "/egressd-probe/", [stalled.url], os.urandom(32), timeout="4s"))
+        value = sval("probe")
+        put_secret(a, "pr_tok", value, org="acme")
+        run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "pr_tok")])
+        os.kill(stalled.proc.pid, signal.SIGSTOP)
+        write: dict = {}
+
+        def slow_write():
+            t0 = time.monotonic()
+            write["reply"] = api(a, "POST", "/v1/secrets",
+                                 {"name": "pr_held", "scope": {"org": "acme"},
+                                  "value": sval("held")}, timeout=30)
+            write["took"] = time.monotonic() - t0
+        t = threading.Thread(target=slow_write)
+        try:
+            t.start()
+            time.sleep(0.5)  # the write is on its way to the stalled etcd
+            assert "reply" not in write, "the write did not wait on the stalled etcd"
+            for path in ("/healthz", "/readyz", "/metrics"):
+                t0 = time.monotonic()
+                r = api(a, "GET", path, token=None, timeout=30)
+                took = time.monotonic() - t0
+                assert r.status == 200, (path, r.status)
+                assert took < 1.0, f"{path} took {took:.2f} s while a write waited on etcd"
+            assert "reply" not in write, "the write ended before the probes were answered"
+            assert injected(world, run, value, "probe-stall")
+            t.join(30)
+            assert write["reply"].status == 503, (write["reply"].status,
+                                                  write["reply"].body[:300])
+            assert write["took"] >= 3.0, write["took"]
+        finally:
+            os.kill(stalled.proc.pid, signal.SIGCONT)
+            t.join(30)
+        a.stop()
+    finally:
+        stalled.stop()
+
+
 def test_state_etcd_lease_grace_sets_how_long_a_run_outlives_its_expiry(fleet, factory, world):
     """A run's keys are on a lease granted for the run's remaining life plus
     state.etcd.lease_grace: 60 s by default (replica A), 5 s on a replica configured so."""
