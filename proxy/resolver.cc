@@ -185,7 +185,15 @@ Resolver::Resolver(net::io_context& ioc, std::vector<std::string> servers,
     opts.sock_state_cb_data = impl_.get();
     opts.timeout = static_cast<int>(std::max<int64_t>(timeout.count() / 2, 100));
     opts.tries = 2;
-    int mask = ARES_OPT_SOCK_STATE_CB | ARES_OPT_TIMEOUTMS | ARES_OPT_TRIES;
+    // No search domains: the name the policy allowed is the name looked up. resolv.conf's
+    // `search` (or LOCALDOMAIN) with `ndots:5`, as Kubernetes pods have, would first ask for
+    // api.github.com.<namespace>.svc.cluster.local, which whoever answers for those zones
+    // could point anywhere; an allowed name that does not exist would fall back to one
+    // under a search zone too. (A trailing dot would do the same, but c-ares would then not
+    // match /etc/hosts entries, which a pod's hostAliases are.)
+    opts.domains = nullptr;
+    opts.ndomains = 0;
+    int mask = ARES_OPT_SOCK_STATE_CB | ARES_OPT_TIMEOUTMS | ARES_OPT_TRIES | ARES_OPT_DOMAINS;
     int rc = ares_init_options(&impl_->channel, &opts, mask);
     if (rc != ARES_SUCCESS) {
         impl_->init_error = ares_strerror(rc);

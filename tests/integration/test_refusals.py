@@ -13,6 +13,7 @@ import requests
 
 import helpers
 from clients import curl_via, requests_session, run_ca
+from dns_server import fixed
 from upstream import free_port
 
 
@@ -214,6 +215,29 @@ def test_dns_failure_502(world, egressd):
     audited(egressd, "dns_failure", 502)
     assert any(q.name == name for q in world.dns.log), "the lookup did not go to the test's DNS"
 
+
+
+def test_the_name_allowed_is_the_name_looked_up_whatever_the_search_domains(world, factory):
+    """resolv.conf's search domains do not apply (LOCALDOMAIN stands in for a `search` line,
+    RES_OPTIONS ndots:5 is what Kubernetes pods get): an allowed name whose own answer is
+    refused is refused, not served from <name>.<search zone>; an allowed name that does not
+    exist is 502 dns_failure, not the search zone's answer; no query names the zone."""
+    world.dns.set("sd-victim.test", fixed("127.0.0.2"))  # loopback outside allow_networks
+    world.dns.set("sd-victim.test.corp.test", fixed("127.0.0.1"))
+    world.dns.set("sd-missing.test.corp.test", fixed("127.0.0.1"))
+
+    def mutate(cfg):
+        cfg["policy"]["allow_hosts"] += ["sd-victim.test", "sd-missing.test"]
+    e = factory.make(mutate)
+    e.extra_env = {"LOCALDOMAIN": "corp.test", "RES_OPTIONS": "ndots:5"}
+    e.start()
+    factory.started.append(e)
+    connect_refused(e, f"sd-victim.test:{world.U}", world.auth(), 403,
+                    "denied_address:loopback")
+    connect_refused(e, f"sd-missing.test:{world.U}", world.auth(), 502, "dns_failure")
+    asked = [q.name for q in world.dns.log]
+    assert "sd-victim.test" in asked and "sd-missing.test" in asked, asked[-10:]
+    assert not [n for n in asked if n.endswith("corp.test")], asked[-10:]
 
 
 def test_connect_failed_502(world, egressd, marker):
