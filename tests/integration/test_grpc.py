@@ -29,6 +29,7 @@ class GrpcUpstream:
         self.port = free_port()
         self.metadata: list[dict] = []
         self._lock = threading.Lock()
+        self.hang_uploaded = threading.Event()  # a Hang call has read its whole request
 
         def talk(request_iterator, context):
             with self._lock:
@@ -50,6 +51,7 @@ class GrpcUpstream:
         def hang(request_iterator, context):  # takes the whole request, then answers late
             for _ in request_iterator:
                 pass
+            self.hang_uploaded.set()
             time.sleep(8)
             return b"late"
 
@@ -223,8 +225,9 @@ def test_a_client_cancelling_after_its_upload_ends_the_wait_for_the_answer(world
     """The upload is over, the answer not there yet, and the client cancels (RST_STREAM): the
     upstream part is given up at once, recorded client_aborted, not when the server answers."""
     with _channel(world, e, up) as ch:
+        up.hang_uploaded.clear()
         fut = ch.stream_unary(HANG).future(iter([b"a", b"b"]), timeout=30)
-        time.sleep(1.0)
+        assert up.hang_uploaded.wait(10), "the upload did not reach the upstream"
         t0 = time.monotonic()
         fut.cancel()
         recs = e.wait_audit(lambda r: r.get("path") == HANG, timeout=5)
