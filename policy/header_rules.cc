@@ -127,8 +127,55 @@ bool asks_websocket(const std::vector<Header>& headers) {
     return upgrade && named_in(connection_values(headers), "upgrade");
 }
 
+namespace {
+
+/// The tokens a Connection value names, for asking of each field whether it is one: a few
+/// (the usual "keep-alive", "close, te") are looked for in the string; many are split once,
+/// lowercased and sorted, so fields × tokens (64 KiB of head holds thousands of each) costs
+/// a lookup per field, not a scan of every token.
+class ConnectionTokens {
+public:
+    explicit ConnectionTokens(std::string joined) : joined_(std::move(joined)) {
+        size_t n = joined_.empty() ? 0 : 1 + std::count(joined_.begin(), joined_.end(), ',');
+        if (n <= kScanned) {
+            return;
+        }
+        std::string_view rest = joined_;
+        sorted_.reserve(n);
+        while (!rest.empty()) {
+            const size_t comma = rest.find(',');
+            auto t = trim_ows(rest.substr(0, comma));
+            if (!t.empty()) {
+                sorted_.push_back(ascii_lower(t));
+            }
+            if (comma == std::string_view::npos) {
+                break;
+            }
+            rest.remove_prefix(comma + 1);
+        }
+        std::sort(sorted_.begin(), sorted_.end());
+        sorted_.erase(std::unique(sorted_.begin(), sorted_.end()), sorted_.end());
+        split_ = true;
+    }
+    bool empty() const { return joined_.empty(); }
+    bool names(std::string_view field) const {
+        if (!split_) {
+            return named_in(joined_, field);
+        }
+        return std::binary_search(sorted_.begin(), sorted_.end(), ascii_lower(field));
+    }
+
+private:
+    static constexpr size_t kScanned = 8;
+    std::string joined_;
+    std::vector<std::string> sorted_;
+    bool split_ = false;
+};
+
+}  // namespace
+
 size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
-    const std::string tokens = connection_values(headers);
+    const ConnectionTokens tokens(connection_values(headers));
     const size_t before = headers.size();
     std::erase_if(headers, [&](const Header& h) {
         if (keep_te_trailers && iequals(h.name, "te") && iequals(trim_ows(h.value), "trailers")) {
@@ -142,7 +189,7 @@ size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
         if (iequals(h.name, "content-length")) {
             return false;
         }
-        return !tokens.empty() && named_in(tokens, h.name);
+        return !tokens.empty() && tokens.names(h.name);
     });
     return before - headers.size();
 }

@@ -541,6 +541,7 @@ public:
                                   }}})},
              {"limits",
               section({{"max_header_bytes", set_count(l.max_header_bytes, 256, 16 << 20)},
+                       {"max_header_fields", set_count(l.max_header_fields, 8, 10000)},
                        {"header_timeout", set_timeout(l.header_timeout)},
                        {"idle_timeout", set_timeout(l.idle_timeout)},
                        {"connect_timeout", set_timeout(l.connect_timeout)},

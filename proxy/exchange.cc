@@ -919,8 +919,12 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     } else {
         // Request head and body, then the response head. A pooled h1 connection the upstream
         // closed while idle fails before any response byte; a request without a body is then
-        // retried once on a fresh connection (nothing of it can have been processed). A
-        // stream an h2 upstream refused goes out again (`replay` above).
+        // retried once on a fresh connection: always when its head could not be written
+        // (nothing of it went out), and when it went out only if its method is idempotent
+        // (RFC 9110 9.2.2: a proxy MUST NOT retry others; the upstream may have acted on a
+        // POST and closed before answering) and the connection closed without a byte of
+        // answer (a head that came and did not parse is this upstream's answer, not a stale
+        // connection). A stream an h2 upstream refused goes out again (`replay` above).
         bool refused = false;
         for (int attempt = 0;; ++attempt) {
             const bool may_retry = attempt == 0 && up->reused() && req_body.none;
@@ -1014,10 +1018,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     co_return false;
                 }
                 if (auto* r = std::get_if<Refusal>(&got)) {
-                    // (A timeout, or a whole head refused for its transfer coding, is an
-                    // answer of this upstream, not a connection it closed while idle.)
-                    if (may_retry && r->reason != "upstream_timeout" &&
-                        r->reason != "upstream_transfer_coding") {
+                    if (may_retry && idempotent && up->closed_unanswered()) {
                         goto retry;
                     }
                     refused = r->reason == kRefusedStream && (req_body.none || replay_whole) &&

@@ -168,6 +168,9 @@ public:
     /// the upstream sent before it stopped taking the body is still read.
     virtual awaitable<Outcome<ResponseHead>> read_head(bool head_request,
                                                        std::chrono::milliseconds wait) = 0;
+    /// The last read_head failed because the connection was closed or reset before any byte
+    /// of an answer: what a pooled connection the upstream closed while idle does.
+    virtual bool closed_unanswered() const { return false; }
     virtual awaitable<BodyChunk> read_body() = 0;
     virtual Headers response_trailers() = 0;
     /// The exchange completed cleanly: the connection may go back to the pool.

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -46,6 +47,11 @@ public:
     const std::string* find(std::string_view name) const {
         return policy::find_header(fields_, name);
     }
+    /// At most `n` fields in the head, and as many in the trailers: one more is
+    /// http::error::header_limit, as a head over header_limit() is (431). Per-field work
+    /// downstream (the Connection tokens, the header rules) stays bounded whatever fits in
+    /// max_header_bytes: 64 KiB of "a:\r\n" would be ~13 000 fields.
+    void field_limit(size_t n) { field_limit_ = n; }
     /// Fields after a chunked body (trailers), names lowercased.
     std::vector<policy::Header>& trailers() { return trailers_; }
 
@@ -108,6 +114,10 @@ private:
     void on_field_impl(http::field, beast::string_view name, beast::string_view value,
                        error_code& ec) override {
         auto& to = this->is_header_done() ? trailers_ : fields_;
+        if (to.size() >= field_limit_) {
+            ec = http::error::header_limit;
+            return;
+        }
         auto& f = to.emplace_back();
         const std::string_view n(name.data(), name.size());
         if (isRequest || &to == &trailers_) {
@@ -160,6 +170,7 @@ private:
     size_t room_ = 0;
     bool close_ = false;
     std::optional<uint64_t> direct_left_;  // set once the body is read straight
+    size_t field_limit_ = std::numeric_limits<size_t>::max();
 };
 
 using H1RequestParser = H1Parser<true>;

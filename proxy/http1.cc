@@ -646,6 +646,7 @@ public:
     const char* proto() const override { return "http/1.1"; }
     tcp::endpoint peer() const override { return peer_; }
     bool reused() const override { return reused_; }
+    bool closed_unanswered() const override { return closed_unanswered_; }
 
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
         chunked_ = !body.length && !body.none;
@@ -722,6 +723,12 @@ public:
             auto ec = co_await read_header(stream(), buffer(), *rp_, Arrival::Later);
             lowest(stream()).expires_never();
             if (ec) {
+                closed_unanswered_ = !rp_->got_some() && buffer().size() == 0 &&
+                                     (ec == http::error::end_of_stream ||
+                                      ec == net::error::eof ||
+                                      ec == net::ssl::error::stream_truncated ||
+                                      ec == net::error::connection_reset ||
+                                      ec == net::error::broken_pipe);
                 bool timeout = ec == beast::error::timeout;
                 co_return Refusal{timeout ? 504 : 502,
                                   timeout ? "upstream_timeout" : "upstream_bad_response",
@@ -812,6 +819,7 @@ private:
     std::chrono::milliseconds timeout_;
     bool chunked_ = false;
     bool request_done_ = false;  // the whole request (head, body, trailers) went out
+    bool closed_unanswered_ = false;  // read_head: closed before a byte of answer
     std::optional<H1ResponseParser> rp_;
     RelayBuffer rbuf_;
     std::optional<StreamBytes<Stream>> raw_;  // after a 101
@@ -893,6 +901,7 @@ awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
                                       H1RequestParser& parser, bool first,
                                       const Limits& limits) {
     parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
+    parser.field_limit(limits.max_header_fields);
     parser.body_limit(boost::none);
     if (!first && buf.size() == 0) {
         lowest(s).expires_after(limits.idle_timeout);

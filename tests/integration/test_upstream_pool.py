@@ -66,6 +66,38 @@ def test_a_pooled_connection_the_upstream_closed_is_not_used_for_a_request_with_
     assert len(seen) == 1
 
 
+def _second_on_a_pooled_connection(world, e, method: str, path: str):
+    """GET /echo on a tunnel (its upstream connection goes back to the pool), then `method`
+    without a body on `path` over the same tunnel: the pooled connection, alive, carries it."""
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/echo/{os.urandom(4).hex()}", f"api.test:{world.U}")
+        assert r.status == 200, (r.status, r.egress_reason)
+        return helpers.request(c, method, path, f"api.test:{world.U}")
+    finally:
+        c.close()
+
+
+def test_only_idempotent_requests_are_sent_again_after_a_pooled_connection_closes(
+        world, factory, marker):
+    """A request that went out on a pooled connection closed without a byte of answer is sent
+    once more on a fresh connection only if its method is idempotent (RFC 9110 9.2.2: a proxy
+    MUST NOT retry a POST, which the upstream may have acted on): a bodiless POST reaches the
+    upstream once and the client gets 502; a GET twice. An answer whose head does not parse
+    is the upstream's answer, not a stale connection: never sent again, whatever the method."""
+    e = factory.start()
+    r = _second_on_a_pooled_connection(world, e, "POST", f"/hangup?{marker}-post")
+    assert (r.status, r.egress_reason) == (502, "upstream_bad_response")
+    assert len(world.upstream.find(f"{marker}-post")) == 1
+    r = _second_on_a_pooled_connection(world, e, "GET", f"/hangup?{marker}-get")
+    assert r.status == 502
+    assert len(world.upstream.find(f"{marker}-get")) == 2
+    for method in ("POST", "GET"):
+        r = _second_on_a_pooled_connection(world, e, method, f"/badhead?{marker}-bad{method}")
+        assert (r.status, r.egress_reason) == (502, "upstream_bad_response"), method
+        assert len(world.upstream.find(f"{marker}-bad{method}")) == 1, method
+
+
 def test_an_unsolicited_408_on_an_idle_pooled_connection_is_not_the_next_answer(
         world, factory, marker):
     """Some servers write a 408 before they close a connection at their idle timeout. A pooled

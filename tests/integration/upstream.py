@@ -397,6 +397,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                  b"Connection: close\r\n\r\n")
                 self.wfile.flush()
             self.close_connection = True
+        elif base == "/hangup":
+            # Takes the request and closes without a byte of answer: an upstream that acted
+            # on it and went away, or closed its idle connection as the request came.
+            self.close_connection = True
+        elif base == "/badhead":
+            # An answer whose head does not parse (two Content-Length values), then the close.
+            self.wfile.write(b"HTTP/1.1 201 Created\r\nContent-Length: 1, 2\r\n\r\nx")
+            self.wfile.flush()
+            self.close_connection = True
         elif len(parts) == 3 and parts[1] == "short" and parts[2].isdigit():
             # Announces Content-Length N, sends N/2 bytes, then closes: a truncated response.
             total = int(parts[2])

@@ -123,6 +123,30 @@ TEST(StripHopByHop, TeTrailersKeptOnlyWhenAsked) {
     EXPECT_EQ(strip_hop_by_hop(h3, true), 1U);
 }
 
+TEST(StripHopByHop, ManyConnectionTokensAreMatchedAsFewAre) {
+    // Over eight tokens the list is split and sorted once (fields x tokens would be quadratic
+    // in the head's size): the same names go, in any case and with any spacing, in two
+    // Connection fields; framing stays; a name that is only a token's prefix stays.
+    std::string many = "a0";
+    for (int i = 1; i < 40; ++i) {
+        many += (i % 2 ? " , A" : ",a") + std::to_string(i);
+    }
+    RequestHead h = head_with({{"connection", many},
+                               {"connection", "\tX-Custom\t"},
+                               {"a7", "1"},
+                               {"A39", "2"},
+                               {"x-custom", "3"},
+                               {"a4", "4"},
+                               {"a400", "kept: a prefix match only"},
+                               {"content-length", "5"},
+                               {"accept", "*/*"}});
+    EXPECT_EQ(strip_hop_by_hop(h), 6U);
+    ASSERT_EQ(h.headers.size(), 3U);
+    EXPECT_EQ(h.headers[0].name, "a400");
+    EXPECT_EQ(h.headers[1].name, "content-length");
+    EXPECT_EQ(h.headers[2].name, "accept");
+}
+
 TEST(StripHopByHop, ConnectionCannotStripFraming) {
     RequestHead h = head_with({{"connection", "content-length"}, {"content-length", "5"}});
     EXPECT_EQ(strip_hop_by_hop(h), 1U);
