@@ -598,8 +598,11 @@ std::optional<tcp::endpoint> original_destination(tcp::socket& socket) {
     } else {
         return std::nullopt;
     }
-    if (ep == local) {
-        return std::nullopt;  // dialled the transparent port directly: nothing was redirected
+    // Dialled the transparent port directly: nothing was redirected. Compared unmapped: on a
+    // dual-stack listener ([::]:P) an IPv4 client's socket is AF_INET6 (::ffff:a.b.c.d) while
+    // conntrack answers AF_INET, so a plain comparison never matched.
+    if (unmapped(ep.address()) == unmapped(local.address()) && ep.port() == local.port()) {
+        return std::nullopt;
     }
     return ep;
 }

@@ -239,6 +239,38 @@ def test_a_direct_connection_to_the_transparent_port_is_refused(factory, world):
     assert rec[-1]["decision"] == "deny"
 
 
+def test_a_direct_connection_to_a_dual_stack_transparent_port_is_refused(factory, world):
+    """With conntrack active (a sandbox's NAT rules are up) SO_ORIGINAL_DST answers for a
+    connection nothing redirected too: its own destination. On a dual-stack listener
+    ([::]:P) an IPv4 client's socket is v4-mapped while conntrack answers IPv4; the two are
+    compared unmapped, so 127.0.0.1:P dialled directly is no_original_destination, not a
+    connection to some host on port P (it had gone through policy as far as a dial)."""
+    require_netns()
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    tp = free_port()
+    sb = Sandbox(f"egt{uuid.uuid4().hex[:4]}d", "10.250.34.0", tp, [world.U], ["api.test"])
+    try:
+        def mutate(cfg):
+            cfg["listen"]["transparent"] = f"[::]:{tp}"
+            cfg["runs"][0]["sources"] = ["127.0.0.1/32"]
+        e = factory.start(mutate)
+        s = socket.create_connection(("127.0.0.1", tp), timeout=5)
+        s.sendall(f"GET / HTTP/1.1\r\nHost: api.test:{world.U}\r\n\r\n".encode())
+        s.settimeout(5)
+        try:
+            got = s.recv(100)
+        except ConnectionResetError:
+            got = b""
+        s.close()
+        assert got == b""
+        rec = e.wait_audit(lambda x: x.get("reason") == "no_original_destination")
+        assert rec[-1]["decision"] == "deny"
+        assert [r.get("reason") for r in e.audit_records()] == ["no_original_destination"]
+    finally:
+        sb.down()
+
+
 def test_a_revoked_runs_sandbox_is_refused_not_given_to_a_broader_run(world, factory, marker):
     """Dynamic runs bound by source: A to the sandbox's address (/32), B to its whole /24.
     Once A is revoked, the sandbox's connections are refused 403 run_revoked; they are not
