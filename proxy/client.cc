@@ -607,22 +607,6 @@ std::optional<tcp::endpoint> original_destination(tcp::socket& socket) {
     return ep;
 }
 
-policy::IpAddress to_policy_address(const net::ip::address& a) {
-    if (a.is_v6() && a.to_v6().is_v4_mapped()) {
-        return to_policy_address(unmapped(a));
-    }
-    policy::IpAddress ip;
-    if (a.is_v4()) {
-        auto b = a.to_v4().to_bytes();
-        std::copy(b.begin(), b.end(), ip.bytes.begin());
-    } else {
-        ip.family = policy::IpAddress::Family::V6;
-        auto b = a.to_v6().to_bytes();
-        std::copy(b.begin(), b.end(), ip.bytes.begin());
-    }
-    return ip;
-}
-
 struct Peeked {
     tls::ClientHelloPeek hello;
     bool eof = false;  // closed or timed out before a decision

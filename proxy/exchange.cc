@@ -155,15 +155,17 @@ awaitable<Outcome<std::unique_ptr<Upstream>>> open_upstream(Scope& scope, bool a
     for (int round = 0;; ++round) {
         if (allow_pool) {
             if (h1_only) {
-                if (auto c = w.pool->acquire(key, retryable, limits.upstream_idle_timeout)) {
+                if (auto c = w.pool->acquire(key, retryable, limits.upstream_idle_timeout,
+                                             rt.addresses)) {
                     co_return make_h1_upstream(w, std::move(c), true, authority);
                 }
                 break;
             }
-            if (auto s = w.pool->acquire_h2(key)) {
+            if (auto s = w.pool->acquire_h2(key, rt.addresses)) {
                 co_return std::make_unique<H2Upstream>(std::move(*s), authority);
             }
-            if (auto c = w.pool->acquire(key, retryable, rt.config->limits.upstream_idle_timeout)) {
+            if (auto c = w.pool->acquire(key, retryable, limits.upstream_idle_timeout,
+                                         rt.addresses)) {
                 co_return make_h1_upstream(w, std::move(c), true, authority);
             }
         }

@@ -23,6 +23,26 @@ tcp::endpoint to_endpoint(const policy::IpAddress& ip, uint16_t port) {
     return {net::ip::address_v6(b), port};
 }
 
+}  // namespace
+
+policy::IpAddress to_policy_address(const net::ip::address& a) {
+    if (a.is_v6() && a.to_v6().is_v4_mapped()) {
+        return to_policy_address(unmapped(a));
+    }
+    policy::IpAddress ip;
+    if (a.is_v4()) {
+        auto b = a.to_v4().to_bytes();
+        std::copy(b.begin(), b.end(), ip.bytes.begin());
+    } else {
+        ip.family = policy::IpAddress::Family::V6;
+        auto b = a.to_v6().to_bytes();
+        std::copy(b.begin(), b.end(), ip.bytes.begin());
+    }
+    return ip;
+}
+
+namespace {
+
 bool is_self(const Shared& s, const tcp::endpoint& ep) {
     for (const auto& own : s.own_listeners) {
         if (own.port() != ep.port()) {
@@ -193,7 +213,8 @@ std::string UpstreamPool::key(const std::string& run, const policy::HostPort& de
 }
 
 std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retryable,
-                                               std::chrono::milliseconds max_idle) {
+                                               std::chrono::milliseconds max_idle,
+                                               const policy::AddressPolicy& addresses) {
     auto it = idle_.find(key);
     if (it == idle_.end()) {
         return nullptr;
@@ -206,7 +227,8 @@ std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retr
         // Bytes already read (by our parser, or by OpenSSL's read-ahead: a close_notify that
         // came in behind the last response) mean the connection is not idle and clean.
         if (now - conn->idle_since > max_idle || conn->buffer.size() != 0 ||
-            SSL_has_pending(conn->stream->native_handle()) == 1) {
+            SSL_has_pending(conn->stream->native_handle()) == 1 ||
+            !addresses.vet(to_policy_address(conn->peer.address())).allowed) {
             continue;
         }
         if (retryable && now - conn->idle_since < kFreshIdle) {
@@ -244,13 +266,16 @@ UpstreamPool::~UpstreamPool() {
     }
 }
 
-std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key) {
+std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key,
+                                                  const policy::AddressPolicy& addresses) {
     auto it = h2_.find(key);
     if (it == h2_.end()) {
         return std::nullopt;
     }
     auto& v = it->second;
-    std::erase_if(v, [](const H2Pooled& p) { return !p.session->alive(); });
+    std::erase_if(v, [&](const H2Pooled& p) {
+        return !p.session->alive() || !addresses.vet(to_policy_address(p.peer.address())).allowed;
+    });
     for (auto& p : v) {
         if (p.session->has_capacity()) {
             return p;

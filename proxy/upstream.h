@@ -38,6 +38,9 @@ struct Dialed {
 awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt, const policy::HostPort& dest,
                                          DialCut* dial = nullptr);
 
+/// The policy's form of an address (an IPv4-mapped IPv6 address as the IPv4 one).
+policy::IpAddress to_policy_address(const net::ip::address& a);
+
 /// What a dial its client left ends with (DialCut): nobody reads an answer.
 inline Refusal client_gone_refusal() { return Refusal{0, "client_aborted", ""}; }
 
@@ -78,9 +81,12 @@ public:
     /// before any response byte, and its method is idempotent (proxy/exchange.cc); then a
     /// connection given back less than kFreshIdle ago is handed out without the peek that
     /// asks the kernel whether the peer closed or wrote while it idled.
-    /// A connection idle longer than `max_idle` (limits.upstream_idle_timeout) is closed.
+    /// A connection idle longer than `max_idle` (limits.upstream_idle_timeout) is closed, and
+    /// so is one whose address `addresses` no longer allows (a reload that narrowed
+    /// policy.allow_networks: it was vetted at its dial only).
     std::unique_ptr<TlsConn> acquire(const std::string& key, bool retryable,
-                                     std::chrono::milliseconds max_idle);
+                                     std::chrono::milliseconds max_idle,
+                                     const policy::AddressPolicy& addresses);
     /// See acquire. A peek costs a system call per request on a busy keep-alive connection.
     /// Its failure is retried anyway, and what it guards against comes later than this: a
     /// server closes an idle connection at its idle timeout (seconds; nginx 75 s, Node 5 s),
@@ -88,8 +94,10 @@ public:
     static constexpr std::chrono::milliseconds kFreshIdle{100};
     void release(std::unique_ptr<TlsConn> conn);
 
-    /// A live HTTP/2 session for key with room for one more stream, if any.
-    std::optional<H2Pooled> acquire_h2(const std::string& key);
+    /// A live HTTP/2 session for key with room for one more stream, if any. A session whose
+    /// address `addresses` no longer allows leaves the pool (its open streams finish).
+    std::optional<H2Pooled> acquire_h2(const std::string& key,
+                                       const policy::AddressPolicy& addresses);
     void add_h2(const std::string& key, H2Pooled s);
 
     /// Dial coalescing: while one TLS dial for key is in flight, others wait for it (it may

@@ -9,6 +9,7 @@ import time
 
 import helpers
 from clients import run_ca
+from h2_helpers import add_h2_pins, h2up  # noqa: F401 (module fixture)
 
 
 def _await_upstream_close(pid: int, port: int, timeout: float = 10.0) -> None:
@@ -197,3 +198,34 @@ def test_an_idle_pooled_connection_is_closed_after_upstream_idle_timeout(world, 
         assert get("again") == 0
     finally:
         c.close()
+
+
+def test_a_reload_that_narrows_allow_networks_ends_the_reuse_of_what_it_denies(
+        world, factory, h2up, marker):
+    """A pooled upstream connection was vetted at its dial: after a reload drops the
+    allow_networks exception that let it dial 127.0.0.1, neither a pooled HTTP/1.1
+    connection nor a pooled HTTP/2 session carries another request there; the request is
+    vetted as a new dial would be (403 denied_address:loopback) and nothing reaches the
+    upstream. (Both had gone on serving, credential injected, for as long as they were used.)"""
+    def mutate(cfg):
+        add_h2_pins(world, h2up)(cfg)
+        cfg["limits"]["worker_threads"] = 1  # one worker: one pool
+    e = factory.start(mutate)
+    ca = run_ca(e, "r1")
+    ups = ((world.U, world.upstream), (h2up.port, h2up))
+
+    def get(port, tag):
+        c = helpers.tunnel(e.proxy_port, "api.test", port, world.auth(), ca)
+        try:
+            return helpers.request(c, "GET", f"/echo/{marker}-{tag}", f"api.test:{port}")
+        finally:
+            c.close()
+    for port, _ in ups:
+        r = get(port, f"before-{port}")
+        assert r.status == 200, (port, r.status, r.egress_reason)
+    e.rewrite_config(lambda c: c["policy"].__setitem__("allow_networks", []))
+    e.reload()
+    for port, up in ups:
+        r = get(port, f"after-{port}")
+        assert (r.status, r.egress_reason) == (403, "denied_address:loopback"), port
+        assert not up.find(f"{marker}-after-{port}"), port
