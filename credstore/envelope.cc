@@ -544,11 +544,9 @@ Result<std::unique_ptr<KeyProvider>> open_master_key_file(const std::string& pat
     if (!S_ISREG(st.st_mode)) {
         return make_error("keys.master_key_file: " + path + " is not a regular file");
     }
-    if ((st.st_mode & 077) != 0) {
-        char mode[8];
-        std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
-        return make_error("keys.master_key_file: " + path +
-                          " is readable by group or others (mode " + mode + "); chmod 600 it");
+    if (auto why = not_owner_only("keys.master_key_file", path,
+                                  static_cast<unsigned>(st.st_mode))) {
+        return make_error(*why);
     }
     if (st.st_size != static_cast<off_t>(kKeyBytes)) {
         return make_error("keys.master_key_file: " + path + " must hold exactly 32 bytes (has " +

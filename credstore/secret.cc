@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -137,6 +138,32 @@ Result<SecretPtr> load_secret_file(const std::string& path) {
     }
     SecretPtr secret = std::make_shared<const SecretValue>(value);
     egress::secure_wipe(content);
+    return secret;
+}
+
+std::optional<std::string> not_owner_only(std::string_view key, const std::string& path,
+                                          unsigned mode) {
+    if ((mode & 077) == 0) {
+        return std::nullopt;
+    }
+    char text[8];
+    std::snprintf(text, sizeof text, "%04o", mode & 07777);
+    return std::string(key) + ": " + path + " is readable by group or others (mode " + text +
+           "); chmod 600 it";
+}
+
+Result<SecretPtr> load_owner_only_secret_file(std::string_view key, const std::string& path) {
+    struct stat st{};
+    if (::stat(path.c_str(), &st) != 0) {
+        return make_error(std::string(key) + ": " + path + ": " + std::strerror(errno));
+    }
+    if (auto why = not_owner_only(key, path, static_cast<unsigned>(st.st_mode))) {
+        return make_error(*why);
+    }
+    auto secret = load_secret_file(path);
+    if (!secret) {
+        return make_error(std::string(key) + ": " + secret.error());
+    }
     return secret;
 }
 

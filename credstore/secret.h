@@ -8,6 +8,7 @@
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <optional>
 #include <string_view>
 
 #include "common/result.h"
@@ -43,6 +44,16 @@ Result<bool> validate_secret_bytes(std::string_view bytes);
 /// `echo` or by Kubernetes often have one); then validate_secret_bytes applies. The error
 /// message names the path and the problem, never the content.
 Result<SecretPtr> load_secret_file(const std::string& path);
+
+/// An error naming the config key `key` when the file `path` (its stat `mode`) may be read by
+/// group or others: a file that grants what egressd's keys grant (the master key, the admin
+/// token) must be its owner's alone. Nothing when it is.
+std::optional<std::string> not_owner_only(std::string_view key, const std::string& path,
+                                          unsigned mode);
+
+/// load_secret_file for a file that must be its owner's alone (not_owner_only); errors start
+/// with `key`.
+Result<SecretPtr> load_owner_only_secret_file(std::string_view key, const std::string& path);
 
 /// Creates the file `path` (mode 0600) holding `bytes`, so that it never exists incomplete: the
 /// bytes go to `path.tmp` (a leftover from an interrupted create is removed first), which is

@@ -590,9 +590,9 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
             return make_error("admin.token_file: " + created.error());
         }
     }
-    auto tok = credstore::load_secret_file(cfg.admin_token_file);
+    auto tok = credstore::load_owner_only_secret_file("admin.token_file", cfg.admin_token_file);
     if (!tok) {
-        return make_error("admin.token_file: " + tok.error());
+        return make_error(tok.error());
     }
     cp->admin_token_ = *tok;
 

@@ -277,9 +277,10 @@ struct Server::Impl {
         }
         // The admin token is re-read with the rest (an operator rotating a leaked token):
         // unreadable, the whole reload is refused and the old token keeps working.
-        auto admin_token = credstore::load_secret_file(cfg->admin_token_file);
+        auto admin_token =
+            credstore::load_owner_only_secret_file("admin.token_file", cfg->admin_token_file);
         if (!admin_token) {
-            spdlog::error("reload refused, keeping the running configuration: admin.token_file: {}",
+            spdlog::error("reload refused, keeping the running configuration: {}",
                           admin_token.error());
             return;
         }

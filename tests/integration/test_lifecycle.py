@@ -577,6 +577,19 @@ def test_sighup_rereads_the_admin_token(factory):
     assert "admin.token_file: " in e.stderr_text().splitlines()[-1]
     assert api(e, "GET", "/v1/secrets", token=new).status == 200
     os.rename(token_file + ".gone", token_file)
+    # A token file others may read grants them the admin API: refused, as a master key file
+    # is, at a reload (the token in use keeps working) and at start.
+    os.chmod(token_file, 0o644)
+    e.reload(expect="reload refused")
+    assert ("admin.token_file: " + token_file + " is readable by group or others (mode 0644)"
+            in e.stderr_text().splitlines()[-1])
+    assert api(e, "GET", "/v1/secrets", token=new).status == 200
+    other = factory.make()
+    other.config["admin"]["token_file"] = token_file
+    with pytest.raises(AssertionError):
+        other.start()
+    assert "is readable by group or others (mode 0644); chmod 600 it" in other.stderr_text()
+    os.chmod(token_file, 0o600)
     # Neither token in anything egressd wrote but the token file the test wrote (the
     # factory's grep covers the test's secret values, not these).
     for path in (e.stderr_path, e.stdout_path, e.audit_path):
