@@ -243,6 +243,20 @@ bool is_override_header(std::string_view name) {
            named("x-amz-copy-source");
 }
 
+std::optional<std::string> path_prefix_problem(std::string_view prefix) {
+    if (prefix.empty() || prefix.front() != '/') {
+        return "must start with '/'";
+    }
+    const bool plain = prefix.find_first_of("?#") == std::string_view::npos &&
+                       std::none_of(prefix.begin(), prefix.end(), [](char c) {
+                           return static_cast<unsigned char>(c) <= 0x20 || c == 0x7f;
+                       });
+    if (!plain) {
+        return "must be a plain path (no query, fragment, spaces or control characters)";
+    }
+    return std::nullopt;
+}
+
 Result<InjectSpec> validate_injection(InjectSpec spec) {
     switch (spec.type) {
         case InjectType::Bearer: break;

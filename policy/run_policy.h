@@ -43,6 +43,11 @@ struct InjectSpec {
 /// name lowercased. Errors name the field ("inject.name: ...").
 Result<InjectSpec> validate_injection(InjectSpec spec);
 
+/// What is wrong with a pin's path prefix ("must start with '/'", "must be a plain path ..."),
+/// or nothing: a prefix with a query, fragment, space or control character never matches a
+/// request's path, so a pin holding one would never inject. Config and API share it.
+std::optional<std::string> path_prefix_problem(std::string_view prefix);
+
 /// The header name an injection writes ("authorization" for bearer, basic and aws-sigv4).
 std::string injected_header_name(const InjectSpec& spec);
 /// The header value for a secret: "Bearer S", "Basic b64(user:S)", or the template filled;

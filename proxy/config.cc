@@ -799,18 +799,8 @@ public:
         if (!s) {
             return s;
         }
-        bool plain = s->find_first_of("?#") == std::string::npos &&
-                     std::none_of(s->begin(), s->end(), [](char c) {
-                         return static_cast<unsigned char>(c) <= 0x20 || c == 0x7f;
-                     });
-        if (s->front() != '/') {
-            error(path, "must start with '/', got " + quoted(*s));
-            s.reset();
-        } else if (!plain) {
-            error(path,
-                  "must be a plain path (no query, fragment, spaces or control "
-                  "characters), got " +
-                      quoted(*s));
+        if (auto why = policy::path_prefix_problem(*s)) {
+            error(path, *why + ", got " + quoted(*s));
             s.reset();
         }
         return s;

@@ -920,9 +920,9 @@ Result<credstore::PinRecord> parse_pin(const json::value& v, const std::string& 
     p.inject.name = spec->header_name;
     auto prefixes = get_strings(o, "path_prefixes", path + ".");
     if (!prefixes) return make_error(prefixes.error());
-    for (const auto& pp : *prefixes) {
-        if (pp.empty() || pp.front() != '/') {
-            return make_error(path + ".path_prefixes: '" + pp + "' must start with '/'");
+    for (size_t j = 0; j < prefixes->size(); ++j) {
+        if (auto why = policy::path_prefix_problem((*prefixes)[j])) {
+            return make_error(path + ".path_prefixes[" + std::to_string(j) + "]: " + *why);
         }
     }
     p.path_prefixes = *prefixes;

@@ -255,6 +255,17 @@ VALIDATION = [
      {"scope": {"org": "acme"}, "value": ""}, "value"),
     ("pin_path_prefix", "POST", "/v1/runs",
      {"scope": {"org": "acme"}, "pins": [_pin(path_prefixes=["repos"])]}, "pins[0].path_prefixes"),
+    # As the config refuses them: a query, fragment or space never matches a request's path,
+    # so the pin would never inject.
+    ("pin_path_prefix_query", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(path_prefixes=["/ok/", "/repos/acme?ref=main"])]},
+     "pins[0].path_prefixes[1]: must be a plain path"),
+    ("pin_path_prefix_fragment", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(path_prefixes=["/repos#x"])]},
+     "pins[0].path_prefixes[0]: must be a plain path"),
+    ("pin_path_prefix_space", "POST", "/v1/runs",
+     {"scope": {"org": "acme"}, "pins": [_pin(path_prefixes=["/a b"])]},
+     "pins[0].path_prefixes[0]: must be a plain path"),
     ("pins_not_array", "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": {}}, "pins"),
     # A key given twice: refused, not "the last one wins" (a proxy in front reading the first
     # would see another request than egressd acts on).
