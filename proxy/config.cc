@@ -1157,7 +1157,15 @@ Result<std::chrono::milliseconds> parse_duration(const std::string& text) {
     } else {
         return bad();
     }
-    return std::chrono::milliseconds(static_cast<int64_t>(*value) * ms_per_unit);
+    // At most ten years: a deadline is now() + d in steady_clock's int64 nanoseconds, which a
+    // duration over ~292 years wraps negative (a timeout that fires at once). A user who
+    // writes a huge value means "never", and ten years is that for a proxy's timeouts.
+    constexpr int64_t kMaxMs = int64_t{87'600} * 60 * 60 * 1000;
+    const int64_t ms = static_cast<int64_t>(*value) * ms_per_unit;
+    if (ms > kMaxMs) {
+        return make_error("duration " + quoted(text) + " is over the longest allowed, 87600h");
+    }
+    return std::chrono::milliseconds(ms);
 }
 
 Result<Config> parse_config(const std::string& yaml_text, const std::string& source_name) {

@@ -426,12 +426,20 @@ TEST(ParseDuration, Table) {
     };
     const Row rows[] = {
         {"500ms", 500}, {"10s", 10'000}, {"2m", 120'000}, {"1h", 3'600'000},
-        {"7", 7'000},   {"0s", 0},       {"0", 0},        {"999999999h", 999999999LL * 3600000},
+        {"7", 7'000},   {"0s", 0},       {"0", 0},        {"87600h", 87600LL * 3600000},
         {"", -1},       {"s", -1},       {"10 s", -1},    {"10 parsecs", -1},
         {"-5s", -1},    {"+5s", -1},     {"1.5s", -1},    {"10S", -1},
         {"1d", -1},     {" 10s", -1},    {"10s ", -1},    {"1000000000h", -1},
         {"10msec", -1}, {"5mm", -1},     {"0x10", -1},
     };
+    // Over ten years: refused (steady_clock's now() + d would wrap past ~292 years and fire at
+    // once), a message of its own.
+    for (const char* too_long : {"87601h", "999999999h", "5256001m", "315360001s"}) {
+        auto d = parse_duration(too_long);
+        ASSERT_FALSE(d.ok()) << too_long;
+        EXPECT_EQ(d.error(), "duration '" + std::string(too_long) +
+                                 "' is over the longest allowed, 87600h");
+    }
     for (const auto& row : rows) {
         SCOPED_TRACE(row.text);
         auto d = parse_duration(row.text);
@@ -565,6 +573,8 @@ const ErrorRow kErrorRows[] = {
     {"SectionNotAMapping", "limits: [1, 2]\n", "limits: expected a mapping, got a list"},
     {"IntegerGotString", "limits: {max_header_bytes: lots}\n",
      "limits.max_header_bytes: expected an integer"},
+    {"DurationOverTenYears", "limits: {drain_timeout: 3000000h}\n",
+     "limits.drain_timeout: duration '3000000h' is over the longest allowed, 87600h"},
     {"IntegerOutOfRange", "limits: {connections_per_run: 0}\n",
      "limits.connections_per_run: expected an integer in 1.."},
     {"TooManyWorkers", "limits: {worker_threads: 1000}\n",
