@@ -38,15 +38,8 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
     if (auto rt = egress::proxy::build_runtime(config, warnings); !rt) {
         add(rt.error());
     }
-    auto ctx = egress::tls::make_client_context(config->upstream_ca_file, {"http/1.1"});
-    if (!ctx) {
-        add("upstream.ca_file: " + ctx.error());
-    }
-    if (config->state_backend == "etcd") {
-        if (auto etcd = egress::proxy::etcd_tls_context(config->etcd);
-            !etcd) {
-            add(etcd.error());
-        }
+    if (auto files = egress::proxy::start_file_errors(*config); !files.empty()) {
+        add(files);
     }
     return errors;
 }

@@ -11,6 +11,7 @@
 
 #include "proxy/control_plane.h"
 #include "proxy/cpus.h"
+#include "proxy/etcd_store.h"
 #include "proxy/upstream.h"
 #include "proxy/worker.h"
 #include "tls/contexts.h"
@@ -202,6 +203,20 @@ void log_spawn_error(std::exception_ptr e) {
 
 }  // namespace
 
+std::string start_file_errors(const Config& config) {
+    std::string errors;
+    auto add = [&](const std::string& e) { errors += (errors.empty() ? "" : "\n") + e; };
+    if (auto ctx = tls::make_client_context(config.upstream_ca_file, {"http/1.1"}); !ctx) {
+        add("upstream.ca_file: " + ctx.error());
+    }
+    if (config.state_backend == "etcd") {
+        if (auto etcd = etcd_tls_context(config.etcd); !etcd) {
+            add(etcd.error());
+        }
+    }
+    return errors;
+}
+
 struct Server::Impl {
     Shared shared;
     std::string config_path;
@@ -282,6 +297,10 @@ struct Server::Impl {
         if (!admin_token) {
             spdlog::error("reload refused, keeping the running configuration: {}",
                           admin_token.error());
+            return;
+        }
+        if (auto files = start_file_errors(*cfg); !files.empty()) {
+            spdlog::error("reload refused, keeping the running configuration: {}", files);
             return;
         }
         auto current = shared.runtime.load();

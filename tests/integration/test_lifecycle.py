@@ -213,6 +213,21 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
     c.close()
 
 
+def test_a_reload_refuses_a_broken_file_that_only_a_restart_would_read(world, factory, marker):
+    """upstream.ca_file applies at the next start only; a reload naming a file that start
+    would refuse is refused now, naming the key (it had said "reloaded", and the next
+    restart, a pod rescheduled, failed). The running configuration keeps serving."""
+    e = factory.start()
+    e.rewrite_config(lambda c: c["upstream"].__setitem__("ca_file", "/nonexistent/ca.pem"))
+    e.reload("reload refused")
+    line = e.stderr_text().splitlines()[-1]
+    assert "upstream.ca_file: " in line and "/nonexistent/ca.pem" in line, line
+    assert "reloaded" not in line
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
+
+
 def test_a_static_token_changed_by_reload_closes_what_the_old_one_opened(world, factory, marker):
     """A leaked static proxy token rotated by a reload locks its holder out at once: the
     tunnel and the intercepted connection it opened are closed (an intercepted one had gone
