@@ -8,32 +8,23 @@
 #include <fstream>
 
 #include "common/secure_zero.h"
+#include "common/staged_file.h"
 #include "credstore/envelope.h"
 
 namespace egress::proxy {
 
 namespace {
 
-/// Writes `content` to `path`.tmp (created with `mode`); the caller renames it into place.
-Result<bool> stage_file(const std::string& path, const std::string& content, mode_t mode) {
+/// Writes `content` to a new file beside `path` (its folder created if missing); the caller
+/// renames it into place (common/staged_file.h).
+Result<std::string> stage_file(const std::string& path, const std::string& content,
+                               mode_t mode) {
     std::error_code ec;
     auto parent = std::filesystem::path(path).parent_path();
     if (!parent.empty()) {
         std::filesystem::create_directories(parent, ec);
     }
-    std::string tmp = path + ".tmp";
-    {
-        std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-        if (!out) {
-            return make_error("cannot write " + tmp);
-        }
-        out << content;
-        if (!out.flush()) {
-            return make_error("cannot write " + tmp);
-        }
-    }
-    ::chmod(tmp.c_str(), mode);
-    return true;
+    return stage_file_beside(path, content, mode);
 }
 
 /// Every error of a build, one per line, as start and reload print them.
@@ -279,7 +270,7 @@ std::shared_ptr<Run> with_store_secrets(const Run& statics,
 }
 
 Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {
-    std::vector<const RunConfig*> staged;  // runs whose ca_cert_out.tmp is written
+    std::vector<std::pair<const RunConfig*, std::string>> staged;  // runs and their new file
     std::vector<std::string> errors;
     for (const auto& rc : next.config->runs) {
         auto run = next.find(rc.id);
@@ -301,12 +292,11 @@ Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {
             errors.push_back(rc.yaml_path + ".ca_cert_out: " + w.error());
             continue;
         }
-        staged.push_back(&rc);
+        staged.emplace_back(&rc, std::move(*w));
     }
     // Only when every file is staged does any reach its place: a refused start or reload
     // leaves each ca_cert_out holding the CA that (still) serves.
-    for (const RunConfig* rc : staged) {
-        const std::string tmp = rc->ca_cert_out + ".tmp";
+    for (const auto& [rc, tmp] : staged) {
         std::error_code ec;
         if (!errors.empty()) {
             std::filesystem::remove(tmp, ec);

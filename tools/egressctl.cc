@@ -39,6 +39,7 @@
 
 #include "common/json_text.h"
 #include "common/secure_zero.h"
+#include "common/staged_file.h"
 
 namespace net = boost::asio;
 namespace beast = boost::beast;
@@ -749,17 +750,11 @@ std::string write_ca(const std::string& path, const std::string& pem) {
     fs::path abs = fs::absolute(path, ec);
     if (ec) throw Failure("--ca-out " + path + ": " + ec.message());
     abs = abs.lexically_normal();
-    fs::path tmp = abs;
-    tmp += ".tmp." + std::to_string(::getpid());
-    int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) throw Failure("--ca-out " + abs.string() + ": " + std::strerror(errno));
-    bool ok = ::write(fd, pem.data(), pem.size()) == static_cast<ssize_t>(pem.size());
-    ok = ::fsync(fd) == 0 && ok;
-    int err = errno;
-    ::close(fd);
-    if (!ok || ::rename(tmp.c_str(), abs.c_str()) != 0) {
-        if (ok) err = errno;
-        ::unlink(tmp.c_str());
+    auto tmp = egress::stage_file_beside(abs.string(), pem, 0644);
+    if (!tmp) throw Failure("--ca-out " + abs.string() + ": " + tmp.error());
+    if (::rename(tmp->c_str(), abs.c_str()) != 0) {
+        const int err = errno;
+        ::unlink(tmp->c_str());
         throw Failure("--ca-out " + abs.string() + ": " + std::strerror(err));
     }
     return abs.string();

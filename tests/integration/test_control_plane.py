@@ -985,6 +985,26 @@ def test_egressctl_narrowed_pins_and_run_pin(cp, world, api_secret):
     assert r.returncode == 1 and r.err.startswith("egressctl: 404"), r.err
 
 
+def test_egressctl_ca_out_never_follows_a_name_planted_beside_it(cp, world, api_secret,
+                                                                   tmp_path):
+    """--ca-out in a shared folder: a symlink planted at the name egressctl used for its
+    temporary file (<path>.tmp.<pid>; the pid is the shell's, kept by exec) is neither
+    followed nor truncated, and the CA lands as a regular file."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("untouched\n")
+    ca = tmp_path / "ca.pem"
+    cmd = [egressctl_bin(), "--admin", f"http://127.0.0.1:{cp.admin_port}", "--token-file",
+           cp.config["admin"]["token_file"], "run", "create", "--scope", "org=acme", "--pin",
+           f"{api_host(world)}=api_tok:bearer", "--ca-out", str(ca)]
+    r = subprocess.run(["bash", "-c", f'ln -s "$1" "$2.tmp.$$" && exec "${{@:3}}"', "_",
+                        str(victim), str(ca), *cmd], capture_output=True, timeout=30,
+                       env=helpers.clean_env())
+    SEEN.append(("egressctl run create --ca-out", r.stdout + r.stderr))
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "untouched\n"
+    assert not os.path.islink(ca) and ca.read_text().startswith("-----BEGIN CERTIFICATE-----")
+
+
 def test_egressctl_env_output_is_shell_safe(cp, world, api_secret, tmp_path):
     ca = tmp_path / "it's a dir" / "ca.pem"
     ca.parent.mkdir()

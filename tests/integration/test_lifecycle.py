@@ -207,7 +207,8 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
     assert "secret_file" in e.stderr_text()
     with open(ca) as f:
         assert f.read() == before
-    assert not os.path.exists(ca + ".tmp")
+    assert not [n for n in os.listdir(os.path.dirname(ca))
+                if n.startswith(os.path.basename(ca) + ".tmp")]
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca)
     assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
     c.close()
@@ -226,6 +227,26 @@ def test_a_reload_refuses_a_broken_file_that_only_a_restart_would_read(world, fa
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
     assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
     c.close()
+
+
+def test_ca_cert_out_never_follows_a_name_planted_beside_it(world, factory):
+    """ca_cert_out is often in a folder the sandbox sees. A symlink planted at the name a
+    temporary file of it would once have had (<path>.tmp) is neither followed nor truncated
+    (egressd often runs as root): the CA is written under a new random name, renamed into
+    place, a regular file."""
+    d = world.new_dir("ca-out-")
+    victim = os.path.join(d, "victim.txt")
+    with open(victim, "w") as f:
+        f.write("untouched\n")
+    ca = os.path.join(d, "r1-ca.pem")
+    os.symlink(victim, ca + ".tmp")
+    e = factory.start(lambda c: c["runs"][0].__setitem__("ca_cert_out", ca))
+    with open(victim) as f:
+        assert f.read() == "untouched\n"
+    assert not os.path.islink(ca)
+    with open(ca) as f:
+        assert f.read().startswith("-----BEGIN CERTIFICATE-----")
+    assert e.config["runs"][0]["ca_cert_out"] == ca
 
 
 def test_a_static_token_changed_by_reload_closes_what_the_old_one_opened(world, factory, marker):
