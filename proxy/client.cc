@@ -102,8 +102,45 @@ Identity identify(const Runtime& rt, const H1RequestParser& req) {
     return {run, 0, ""};
 }
 
+/// Whether a blind tunnel's destination is still allowed: asked before each relayed read, it
+/// decides again only when the control plane published a new runtime (a reload that denies
+/// the host or narrows allow_networks, a run's allow list changed through the API), so an
+/// open tunnel does not outlive the policy that let it open. It holds the run's id, not the
+/// run or the runtime (run_tunnel lets go of both once the bytes flow).
+class TunnelPolicy {
+public:
+    TunnelPolicy(Worker& w, std::string run_id, policy::HostPort target, tcp::endpoint peer)
+        : w_(w), run_id_(std::move(run_id)), target_(std::move(target)),
+          peer_(to_policy_address(peer.address())),
+          gen_(w.shared.runtime_gen.load(std::memory_order_acquire)) {}
+    bool still_allowed() {
+        const uint64_t gen = w_.shared.runtime_gen.load(std::memory_order_acquire);
+        if (gen == gen_ || ended_) {
+            return !ended_;
+        }
+        gen_ = gen;
+        const auto& rt = w_.runtime();
+        const auto* run = rt->lookup(run_id_);
+        ended_ = run == nullptr ||
+                 policy::decide_destination(rt->config->policy, (*run)->policy, target_,
+                                            policy::Clock::now())
+                         .carry == policy::Carry::Deny ||
+                 !rt->addresses.vet(peer_).allowed;
+        return !ended_;
+    }
+    bool ended() const { return ended_; }
+
+private:
+    Worker& w_;
+    std::string run_id_;
+    policy::HostPort target_;
+    policy::IpAddress peer_;
+    uint64_t gen_;
+    bool ended_ = false;
+};
+
 awaitable<void> pump(tcp::socket& from, tcp::socket& to, uint64_t& bytes,
-                     Clock::time_point& last_activity) {
+                     Clock::time_point& last_activity, TunnelPolicy& policy) {
     // The buffer is allocated when the first byte arrives: an idle tunnel holds none
     // (10 000 idle tunnels: bench/idle_tunnels.py).
     std::unique_ptr<char[]> buf;
@@ -117,6 +154,13 @@ awaitable<void> pump(tcp::socket& from, tcp::socket& to, uint64_t& bytes,
         }
         auto [ec, n] = co_await from.async_read_some(net::buffer(buf.get(), kTunnelBufferBytes),
                                                      use_nothrow);
+        if (n > 0 && !policy.still_allowed()) {
+            // Both directions end: the other one's wait is cut by the shutdown.
+            error_code ignored;
+            from.shutdown(tcp::socket::shutdown_both, ignored);
+            to.shutdown(tcp::socket::shutdown_both, ignored);
+            break;
+        }
         if (n > 0) {
             last_activity = Clock::now();
             auto [wec, wn] = co_await net::async_write(to, net::buffer(buf.get(), n), use_nothrow);
@@ -268,6 +312,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     auto& us = d.stream->socket();
     std::string refused;
     const auto idle_timeout = rt.config->limits.idle_timeout;
+    TunnelPolicy policy(w, scope.run->policy.id, scope.target, d.peer);
     // Once the bytes flow, the tunnel needs neither the runtime nor its run (the audit names
     // the run by id): one open for hours must not keep a replaced runtime, or the Run of a
     // secret rotated since (its pins hold the old value), in memory. `rt` is not used after.
@@ -316,9 +361,9 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
                 buf.consume(buf.size());
             }
         }
-        co_await pump(cs, us, up_bytes, last_activity);
+        co_await pump(cs, us, up_bytes, last_activity, policy);
     };
-    co_await ((upward() && pump(us, cs, down_bytes, last_activity)) ||
+    co_await ((upward() && pump(us, cs, down_bytes, last_activity, policy)) ||
               idle_watchdog(last_activity, idle_timeout));
     if (!refused.empty()) {
         spdlog::info("conn={} tunnel to {}:{} refused: {} (the TLS server name is not the "
@@ -329,6 +374,11 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         co_return;
     }
     rec.status = 200;
+    if (policy.ended()) {
+        rec.reason = "policy_changed";  // relayed, then ended: the destination is now refused
+        spdlog::info("conn={} tunnel to {}:{} closed: the policy no longer allows it",
+                     scope.conn_id, scope.target.host, scope.target.port);
+    }
     rec.bytes_in = up_bytes;
     rec.bytes_out = down_bytes;
     rec.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();

@@ -182,6 +182,46 @@ def test_host_denied_403_overrides_pins_and_allow_lists(world, factory, marker):
     assert world.upstream.find(marker + "-after")
 
 
+def _blind_tunnel_tls(e, world):
+    """A CONNECT to tunnel.test (allowed, unpinned: a blind tunnel) and TLS to the upstream
+    through it, trusting the upstream's own CA (egressd does not intercept)."""
+    t, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    assert r.status == 200, (r.status, r.egress_reason)
+    ctx = ssl.create_default_context(cafile=world.pki.ca)
+    ctx.check_hostname = False
+    return helpers.Conn(ctx.wrap_socket(t.sock, server_hostname="tunnel.test"))
+
+
+@pytest.mark.parametrize("change", ["deny_hosts", "allow_networks"])
+def test_a_reload_that_refuses_a_tunnels_destination_ends_the_open_tunnel(world, factory,
+                                                                        marker, change):
+    """A blind tunnel decided at its CONNECT does not outlive the policy that let it open: once
+    a reload denies its host (policy.deny_hosts) or the address it reached (allow_networks
+    narrowed), the next bytes through it end it (audited, reason policy_changed), and nothing
+    more reaches the upstream."""
+    e = factory.start()
+    tc = _blind_tunnel_tls(e, world)
+    r = helpers.request(tc, "GET", f"/echo/{marker}-1", f"api.test:{world.U}")
+    assert r.status == 200
+    if change == "deny_hosts":
+        e.rewrite_config(lambda c: c["policy"].__setitem__("deny_hosts", ["tunnel.test"]))
+    else:
+        e.rewrite_config(lambda c: c["policy"].__setitem__("allow_networks", []))
+    e.reload()
+    try:
+        r = helpers.request(tc, "GET", f"/echo/{marker}-2", f"api.test:{world.U}")
+        got = r.status
+    except (ConnectionError, ssl.SSLError, OSError, ValueError):
+        got = None
+    tc.close()
+    assert got is None, got
+    assert not world.upstream.find(f"{marker}-2")
+    rec = e.wait_audit(lambda x: x.get("reason") == "policy_changed")
+    assert rec[-1]["host"] == "tunnel.test" and rec[-1]["status"] == 200, rec[-1]
+    if change == "deny_hosts":
+        connect_refused(e, f"tunnel.test:{world.U}", world.auth(), 403, "host_denied")
+
+
 def test_port_not_allowed_403(world, egressd):
     port = free_port()
     while port in egressd.config["policy"]["allowed_ports"]:
