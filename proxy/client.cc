@@ -485,6 +485,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
     scope.worker = &w;
     scope.conn_id = shared.next_conn_id.fetch_add(1);
     RunAdmission admission(shared);
+    UnidentifiedGuard unidentified(w, stream.socket());
     bool first = true;
 
     // The runtime as it is now; assigned only when it changed (no reference count per request).
@@ -523,6 +524,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
         // connection that lets go of it (run_tunnel, serve_intercepted_h2) really does.
         if (!scope.run) {
             scope.run = std::move(id.run);
+            unidentified.identified();  // counted by its run from here
             if (!admission.admit(*scope.run, limits.connections_per_run, stream.socket())) {
                 co_await write_refusal(stream, limits.refusal_timeout, 429,
                                        "too_many_connections", false);

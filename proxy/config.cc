@@ -542,6 +542,8 @@ public:
              {"limits",
               section({{"max_header_bytes", set_count(l.max_header_bytes, 256, 16 << 20)},
                        {"max_header_fields", set_count(l.max_header_fields, 8, 10000)},
+                       {"max_unidentified_connections",
+                        set_count(l.max_unidentified_connections, 1, kMaxCount)},
                        {"header_timeout", set_timeout(l.header_timeout)},
                        {"idle_timeout", set_timeout(l.idle_timeout)},
                        {"connect_timeout", set_timeout(l.connect_timeout)},

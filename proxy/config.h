@@ -27,6 +27,7 @@ struct ListenAddress {
 
 struct Limits {
     size_t max_header_bytes = 65536;
+    size_t max_unidentified_connections = 1024;  // not yet identified by a head, all workers
     size_t max_header_fields = 100;  // HTTP/1.1 request head (and trailer) fields; over: 431
     std::chrono::milliseconds header_timeout{10'000};
     std::chrono::milliseconds idle_timeout{60'000};

@@ -29,6 +29,44 @@ Worker::Worker(Shared& s) : metrics(s.metrics.add_shard()), shared(s) {
     }
 }
 
+UnidentifiedGuard::UnidentifiedGuard(Worker& w, tcp::socket& s) : w_(&w), socket_(&s) {
+    const size_t limit = w.runtime()->config->limits.max_unidentified_connections;
+    const size_t share = std::max<size_t>(1, (limit + w.shared.worker_count - 1) /
+                                                 w.shared.worker_count);
+    while (w.unidentified_count >= share && w.unidentified_oldest != nullptr) {
+        UnidentifiedGuard* oldest = w.unidentified_oldest;
+        oldest->identified();
+        // Its read ends with the close; the connection then ends as a client that left.
+        error_code ignored;
+        oldest->socket_->shutdown(tcp::socket::shutdown_both, ignored);
+        if (w.unidentified_evicted++ % 1000 == 0) {
+            spdlog::warn("limits.max_unidentified_connections ({}) reached: closing the oldest "
+                         "connection that has not sent a request head ({} so far)",
+                         limit, w.unidentified_evicted);
+        }
+    }
+    prev_ = w.unidentified_newest;
+    if (prev_ != nullptr) {
+        prev_->next_ = this;
+    } else {
+        w.unidentified_oldest = this;
+    }
+    w.unidentified_newest = this;
+    ++w.unidentified_count;
+    linked_ = true;
+}
+
+void UnidentifiedGuard::identified() {
+    if (!linked_) {
+        return;
+    }
+    (prev_ != nullptr ? prev_->next_ : w_->unidentified_oldest) = next_;
+    (next_ != nullptr ? next_->prev_ : w_->unidentified_newest) = prev_;
+    prev_ = next_ = nullptr;
+    linked_ = false;
+    --w_->unidentified_count;
+}
+
 Worker::~Worker() {
     flush_audit();  // the io_context may have stopped before a posted flush ran
     pool.reset();
@@ -599,6 +637,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
 
     const size_t configured = cfg.limits.worker_threads;
     const size_t n = configured != 0 ? configured : usable_cpus();
+    s.worker_count = n;
     for (size_t i = 0; i < n; ++i) {
         impl_->workers.push_back(std::make_unique<Worker>(s));
     }

@@ -100,11 +100,33 @@ struct Shared {
     /// path its request or tunnel ended through.
     std::atomic<bool> drain_cut{false};
     std::atomic<uint64_t> next_conn_id{1};
+    size_t worker_count = 1;  // set at start (a share of a process-wide limit per worker)
     std::atomic<uint64_t> next_req_id{1};  // workers take request ids from here in blocks
     ConnectionRegistry connections;
     ControlPlane* control = nullptr;  // set when the admin API is enabled
     /// The control thread: `control`'s calls run there, off the admin listener's thread.
     net::any_io_executor control_executor;
+};
+
+/// A connection of one worker that has not yet sent the request head that identifies its run
+/// (so limits.connections_per_run does not count it yet), in the worker's list of them: an
+/// intrusive list (the guard lives in the connection's coroutine frame), oldest first.
+class UnidentifiedGuard {
+public:
+    UnidentifiedGuard(struct Worker& w, tcp::socket& s);
+    ~UnidentifiedGuard() { identified(); }
+    UnidentifiedGuard(const UnidentifiedGuard&) = delete;
+    UnidentifiedGuard& operator=(const UnidentifiedGuard&) = delete;
+    /// Leaves the list (the head came and named a run; or the connection ends).
+    void identified();
+
+private:
+    friend struct Worker;
+    struct Worker* w_;
+    tcp::socket* socket_;
+    UnidentifiedGuard* prev_ = nullptr;
+    UnidentifiedGuard* next_ = nullptr;
+    bool linked_ = false;
 };
 
 /// One event loop on one thread. Everything on it runs without locks.
@@ -150,6 +172,15 @@ struct Worker {
     std::set<net::steady_timer*> h2_watchdogs;
     /// This worker's waits on upstreams (this worker's thread only; CutGuard).
     Cuttable* cuttable = nullptr;
+    /// Connections not identified yet, oldest first (UnidentifiedGuard). Over this worker's
+    /// share of limits.max_unidentified_connections, a new one ends the oldest: a client
+    /// that opens connections and never sends a head holds at most that many descriptors
+    /// (each for header_timeout at most), while one that sends its head at once is never
+    /// the oldest for long.
+    UnidentifiedGuard* unidentified_oldest = nullptr;
+    UnidentifiedGuard* unidentified_newest = nullptr;
+    size_t unidentified_count = 0;
+    uint64_t unidentified_evicted = 0;
     /// The drain's cut: every wait on an upstream ends now (each Cuttable's cut, and every
     /// DNS lookup in flight), so each request ends through its error path with its record.
     void cut_all();

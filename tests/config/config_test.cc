@@ -98,6 +98,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.h2_max_header_list_bytes, 65536u);
     EXPECT_EQ(c.limits.h2_max_header_fields, 100u);
     EXPECT_EQ(c.limits.max_header_fields, 100u);
+    EXPECT_EQ(c.limits.max_unidentified_connections, 1024u);
     EXPECT_EQ(c.limits.h2_max_continuations, 8u);
     EXPECT_EQ(c.limits.h2_stream_reset_burst, 200u);
     EXPECT_EQ(c.limits.h2_stream_reset_rate, 33u);
@@ -185,6 +186,7 @@ limits:
   h2_max_header_list_bytes: 16384
   h2_max_header_fields: 40
   max_header_fields: 30
+  max_unidentified_connections: 64
   h2_max_continuations: 2
   h2_stream_reset_burst: 50
   h2_stream_reset_rate: 10
@@ -317,6 +319,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.h2_max_header_list_bytes, 16384u);
     EXPECT_EQ(c.limits.h2_max_header_fields, 40u);
     EXPECT_EQ(c.limits.max_header_fields, 30u);
+    EXPECT_EQ(c.limits.max_unidentified_connections, 64u);
     EXPECT_EQ(c.limits.h2_max_continuations, 2u);
     EXPECT_EQ(c.limits.h2_stream_reset_burst, 50u);
     EXPECT_EQ(c.limits.h2_stream_reset_rate, 10u);

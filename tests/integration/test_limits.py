@@ -242,3 +242,29 @@ def test_connections_per_run_counts_across_a_reload(world, factory):
         for h in held:
             h.close()
     _a_freed_slot_is_usable_again(e, world)
+
+
+def test_max_unidentified_connections_ends_the_oldest_silent_connection(world, factory, marker):
+    """Connections that never send a request head are not counted by any run; beyond
+    limits.max_unidentified_connections a new one ends the oldest such, so a sandbox opening
+    silent connections holds at most that many descriptors and starves nobody: a client that
+    sends its head at once is served meanwhile, and the newest silent ones stay open (until
+    header_timeout)."""
+    e = factory.start(mutate=_limits(max_unidentified_connections=4, worker_threads=1,
+                                     header_timeout="30s"))
+    # One worker accepts in the order the connections were made, and registers each as it
+    # accepts it: the first six are the oldest.
+    silent = [helpers.Conn(socket.create_connection(("127.0.0.1", e.proxy_port), timeout=5))
+              for _ in range(10)]
+
+    def closed(c) -> bool:
+        return helpers.closed_by_peer(c)
+    helpers.poll(lambda: sum(closed(s) for s in silent[:6]) == 6, 5.0,
+                 "the six oldest silent connections closed")
+    assert not any(closed(s) for s in silent[6:])
+    c, r = helpers.proxy_connect(e.proxy_port, f"api.test:{world.U}", world.auth())
+    c.close()
+    assert r.status == 200
+    assert "limits.max_unidentified_connections (4) reached" in e.stderr_text()
+    for c in silent:
+        c.close()
