@@ -206,7 +206,8 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         if (auto rt = shared.runtime.load()) {
             limits = rt->config->admin_limits;
         }
-        http::request_parser<WipingBody> parser;
+        // Fields too: the Authorization field holds the admin token.
+        http::request_parser<WipingBody, egress::WipingAllocator<char>> parser;
         parser.body_limit(limits.max_body_bytes);
         parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
         // The whole request, and the wait for it on a keep-alive connection.
@@ -226,6 +227,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         res.set(http::field::server, "egressd");
         res.set(http::field::content_type, "application/json");
         std::string_view target = req.target();
+        bool secret_body = false;  // zeroed once written (ApiResponse::secret)
         const bool probe = target == "/healthz" || target == "/readyz" || target == "/metrics";
         // Probes and scrapers GET; a body answered to HEAD would break its framing.
         const bool get = req.method() == http::verb::get;
@@ -269,6 +271,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             } else {
                 res.result(static_cast<http::status>(r->status));
                 res.body() = std::move(r->body);
+                secret_body = r->secret;
                 if (!r->allow.empty()) {
                     res.set(http::field::allow, r->allow);
                 }
@@ -283,6 +286,9 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         res.prepare_payload();
         stream.expires_after(limits.write_timeout);
         auto [wec, wn] = co_await http::async_write(stream, res, use_nothrow);
+        if (secret_body) {
+            egress::secure_zero(res.body().data(), res.body().size());
+        }
         if (wec || !req.keep_alive()) {
             co_return;
         }

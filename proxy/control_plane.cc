@@ -1097,9 +1097,20 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     m.run = run;
     if (auto r = store_->apply({m}); !r) return store_error(r.error());
 
-    json::object out;
+    // The answer holds the token (in proxy_url): every block it passes through is zeroed
+    // when freed (the JSON in a WipingResource, the URL and the serialized text in wiping
+    // strings), and the body the admin listener writes is zeroed after the write (secret).
+    using WipingString = std::basic_string<char, std::char_traits<char>,
+                                           egress::WipingAllocator<char>>;
+    json::object out(json::make_shared_resource<WipingResource>());
     out["id"] = run.id;
-    out["proxy_url"] = "http://" + run.id + ":" + token + "@" + proxy_authority_;
+    {
+        WipingString url;
+        url.reserve(7 + run.id.size() + 1 + token.size() + 1 + proxy_authority_.size());
+        url.append("http://").append(run.id).append(":").append(token).append("@").append(
+            proxy_authority_);
+        out["proxy_url"] = json::string_view(url.data(), url.size());
+    }
     egress::secure_zero(token.data(), token.size());
     out["ca_pem"] = run.ca_cert_pem;
     out["expires_at"] = rfc3339(run.expires_at);
@@ -1107,7 +1118,19 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     json::array pins;
     for (const auto& p : run.pins) pins.push_back(pin_json(p));
     out["pins"] = pins;
-    return ok(201, out);
+    WipingString text;
+    {
+        json::serializer sr;
+        sr.reset(&out);
+        char piece[4096];
+        while (!sr.done()) {
+            text.append(sr.read(piece, sizeof piece));
+        }
+        egress::secure_zero(piece, sizeof piece);
+    }
+    ApiResponse r{201, std::string(text.data(), text.size()), {}};
+    r.secret = true;
+    return r;
 }
 
 std::shared_ptr<Run> ControlPlane::static_run(const std::string& id) {

@@ -39,6 +39,9 @@ struct ApiResponse {
     int status = 200;
     std::string body;  // JSON
     std::string allow;  // 405: the route's methods, for the Allow header (RFC 9110 15.5.6)
+    /// The body holds a credential (a new run's proxy token): built without a copy left
+    /// behind, and zeroed by the admin listener once written.
+    bool secret = false;
 };
 
 class ControlPlane {

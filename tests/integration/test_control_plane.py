@@ -1534,6 +1534,26 @@ def test_admin_request_leaves_no_copy_of_a_secret_value(cp, framing):
     assert n == 0, f"{n} copies of a secret value no run uses left in egressd's memory"
 
 
+def test_a_new_runs_token_and_the_admin_token_leave_no_copy_in_memory(cp, world):
+    """A run's proxy token is answered once (in proxy_url) and kept only as its SHA-256: after
+    the answer no copy is left in egressd's memory (the JSON, the URL, the serialized body
+    and the written response are zeroed). The admin token is kept once, however many
+    requests carried it (their Authorization fields are parsed into wiping storage)."""
+    tokens = []
+    for _ in range(3):
+        r = api(cp, "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": []})
+        assert r.status == 201, r.body[:300]
+        url = r.json["proxy_url"]
+        tokens.append(helpers.secret(url.split("://", 1)[1].split("@", 1)[0].split(":", 1)[1]))
+    for t in tokens:
+        n = helpers.copies_in_memory(cp.proc.pid, t, lambda n: n == 0)
+        assert n == 0, f"{n} copies of a run's proxy token left in egressd's memory"
+    for _ in range(20):
+        assert api(cp, "GET", "/v1/secrets").status == 200
+    n = helpers.copies_in_memory(cp.proc.pid, admin_token(cp), lambda n: n == 1)
+    assert n == 1, f"the admin token is in egressd's memory {n} times"
+
+
 def test_deleted_or_rotated_secret_leaves_memory(cp, world):
     """A value stays unsealed in memory only while a live run's pin uses it: rotating the
     secret drops the old version, revoking the run and deleting the secret drops the new."""
