@@ -659,7 +659,11 @@ Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed) {
     return SecretPtr(std::make_shared<const SecretValue>(plaintext.get()));
 }
 
-Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecret& sealed) {
+Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecret& sealed,
+                            bool* record_failed) {
+    if (record_failed != nullptr) {
+        *record_failed = true;  // until the DEK is unwrapped
+    }
     Result<std::string> wrapped = base64_decode(sealed.wrapped_dek);
     if (!wrapped) {
         return make_error("rewrap " + sealed.name + ": wrapped data key is not base64");
@@ -672,6 +676,9 @@ Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecr
     WipedString dek(std::move(dek_bytes).value());
     if (dek.get().size() != kKeyBytes) {
         return make_error("rewrap " + sealed.name + ": data key has the wrong size");
+    }
+    if (record_failed != nullptr) {
+        *record_failed = false;
     }
     Result<std::string> rewrapped = to.wrap(dek.get());
     if (!rewrapped) {

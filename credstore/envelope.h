@@ -58,8 +58,10 @@ Result<SealedSecret> seal(KeyProvider& kek, const std::string& name, const Scope
 /// name, scope or version were tampered with.
 Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed);
 /// KEK rotation: unwraps the DEK with `from`, wraps it with `to`. The ciphertext and nonce
-/// are untouched.
-Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecret& sealed);
+/// are untouched. On failure, `*record_failed` (when given) is true if the record's side
+/// failed (its wrapped DEK does not unwrap with `from`) and false if `to` did not wrap.
+Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecret& sealed,
+                            bool* record_failed = nullptr);
 
 /// SHA-256 of `bytes`, lowercase hex (OpenSSL EVP).
 std::string sha256_hex(std::string_view bytes);

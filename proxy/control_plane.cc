@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <fstream>
@@ -635,9 +636,18 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         cp->store_ = std::move(*store);
     }
     if (std::filesystem::exists(cfg.master_key_file + ".next", fec)) {
+        // Records no key unwraps are skipped (named in a warning), so this completes unless
+        // the new key or the store fails. Then egressd still starts, with both keys loaded
+        // (the state may use either): refusing would keep it down until the state is mended.
         auto r = cp->rotate_keys();
         if (r.status >= 300) {
-            return make_error("keys: finishing an interrupted rotation failed: " + r.body);
+            const std::string loaded =
+                cfg.kms_command ? ""
+                                : " with both " + cfg.master_key_file + " and its .next loaded";
+            spdlog::warn("keys.master_key_file: finishing the rotation interrupted at {}.next "
+                         "failed ({}); starting{}: fix the cause, then run `egressctl keys "
+                         "rotate` again",
+                         cfg.master_key_file, r.body, loaded);
         }
     }
     return cp;
@@ -1412,25 +1422,60 @@ ApiResponse ControlPlane::rotate_keys() {
     credstore::Mutation all;
     all.kind = credstore::Mutation::Kind::ReplaceSecrets;
     size_t count = 0;
-    auto rewrap_one = [&](const credstore::SealedSecret& s) -> Result<credstore::SealedSecret> {
+    // A record that no loaded key unwraps (sealed under a key that is gone, or edited) is
+    // left as it is and named in "skipped": it was not served before the rotation and is not
+    // after it, and it must not hold every other record (and, at start, egressd) back on
+    // the old key. Only the new key failing to wrap fails the rotation, before any write.
+    json::array skipped;
+    std::string skipped_text;  // the same, for the log line
+    auto skip = [&](json::object who, const std::string& text, const std::string& reason) {
+        skipped_text += (skipped_text.empty() ? "" : "; ") + text + ": " + reason;
+        who["reason"] = reason;
+        skipped.push_back(std::move(who));
+    };
+    // The record under the new key; nullopt when it is skipped; an error when the new key
+    // failed.
+    using Rewrapped = std::optional<credstore::SealedSecret>;
+    auto rewrap_one = [&](const credstore::SealedSecret& s, json::object who,
+                          const std::string& text) -> Result<Rewrapped> {
         auto* from = keys_.find(s.kek_id);
-        if (from == nullptr) return make_error("no key '" + s.kek_id + "' for " + s.name);
+        if (from == nullptr) {
+            skip(std::move(who), text, "no loaded key has id '" + s.kek_id + "'");
+            return Rewrapped();
+        }
+        bool record_failed = false;
+        auto r = credstore::rewrap(*from, *target, s, &record_failed);
+        if (!r) {
+            if (!record_failed) return make_error(r.error());
+            skip(std::move(who), text, r.error());
+            return Rewrapped();
+        }
         ++count;
-        return credstore::rewrap(*from, *target, s);
+        return Rewrapped(std::move(*r));
     };
     for (const auto& [k, s] : snap->secrets) {
-        auto r = rewrap_one(s);
+        json::object who;
+        who["kind"] = "secret";
+        who["name"] = s.name;
+        who["scope"] = scope_json(s.scope);
+        auto r = rewrap_one(s, std::move(who),
+                            "secret " + s.name + " (" + s.scope.to_string() + ")");
         if (!r) return error(500, "kek_failed", r.error());
-        all.secrets.push_back(*r);
+        // ReplaceSecrets replaces the whole set: a skipped secret stays, as it was.
+        all.secrets.push_back(r->has_value() ? **r : s);
     }
     muts.push_back(all);
     for (const auto& [id, run] : snap->runs) {
-        auto r = rewrap_one(run.ca_key);
+        json::object who;
+        who["kind"] = "run";
+        who["name"] = id;
+        auto r = rewrap_one(run.ca_key, std::move(who), "run " + id);
         if (!r) return error(500, "kek_failed", r.error());
+        if (!r->has_value()) continue;
         credstore::Mutation m;
         m.kind = credstore::Mutation::Kind::PutRun;
         m.run = run;
-        m.run.ca_key = *r;
+        m.run.ca_key = **r;
         m.expect_run = run;  // a run revoked elsewhere meanwhile is not un-revoked
         muts.push_back(m);
     }
@@ -1448,13 +1493,20 @@ ApiResponse ControlPlane::rotate_keys() {
     }
     {
         // Every data key is wrapped by the new KEK now (and the file holds it): the old one
-        // unwraps nothing that is stored, so it leaves memory.
+        // unwraps nothing that is stored (a skipped record did not unwrap with it either),
+        // so it leaves memory.
         std::lock_guard build_lock(build_mu_);
         keys_.retire_all_but(target->key_id());
+    }
+    if (!skipped.empty()) {
+        spdlog::warn("keys rotate: {} record(s) no loaded key unwraps were left as they were "
+                     "(not served, not rewrapped to {}): {}",
+                     skipped.size(), target->key_id(), skipped_text);
     }
     json::object out;
     out["kek_id"] = target->key_id();
     out["rewrapped"] = count;
+    out["skipped"] = std::move(skipped);
     return ok(200, out);
 }
 

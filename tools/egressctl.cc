@@ -955,6 +955,19 @@ int cmd_keys_rotate(const Ctx& ctx, const std::vector<std::string>& rest) {
     auto v = parse_reply(r);
     std::cout << "master key rotated: now " << str_field(v, "kek_id") << ", "
               << str_field(v, "rewrapped") << " data keys rewrapped\n";
+    // Records no loaded key unwraps are left under their old key: name each one.
+    const json::value* skipped = v.is_object() ? v.get_object().if_contains("skipped") : nullptr;
+    if (skipped != nullptr && skipped->is_array() && !skipped->get_array().empty()) {
+        std::cout << skipped->get_array().size()
+                  << " skipped (no loaded key unwraps them; left as they were, not served):\n";
+        for (const auto& e : skipped->get_array()) {
+            std::cout << "  " << str_field(e, "kind") << " " << str_field(e, "name");
+            if (e.is_object() && e.get_object().contains("scope")) {
+                std::cout << " (" << scope_text(e.at("scope")) << ")";
+            }
+            std::cout << ": " << str_field(e, "reason") << "\n";
+        }
+    }
     return 0;
 }
 
