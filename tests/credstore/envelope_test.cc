@@ -311,6 +311,35 @@ TEST(Envelope, KekRotationRewrapsOnlyTheDataKey) {
     EXPECT_FALSE(rewrap(*old_kek, *new_kek, *rewrapped).ok());
 }
 
+/// A KEK that neither wraps nor unwraps: a KMS that is down.
+class DownKek : public KeyProvider {
+public:
+    std::string key_id() const override { return "kms:down"; }
+    Result<std::string> wrap(std::string_view) override { return make_error("kms down"); }
+    Result<std::string> unwrap(std::string_view) override { return make_error("kms down"); }
+};
+
+// `keys rotate` skips a record whose data key does not unwrap, but fails as a whole when the
+// new key does not wrap: rewrap says which side failed.
+TEST(Envelope, ARewrapFailureSaysWhetherTheRecordOrTheNewKeyFailed) {
+    TempDir dir;
+    auto old_kek = make_key(dir, "old", 'o');
+    auto new_kek = make_key(dir, "new", 'n');
+    auto sealed = seal(*old_kek, "tok", kScope, 1, "rotate-me");
+    ASSERT_TRUE(sealed.ok());
+    DownKek down;
+    bool record_failed = false;
+    EXPECT_FALSE(rewrap(*new_kek, *old_kek, *sealed, &record_failed).ok());  // wrong key
+    EXPECT_TRUE(record_failed);
+    record_failed = false;
+    EXPECT_FALSE(rewrap(down, *new_kek, *sealed, &record_failed).ok());
+    EXPECT_TRUE(record_failed);
+    record_failed = true;
+    EXPECT_FALSE(rewrap(*old_kek, down, *sealed, &record_failed).ok());
+    EXPECT_FALSE(record_failed) << "the new key failed, not the record";
+    EXPECT_TRUE(rewrap(*old_kek, *new_kek, *sealed, &record_failed).ok());
+}
+
 // A tiny KMS plugin: wraps with `openssl enc` under a fixed test key, base64 over the pipes.
 class FakeKms {
 public:

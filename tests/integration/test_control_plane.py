@@ -1181,6 +1181,136 @@ def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
     assert api(e, "GET", f"/v1/runs/{run.id}").status == 200
 
 
+def _state_file(e) -> str:
+    return os.path.join(state_dir(e), "state.json")
+
+
+def _read_state(e) -> dict:
+    with open(_state_file(e)) as f:
+        return json.load(f)
+
+
+def _seal_run_ca_key_under(e, run_id: str, kek_id: str):
+    """Edits state.json (egressd stopped): the run's CA key names a key id no key has."""
+    st = _read_state(e)
+    runs = [r for r in st["runs"] if r["id"] == run_id]
+    assert len(runs) == 1, run_id
+    runs[0]["ca_key"]["kek_id"] = kek_id
+    with open(_state_file(e), "w") as f:
+        json.dump(st, f)
+
+
+def _file_key_id(path: str) -> str:
+    """A master key file's key id: "file:" + the first 8 hex of SHA-256 of its 32 bytes."""
+    import hashlib
+    with open(path, "rb") as f:
+        return "file:" + hashlib.sha256(f.read()).hexdigest()[:8]
+
+
+def _injects(run, world, v: str, tag: str) -> bool:
+    marker = f"m-{tag}-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    return resp.status == 200 and seen_auth(world.upstream, marker) == [f"Bearer {v}"]
+
+
+def _runs_ca_key_under(e, *, bad: str, good: str, secret: str) -> tuple[str, str, str]:
+    st = _read_state(e)
+    runs = {r["id"]: r["ca_key"]["kek_id"] for r in st["runs"]}
+    (sec,) = [s["kek_id"] for s in st["secrets"] if s["name"] == secret]
+    return runs[bad], runs[good], sec
+
+
+def test_keys_rotate_skips_a_record_no_key_unwraps(factory, world):
+    """A run whose CA key is sealed under a key id no loaded key has (state.json edited to
+    `file:00000000`) is not served; `keys rotate` still answers 200, rewraps everything else
+    under the new key, names the run in "skipped" (never a value), leaves no
+    master.key.next, and egressd restarts with the secret still injected. It had answered
+    500 kek_failed, left master.key.next, and every start after failed on it."""
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval("skip")
+    put_secret(e, "skip_tok", v, org="acme")
+    pins = [bearer_pin(api_host(world), "skip_tok")]
+    bad = create_run(e, world, {"org": "acme"}, pins)
+    good = create_run(e, world, {"org": "acme"}, pins)
+    mk = master_key_file(e)
+    old_id = _file_key_id(mk)
+    assert _runs_ca_key_under(e, bad=bad.id, good=good.id, secret="skip_tok") == (old_id,) * 3
+    assert e.stop() == 0
+    _seal_run_ca_key_under(e, bad.id, "file:00000000")
+    e.start()
+    helpers.poll(lambda: f"run {bad.id}: not served: no key 'file:00000000'" in e.stderr_text(),
+                 10, "the unserved run logged")
+    assert _injects(good, world, v, "skip-before")
+
+    r = api(e, "POST", "/v1/keys/rotate", timeout=30)
+    assert r.status == 200, r.body
+    j = r.json
+    new_id = _file_key_id(mk)
+    assert j["kek_id"] == new_id != old_id, j
+    assert j["rewrapped"] == 2, j  # the secret and the good run's CA key
+    assert [(s["kind"], s["name"]) for s in j["skipped"]] == [("run", bad.id)], j
+    assert "file:00000000" in j["skipped"][0]["reason"], j
+    assert not os.path.exists(mk + ".next"), "master.key.next left behind"
+    assert _runs_ca_key_under(e, bad=bad.id, good=good.id, secret="skip_tok") == \
+        ("file:00000000", new_id, new_id)
+    helpers.poll(lambda: f"keys rotate: 1 record(s)" in e.stderr_text(), 10, "the warning")
+    assert f"run {bad.id}: no loaded key has id 'file:00000000'" in e.stderr_text()
+    assert _injects(good, world, v, "skip-after")
+
+    # egressctl names what was skipped (a second rotation skips the same run).
+    out = ctl_ok(e, "keys", "rotate").out
+    assert "1 skipped" in out and f"run {bad.id}: " in out, out
+    assert not os.path.exists(mk + ".next")
+    newer_id = _file_key_id(mk)
+    assert newer_id not in (old_id, new_id)
+
+    # A restart works (nothing left to finish), the secret still injects, the run stays out.
+    assert e.stop() == 0
+    e.start()
+    assert _runs_ca_key_under(e, bad=bad.id, good=good.id, secret="skip_tok") == \
+        ("file:00000000", newer_id, newer_id)
+    assert _injects(good, world, v, "skip-restart")
+    fresh = create_run(e, world, {"org": "acme"}, pins)
+    assert _injects(fresh, world, v, "skip-fresh")
+    c, resp = helpers.proxy_connect(bad.proxy_port, api_host(world), bad.auth)
+    c.close()
+    assert resp.status == 407, resp.status
+    expect(not contains_any(e.stderr_text(), {"v": v}), "a secret value in the log")
+    expect(not any(contains_any(body, {"v": v}) for _, body in SEEN), "a value in an answer")
+
+
+def test_interrupted_keys_rotate_finishes_at_start_past_a_record_no_key_unwraps(factory, world):
+    """A rotation interrupted after master.key.next was written is finished at the next start;
+    a run no key unwraps is skipped (named in a warning) instead of egressd refusing to
+    start, at this start and every later one."""
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval("skip-start")
+    put_secret(e, "skip_start_tok", v, org="acme")
+    pins = [bearer_pin(api_host(world), "skip_start_tok")]
+    bad = create_run(e, world, {"org": "acme"}, pins)
+    good = create_run(e, world, {"org": "acme"}, pins)
+    mk = master_key_file(e)
+    assert e.stop() == 0
+    _seal_run_ca_key_under(e, bad.id, "file:00000000")
+    fd = os.open(mk + ".next", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    next_id = _file_key_id(mk + ".next")
+    e.start()
+    assert not os.path.exists(mk + ".next"), "the rotation was not finished"
+    assert _file_key_id(mk) == next_id
+    assert _runs_ca_key_under(e, bad=bad.id, good=good.id, secret="skip_start_tok") == \
+        ("file:00000000", next_id, next_id)
+    log = e.stderr_text()
+    assert f"run {bad.id}: no loaded key has id 'file:00000000'" in log, log[-2000:]
+    assert "finishing the rotation interrupted" not in log, log[-2000:]
+    assert _injects(good, world, v, "skip-start")
+    assert e.stop() == 0
+    e.start()
+    assert _injects(good, world, v, "skip-start-again")
+
+
 def test_restart_keeps_secrets_runs_and_ca(factory, world):
     e = factory.start(mutate=cp_mutate(world))
     v = sval("restart")

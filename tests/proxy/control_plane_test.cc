@@ -8,6 +8,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+
+#include <boost/json.hpp>
 
 #include "proxy/runtime.h"
 
@@ -83,6 +86,47 @@ protected:
         if (at == std::string::npos) return "";
         const auto start = at + 6;
         return r.body.substr(start, r.body.find('"', start) - start);
+    }
+    /// Reopens the control plane on the same files (as a restart does).
+    Result<std::unique_ptr<ControlPlane>> reopen() {
+        cp_.reset();
+        return ControlPlane::open(statics_);
+    }
+    std::string state_path() const { return dir_ + "/state/state.json"; }
+    boost::json::value read_state() const {
+        std::ifstream in(state_path());
+        std::stringstream text;
+        text << in.rdbuf();
+        return boost::json::parse(text.str());
+    }
+    /// Edits the state file (the control plane closed): run `id`'s CA key names `kek_id`.
+    void seal_run_ca_key_under(const std::string& id, const std::string& kek_id) {
+        auto st = read_state();
+        bool found = false;
+        for (auto& run : st.at("runs").as_array()) {
+            if (run.at("id").as_string() == id) {
+                run.at("ca_key").as_object()["kek_id"] = kek_id;
+                found = true;
+            }
+        }
+        ASSERT_TRUE(found) << id;
+        std::ofstream(state_path(), std::ios::trunc) << boost::json::serialize(st);
+    }
+    std::string secret_kek_id(const std::string& name) const {
+        const auto st = read_state();  // not in the for: the loop would outlive it
+        for (const auto& s : st.at("secrets").as_array()) {
+            if (s.at("name").as_string() == name) return std::string(s.at("kek_id").as_string());
+        }
+        return "";
+    }
+    std::string run_kek_id(const std::string& id) const {
+        const auto st = read_state();
+        for (const auto& r : st.at("runs").as_array()) {
+            if (r.at("id").as_string() == id) {
+                return std::string(r.at("ca_key").at("kek_id").as_string());
+            }
+        }
+        return "";
     }
     /// A secret deleted and created again has its name, scope and version (1) again. A build
     /// that never sees it missing (a replica whose etcd watch resynchronized, or got both
@@ -207,6 +251,71 @@ TEST_F(StaticStorePins, ASecretDeletedAndCreatedAgainBetweenTwoBuildsIsANewValue
     expect_a_recreated_secret_is_a_new_value();
 }
 
+// A run whose CA key is sealed under a key id no loaded key has (here: the state edited) is
+// not served; `keys rotate` rewraps everything else, names the run in "skipped" and
+// completes: no master.key.next is left for every start to trip over.
+TEST_F(StaticStorePins, AKeyRotationSkipsARecordNoKeyUnwraps) {
+    put("gh", R"({"org": "acme"})", "v1");
+    const std::string run_id = create_run(R"({"org": "acme"})", "gh");
+    ASSERT_FALSE(run_id.empty());
+    const std::string old_id = secret_kek_id("gh");
+    cp_.reset();
+    seal_run_ca_key_under(run_id, "file:00000000");
+    auto cp = reopen();
+    ASSERT_TRUE(cp) << cp.error();
+    cp_ = std::move(*cp);
+    EXPECT_EQ(build()->find(run_id), nullptr) << "a run no key unwraps is not served";
+
+    auto r = cp_->handle("POST", "/v1/keys/rotate", "");
+    ASSERT_EQ(r.status, 200) << r.body;
+    const auto out = boost::json::parse(r.body).as_object();
+    const std::string new_id(out.at("kek_id").as_string());
+    EXPECT_NE(new_id, old_id);
+    EXPECT_EQ(out.at("rewrapped").to_number<int>(), 1) << r.body;
+    const auto& skipped = out.at("skipped").as_array();
+    ASSERT_EQ(skipped.size(), 1u) << r.body;
+    EXPECT_EQ(skipped[0].at("kind").as_string(), "run");
+    EXPECT_EQ(skipped[0].at("name").as_string(), run_id);
+    EXPECT_NE(std::string(skipped[0].at("reason").as_string()).find("file:00000000"),
+              std::string::npos);
+    EXPECT_FALSE(fs::exists(dir_ + "/master.key.next"));
+    EXPECT_EQ(secret_kek_id("gh"), new_id);
+    EXPECT_EQ(run_kek_id(run_id), "file:00000000") << "a skipped record is left as it was";
+    auto rt = build();
+    ASSERT_TRUE(rt->find("app"));
+    EXPECT_TRUE(injected_value(*rt->find("app")) == "v1");
+
+    // A restart unseals the secret under the new key alone.
+    cp = reopen();
+    ASSERT_TRUE(cp) << cp.error();
+    cp_ = std::move(*cp);
+    EXPECT_TRUE(injected_value(*build()->find("app")) == "v1");
+}
+
+// The same when the rotation was interrupted after master.key.next was written: the start
+// finishes it past the run no key unwraps (it had refused to start, at every start).
+TEST_F(StaticStorePins, AnInterruptedRotationFinishesAtStartPastARecordNoKeyUnwraps) {
+    put("gh", R"({"org": "acme"})", "v1");
+    const std::string run_id = create_run(R"({"org": "acme"})", "gh");
+    ASSERT_FALSE(run_id.empty());
+    const std::string old_id = secret_kek_id("gh");
+    cp_.reset();
+    seal_run_ca_key_under(run_id, "file:00000000");
+    {
+        std::ofstream next(dir_ + "/master.key.next", std::ios::binary);
+        next << std::string(32, '\x5a');
+    }
+    fs::permissions(dir_ + "/master.key.next", fs::perms::owner_read | fs::perms::owner_write);
+    auto cp = reopen();
+    ASSERT_TRUE(cp) << cp.error();
+    cp_ = std::move(*cp);
+    EXPECT_FALSE(fs::exists(dir_ + "/master.key.next"));
+    EXPECT_NE(secret_kek_id("gh"), old_id);
+    EXPECT_EQ(run_kek_id(run_id), "file:00000000");
+    EXPECT_TRUE(injected_value(*build()->find("app")) == "v1");
+    EXPECT_EQ(build()->find(run_id), nullptr);
+}
+
 // The same with keys.kms_command whose output starts with a fixed header, as some KMS's
 // ciphertexts do: every wrapped data key then begins with the same bytes, and the unsealed
 // value cache must not take the re-created record for the old one.
@@ -248,6 +357,46 @@ TEST_F(HeaderKmsStorePins, AKeyRotationKeepsDynamicRuns) {
     EXPECT_EQ(dyn2, dyn1);
     ASSERT_FALSE(dyn2->policy.pins.empty());
     EXPECT_TRUE(std::string(dyn2->policy.pins[0].secret->reveal()) == "v-old");
+}
+
+// A KMS that stops wrapping (the new key fails, not a record): the rotation fails as a whole
+// and writes nothing, rather than skip records it could not wrap. Interrupted and found at
+// start, it does not keep the control plane from opening.
+class FailingWrapKmsStorePins : public StaticStorePins {
+protected:
+    std::string keys_yaml() override {
+        const std::string script = dir_ + "/kms.sh";
+        std::ofstream f(script);
+        // Not a cipher: the data key as it is; "wrap" fails once the file no-wrap exists.
+        f << "#!/bin/sh\n"
+             "case \"$1\" in\n"
+             "  key-id) echo plain-kms ;;\n"
+             "  wrap) [ -e " << dir_ << "/no-wrap ] && exit 1; tr -d '\\n' ;;\n"
+             "  unwrap) tr -d '\\n' ;;\n"
+             "  *) exit 2 ;;\n"
+             "esac\n";
+        f.close();
+        std::filesystem::permissions(script, fs::perms::owner_all);
+        return "{kms_command: " + script + ", master_key_file: " + dir_ + "/master.key}";
+    }
+};
+
+TEST_F(FailingWrapKmsStorePins, ARotationWhoseNewKeyFailsChangesNothingAndDoesNotStopAStart) {
+    put("gh", R"({"org": "acme"})", "v1");
+    const std::string before = read_state().at("secrets").as_array().at(0).at("wrapped_dek")
+                                   .as_string().c_str();
+    std::ofstream(dir_ + "/no-wrap") << "";
+    auto r = cp_->handle("POST", "/v1/keys/rotate", "");
+    EXPECT_EQ(r.status, 500) << r.body;
+    EXPECT_NE(r.body.find("kek_failed"), std::string::npos) << r.body;
+    EXPECT_EQ(r.body.find("skipped"), std::string::npos) << r.body;
+    EXPECT_EQ(read_state().at("secrets").as_array().at(0).at("wrapped_dek").as_string(), before);
+
+    std::ofstream(dir_ + "/master.key.next") << "";  // what makes a start finish a rotation
+    auto cp = reopen();
+    ASSERT_TRUE(cp) << "a rotation that cannot complete must not stop a start: " << cp.error();
+    cp_ = std::move(*cp);
+    EXPECT_TRUE(injected_value(*build()->find("app")) == "v1");
 }
 
 }  // namespace
