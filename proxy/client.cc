@@ -195,12 +195,52 @@ awaitable<void> idle_watchdog(Clock::time_point& last_activity, std::chrono::mil
 /// address of an allowed host on a shared CDN). Not TLS (a server-speaks-first protocol, or
 /// an SNI-less ClientHello) passes. Only the SNI can be checked on a blind tunnel; a Host
 /// header inside the TLS is seen only when the host is intercepted (policy.unpinned:
-/// intercept), where host agreement answers 421.
+/// intercept), where host agreement answers 421. A first flight in plain text that is an
+/// HTTP/1 request head gets the same check on its Host (a CDN routes plain HTTP by Host
+/// alone); as with the SNI, only the first request: the tunnel is not parsed after.
 struct FirstFlight {
     std::string held;    // what the client sent so far: forwarded when accepted
-    std::string reason;  // "" = accepted; else sni_mismatch or bad_client_hello
+    std::string reason;  // "" = accepted; else sni_mismatch, bad_client_hello, host_mismatch
     bool eof = false;    // the client closed or failed before it was known
 };
+
+enum class PlainHead : uint8_t { NotHttp, NeedMore, Agrees, Mismatch };
+
+/// What a plain-text first flight says of the tunnel's host: not an HTTP/1 request (another
+/// protocol: passes), a head not whole yet, or a whole head whose one Host names `host` (any
+/// port) or not. A head over kPlainHeadBytes, or without exactly one Host, is a mismatch: a
+/// check that a longer head or a missing field skipped would be no check.
+constexpr size_t kPlainHeadBytes = 16 * 1024;
+PlainHead plain_http_host(std::string_view held, const std::string& host) {
+    H1RequestParser p;
+    p.header_limit(kPlainHeadBytes);
+    p.eager(false);
+    error_code ec;
+    p.put(net::buffer(held.data(), held.size()), ec);
+    if (ec == http::error::need_more) {
+        return held.size() > kPlainHeadBytes ? PlainHead::Mismatch : PlainHead::NeedMore;
+    }
+    if (ec == http::error::header_limit) {
+        return PlainHead::Mismatch;
+    }
+    if (ec || !p.is_header_done()) {
+        return PlainHead::NotHttp;
+    }
+    const std::string* value = nullptr;
+    for (const auto& f : p.fields()) {  // names are lowercase
+        if (f.name == "host") {
+            if (value != nullptr) {
+                return PlainHead::Mismatch;
+            }
+            value = &f.value;
+        }
+    }
+    if (value == nullptr) {
+        return PlainHead::Mismatch;
+    }
+    auto authority = policy::parse_authority(*value, 80);
+    return authority && authority->host == host ? PlainHead::Agrees : PlainHead::Mismatch;
+}
 
 awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& early,
                                          const std::string& host) {
@@ -212,13 +252,17 @@ awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& 
         const auto p = tls::peek_client_hello(std::span<const uint8_t>(
             reinterpret_cast<const uint8_t*>(f.held.data()), f.held.size()));
         if (p.status == Status::NotTls) {
-            co_return f;
-        }
-        if (p.status == Status::Malformed) {
+            const PlainHead head = plain_http_host(f.held, host);
+            if (head == PlainHead::Mismatch) {
+                f.reason = "host_mismatch";
+            }
+            if (head != PlainHead::NeedMore) {
+                co_return f;
+            }
+        } else if (p.status == Status::Malformed) {
             f.reason = "bad_client_hello";
             co_return f;
-        }
-        if (p.status == Status::Complete) {
+        } else if (p.status == Status::Complete) {
             if (p.sni) {
                 auto sni = policy::normalize_host(*p.sni);
                 if (!sni || *sni != host) {
@@ -244,7 +288,10 @@ awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& 
             f.eof = true;
             co_return f;
         }
-        if (f.held.size() > tls::kMaxClientHello + 1024) {  // records' headers included
+        // A ClientHello's bound, records' headers included (only for what starts as TLS: a
+        // plain first flight is bounded by plain_http_host, and may be long, a body behind
+        // its head or another protocol's first burst).
+        if (f.held[0] == 0x16 && f.held.size() > tls::kMaxClientHello + 1024) {
             f.reason = "bad_client_hello";
             co_return f;
         }
@@ -328,11 +375,19 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
             FirstFlight first = co_await read_first_flight(cs, buf, scope.target.host);
             if (!first.reason.empty()) {
                 refused = first.reason;
-                // A TLS fatal alert, as a server that does not serve the name would send:
-                // unrecognized_name (112), or decode_error (50) for a malformed ClientHello.
-                const char alert[] = {0x15, 0x03, 0x03, 0x00, 0x02, 0x02,
-                                      static_cast<char>(refused == "sni_mismatch" ? 112 : 50)};
-                co_await net::async_write(cs, net::buffer(alert, sizeof alert), use_nothrow);
+                if (refused == "host_mismatch") {
+                    // A plain HTTP request: answered as egressd answers one (421, the reason).
+                    co_await write_refusal(client, rt.config->limits.refusal_timeout, 421,
+                                           refused, false);
+                } else {
+                    // A TLS fatal alert, as a server that does not serve the name would send:
+                    // unrecognized_name (112), or decode_error (50) for a malformed
+                    // ClientHello.
+                    const char alert[] = {
+                        0x15, 0x03, 0x03, 0x00, 0x02, 0x02,
+                        static_cast<char>(refused == "sni_mismatch" ? 112 : 50)};
+                    co_await net::async_write(cs, net::buffer(alert, sizeof alert), use_nothrow);
+                }
                 error_code ignored;
                 cs.shutdown(tcp::socket::shutdown_both, ignored);
                 us.shutdown(tcp::socket::shutdown_both, ignored);
@@ -366,11 +421,11 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     co_await ((upward() && pump(us, cs, down_bytes, last_activity, policy)) ||
               idle_watchdog(last_activity, idle_timeout));
     if (!refused.empty()) {
-        spdlog::info("conn={} tunnel to {}:{} refused: {} (the TLS server name is not the "
-                     "CONNECT host)",
-                     scope.conn_id, scope.target.host, scope.target.port, refused);
-        audit_refusal(scope, scope.method, "", refused == "sni_mismatch" ? 421 : 400, refused,
-                      started, rec.req_id);
+        spdlog::info("conn={} tunnel to {}:{} refused: {} (the {} is not the CONNECT host)",
+                     scope.conn_id, scope.target.host, scope.target.port, refused,
+                     refused == "host_mismatch" ? "Host of its first request" : "TLS server name");
+        audit_refusal(scope, scope.method, "", refused == "bad_client_hello" ? 400 : 421,
+                      refused, started, rec.req_id);
         co_return;
     }
     rec.status = 200;

@@ -3,6 +3,7 @@ with decision "deny". CONNECT-level refusals are read from the CONNECT response 
 socket; in-tunnel refusals from the response to the request sent through the run-CA TLS."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import ssl
@@ -340,6 +341,46 @@ def test_sni_mismatch_421(world, egressd, marker):
     assert_refusal(r, 421, "sni_mismatch")
     assert world.upstream.find(marker) == []
     audited(egressd, "sni_mismatch", 421)
+
+
+def test_a_plain_http_first_request_in_a_blind_tunnel_must_name_the_connect_host(world,
+                                                                                egressd,
+                                                                                marker):
+    """A blind tunnel to a plain-text port: a first request whose Host is another host (a CDN
+    routes plain HTTP by Host alone: fronting) is answered 421 host_mismatch and nothing goes
+    upstream, as absolute-form would answer; one naming the CONNECT host passes, also with a
+    first flight longer than a ClientHello may be (a body behind the head: it had been
+    refused as bad_client_hello)."""
+    P = world.plain.port
+
+    def first_flight(data: bytes) -> helpers.Response:
+        c, r = helpers.proxy_connect(egressd.proxy_port, f"tunnel.test:{P}", world.auth())
+        assert r.status == 200, (r.status, r.egress_reason)
+        try:
+            c.send(data)
+            return helpers.read_response(c)
+        finally:
+            c.close()
+    mark = audit_mark(egressd)
+    r = first_flight(f"GET /echo/{marker}-front HTTP/1.1\r\nHost: forbidden.example\r\n"
+                     f"Connection: close\r\n\r\n".encode())
+    assert_refusal(r, 421, "host_mismatch")
+    assert not world.upstream.find(f"{marker}-front")
+    rec = one_record_since(egressd, mark, 421, "host_mismatch")
+    assert rec["host"] == "tunnel.test", rec
+    for host in ("forbidden.example", None):  # a Host given twice, or none
+        fields = f"Host: tunnel.test:{P}\r\n" + (f"Host: {host}\r\n" if host else "")
+        if host is None:
+            fields = ""
+        r = first_flight(f"GET /echo/{marker}-x HTTP/1.0\r\n{fields}\r\n".encode())
+        assert_refusal(r, 421, "host_mismatch")
+    assert not world.upstream.find(f"{marker}-x")
+    body = b"b" * 40000
+    r = first_flight(f"POST /echo/{marker}-ok HTTP/1.1\r\nHost: tunnel.test:{P}\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                     + body)
+    assert r.status == 200, (r.status, r.egress_reason)
+    assert json.loads(r.body)["body_length"] == len(body)
 
 
 def test_forged_egress_header_403(world, egressd, marker):
