@@ -544,8 +544,7 @@ Result<std::unique_ptr<KeyProvider>> open_master_key_file(const std::string& pat
     if (!S_ISREG(st.st_mode)) {
         return make_error("keys.master_key_file: " + path + " is not a regular file");
     }
-    if (auto why = not_owner_only("keys.master_key_file", path,
-                                  static_cast<unsigned>(st.st_mode))) {
+    if (auto why = not_owner_only("keys.master_key_file", path, st)) {
         return make_error(*why);
     }
     if (st.st_size != static_cast<off_t>(kKeyBytes)) {

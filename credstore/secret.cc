@@ -7,12 +7,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <vector>
 #include <mutex>
 #include <ostream>
 
@@ -141,13 +143,33 @@ Result<SecretPtr> load_secret_file(const std::string& path) {
     return secret;
 }
 
+ProcessIds ProcessIds::current() {
+    ProcessIds ids;
+    ids.euid = ::geteuid();
+    ids.groups.push_back(::getegid());
+    const int n = ::getgroups(0, nullptr);
+    if (n > 0) {
+        std::vector<gid_t> more(static_cast<size_t>(n));
+        const int got = ::getgroups(n, more.data());
+        more.resize(got > 0 ? static_cast<size_t>(got) : 0);
+        ids.groups.insert(ids.groups.end(), more.begin(), more.end());
+    }
+    return ids;
+}
+
 std::optional<std::string> not_owner_only(std::string_view key, const std::string& path,
-                                          unsigned mode) {
+                                          const struct stat& st, const ProcessIds& ids) {
+    const unsigned mode = static_cast<unsigned>(st.st_mode) & 07777;
     if ((mode & 077) == 0) {
         return std::nullopt;
     }
+    const bool our_group = std::find(ids.groups.begin(), ids.groups.end(), st.st_gid) !=
+                           ids.groups.end();
+    if (st.st_uid == 0 && ids.euid != 0 && our_group && (mode & 037) == 0) {
+        return std::nullopt;  // a Kubernetes Secret under the pod's fsGroup (0440)
+    }
     char text[8];
-    std::snprintf(text, sizeof text, "%04o", mode & 07777);
+    std::snprintf(text, sizeof text, "%04o", mode);
     return std::string(key) + ": " + path + " is readable by group or others (mode " + text +
            "); chmod 600 it";
 }
@@ -157,7 +179,7 @@ Result<SecretPtr> load_owner_only_secret_file(std::string_view key, const std::s
     if (::stat(path.c_str(), &st) != 0) {
         return make_error(std::string(key) + ": " + path + ": " + std::strerror(errno));
     }
-    if (auto why = not_owner_only(key, path, static_cast<unsigned>(st.st_mode))) {
+    if (auto why = not_owner_only(key, path, st)) {
         return make_error(*why);
     }
     auto secret = load_secret_file(path);

@@ -4,12 +4,16 @@
 // uses them (best effort, RLIMIT_MEMLOCK permitting, so they stay out of swap; locks are
 // counted per page because buffers share pages and munlock does not stack), and are wiped
 // (secure_zero) when the value is destroyed.
+#include <sys/stat.h>
+#include <sys/types.h>
+
 #include <cstddef>
 #include <iosfwd>
 #include <memory>
 #include <string>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "common/result.h"
 
@@ -45,11 +49,24 @@ Result<bool> validate_secret_bytes(std::string_view bytes);
 /// message names the path and the problem, never the content.
 Result<SecretPtr> load_secret_file(const std::string& path);
 
-/// An error naming the config key `key` when the file `path` (its stat `mode`) may be read by
-/// group or others: a file that grants what egressd's keys grant (the master key, the admin
-/// token) must be its owner's alone. Nothing when it is.
+/// Who egressd runs as, for not_owner_only (a parameter so that tests running as root can
+/// ask what a non-root egressd would be told).
+struct ProcessIds {
+    uid_t euid = 0;
+    std::vector<gid_t> groups;  // effective and supplementary
+    static ProcessIds current();
+};
+
+/// An error naming the config key `key` when the file `path` (its stat `st`) may be read by
+/// anyone but egressd: a file that grants what egressd's keys grant (the master key, the
+/// admin token) must be its owner's alone (0600, 0400). Nothing when it is. One exception:
+/// a file root owns, readable by a group egressd is in and by nobody else (0440), when
+/// egressd is not root: a Kubernetes Secret as the kubelet mounts it for a non-root
+/// container (its fsGroup; the volume is mounted into egressd's container only), which
+/// egressd could not read otherwise (as PostgreSQL accepts a root-owned 0640 key).
 std::optional<std::string> not_owner_only(std::string_view key, const std::string& path,
-                                          unsigned mode);
+                                          const struct stat& st,
+                                          const ProcessIds& ids = ProcessIds::current());
 
 /// load_secret_file for a file that must be its owner's alone (not_owner_only); errors start
 /// with `key`.

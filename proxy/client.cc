@@ -111,8 +111,7 @@ class TunnelPolicy {
 public:
     TunnelPolicy(Worker& w, std::string run_id, policy::HostPort target, tcp::endpoint peer)
         : w_(w), run_id_(std::move(run_id)), target_(std::move(target)),
-          peer_(to_policy_address(peer.address())),
-          gen_(w.shared.runtime_gen.load(std::memory_order_acquire)) {}
+          peer_(to_policy_address(peer.address())) {}
     bool still_allowed() {
         const uint64_t gen = w_.shared.runtime_gen.load(std::memory_order_acquire);
         if (gen == gen_ || ended_) {
@@ -135,7 +134,10 @@ private:
     std::string run_id_;
     policy::HostPort target_;
     policy::IpAddress peer_;
-    uint64_t gen_;
+    // No generation matches: the first relayed byte decides again, against the runtime of
+    // that moment, so a change published while the tunnel was decided and dialled (a DNS
+    // lookup, a connect; on the transparent listener the wait for the ClientHello) applies.
+    uint64_t gen_ = std::numeric_limits<uint64_t>::max();
     bool ended_ = false;
 };
 

@@ -1433,8 +1433,28 @@ ApiResponse ControlPlane::rotate_keys() {
         who["reason"] = reason;
         skipped.push_back(std::move(who));
     };
-    // The record under the new key; nullopt when it is skipped; an error when the new key
-    // failed.
+    // Each old key is first tried on a data key of its own (wrap, then unwrap): one that
+    // fails so (a KMS down, throttled or timing out) fails the rotation before any write,
+    // as the new key failing does. Only a record the working key cannot unwrap is the
+    // record's fault, and skipped: a KMS outage must not pass for "every record skipped".
+    std::map<std::string, std::string> key_checked;  // key id -> "" works, else why not
+    auto key_works = [&](credstore::KeyProvider& k) -> const std::string& {
+        auto [it, fresh] = key_checked.try_emplace(k.key_id());
+        if (fresh) {
+            std::string probe = random_hex(16);  // 32 bytes, a data key's size
+            auto wrapped = k.wrap(probe);
+            auto back = wrapped ? k.unwrap(*wrapped) : Result<std::string>(make_error(wrapped.error()));
+            if (!back) {
+                it->second = "key " + k.key_id() + " does not work: " + back.error();
+            } else if (*back != probe) {
+                it->second = "key " + k.key_id() + " does not give back what it wrapped";
+            }
+            if (back) egress::secure_zero(back->data(), back->size());
+        }
+        return it->second;
+    };
+    // The record under the new key; nullopt when it is skipped; an error when a key that
+    // should work does not.
     using Rewrapped = std::optional<credstore::SealedSecret>;
     auto rewrap_one = [&](const credstore::SealedSecret& s, json::object who,
                           const std::string& text) -> Result<Rewrapped> {
@@ -1442,6 +1462,9 @@ ApiResponse ControlPlane::rotate_keys() {
         if (from == nullptr) {
             skip(std::move(who), text, "no loaded key has id '" + s.kek_id + "'");
             return Rewrapped();
+        }
+        if (const std::string& why = key_works(*from); !why.empty()) {
+            return make_error(why);
         }
         bool record_failed = false;
         auto r = credstore::rewrap(*from, *target, s, &record_failed);

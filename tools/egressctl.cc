@@ -967,6 +967,10 @@ int cmd_keys_rotate(const Ctx& ctx, const std::vector<std::string>& rest) {
             }
             std::cout << ": " << str_field(e, "reason") << "\n";
         }
+        // Not a clean rotation: a script that goes on to retire the old key must stop here.
+        std::cerr << "egressctl: keys rotate: " << skipped->get_array().size()
+                  << " record(s) not rewrapped (listed above)\n";
+        return 1;
     }
     return 0;
 }

@@ -91,6 +91,35 @@ TEST(Base64, RejectsInvalidInput) {
     }
 }
 
+TEST(NotOwnerOnly, OnlyTheOwnerOrAKubernetesSecretForANonRootEgressd) {
+    struct stat st{};
+    auto with = [&](uid_t uid, gid_t gid, unsigned mode) {
+        st.st_uid = uid;
+        st.st_gid = gid;
+        st.st_mode = S_IFREG | mode;
+        return st;
+    };
+    const ProcessIds nonroot{65532, {65532, 10}};
+    const ProcessIds root{0, {0}};
+    // The owner's alone: whoever owns it.
+    EXPECT_FALSE(not_owner_only("k", "f", with(65532, 65532, 0600), nonroot));
+    EXPECT_FALSE(not_owner_only("k", "f", with(0, 0, 0400), root));
+    // Root's file under egressd's (supplementary) group, 0440 or 0640: a Kubernetes Secret
+    // with fsGroup, for a non-root egressd.
+    EXPECT_FALSE(not_owner_only("k", "f", with(0, 65532, 0440), nonroot));
+    EXPECT_FALSE(not_owner_only("k", "f", with(0, 10, 0640), nonroot));
+    // Not with a bit for others, group write, another group, another owner, or a root egressd.
+    EXPECT_TRUE(not_owner_only("k", "f", with(0, 65532, 0444), nonroot));
+    EXPECT_TRUE(not_owner_only("k", "f", with(0, 65532, 0460), nonroot));
+    EXPECT_TRUE(not_owner_only("k", "f", with(0, 4242, 0440), nonroot));
+    EXPECT_TRUE(not_owner_only("k", "f", with(65532, 65532, 0440), nonroot));
+    EXPECT_TRUE(not_owner_only("k", "f", with(0, 0, 0440), root));
+    auto why = not_owner_only("admin.token_file", "/x/t", with(0, 4242, 0644), nonroot);
+    ASSERT_TRUE(why);
+    EXPECT_EQ(*why, "admin.token_file: /x/t is readable by group or others (mode 0644); chmod "
+                    "600 it");
+}
+
 TEST(MasterKeyFile, PermissionsAndSize) {
     TempDir dir;
     const std::string path = dir.path() + "/master.key";

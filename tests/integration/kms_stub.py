@@ -8,7 +8,8 @@ with a SHA-256 keystream of KEYFILE's bytes and an HMAC-SHA-256 tag (standard li
 Not a cipher to use anywhere else; enough that a wrong key fails and that no data key reaches
 etcd in the clear. `unwrap` reverses it; `key-id` prints the key's fingerprint, or the text
 of KEYFILE.id when that file exists (a KMS whose key version moved on: a new key id, and it
-still unwraps what it wrapped before, as Kubernetes KMS v2 plugins do).
+still unwraps what it wrapped before, as Kubernetes KMS v2 plugins do). While KEYFILE.down
+exists, `wrap` and `unwrap` fail (a KMS that is down).
 """
 import base64
 import hashlib
@@ -38,6 +39,9 @@ def main() -> int:
             print(hashlib.sha256(key).hexdigest()[:16])
         return 0
     data = base64.b64decode(sys.stdin.read().strip())
+    if os.path.exists(sys.argv[1] + ".down"):
+        print("kms_stub: unavailable", file=sys.stderr)
+        return 1
     if verb == "wrap":
         nonce = os.urandom(16)
         ct = bytes(a ^ b for a, b in zip(data, stream(key, nonce, len(data))))

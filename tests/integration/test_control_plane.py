@@ -1181,6 +1181,34 @@ def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
     assert api(e, "GET", f"/v1/runs/{run.id}").status == 200
 
 
+def test_keys_rotate_fails_whole_while_the_kms_is_down(factory, world):
+    """keys.kms_command and a KMS that fails every wrap and unwrap: `keys rotate` answers
+    500 kek_failed naming the key, writes nothing (no record is taken for one no key unwraps:
+    that had answered 200 with every record "skipped", and egressctl exited 0); the secret
+    is still served meanwhile, and once the KMS is back the rotation goes through."""
+    kek = os.path.join(world.new_dir("kms-down-"), "kek")
+    with open(kek, "wb") as f:
+        f.write(os.urandom(32))
+    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
+    kms = f"{sys.executable} {stub} {kek}"
+    e = factory.start(mutate=cp_mutate(world, extra=lambda c: c["keys"].update(kms_command=kms)))
+    v = sval("kms-down")
+    put_secret(e, "down_tok", v, org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), "down_tok")])
+    before = _read_state(e)
+    open(kek + ".down", "w").close()
+    r = api(e, "POST", "/v1/keys/rotate", timeout=30)
+    assert r.status == 500 and r.json["error"] == "kek_failed", (r.status, r.body[:300])
+    assert "does not work" in r.json["detail"] and "exited with status 1" in r.json["detail"]
+    assert _read_state(e) == before
+    r = ctl(e, "keys", "rotate")
+    assert r.returncode == 1 and "500" in r.err, (r.returncode, r.err)
+    assert _injects(run, world, v, "kms-down")
+    os.unlink(kek + ".down")
+    r = api(e, "POST", "/v1/keys/rotate", timeout=30)
+    assert r.status == 200 and r.json["skipped"] == [] and r.json["rewrapped"] >= 2, r.body
+
+
 def _state_file(e) -> str:
     return os.path.join(state_dir(e), "state.json")
 
@@ -1258,9 +1286,12 @@ def test_keys_rotate_skips_a_record_no_key_unwraps(factory, world):
     assert f"run {bad.id}: no loaded key has id 'file:00000000'" in e.stderr_text()
     assert _injects(good, world, v, "skip-after")
 
-    # egressctl names what was skipped (a second rotation skips the same run).
-    out = ctl_ok(e, "keys", "rotate").out
-    assert "1 skipped" in out and f"run {bad.id}: " in out, out
+    # egressctl names what was skipped (a second rotation skips the same run), and exits 1:
+    # a script that goes on to retire the old key must stop.
+    r = ctl(e, "keys", "rotate")
+    assert r.returncode == 1, (r.returncode, r.err)
+    assert "1 skipped" in r.out and f"run {bad.id}: " in r.out, r.out
+    assert "1 record(s) not rewrapped" in r.err, r.err
     assert not os.path.exists(mk + ".next")
     newer_id = _file_key_id(mk)
     assert newer_id not in (old_id, new_id)

@@ -223,6 +223,45 @@ def test_a_reload_that_refuses_a_tunnels_destination_ends_the_open_tunnel(world,
         connect_refused(e, f"tunnel.test:{world.U}", world.auth(), 403, "host_denied")
 
 
+def test_a_reload_while_a_tunnel_is_dialled_applies_to_it(world, factory, marker):
+    """A change published while a blind tunnel is being decided and dialled (here: a reload
+    that denies its host lands during its DNS lookup) applies to it: the CONNECT still gets
+    its 200 (decided before), and the first bytes through it end it (policy_changed)."""
+    import threading
+    world.dns.set("slowdial.test", fixed("127.0.0.1"))
+    e = factory.start(lambda c: c["policy"]["allow_hosts"].append("slowdial.test"))
+    got = {}
+
+    def connect():
+        got["c"], got["r"] = helpers.proxy_connect(e.proxy_port, f"slowdial.test:{world.U}",
+                                                   world.auth(), timeout=30)
+    world.dns.mute = True
+    t = threading.Thread(target=connect)
+    try:
+        t.start()
+        helpers.poll(lambda: any(q.name == "slowdial.test" for q in world.dns.log), 10.0,
+                     "the tunnel's lookup to be on its way")
+        e.rewrite_config(lambda c: c["policy"].__setitem__("deny_hosts", ["slowdial.test"]))
+        e.reload()
+    finally:
+        world.dns.mute = False  # c-ares asks again (after half of dns_timeout) and is answered
+        t.join(30)
+    assert got["r"].status == 200, (got["r"].status, got["r"].egress_reason)
+    ctx = ssl.create_default_context(cafile=world.pki.ca)
+    ctx.check_hostname = False
+    try:
+        tc = helpers.Conn(ctx.wrap_socket(got["c"].sock, server_hostname="slowdial.test"))
+        r = helpers.request(tc, "GET", f"/echo/{marker}-late", f"api.test:{world.U}")
+        status = r.status
+    except (ConnectionError, ssl.SSLError, OSError, ValueError):
+        status = None
+    got["c"].close()
+    assert status is None, status
+    assert not world.upstream.find(f"{marker}-late")
+    assert e.wait_audit(lambda x: x.get("reason") == "policy_changed"
+                        and x.get("host") == "slowdial.test")
+
+
 def test_port_not_allowed_403(world, egressd):
     port = free_port()
     while port in egressd.config["policy"]["allowed_ports"]:
