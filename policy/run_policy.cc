@@ -7,6 +7,8 @@
 #include <cctype>
 
 #include <boost/url/encode.hpp>
+#include <boost/url/encoding_opts.hpp>
+#include <boost/url/grammar/lut_chars.hpp>
 #include <boost/url/parse_query.hpp>
 #include <boost/url/pct_string_view.hpp>
 #include <boost/url/rfc/unreserved_chars.hpp>
@@ -334,45 +336,102 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
 
 namespace {
 
-/// Adds the forms in which an upstream commonly echoes `s` inside other text, where they
-/// differ from `s` itself: percent-encoded (a URL, a form field, a redirect's Location; upper-
-/// and lowercase hex) and JSON-escaped ('"' and '\\' escaped, and also '/' as "\\/", as PHP's
-/// json_encode does). A token of letters, digits, '-', '.', '_' and '~' has none.
-void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
-    std::string url = boost::urls::encode(s, boost::urls::unreserved_chars);
-    if (url != s) {
-        std::string lower = url;  // the escapes' hex digits in lowercase, the rest as it is
-        for (size_t i = 0; i + 2 < lower.size(); ++i) {
-            if (lower[i] == '%') {
-                for (size_t j = i + 1; j <= i + 2; ++j) {
-                    lower[j] = static_cast<char>(std::tolower(static_cast<unsigned char>(lower[j])));
-                }
-                i += 2;
-            }
-        }
-        if (lower != url) {
-            needles.push_back(std::move(lower));
-        } else {
-            egress::secure_wipe(lower);
-        }
-        needles.push_back(std::move(url));
+/// Adds `form` to the needles unless it is `s` itself or there already; wipes it otherwise.
+void add_form(std::string_view s, std::string form, std::vector<std::string>& needles) {
+    if (form != s && std::find(needles.begin(), needles.end(), form) == needles.end()) {
+        needles.push_back(std::move(form));
     } else {
-        egress::secure_wipe(url);
+        egress::secure_wipe(form);
     }
-    for (const bool slash : {false, true}) {
-        std::string json;
-        json.reserve(s.size() + 8);
-        for (const char c : s) {
-            if (c == '"' || c == '\\' || (slash && c == '/')) {
-                json.push_back('\\');
+}
+
+/// `s` percent-encoded by an encoder that leaves the unreserved characters and `keep` as they
+/// are, hex digits in lowercase or not; with `plus`, a space as '+' (a form field).
+std::string percent_form(std::string_view s, const char* keep, bool lower, bool plus) {
+    const auto raw = boost::urls::unreserved_chars + boost::urls::grammar::lut_chars(keep);
+    return boost::urls::encode(s, raw, boost::urls::encoding_opts(plus, lower));
+}
+
+/// `s` as a JSON string's content: '"' and '\' escaped, control characters as \b \f \n
+/// \r \t or \u00XX; with `slash`, '/' as "\/" (PHP); with `html`, '&' '<' '>' as \u0026
+/// \u003c \u003e (Go's encoding/json); with `ascii`, every non-ASCII character as \uXXXX
+/// (surrogate pairs above U+FFFF: Python's json.dumps, PHP). Bytes that are not UTF-8 are
+/// left as they are.
+std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string out;
+    out.reserve(s.size() * 2 + 8);
+    auto u_escape = [&](uint32_t cp) {
+        out.append("\\u");
+        for (int shift = 12; shift >= 0; shift -= 4) {
+            out.push_back(kHex[(cp >> shift) & 15]);
+        }
+    };
+    for (size_t i = 0; i < s.size(); ++i) {
+        const auto c = static_cast<unsigned char>(s[i]);
+        if (c == '"' || c == '\\' || (slash && c == '/')) {
+            out.push_back('\\');
+            out.push_back(static_cast<char>(c));
+        } else if (c < 0x20) {
+            const char* named = c == '\b' ? "\\b" : c == '\f' ? "\\f" : c == '\n' ? "\\n"
+                                : c == '\r' ? "\\r" : c == '\t' ? "\\t" : nullptr;
+            if (named != nullptr) {
+                out.append(named);
+            } else {
+                u_escape(c);
             }
-            json.push_back(c);
-        }
-        if (json != s && std::find(needles.begin(), needles.end(), json) == needles.end()) {
-            needles.push_back(std::move(json));
+        } else if (html && (c == '&' || c == '<' || c == '>')) {
+            u_escape(c);
+        } else if (ascii && c >= 0x80) {
+            // One UTF-8 sequence, decoded; anything else is left byte by byte.
+            const size_t n = c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 0;
+            uint32_t cp = n == 4 ? c & 0x07u : n == 3 ? c & 0x0fu : c & 0x1fu;
+            bool ok = n != 0 && i + n <= s.size();
+            for (size_t k = 1; ok && k < n; ++k) {
+                const auto b = static_cast<unsigned char>(s[i + k]);
+                ok = (b & 0xc0) == 0x80;
+                cp = (cp << 6) | (b & 0x3fu);
+            }
+            if (!ok) {
+                out.push_back(static_cast<char>(c));
+                continue;
+            }
+            if (cp >= 0x10000) {
+                cp -= 0x10000;
+                u_escape(0xd800 + (cp >> 10));
+                u_escape(0xdc00 + (cp & 0x3ff));
+            } else {
+                u_escape(cp);
+            }
+            i += n - 1;
         } else {
-            egress::secure_wipe(json);
+            out.push_back(static_cast<char>(c));
         }
+    }
+    return out;
+}
+
+/// Adds the forms in which an upstream commonly echoes `s` inside other text, where they
+/// differ from `s` itself. Percent-encoded (a URL, a form field, a redirect's Location), in
+/// upper- and lowercase hex, as the common encoders leave characters raw: RFC 3986's
+/// unreserved only, and also '/' (Python's quote), "!'()*" (JavaScript's
+/// encodeURIComponent), "$&+,/:;=@" (Go's PathEscape), a space as '+' (form fields). JSON
+/// string content as JavaScript, PHP ("\/", \uXXXX), Go (\u0026 for '&' '<' '>') and
+/// Python (\uXXXX for non-ASCII) write it. A token of letters, digits, '-', '.', '_' and '~'
+/// has none. At most 15 forms.
+void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
+    for (const bool lower : {false, true}) {
+        for (const char* keep : {"", "/", "!'()*", "$&+,/:;=@"}) {
+            add_form(s, percent_form(s, keep, lower, false), needles);
+        }
+        add_form(s, percent_form(s, "", lower, true), needles);
+    }
+    for (const auto [slash, html, ascii] : {std::array<bool, 3>{false, false, false},
+                                            std::array<bool, 3>{true, false, false},
+                                            std::array<bool, 3>{true, false, true},
+                                            std::array<bool, 3>{false, true, false},
+                                            std::array<bool, 3>{false, false, true}}) {
+        add_form(s, json_form(s, slash, html, ascii), needles);
     }
 }
 
@@ -398,7 +457,9 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     std::vector<std::string> needles;
     // Room for every needle at once: a reallocation would move short (inline) strings and
     // free their old bytes unwiped.
-    needles.reserve(16);
+    // (At most 4 + 3 x 15 needles: the secret or key, the value, the basic blob, a session
+    // token, and each's echo forms.)
+    needles.reserve(64);
     needles.emplace_back(key);
     if (!value.empty()) {  // aws-sigv4 has no fixed value: a signature per request
         needles.push_back(value);
