@@ -101,6 +101,50 @@ struct Wiped {  // a string holding secret material, wiped when it goes away
     void wipe() { egress::secure_wipe(s); }
 };
 
+/// boost::json's allocator for a document holding a secret: every block is zeroed when freed.
+class WipingJsonResource final : public json::memory_resource {
+    void* do_allocate(size_t n, size_t align) override {
+        return ::operator new(n, std::align_val_t(align));
+    }
+    void do_deallocate(void* p, size_t n, size_t align) override {
+        egress::secure_zero(p, n);
+        ::operator delete(p, n, std::align_val_t(align));
+    }
+    bool do_is_equal(const json::memory_resource& other) const noexcept override {
+        return this == &other;
+    }
+};
+
+/// A value that is a JSON object over several lines (an AWS credentials document as `aws sts
+/// assume-role --query Credentials` prints it, indented) is made compact, one line: a secret
+/// holds no CR or LF, and egressd reads the document's fields, not its layout. Anything else
+/// is left as it is (and refused by egressd if it holds a line break).
+void compact_json_document(Wiped& v) {
+    const size_t first = v.s.find_first_not_of(" \t\r\n");
+    if (v.s.find_first_of("\r\n") == std::string::npos || first == std::string::npos ||
+        v.s[first] != '{') {
+        return;
+    }
+    boost::system::error_code ec;
+    json::value doc = json::parse(v.s, ec, json::make_shared_resource<WipingJsonResource>());
+    if (ec || !doc.is_object()) {
+        return;
+    }
+    Wiped compact;
+    // Room enough that it never grows (a growth would free a copy unwiped): the compact form
+    // is shorter than the input but for numbers ("0.1" is written "1E-1").
+    compact.s.reserve(2 * v.s.size() + 64);
+    json::serializer sr;
+    sr.reset(&doc);
+    char piece[512];
+    while (!sr.done()) {
+        compact.s.append(sr.read(piece, sizeof piece));
+    }
+    egress::secure_zero(piece, sizeof piece);
+    v.wipe();
+    std::swap(v.s, compact.s);
+}
+
 std::string trim_ws(std::string s) {
     while (!s.empty() && (s.back() == '\n' || s.back() == '\r' || s.back() == ' ' ||
                           s.back() == '\t')) {
@@ -599,6 +643,7 @@ Wiped read_secret_value() {
     if (!valid_utf8(v.s)) {
         throw Failure("the secret value is not valid UTF-8 text");
     }
+    compact_json_document(v);
     return v;
 }
 

@@ -910,6 +910,31 @@ def test_egressctl_errors(cp, world, api_secret):
         assert tok.encode() not in body, f"admin token printed by {what}"
 
 
+def test_egressctl_sends_an_indented_credentials_document_compact(cp, world):
+    """`aws sts assume-role --query Credentials` prints its document indented over several
+    lines, and a secret holds no line break: egressctl sends a JSON object compact (one
+    line; the API itself refuses the indented one), and the document is read as one (no
+    "credentials document" warning for its pin, where a value that is none gets one)."""
+    doc = {"AccessKeyId": "ASIAEGRESSTEMP000009",
+           "SecretAccessKey": sval("sts-key").replace("-", "")[:40],
+           "SessionToken": "FwoGZXIvYXdz" + pysecrets.token_hex(40),
+           "Expiration": "2026-12-07T00:00:00+00:00"}
+    helpers.secret(doc["SessionToken"])
+    indented = json.dumps(doc, indent=4) + "\n"
+    r = api(cp, "POST", "/v1/secrets", {"name": "sts_doc_api", "scope": {"org": "acme"},
+                                        "value": indented.rstrip("\n")})
+    assert r.status == 400 and "CR, LF or NUL" in r.json["detail"], (r.status, r.body[:200])
+    ctl_ok(cp, "secret", "put", "sts_doc", "--scope", "org=acme", stdin=indented)
+    ctl_ok(cp, "secret", "put", "sts_bad", "--scope", "org=acme", stdin="not a document\n")
+    for name in ("sts_doc", "sts_bad"):
+        ctl_ok(cp, "run", "create", "--scope", "org=acme",
+               "--pin", f"{name}.test:{world.U}={name}:aws-sigv4::us-east-1:dynamodb")
+    helpers.poll(lambda: "credentials document: not JSON" in cp.stderr_text(), 10,
+                 "the warning for the value that is no document")
+    warned = [ln for ln in cp.stderr_text().splitlines() if "credentials document" in ln]
+    assert warned and not [ln for ln in warned if "sts_doc.test" in ln], warned
+
+
 def test_egressctl_run_create_show_revoke(cp, world, api_secret):
     r = ctl_ok(cp, "run", "create", "--scope", "org=acme", "--scope", "user=ana",
                "--pin", f"{api_host(world)}=api_tok:bearer",
