@@ -4,6 +4,7 @@
 #include <openssl/crypto.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 
 #include <unistd.h>
 
@@ -165,7 +166,9 @@ std::optional<std::string> not_owner_only(std::string_view key, const std::strin
     }
     const bool our_group = std::find(ids.groups.begin(), ids.groups.end(), st.st_gid) !=
                            ids.groups.end();
-    if (st.st_uid == 0 && ids.euid != 0 && our_group && (mode & 037) == 0) {
+    // With a POSIX ACL the group bits are only its mask: a named user may read it too.
+    const bool acl = ::getxattr(path.c_str(), "system.posix_acl_access", nullptr, 0) >= 0;
+    if (st.st_uid == 0 && ids.euid != 0 && our_group && (mode & 037) == 0 && !acl) {
         return std::nullopt;  // a Kubernetes Secret under the pod's fsGroup (0440)
     }
     char text[8];

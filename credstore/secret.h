@@ -63,7 +63,8 @@ struct ProcessIds {
 /// a file root owns, readable by a group egressd is in and by nobody else (0440), when
 /// egressd is not root: a Kubernetes Secret as the kubelet mounts it for a non-root
 /// container (its fsGroup; the volume is mounted into egressd's container only), which
-/// egressd could not read otherwise (as PostgreSQL accepts a root-owned 0640 key).
+/// egressd could not read otherwise (as PostgreSQL accepts a root-owned 0640 key); not when
+/// the file has a POSIX ACL (its group bits are then only the ACL's mask).
 std::optional<std::string> not_owner_only(std::string_view key, const std::string& path,
                                           const struct stat& st,
                                           const ProcessIds& ids = ProcessIds::current());

@@ -360,7 +360,7 @@ std::string percent_form(std::string_view s, const char* keep, bool lower, bool 
 std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
     static constexpr char kHex[] = "0123456789abcdef";
     std::string out;
-    out.reserve(s.size() * 2 + 8);
+    out.reserve(s.size() * 6 + 8);  // at most \u00XX per byte: it never grows (unwiped copies)
     auto u_escape = [&](uint32_t cp) {
         out.append("\\u");
         for (int shift = 12; shift >= 0; shift -= 4) {
@@ -372,7 +372,7 @@ std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
         if (c == '"' || c == '\\' || (slash && c == '/')) {
             out.push_back('\\');
             out.push_back(static_cast<char>(c));
-        } else if (c < 0x20) {
+        } else if (c < 0x20 || (ascii && c == 0x7f)) {  // Python escapes DEL as \u007f
             const char* named = c == '\b' ? "\\b" : c == '\f' ? "\\f" : c == '\n' ? "\\n"
                                 : c == '\r' ? "\\r" : c == '\t' ? "\\t" : nullptr;
             if (named != nullptr) {
@@ -415,13 +415,14 @@ std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
 /// differ from `s` itself. Percent-encoded (a URL, a form field, a redirect's Location), in
 /// upper- and lowercase hex, as the common encoders leave characters raw: RFC 3986's
 /// unreserved only, and also '/' (Python's quote), "!'()*" (JavaScript's
-/// encodeURIComponent), "$&+,/:;=@" (Go's PathEscape), a space as '+' (form fields). JSON
+/// encodeURIComponent), "$&+:=@" (Go's PathEscape), "$&+,/:;=@" (Go's URL.EscapedPath), a
+/// space as '+' (form fields). JSON
 /// string content as JavaScript, PHP ("\/", \uXXXX), Go (\u0026 for '&' '<' '>') and
 /// Python (\uXXXX for non-ASCII) write it. A token of letters, digits, '-', '.', '_' and '~'
-/// has none. At most 15 forms.
+/// has none. At most 17 forms.
 void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
     for (const bool lower : {false, true}) {
-        for (const char* keep : {"", "/", "!'()*", "$&+,/:;=@"}) {
+        for (const char* keep : {"", "/", "!'()*", "$&+:=@", "$&+,/:;=@"}) {
             add_form(s, percent_form(s, keep, lower, false), needles);
         }
         add_form(s, percent_form(s, "", lower, true), needles);
@@ -457,7 +458,7 @@ std::shared_ptr<const Injection> make_injection(const InjectSpec& spec,
     std::vector<std::string> needles;
     // Room for every needle at once: a reallocation would move short (inline) strings and
     // free their old bytes unwiped.
-    // (At most 4 + 3 x 15 needles: the secret or key, the value, the basic blob, a session
+    // (At most 4 + 3 x 17 needles: the secret or key, the value, the basic blob, a session
     // token, and each's echo forms.)
     needles.reserve(64);
     needles.emplace_back(key);

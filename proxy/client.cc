@@ -208,25 +208,76 @@ struct FirstFlight {
 
 enum class PlainHead : uint8_t { NotHttp, NeedMore, Agrees, Mismatch };
 
-/// What a plain-text first flight says of the tunnel's host: not an HTTP/1 request (another
-/// protocol: passes), a head not whole yet, or a whole head whose one Host names `host` (any
-/// port) or not. A head over kPlainHeadBytes, or without exactly one Host, is a mismatch: a
-/// check that a longer head or a missing field skipped would be no check.
+/// Whether `line` (a first line without its end, or what came of it so far: `whole` false) is
+/// an HTTP/1 request line, "token SP target SP HTTP/": Yes, No, or Maybe (a prefix of one).
+enum class Shape : uint8_t { No, Maybe, Yes };
+Shape request_line_shape(std::string_view line, bool whole) {
+    const size_t i = line.find(' ');
+    if (i == std::string_view::npos) {  // a method so far, or nothing
+        return !whole && (line.empty() || policy::valid_header_name(line)) ? Shape::Maybe
+                                                                            : Shape::No;
+    }
+    if (!policy::valid_header_name(line.substr(0, i))) {
+        return Shape::No;
+    }
+    const size_t target_end = line.find(' ', i + 1);
+    if (target_end == std::string_view::npos) {
+        return whole ? Shape::No : Shape::Maybe;
+    }
+    constexpr std::string_view kVersion = "HTTP/";
+    const std::string_view rest = line.substr(target_end + 1);
+    const size_t n = std::min(rest.size(), kVersion.size());
+    if (rest.substr(0, n) != kVersion.substr(0, n)) {
+        return Shape::No;
+    }
+    return n == kVersion.size() ? Shape::Yes : (whole ? Shape::No : Shape::Maybe);
+}
+
+/// What a plain-text first flight says of the tunnel's host. Not shaped as an HTTP/1 request
+/// line (another protocol: SMTP's "EHLO x", Redis, SSH's banner): passes. Shaped as one
+/// (after any empty lines, which servers skip): its head must be whole within
+/// kPlainHeadBytes and parse, name `host` in its one Host field, and, in absolute or
+/// authority form, in its target too (a server routes by the target over Host); anything
+/// else is a mismatch: a head a CDN would still route (bare LF line ends, an invalid field)
+/// but the check skipped would be no check. As with the SNI, only the first request.
 constexpr size_t kPlainHeadBytes = 16 * 1024;
 PlainHead plain_http_host(std::string_view held, const std::string& host) {
+    const size_t start = std::min(held.find_first_not_of("\r\n"), held.size());
+    const std::string_view flight = held.substr(start);
+    const size_t eol = flight.find('\n');
+    std::string_view line = flight.substr(0, eol);
+    if (!line.empty() && line.back() == '\r') {
+        line.remove_suffix(1);
+    }
+    switch (request_line_shape(line, eol != std::string_view::npos)) {
+        case Shape::No:
+            return PlainHead::NotHttp;
+        case Shape::Maybe:
+            return held.size() > kPlainHeadBytes ? PlainHead::Mismatch : PlainHead::NeedMore;
+        case Shape::Yes:
+            break;
+    }
     H1RequestParser p;
     p.header_limit(kPlainHeadBytes);
     p.eager(false);
     error_code ec;
-    p.put(net::buffer(held.data(), held.size()), ec);
-    if (ec == http::error::need_more) {
-        return held.size() > kPlainHeadBytes ? PlainHead::Mismatch : PlainHead::NeedMore;
-    }
-    if (ec == http::error::header_limit) {
-        return PlainHead::Mismatch;
+    p.put(net::buffer(flight.data(), flight.size()), ec);
+    if (ec == http::error::need_more && held.size() <= kPlainHeadBytes) {
+        return PlainHead::NeedMore;
     }
     if (ec || !p.is_header_done()) {
-        return PlainHead::NotHttp;
+        return PlainHead::Mismatch;  // shaped as HTTP, and not a head that parses
+    }
+    auto names_host = [&](std::string_view authority) {
+        auto hp = policy::parse_authority(authority, 80);
+        return hp && hp->host == host;
+    };
+    const std::string_view target = p.target();
+    if (!target.empty() && target.front() != '/' && target != "*") {
+        auto url = boost::urls::parse_absolute_uri(target);
+        if (url ? !names_host(url->encoded_authority()) : !names_host(target)) {
+            return PlainHead::Mismatch;
+        }
     }
     const std::string* value = nullptr;
     for (const auto& f : p.fields()) {  // names are lowercase
@@ -237,11 +288,7 @@ PlainHead plain_http_host(std::string_view held, const std::string& host) {
             value = &f.value;
         }
     }
-    if (value == nullptr) {
-        return PlainHead::Mismatch;
-    }
-    auto authority = policy::parse_authority(*value, 80);
-    return authority && authority->host == host ? PlainHead::Agrees : PlainHead::Mismatch;
+    return value != nullptr && names_host(*value) ? PlainHead::Agrees : PlainHead::Mismatch;
 }
 
 awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& early,
@@ -250,10 +297,15 @@ awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& 
     f.held.assign(static_cast<const char*>(early.data().data()), early.size());
     early.consume(early.size());
     using Status = tls::ClientHelloPeek::Status;
+    // A plain head is parsed again only once a line end came with the last read: a head sent
+    // a byte at a time costs a parse per line, not per byte.
+    bool new_line = true;
     for (;;) {
         const auto p = tls::peek_client_hello(std::span<const uint8_t>(
             reinterpret_cast<const uint8_t*>(f.held.data()), f.held.size()));
-        if (p.status == Status::NotTls) {
+        if (p.status == Status::NotTls && !new_line && f.held.size() <= kPlainHeadBytes) {
+            // Nothing that could change the verdict: wait for more.
+        } else if (p.status == Status::NotTls) {
             const PlainHead head = plain_http_host(f.held, host);
             if (head == PlainHead::Mismatch) {
                 f.reason = "host_mismatch";
@@ -290,6 +342,7 @@ awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& 
             f.eof = true;
             co_return f;
         }
+        new_line = std::memchr(f.held.data() + at, '\n', n) != nullptr;
         // A ClientHello's bound, records' headers included (only for what starts as TLS: a
         // plain first flight is bounded by plain_http_host, and may be long, a body behind
         // its head or another protocol's first burst).
@@ -369,6 +422,13 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         scope.run.reset();
         scope.runtime.reset();
     };
+    // The destination refused since the tunnel was decided: nothing more either way.
+    auto end_both = [&] {
+        error_code ignored;
+        cs.shutdown(tcp::socket::shutdown_both, ignored);
+        us.shutdown(tcp::socket::shutdown_both, ignored);
+        us.cancel(ignored);
+    };
     // Client to upstream. Behind a CONNECT the first flight is checked (read_first_flight)
     // while the upstream's bytes flow the other way; on the transparent listener the SNI
     // already chose the destination, and the bytes go as they come.
@@ -396,6 +456,10 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
                 us.cancel(ignored);  // ends the other direction's wait at once
                 co_return;
             }
+            if (!first.held.empty() && !policy.still_allowed()) {
+                end_both();
+                co_return;
+            }
             if (!first.held.empty()) {
                 last_activity = Clock::now();
                 auto [wec, wn] = co_await net::async_write(us, net::buffer(first.held), use_nothrow);
@@ -412,6 +476,10 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
             }
         } else {
             let_go();
+            if (buf.size() > 0 && !policy.still_allowed()) {
+                end_both();
+                co_return;
+            }
             if (buf.size() > 0) {
                 auto [wec, wn] = co_await net::async_write(us, buf.data(), use_nothrow);
                 up_bytes += wn;

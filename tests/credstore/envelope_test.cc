@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -91,6 +93,11 @@ TEST(Base64, RejectsInvalidInput) {
     }
 }
 
+struct stat with_owner(struct stat st, uid_t uid) {
+    st.st_uid = uid;
+    return st;
+}
+
 TEST(NotOwnerOnly, OnlyTheOwnerOrAKubernetesSecretForANonRootEgressd) {
     struct stat st{};
     auto with = [&](uid_t uid, gid_t gid, unsigned mode) {
@@ -118,6 +125,35 @@ TEST(NotOwnerOnly, OnlyTheOwnerOrAKubernetesSecretForANonRootEgressd) {
     ASSERT_TRUE(why);
     EXPECT_EQ(*why, "admin.token_file: /x/t is readable by group or others (mode 0644); chmod "
                     "600 it");
+}
+
+TEST(NotOwnerOnly, AFileWithAnAclIsNotTakenForAKubernetesSecret) {
+    // Root's 0440 file in egressd's group, but a POSIX ACL lets user 1000 read it too (the
+    // group bits are then the ACL's mask): refused.
+    TempDir dir;
+    const std::string path = dir.path() + "/token";
+    write_file(path, "t", 0440);
+    struct AclEntry {
+        uint16_t tag, perm;
+        uint32_t id;
+    };
+    struct {
+        uint32_t version = 2;
+        AclEntry e[5] = {{0x01, 4, ~0u}, {0x02, 4, 1000}, {0x04, 4, ~0u}, {0x10, 4, ~0u},
+                         {0x20, 0, ~0u}};
+    } acl;
+    if (::setxattr(path.c_str(), "system.posix_acl_access", &acl, sizeof acl, 0) != 0) {
+        GTEST_SKIP() << "no POSIX ACLs here: " << std::strerror(errno);
+    }
+    struct stat st{};
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    ASSERT_EQ(st.st_mode & 0777, 0440u);
+    const ProcessIds nonroot{65532, {st.st_gid}};
+    EXPECT_TRUE(not_owner_only("k", path, with_owner(st, 0), nonroot));
+    ASSERT_EQ(::removexattr(path.c_str(), "system.posix_acl_access"), 0);
+    ASSERT_EQ(::chmod(path.c_str(), 0440), 0);
+    ASSERT_EQ(::stat(path.c_str(), &st), 0);
+    EXPECT_FALSE(not_owner_only("k", path, with_owner(st, 0), nonroot));
 }
 
 TEST(MasterKeyFile, PermissionsAndSize) {

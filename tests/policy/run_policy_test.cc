@@ -51,7 +51,8 @@ TEST(MakeInjection, SearchesTheEchoFormsOfASecret) {
 }
 
 // The encoders upstreams echo with do not all encode the same bytes: Python's quote keeps '/',
-// JavaScript's encodeURIComponent "!'()*", Go's PathEscape "$&+,/:;=@", a form field writes a
+// JavaScript's encodeURIComponent "!'()*", Go's PathEscape "$&+:=@" and URL.EscapedPath
+// "$&+,/:;=@", a form field writes a
 // space as '+'; Go's encoding/json writes '&' '<' '>' as \u0026..., Python's json.dumps and
 // PHP's json_encode non-ASCII as \uXXXX. Each such echo is scrubbed.
 TEST(MakeInjection, SearchesWhatTheCommonEncodersMakeOfASecret) {
@@ -62,7 +63,8 @@ TEST(MakeInjection, SearchesWhatTheCommonEncodersMakeOfASecret) {
         "a/b%2Bc%3Dd%26e%21f%28g%29%20h%C3%A9i%F0%9F%98%80j",    // Python quote
         "a/b%2bc%3dd%26e%21f%28g%29%20h%c3%a9i%f0%9f%98%80j",    // the same, lowercase hex
         "a%2Fb%2Bc%3Dd%26e!f(g)%20h%C3%A9i%F0%9F%98%80j",        // encodeURIComponent
-        "a/b+c=d&e%21f%28g%29%20h%C3%A9i%F0%9F%98%80j",          // Go PathEscape
+        "a%2Fb+c=d&e%21f%28g%29%20h%C3%A9i%F0%9F%98%80j",        // Go PathEscape
+        "a/b+c=d&e%21f%28g%29%20h%C3%A9i%F0%9F%98%80j",          // Go URL.EscapedPath
         "a%2Fb%2Bc%3Dd%26e%21f%28g%29+h%C3%A9i%F0%9F%98%80j",    // a form field (space as '+')
         "a/b+c=d\\u0026e!f(g) h\xc3\xa9i\xf0\x9f\x98\x80j",          // Go encoding/json
         "a/b+c=d&e!f(g) h\\u00e9i\\ud83d\\ude00j",                   // Python json.dumps
@@ -74,7 +76,12 @@ TEST(MakeInjection, SearchesWhatTheCommonEncodersMakeOfASecret) {
         EXPECT_TRUE(out.find(forms[i]) == std::string::npos) << "form " << i;
         EXPECT_EQ(out.size(), body.size()) << "form " << i;
     }
-    EXPECT_LE(inj->scrub->needles().size(), 2U + 15U);
+    EXPECT_LE(inj->scrub->needles().size(), 2U + 17U);
+    // DEL as Python's json.dumps writes it.
+    auto del = make_injection(InjectSpec{}, credstore::SecretValue("del\x7fsecret"));
+    Scrubber sd(del->scrub);
+    const std::string body = "{\"seen\": \"del\\u007fsecret\"}";
+    EXPECT_EQ(sd.scrub_value(body).find("del\\u007fsecret"), std::string::npos);
 }
 
 TEST(ValidateInjection, AcceptsAndLowercases) {
