@@ -235,13 +235,12 @@ Shape request_line_shape(std::string_view line, bool whole) {
 
 /// What a plain-text first flight says of the tunnel's host. Not shaped as an HTTP/1 request
 /// line (another protocol: SMTP's "EHLO x", Redis, SSH's banner): passes. Shaped as one
-/// (after any empty lines, which servers skip): its head must be whole within
-/// kPlainHeadBytes and parse, name `host` in its one Host field, and, in absolute or
-/// authority form, in its target too (a server routes by the target over Host); anything
+/// (after any empty lines, which servers skip): its head must be whole within `max_head`
+/// (limits.max_header_bytes, as any request head) and parse, name `host` in its one Host
+/// field, and, in absolute or authority form, in its target too (a server routes by the target over Host); anything
 /// else is a mismatch: a head a CDN would still route (bare LF line ends, an invalid field)
 /// but the check skipped would be no check. As with the SNI, only the first request.
-constexpr size_t kPlainHeadBytes = 16 * 1024;
-PlainHead plain_http_host(std::string_view held, const std::string& host) {
+PlainHead plain_http_host(std::string_view held, const std::string& host, size_t max_head) {
     const size_t start = std::min(held.find_first_not_of("\r\n"), held.size());
     const std::string_view flight = held.substr(start);
     const size_t eol = flight.find('\n');
@@ -253,16 +252,16 @@ PlainHead plain_http_host(std::string_view held, const std::string& host) {
         case Shape::No:
             return PlainHead::NotHttp;
         case Shape::Maybe:
-            return held.size() > kPlainHeadBytes ? PlainHead::Mismatch : PlainHead::NeedMore;
+            return held.size() > max_head ? PlainHead::Mismatch : PlainHead::NeedMore;
         case Shape::Yes:
             break;
     }
     H1RequestParser p;
-    p.header_limit(kPlainHeadBytes);
+    p.header_limit(static_cast<uint32_t>(max_head));
     p.eager(false);
     error_code ec;
     p.put(net::buffer(flight.data(), flight.size()), ec);
-    if (ec == http::error::need_more && held.size() <= kPlainHeadBytes) {
+    if (ec == http::error::need_more && held.size() <= max_head) {
         return PlainHead::NeedMore;
     }
     if (ec || !p.is_header_done()) {
@@ -292,7 +291,7 @@ PlainHead plain_http_host(std::string_view held, const std::string& host) {
 }
 
 awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& early,
-                                         const std::string& host) {
+                                         const std::string& host, size_t max_head) {
     FirstFlight f;
     f.held.assign(static_cast<const char*>(early.data().data()), early.size());
     early.consume(early.size());
@@ -303,10 +302,10 @@ awaitable<FirstFlight> read_first_flight(tcp::socket& from, beast::flat_buffer& 
     for (;;) {
         const auto p = tls::peek_client_hello(std::span<const uint8_t>(
             reinterpret_cast<const uint8_t*>(f.held.data()), f.held.size()));
-        if (p.status == Status::NotTls && !new_line && f.held.size() <= kPlainHeadBytes) {
+        if (p.status == Status::NotTls && !new_line && f.held.size() <= max_head) {
             // Nothing that could change the verdict: wait for more.
         } else if (p.status == Status::NotTls) {
-            const PlainHead head = plain_http_host(f.held, host);
+            const PlainHead head = plain_http_host(f.held, host, max_head);
             if (head == PlainHead::Mismatch) {
                 f.reason = "host_mismatch";
             }
@@ -434,7 +433,8 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     // already chose the destination, and the bytes go as they come.
     auto upward = [&]() -> awaitable<void> {
         if (announce) {
-            FirstFlight first = co_await read_first_flight(cs, buf, scope.target.host);
+            FirstFlight first = co_await read_first_flight(cs, buf, scope.target.host,
+                                                           rt.config->limits.max_header_bytes);
             if (!first.reason.empty()) {
                 refused = first.reason;
                 if (refused == "host_mismatch") {

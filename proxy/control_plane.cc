@@ -23,6 +23,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/secure_zero.h"
+#include "common/wiping_json.h"
 #include "policy/header_rules.h"
 #include "proxy/etcd_store.h"
 #include "tls/run_ca.h"
@@ -251,30 +252,6 @@ Result<int64_t> get_int(const json::object& o, const char* key, const std::strin
     return n;
 }
 
-/// boost::json's allocator for request bodies: zeroes every block it frees, so a secret value
-/// leaves no copy behind, also when parsing fails halfway through or a string grows.
-class WipingResource final : public json::memory_resource {
-    // The aligned forms only for over-aligned requests: boost::json deallocates with the
-    // alignment it allocated with, and the two must pair (operator new(n) with delete(p, n)).
-    void* do_allocate(size_t n, size_t align) override {
-        if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) {
-            return ::operator new(n, std::align_val_t(align));
-        }
-        return ::operator new(n);
-    }
-    void do_deallocate(void* p, size_t n, size_t align) override {
-        egress::secure_zero(p, n);
-        if (align > __STDCPP_DEFAULT_NEW_ALIGNMENT__) {
-            ::operator delete(p, n, std::align_val_t(align));
-        } else {
-            ::operator delete(p, n);
-        }
-    }
-    bool do_is_equal(const json::memory_resource& other) const noexcept override {
-        return this == &other;
-    }
-};
-
 /// A pass over a body that builds nothing and finds the first key given twice in one object,
 /// by its path ("scope.org"). boost::json keeps the last silently; a proxy or audit tool in
 /// front of the API that reads the first would see another request than egressd acts on.
@@ -365,7 +342,7 @@ private:
 
 /// Parses a request body that may hold a secret value: a key given twice is refused ("name:
 /// given more than once", its path under `root`), and every block the parse frees is zeroed
-/// (WipingResource), the parser's own stack included.
+/// (WipingJsonResource), the parser's own stack included.
 Result<json::value> parse_json(std::string_view body, const std::string& root = "") {
     {
         json::basic_parser<DuplicateKeyFinder> finder(json::parse_options{}, root);
@@ -376,7 +353,7 @@ Result<json::value> parse_json(std::string_view body, const std::string& root = 
         }
         // Syntax errors are reported by the parse below.
     }
-    json::storage_ptr wiping = json::make_shared_resource<WipingResource>();
+    json::storage_ptr wiping = json::make_shared_resource<WipingJsonResource>();
     unsigned char temp[BOOST_JSON_STACK_BUFFER_SIZE];
     boost::system::error_code ec;
     json::value v(wiping);  // same resource: assigning the result moves it, never copies
@@ -1108,11 +1085,11 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     if (auto r = store_->apply({m}); !r) return store_error(r.error());
 
     // The answer holds the token (in proxy_url): every block it passes through is zeroed
-    // when freed (the JSON in a WipingResource, the URL and the serialized text in wiping
+    // when freed (the JSON in a WipingJsonResource, the URL and the serialized text in wiping
     // strings), and the body the admin listener writes is zeroed after the write (secret).
     using WipingString = std::basic_string<char, std::char_traits<char>,
                                            egress::WipingAllocator<char>>;
-    json::object out(json::make_shared_resource<WipingResource>());
+    json::object out(json::make_shared_resource<WipingJsonResource>());
     out["id"] = run.id;
     {
         WipingString url;

@@ -40,6 +40,7 @@
 #include "common/json_text.h"
 #include "common/secure_zero.h"
 #include "common/staged_file.h"
+#include "common/wiping_json.h"
 
 namespace net = boost::asio;
 namespace beast = boost::beast;
@@ -101,20 +102,6 @@ struct Wiped {  // a string holding secret material, wiped when it goes away
     void wipe() { egress::secure_wipe(s); }
 };
 
-/// boost::json's allocator for a document holding a secret: every block is zeroed when freed.
-class WipingJsonResource final : public json::memory_resource {
-    void* do_allocate(size_t n, size_t align) override {
-        return ::operator new(n, std::align_val_t(align));
-    }
-    void do_deallocate(void* p, size_t n, size_t align) override {
-        egress::secure_zero(p, n);
-        ::operator delete(p, n, std::align_val_t(align));
-    }
-    bool do_is_equal(const json::memory_resource& other) const noexcept override {
-        return this == &other;
-    }
-};
-
 /// A value that is a JSON object over several lines (an AWS credentials document as `aws sts
 /// assume-role --query Credentials` prints it, indented) is made compact, one line: a secret
 /// holds no CR or LF, and egressd reads the document's fields, not its layout. Anything else
@@ -126,7 +113,8 @@ void compact_json_document(Wiped& v) {
         return;
     }
     boost::system::error_code ec;
-    json::value doc = json::parse(v.s, ec, json::make_shared_resource<WipingJsonResource>());
+    json::value doc =
+        json::parse(v.s, ec, json::make_shared_resource<egress::WipingJsonResource>());
     if (ec || !doc.is_object()) {
         return;
     }

@@ -1021,7 +1021,7 @@ def test_egressctl_ca_out_never_follows_a_name_planted_beside_it(cp, world, api_
     cmd = [egressctl_bin(), "--admin", f"http://127.0.0.1:{cp.admin_port}", "--token-file",
            cp.config["admin"]["token_file"], "run", "create", "--scope", "org=acme", "--pin",
            f"{api_host(world)}=api_tok:bearer", "--ca-out", str(ca)]
-    r = subprocess.run(["bash", "-c", f'ln -s "$1" "$2.tmp.$$" && exec "${{@:3}}"', "_",
+    r = subprocess.run(["bash", "-c", 'ln -s "$1" "$2.tmp.$$" && exec "${@:3}"', "_",
                         str(victim), str(ca), *cmd], capture_output=True, timeout=30,
                        env=helpers.clean_env())
     SEEN.append(("egressctl run create --ca-out", r.stdout + r.stderr))
@@ -1274,18 +1274,26 @@ def _runs_ca_key_under(e, *, bad: str, good: str, secret: str) -> tuple[str, str
     return runs[bad], runs[good], sec
 
 
+def _a_good_and_a_bad_run(factory, world, tag: str):
+    """egressd with a secret `<tag>_tok` and two runs pinning it, the first of which the
+    test then makes unservable (_seal_run_ca_key_under, egressd stopped). Returns (egressd,
+    the value, its pins, that run, the other)."""
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval(tag)
+    put_secret(e, f"{tag}_tok", v, org="acme")
+    pins = [bearer_pin(api_host(world), f"{tag}_tok")]
+    bad = create_run(e, world, {"org": "acme"}, pins)
+    good = create_run(e, world, {"org": "acme"}, pins)
+    return e, v, pins, bad, good
+
+
 def test_keys_rotate_skips_a_record_no_key_unwraps(factory, world):
     """A run whose CA key is sealed under a key id no loaded key has (state.json edited to
     `file:00000000`) is not served; `keys rotate` still answers 200, rewraps everything else
     under the new key, names the run in "skipped" (never a value), leaves no
     master.key.next, and egressd restarts with the secret still injected. It had answered
     500 kek_failed, left master.key.next, and every start after failed on it."""
-    e = factory.start(mutate=cp_mutate(world))
-    v = sval("skip")
-    put_secret(e, "skip_tok", v, org="acme")
-    pins = [bearer_pin(api_host(world), "skip_tok")]
-    bad = create_run(e, world, {"org": "acme"}, pins)
-    good = create_run(e, world, {"org": "acme"}, pins)
+    e, v, pins, bad, good = _a_good_and_a_bad_run(factory, world, "skip")
     mk = master_key_file(e)
     old_id = _file_key_id(mk)
     assert _runs_ca_key_under(e, bad=bad.id, good=good.id, secret="skip_tok") == (old_id,) * 3
@@ -1307,7 +1315,7 @@ def test_keys_rotate_skips_a_record_no_key_unwraps(factory, world):
     assert not os.path.exists(mk + ".next"), "master.key.next left behind"
     assert _runs_ca_key_under(e, bad=bad.id, good=good.id, secret="skip_tok") == \
         ("file:00000000", new_id, new_id)
-    helpers.poll(lambda: f"keys rotate: 1 record(s)" in e.stderr_text(), 10, "the warning")
+    helpers.poll(lambda: "keys rotate: 1 record(s)" in e.stderr_text(), 10, "the warning")
     assert f"run {bad.id}: no loaded key has id 'file:00000000'" in e.stderr_text()
     assert _injects(good, world, v, "skip-after")
 
@@ -1340,12 +1348,7 @@ def test_interrupted_keys_rotate_finishes_at_start_past_a_record_no_key_unwraps(
     """A rotation interrupted after master.key.next was written is finished at the next start;
     a run no key unwraps is skipped (named in a warning) instead of egressd refusing to
     start, at this start and every later one."""
-    e = factory.start(mutate=cp_mutate(world))
-    v = sval("skip-start")
-    put_secret(e, "skip_start_tok", v, org="acme")
-    pins = [bearer_pin(api_host(world), "skip_start_tok")]
-    bad = create_run(e, world, {"org": "acme"}, pins)
-    good = create_run(e, world, {"org": "acme"}, pins)
+    e, v, _, bad, good = _a_good_and_a_bad_run(factory, world, "skip_start")
     mk = master_key_file(e)
     assert e.stop() == 0
     _seal_run_ca_key_under(e, bad.id, "file:00000000")

@@ -23,6 +23,18 @@ class StaticStorePins : public ::testing::Test {
 protected:
     /// The config's `keys:` value (a master key file unless a test says otherwise).
     virtual std::string keys_yaml() { return "{master_key_file: " + dir_ + "/master.key}"; }
+    /// A KMS plugin for keys.kms_command (dir_/kms.sh): `key-id` prints `id`, `wrap` and
+    /// `unwrap` run the shell commands given (stdin: base64; stdout: base64).
+    std::string kms_script(const std::string& id, const std::string& wrap,
+                           const std::string& unwrap) {
+        const std::string script = dir_ + "/kms.sh";
+        std::ofstream f(script);
+        f << "#!/bin/sh\ncase \"$1\" in\n  key-id) echo " << id << " ;;\n  wrap) " << wrap
+          << " ;;\n  unwrap) " << unwrap << " ;;\n  *) exit 2 ;;\nesac\n";
+        f.close();
+        std::filesystem::permissions(script, fs::perms::owner_all);
+        return script;
+    }
 
     void SetUp() override {
         char tmpl[] = "/tmp/egress-cp-test-XXXXXX";
@@ -322,20 +334,12 @@ TEST_F(StaticStorePins, AnInterruptedRotationFinishesAtStartPastARecordNoKeyUnwr
 class HeaderKmsStorePins : public StaticStorePins {
 protected:
     std::string keys_yaml() override {
-        const std::string script = dir_ + "/kms.sh";
-        std::ofstream f(script);
         // Not a cipher: "wrap" puts an 18-byte header before the data key (base64 of each
         // joins into base64 of both), "unwrap" takes it off.
-        f << "#!/bin/sh\n"
-             "case \"$1\" in\n"
-             "  key-id) echo header-kms ;;\n"
-             "  wrap) printf %s SEVBREVSSEVBREVSSEVBREVS; tr -d '\\n' ;;\n"
-             "  unwrap) tr -d '\\n' | cut -c25- ;;\n"
-             "  *) exit 2 ;;\n"
-             "esac\n";
-        f.close();
-        std::filesystem::permissions(script, fs::perms::owner_all);
-        return "{kms_command: " + script + "}";
+        return "{kms_command: " +
+               kms_script("header-kms", "printf %s SEVBREVSSEVBREVSSEVBREVS; tr -d '\\n'",
+                          "tr -d '\\n' | cut -c25-") +
+               "}";
     }
 };
 
@@ -365,19 +369,11 @@ TEST_F(HeaderKmsStorePins, AKeyRotationKeepsDynamicRuns) {
 class FailingWrapKmsStorePins : public StaticStorePins {
 protected:
     std::string keys_yaml() override {
-        const std::string script = dir_ + "/kms.sh";
-        std::ofstream f(script);
         // Not a cipher: the data key as it is; "wrap" fails once the file no-wrap exists.
-        f << "#!/bin/sh\n"
-             "case \"$1\" in\n"
-             "  key-id) echo plain-kms ;;\n"
-             "  wrap) [ -e " << dir_ << "/no-wrap ] && exit 1; tr -d '\\n' ;;\n"
-             "  unwrap) tr -d '\\n' ;;\n"
-             "  *) exit 2 ;;\n"
-             "esac\n";
-        f.close();
-        std::filesystem::permissions(script, fs::perms::owner_all);
-        return "{kms_command: " + script + ", master_key_file: " + dir_ + "/master.key}";
+        return "{kms_command: " +
+               kms_script("plain-kms", "[ -e " + dir_ + "/no-wrap ] && exit 1; tr -d '\\n'",
+                          "tr -d '\\n'") +
+               ", master_key_file: " + dir_ + "/master.key}";
     }
 };
 
