@@ -102,7 +102,9 @@ std::string parse_proxy(std::string_view text, ProxyUrl& out) {
   if (u.has_userinfo()) {
     const std::string credentials = u.user() + ":" + u.password();
     out.authorization = "Basic " + base64_encode(credentials);
-    out.display += u.user() + (u.has_password() ? ":***@" : "@");
+    // The user as written (percent-encoded): decoded, it may be any bytes, and the display
+    // goes into the JSON report, which must stay valid UTF-8.
+    out.display += std::string(u.encoded_user()) + (u.has_password() ? ":***@" : "@");
   }
   out.display += std::string(u.encoded_host()) + ":" + std::to_string(out.port);
   return {};

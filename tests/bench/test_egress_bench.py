@@ -236,6 +236,23 @@ def test_proxy_connect_per_connection_with_auth(origin, pki, proxy):
     assert out["proxy"] == f"http://alice:***@127.0.0.1:{proxy.port}"
 
 
+def test_proxy_user_shown_percent_encoded_so_json_stays_utf8(origin, pki, proxy):
+    """A proxy user that percent-decodes to bytes that are not UTF-8 (%FF): the report shows it
+    as written, so --json stays valid UTF-8 (the decoded byte had been copied into it), while
+    Proxy-Authorization still carries the decoded user."""
+    r = subprocess.run([BIN, "--json", "--cacert", pki["ca"], "--proxy",
+                        proxy.url("%FFu%20x:pw"), "--requests", "2", origin.url()],
+                       capture_output=True, timeout=RUN_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.decode("utf-8"))  # strict: raises on invalid UTF-8
+    assert out["proxy"] == f"http://%FFu%20x:***@127.0.0.1:{proxy.port}"
+    assert proxy.auth_seen == ["Basic " + base64.b64encode(b"\xffu x:pw").decode()]
+    text = subprocess.run([BIN, "--cacert", pki["ca"], "--proxy", proxy.url("%FFu%20x:pw"),
+                           "--requests", "1", origin.url()], capture_output=True,
+                          timeout=RUN_TIMEOUT).stdout.decode("utf-8")
+    assert f"http://%FFu%20x:***@127.0.0.1:{proxy.port} (CONNECT)" in text
+
+
 def test_proxy_new_connection_per_request(origin, pki, proxy):
     out = bench_json("--cacert", pki["ca"], "--proxy", proxy.url("u:p"), "--new-connection",
                      "--connections", 2, "--requests", 25, origin.url("/", host="localhost"))
