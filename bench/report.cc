@@ -55,15 +55,32 @@ std::string mode_text(const BenchOptions& o) {
   return s;
 }
 
+/// A percentile of `h` in µs; none when `h` is empty (its 0 is no latency that was measured).
+std::optional<double> percentile(const LatencyHistogram& h, double p) {
+  return h.count() ? std::optional<double>(static_cast<double>(h.value_at_percentile(p)))
+                   : std::nullopt;
+}
+
+json::value optional_json(const std::optional<double>& v) {
+  return v ? json::value(*v) : json::value(nullptr);
+}
+
+/// A percentile as text, "n/a" when the histogram is empty.
+std::string percentile_text(const LatencyHistogram& h, double p) {
+  return h.count() ? std::to_string(h.value_at_percentile(p)) : std::string("n/a");
+}
+
+/// count, and min/mean/percentiles/max: null when count is 0 (no response, no latency).
 json::object histogram_json(const LatencyHistogram& h) {
   json::object o;
   o["count"] = h.count();
-  o["min"] = h.min();
-  o["mean"] = h.mean();
+  const bool any = h.count() > 0;
+  o["min"] = any ? json::value(h.min()) : json::value(nullptr);
+  o["mean"] = any ? json::value(h.mean()) : json::value(nullptr);
   for (const auto& p : kPercentiles) {
-    o[p.key] = h.value_at_percentile(p.p);
+    o[p.key] = any ? json::value(h.value_at_percentile(p.p)) : json::value(nullptr);
   }
-  o["max"] = h.max();
+  o["max"] = any ? json::value(h.max()) : json::value(nullptr);
   return o;
 }
 
@@ -137,21 +154,21 @@ json::object side_json(const CompareSide& side) {
   o["args"] = side.args;
   json::array runs;
   std::vector<double> rps;
-  std::vector<double> p99;
+  std::vector<std::optional<double>> p99;
   for (const auto& r : side.runs) {
     json::object run;
     run["rps"] = r.rps();
     run["requests"] = r.counted();
     run["errors"] = r.stats.failed;
-    run["p50_us"] = r.stats.latency.value_at_percentile(50);
-    run["p99_us"] = r.stats.latency.value_at_percentile(99);
+    run["p50_us"] = optional_json(percentile(r.stats.latency, 50));
+    run["p99_us"] = optional_json(percentile(r.stats.latency, 99));
     runs.push_back(std::move(run));
     rps.push_back(r.rps());
-    p99.push_back(static_cast<double>(r.stats.latency.value_at_percentile(99)));
+    p99.push_back(percentile(r.stats.latency, 99));  // a run without responses has none
   }
   o["runs"] = std::move(runs);
   o["median_rps"] = median_json(rps);
-  o["median_p99_us"] = median_json(p99);
+  o["median_p99_us"] = median_json(present(p99));
   return o;
 }
 
@@ -198,11 +215,15 @@ void print_text(std::ostream& out, const BenchOptions& o, const RunResult& r) {
   out << "requests        " << r.counted() << " total, " << s.ok << " ok, " << s.failed
       << " errors\n";
   out << "requests/s      " << fixed(r.rps(), 1) << "\n";
-  out << "latency (us)   ";
-  for (const auto& p : kPercentiles) {
-    out << " " << p.text << " " << s.latency.value_at_percentile(p.p);
+  if (s.latency.count()) {
+    out << "latency (us)   ";
+    for (const auto& p : kPercentiles) {
+      out << " " << p.text << " " << s.latency.value_at_percentile(p.p);
+    }
+    out << "  max " << s.latency.max() << "  mean " << fixed(s.latency.mean(), 1) << "\n";
+  } else {
+    out << "latency (us)    n/a (no response)\n";
   }
-  out << "  max " << s.latency.max() << "  mean " << fixed(s.latency.mean(), 1) << "\n";
   if (s.connect_latency.count()) {
     out << "connect (us)    p50 " << s.connect_latency.value_at_percentile(50) << " p99 "
         << s.connect_latency.value_at_percentile(99) << "  max " << s.connect_latency.max() << "  ("
@@ -237,10 +258,10 @@ void print_compare_text(std::ostream& out, const CompareSide& a, const CompareSi
   for (std::size_t i = 0; i < ratios.size(); ++i) {
     char line[160];
     const std::string ratio = ratios[i] ? fixed(*ratios[i], 3) : std::string("n/a");
-    std::snprintf(line, sizeof line, "%-6zu %-12.1f %-12.1f %-7s %-10llu %llu\n", i + 1,
+    std::snprintf(line, sizeof line, "%-6zu %-12.1f %-12.1f %-7s %-10s %s\n", i + 1,
                   a.runs[i].rps(), b.runs[i].rps(), ratio.c_str(),
-                  static_cast<unsigned long long>(a.runs[i].stats.latency.value_at_percentile(99)),
-                  static_cast<unsigned long long>(b.runs[i].stats.latency.value_at_percentile(99)));
+                  percentile_text(a.runs[i].stats.latency, 99).c_str(),
+                  percentile_text(b.runs[i].stats.latency, 99).c_str());
     out << line;
   }
   std::vector<double> ra, rb;

@@ -53,7 +53,22 @@ def ms(us) -> str:
 
 
 def median(xs):
+    """Median of the values present: a run without responses has no latency (null), and a
+    median of none is None."""
+    xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
+
+
+def diff(a, b):
+    return None if a is None or b is None else a - b
+
+
+def plot_ms(us) -> str:
+    return "?" if us is None else f"{us / 1000:.4f}"
+
+
+def ratio_cell(r) -> str:
+    return "–" if r is None else f"{r:.3f}"
 
 
 def measure(load, peer):
@@ -116,18 +131,17 @@ with open(os.path.join(W, "plot.dat"), "w") as f:
         cols = ['"%s"' % LOAD_SHORT.get(l, l)]
         if ok:
             cols += [f"{median([m['a_rps'] for m in ok]):.1f}",
-                     f"{median([m['a_p50'] for m in ok]) / 1000:.4f}",
-                     f"{median([m['a_p99'] for m in ok]) / 1000:.4f}", "?"]
+                     plot_ms(median([m['a_p50'] for m in ok])),
+                     plot_ms(median([m['a_p99'] for m in ok])), "?"]
         else:
             cols += ["?"] * 4
         for p in PEERS:
             m = R[(l, p)]
-            if "note" in m or m["b_rps"] <= 0:
+            if "note" in m or not m["b_rps"]:
                 cols += ["?"] * 4
             else:
                 cpu = f"{m['cpu_us']:.1f}" if m["cpu_us"] else "?"
-                cols += [f"{m['b_rps']:.1f}", f"{m['b_p50'] / 1000:.4f}", f"{m['b_p99'] / 1000:.4f}",
-                         cpu]
+                cols += [f"{m['b_rps']:.1f}", plot_ms(m['b_p50']), plot_ms(m['b_p99']), cpu]
         f.write(" ".join(cols) + "\n")
 
 # ------------------------------------------------------------------ markdown
@@ -210,7 +224,7 @@ for l in LOADS:
             errs += f" (direct {m['a_err']})"
         cpu = cpu_cell(m)
         w(f"| {LOAD_TITLE.get(l, l)} | {p} | {grp(m['a_rps'])} | {grp(m['b_rps'])} | "
-          f"{m['ratio']:.3f} | {ms(m['a_p50'])} / {ms(m['b_p50'])} | {ms(m['a_p99'])} / "
+          f"{ratio_cell(m['ratio'])} | {ms(m['a_p50'])} / {ms(m['b_p50'])} | {ms(m['a_p99'])} / "
           f"{ms(m['b_p99'])} | {cpu} | {m['rss_mib']:.0f} MiB | {errs} |")
 w("")
 if "rate2000" in LOADS:
@@ -228,7 +242,7 @@ if "rate2000" in LOADS:
         errs = f"{m['b_err']} / {m['b_req']}" if m["b_err"] else "0"
         cpu = cpu_cell(m)
         w(f"| {p} | {grp(m['a_rps'])} | {grp(m['b_rps'])} | {ms(m['a_p50'])} / {ms(m['b_p50'])} | "
-          f"{ms(m['a_p99'])} | {ms(m['b_p99'])} | **{ms(m['b_p99'] - m['a_p99'])}** | {cpu} | "
+          f"{ms(m['a_p99'])} | {ms(m['b_p99'])} | **{ms(diff(m['b_p99'], m['a_p99']))}** | {cpu} | "
           f"{m['rss_mib']:.0f} MiB | {errs} |")
     w("")
     w("At this rate the p99 of both sides is mostly the machine's own scheduling noise (other "

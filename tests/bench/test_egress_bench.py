@@ -200,6 +200,23 @@ def test_timeout(pki):
     assert out["errors"] == {"timeout": 2}
 
 
+def test_no_response_means_no_latency(pki):
+    """A run that got no response has no latency: null in JSON, n/a in text (it had reported
+    0 us for every percentile)."""
+    s = servers.closed_port()
+    url = f"https://127.0.0.1:{s.getsockname()[1]}/"
+    try:
+        out = bench_json("--cacert", pki["ca"], "--requests", 3, url, expect=1)
+        text = bench("--cacert", pki["ca"], "--requests", 3, url, expect=1).stdout
+    finally:
+        s.close()
+    for hist in ("latency_us", "connect_latency_us"):
+        assert out[hist]["count"] == 0
+        assert all(out[hist][k] is None
+                   for k in ("min", "mean", "p50", "p90", "p99", "p99_9", "max")), out[hist]
+    assert "latency (us)    n/a" in text and "p50 0" not in text, text
+
+
 def test_untrusted_certificate_is_tls_error(origin):
     out = bench_json("--requests", 3, origin.url(), expect=1)  # system store: test CA unknown
     assert out["errors"] == {"tls": 3}
@@ -367,6 +384,49 @@ def test_compare_json(origin, pki):
         rps = sorted(r["rps"] for r in out[side]["runs"])
         assert out[side]["median_rps"] == pytest.approx(rps[1])
         assert all(r["requests"] == 30 for r in out[side]["runs"])
+
+
+def _peers_report(tmp_path, compare: dict, load: str) -> str:
+    """bench/peers/report.py on one (load, peer) comparison; returns its markdown."""
+    w = tmp_path / "w"
+    (w / "res").mkdir(parents=True)
+    (w / "res" / f"{load}.egressd.json").write_text(json.dumps(compare))
+    (w / "res" / f"{load}.egressd.meta.json").write_text(json.dumps({"largs": "--rate 50"}))
+    env = {k: "x" for k in ("PEERS_SECRET", "PEERS_TOKEN", "M_NPROC", "M_CPU", "M_MEM", "M_OS",
+                            "M_KERNEL", "M_DATE", "M_COMMIT", "M_MINUTES", "M_LOAD_START",
+                            "M_LOAD_END", "V_NGINX", "V_HAPROXY", "V_MITM", "V_SQUID",
+                            "V_OPENSSL", "V_GNUPLOT", "PEERS_DUR", "PEERS_WARM", "PEERS_PAIRS_N",
+                            "M_BUILD_ARG", "PEERS_SVG_NAME")}
+    env.update(PEERS_W=str(w), PEERS_LIST="egressd", PEERS_LOADS_LIST=load,
+               PATH=os.environ.get("PATH", ""))
+    r = subprocess.run([sys.executable, str(REPO / "bench/peers/report.py")], env=env,
+                       capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_compare_side_without_responses_has_no_latency(origin, pki, tmp_path):
+    """A side whose runs got no response (its proxy port refuses): its p50/p99 are null and
+    stay out of the medians (they had been 0 us, and peers/report.py then printed a negative
+    'p99 added'); the text report says n/a; report.py copes with the nulls."""
+    s = servers.closed_port()
+    dead_proxy = f"http://127.0.0.1:{s.getsockname()[1]}"
+    args = ["--cacert", pki["ca"], "--rate", 100, "--requests", 10, origin.url(),
+            "--compare", "", f"--proxy {dead_proxy}", "--pairs", 2]
+    try:
+        out = json.loads(bench("--json", *args, expect=1).stdout)
+        text = bench(*args, expect=1).stdout
+    finally:
+        s.close()
+    assert out["pairs"] == 2
+    assert all(r["p99_us"] > 0 and r["p50_us"] > 0 for r in out["a"]["runs"]), out["a"]
+    assert all(r["p99_us"] is None and r["p50_us"] is None for r in out["b"]["runs"]), out["b"]
+    assert out["b"]["median_p99_us"] is None and out["a"]["median_p99_us"] > 0
+    rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 2 and all(row[-1] == "n/a" for row in rows), text
+    md = _peers_report(tmp_path, out, "rate2000")
+    row = next(line for line in md.splitlines() if line.startswith("| egressd |"))
+    assert "**–**" in row and "-" not in row.replace("–", ""), row
 
 
 def test_compare_interrupted_reports_the_complete_pairs(origin, pki):
