@@ -22,6 +22,7 @@ import socketserver
 import ssl
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 IDLE_TIMEOUT = 30  # seconds a relay or request read may sit idle before the fixture gives up
@@ -302,7 +303,10 @@ class H2Origin:
     connection answers N requests, then sends GOAWAY naming the last and closes (as nginx
     after keepalive_requests): streams the client sent past it are refused unprocessed and
     counted in ``refused``. With ``refuse_nth = N`` the N-th request it receives (across
-    connections) is refused with RST_STREAM REFUSED_STREAM, the connection going on."""
+    connections) is refused with RST_STREAM REFUSED_STREAM, the connection going on. With
+    ``delay`` (seconds) every answer is held back that long after its request ended, other
+    streams going on meanwhile; ``max_open`` is the most streams one connection had open at
+    once (received, not yet answered)."""
 
     BODY = b"hello from h2 origin\n"
 
@@ -316,6 +320,8 @@ class H2Origin:
         self.connections = 0
         self.goaway_after = 0
         self.refuse_nth = 0
+        self.delay = 0.0
+        self.max_open = 0
         self.received = 0
         self.refused = 0
         self.sock = socket.socket()
@@ -356,15 +362,26 @@ class H2Origin:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
         conn.initiate_connection()
         streams: dict[int, list] = {}  # id -> [headers, body_len]
+        held: list[tuple[float, int, list | None]] = []  # (due, id, stream): answers `delay` holds
         answered = 0
         try:
             conn_sock.sendall(conn.data_to_send())
             while True:
-                data = conn_sock.recv(65536)
-                if not data:
+                wait = IDLE_TIMEOUT
+                if held:
+                    wait = max(0.001, min(due for due, _, _ in held) - time.monotonic())
+                conn_sock.settimeout(wait)
+                try:
+                    data = conn_sock.recv(65536)
+                except TimeoutError:
+                    if not held:
+                        return
+                    data = None
+                if data == b"":
                     return
                 last = None
-                for ev in conn.receive_data(data):
+                events = conn.receive_data(data) if data else []
+                for ev in events:
                     if last is not None and getattr(ev, "stream_id", 0) > last:
                         if isinstance(ev, h2.events.RequestReceived):
                             with self.lock:
@@ -383,18 +400,28 @@ class H2Origin:
                             [(k.decode() if isinstance(k, bytes) else k,
                               v.decode() if isinstance(v, bytes) else v) for k, v in ev.headers],
                             0]
+                        with self.lock:
+                            self.max_open = max(self.max_open, len(streams) + len(held))
                     elif isinstance(ev, h2.events.DataReceived):
                         if ev.stream_id in streams:
                             streams[ev.stream_id][1] += len(ev.data)
                         conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
                     if isinstance(ev, h2.events.StreamEnded):
-                        self._respond(conn, ev.stream_id, streams.pop(ev.stream_id, None))
+                        st = streams.pop(ev.stream_id, None)
+                        if self.delay:
+                            held.append((time.monotonic() + self.delay, ev.stream_id, st))
+                            continue
+                        self._respond(conn, ev.stream_id, st)
                         answered += 1
                         if answered == self.goaway_after:
                             last = ev.stream_id
                     elif isinstance(ev, h2.events.ConnectionTerminated):
                         conn_sock.sendall(conn.data_to_send())
                         return
+                now = time.monotonic()
+                for item in [h for h in held if h[0] <= now]:
+                    held.remove(item)
+                    self._respond(conn, item[1], item[2])
                 if last is not None:
                     with self.lock:
                         self.refused += len([i for i in streams if i > last])
