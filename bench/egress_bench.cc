@@ -85,8 +85,13 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
                      side.label.c_str());
         break;
       }
-      std::fprintf(stderr, "egress-bench: pair %d %s: %.1f req/s, %llu errors\n", pair,
-                   side.label.c_str(), r.rps(), static_cast<unsigned long long>(r.stats.failed));
+      std::string not_sent;
+      if (r.not_sent > 0) {
+        not_sent = ", " + std::to_string(r.not_sent) + " not sent";
+      }
+      std::fprintf(stderr, "egress-bench: pair %d %s: %.1f req/s, %llu errors%s\n", pair,
+                   side.label.c_str(), r.rps(), static_cast<unsigned long long>(r.stats.failed),
+                   not_sent.c_str());
       if (!r.fatal_error.empty()) {
         std::cerr << "egress-bench: run " << side.label << ": " << r.fatal_error << "\n";
         return kExitFailed;

@@ -107,6 +107,7 @@ json::object run_json(const BenchOptions& options, const RunResult& r) {
   requests["errors"] = r.stats.failed;
   requests["warmup"] = r.stats.warmup_requests;
   o["requests"] = std::move(requests);
+  o["not_sent"] = r.not_sent;
   o["rps"] = r.rps();
   o["latency_us"] = histogram_json(r.stats.latency);
   o["connect_latency_us"] = histogram_json(r.stats.connect_latency);
@@ -160,6 +161,7 @@ json::object side_json(const CompareSide& side) {
     run["rps"] = r.rps();
     run["requests"] = r.counted();
     run["errors"] = r.stats.failed;
+    run["not_sent"] = r.not_sent;
     run["p50_us"] = optional_json(percentile(r.stats.latency, 50));
     run["p99_us"] = optional_json(percentile(r.stats.latency, 99));
     runs.push_back(std::move(run));
@@ -213,7 +215,12 @@ void print_text(std::ostream& out, const BenchOptions& o, const RunResult& r) {
   }
   out << (r.interrupted ? " (interrupted)" : "") << "\n";
   out << "requests        " << r.counted() << " total, " << s.ok << " ok, " << s.failed
-      << " errors\n";
+      << " errors";
+  if (r.not_sent > 0) {
+    out << "; " << r.not_sent << " not sent (due in the window, but every connection was busy:"
+        << " the client fell behind the rate)";
+  }
+  out << "\n";
   out << "requests/s      " << fixed(r.rps(), 1) << "\n";
   if (s.latency.count()) {
     out << "latency (us)   ";

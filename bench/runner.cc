@@ -117,13 +117,15 @@ RunResult run_benchmark(const BenchOptions& options) {
     result.stats.merge(*s);
   }
   const auto measure_start = scheduler.measure_start();
+  result.not_sent = scheduler.not_sent();
   auto end = std::max(result.stats.last_completion, measure_start);
   if (plan.rate && *plan.rate > 0) {
-    // Open loop: n counted tickets were offered over n / rate, the first due at the window's
-    // start. Up to the last completion only, the window lacked the last ticket's interval
-    // (req/s read n/(n-1) of the rate); a run that fell behind ends at its last completion.
+    // Open loop: n tickets (counted, or due and not sent) were offered over n / rate, the
+    // first due at the window's start. Up to the last completion only, the window lacked the
+    // last ticket's interval (req/s read n/(n-1) of the rate); a run that fell behind ends at
+    // its last completion.
     const auto offered = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-        static_cast<double>(result.counted()) / *plan.rate));
+        static_cast<double>(result.counted() + result.not_sent) / *plan.rate));
     end = std::max(end, measure_start + offered);
   }
   result.elapsed_s = std::chrono::duration<double>(end - measure_start).count();

@@ -15,6 +15,9 @@ struct RunResult {
   double elapsed_s = 0;  // measured interval: measure start → last counted completion
   double warmup_s = 0;
   bool interrupted = false;
+  /// Open loop with --duration: requests due in the measured window that were never sent
+  /// (the client was behind when the window ended). Not in counted().
+  std::uint64_t not_sent = 0;
 
   std::uint64_t counted() const { return stats.ok + stats.failed; }
   /// Successful (status < 400) requests per second of the measured interval.
@@ -23,5 +26,6 @@ struct RunResult {
 
 /// Runs the benchmark described by `options` to completion (blocking). SIGINT ends it early.
 RunResult run_benchmark(const BenchOptions& options);
+
 
 }  // namespace egress::bench

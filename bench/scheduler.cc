@@ -1,5 +1,6 @@
 #include "bench/scheduler.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace egress::bench {
@@ -24,23 +25,61 @@ Clock::time_point Scheduler::intended_at(std::uint64_t index) const {
                            std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(ns))));
 }
 
+std::uint64_t Scheduler::due_before(Clock::time_point t) const {
+  if (t <= plan_.start) {
+    return 0;
+  }
+  const double s = std::chrono::duration<double>(t - plan_.start).count();
+  auto n = static_cast<std::uint64_t>(std::max(0.0, std::ceil(s * *plan_.rate)));
+  // The estimate is off by at most one either way (rounding); settle it on intended_at().
+  while (n > 0 && intended_at(n - 1) >= t) {
+    --n;
+  }
+  while (intended_at(n) < t) {
+    ++n;
+  }
+  return n;
+}
+
+void Scheduler::stop() {
+  // clock_gettime and lock-free atomics only: callable from a signal handler.
+  Clock::rep expected = 0;
+  stopped_at_.compare_exchange_strong(expected, Clock::now().time_since_epoch().count(),
+                                      std::memory_order_relaxed);
+  stopped_.store(true, std::memory_order_relaxed);
+}
+
 std::optional<Ticket> Scheduler::next(Clock::time_point now) {
   if (stopped_.load(std::memory_order_relaxed)) {
     return std::nullopt;
   }
   if (plan_.rate) {
-    const std::uint64_t i = issued_.fetch_add(1, std::memory_order_relaxed);
-    const Clock::time_point due = intended_at(i);
-    if (i < warmup_tickets_) {
-      return Ticket{due, false};
+    for (;;) {
+      const std::uint64_t i = issued_.fetch_add(1, std::memory_order_relaxed);
+      if (i < warmup_tickets_) {
+        if (!measure_end_ || now < measure_start_) {
+          return Ticket{intended_at(i), false};
+        }
+        // The warmup is over on the clock but the client has not sent all of it (it fell
+        // behind): the rest is dropped, so the measured window is not spent on warmup.
+        std::uint64_t seen = i + 1;
+        while (seen < warmup_tickets_ &&
+               !issued_.compare_exchange_weak(seen, warmup_tickets_, std::memory_order_relaxed)) {
+        }
+        continue;
+      }
+      if (plan_.requests && i - warmup_tickets_ >= *plan_.requests) {
+        return std::nullopt;
+      }
+      const Clock::time_point due = intended_at(i);
+      // Past the window's end on the clock, a ticket still due in it is not sent late (the
+      // run would last as long as the client is behind): not_sent() counts it.
+      if (measure_end_ && (due >= *measure_end_ || now >= *measure_end_)) {
+        return std::nullopt;
+      }
+      sent_.fetch_add(1, std::memory_order_relaxed);
+      return Ticket{due, true};
     }
-    if (plan_.requests && i - warmup_tickets_ >= *plan_.requests) {
-      return std::nullopt;
-    }
-    if (measure_end_ && due >= *measure_end_) {
-      return std::nullopt;
-    }
-    return Ticket{due, true};
   }
   if (now < warmup_end_) {
     return Ticket{now, false};
@@ -63,13 +102,31 @@ bool Scheduler::finished(Clock::time_point now) const {
     if (plan_.requests && i >= warmup_tickets_ && i - warmup_tickets_ >= *plan_.requests) {
       return true;
     }
-    return measure_end_ && intended_at(i) >= *measure_end_;
+    return measure_end_ && (intended_at(i) >= *measure_end_ || now >= *measure_end_);
   }
   if (measure_end_ && now >= *measure_end_) {
     return true;
   }
   return plan_.requests && now >= warmup_end_ &&
          counted_.load(std::memory_order_relaxed) >= *plan_.requests;
+}
+
+std::uint64_t Scheduler::not_sent() const {
+  if (!plan_.rate || !measure_end_) {
+    return 0;
+  }
+  Clock::time_point end = *measure_end_;
+  if (stopped_.load(std::memory_order_relaxed)) {
+    const Clock::time_point at{Clock::duration(stopped_at_.load(std::memory_order_relaxed))};
+    end = std::min(end, at);
+  }
+  const std::uint64_t all = due_before(end);
+  std::uint64_t due = all > warmup_tickets_ ? all - warmup_tickets_ : 0;
+  if (plan_.requests) {
+    due = std::min(due, *plan_.requests);
+  }
+  const std::uint64_t sent = sent_.load(std::memory_order_relaxed);
+  return due > sent ? due - sent : 0;
 }
 
 }  // namespace egress::bench

@@ -3,6 +3,9 @@
 // available at once while the budget lasts. Open loop (--rate): ticket i is due at
 // start + i/rate whoever takes it, and latency is measured from that intended time, so a stalled
 // server shows up as latency instead of silently lowering the offered load (coordinated omission).
+// --duration bounds the wall clock in both loops: once the window's end has passed no ticket is
+// handed out, however late the client is; in open loop the tickets that were due in the window
+// but never sent are counted (not_sent()), not sent late.
 
 #include <atomic>
 #include <cstdint>
@@ -34,14 +37,21 @@ class Scheduler {
   std::optional<Ticket> next(Clock::time_point now);
   /// True once next() can only return nullopt (cheap; used to avoid opening useless connections).
   bool finished(Clock::time_point now) const;
-  /// Ends the run early (e.g. SIGINT). Thread-safe.
-  void stop() { stopped_.store(true, std::memory_order_relaxed); }
+  /// Ends the run early (e.g. SIGINT). Thread-safe and async-signal-safe.
+  void stop();
+
+  /// Open loop with --duration, after the run: counted tickets due in the measured window (up
+  /// to stop(), if it came first) that were never handed out, because the client was behind
+  /// (every connection busy) when the window ended. 0 in closed loop or without --duration.
+  std::uint64_t not_sent() const;
 
   /// Start of the measured interval.
   Clock::time_point measure_start() const { return measure_start_; }
 
  private:
   Clock::time_point intended_at(std::uint64_t index) const;
+  /// Open loop: how many tickets are due before `t` (the first index due at or after it).
+  std::uint64_t due_before(Clock::time_point t) const;
 
   SchedulePlan plan_;
   Clock::time_point warmup_end_;
@@ -50,7 +60,9 @@ class Scheduler {
   std::uint64_t warmup_tickets_ = 0;       // open loop: tickets due before warmup_end_
   std::atomic<std::uint64_t> issued_{0};   // open loop: every ticket
   std::atomic<std::uint64_t> counted_{0};  // closed loop: counted tickets
+  std::atomic<std::uint64_t> sent_{0};     // open loop: counted tickets handed out
   std::atomic<bool> stopped_{false};
+  std::atomic<Clock::rep> stopped_at_{0};  // Clock::now() at stop(), since the clock's epoch
 };
 
 }  // namespace egress::bench

@@ -4,7 +4,8 @@
   ``openssl`` command line.
 * ``Origin``: a threaded HTTP/1.1 keep-alive server on 127.0.0.1, TLS or cleartext, counting
   connections and recording every request (method, path, headers, body length) and the SNI.
-  ``/status/N`` answers N; every other path answers 200 with a small body.
+  ``/status/N`` answers N; every other path answers 200 with a small body. ``delay`` (seconds)
+  holds every answer back that long (a slow server).
 * ``Proxy``: a threaded forward proxy on 127.0.0.1. CONNECT is relayed byte for byte;
   absolute-form requests are parsed and forwarded one by one. It counts CONNECTs and records
   request lines and Proxy-Authorization values; it can require credentials (407), refuse hosts
@@ -69,6 +70,8 @@ class _OriginHandler(http.server.BaseHTTPRequestHandler):
         head = f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         if path.startswith("/early-hints"):  # an interim answer first, as a CDN may send
             head = b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n" + head
+        if self.server.delay:
+            time.sleep(self.server.delay)
         # One write per response: no Nagle / delayed-ACK stall between head and body.
         self.wfile.write(head + (b"" if self.command == "HEAD" else body))
 
@@ -84,6 +87,7 @@ class Origin(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str, list, int]] = []
         self.connections = 0
+        self.delay = 0.0
         self.sni: list[str | None] = []
         self.tls = None
         if pki:

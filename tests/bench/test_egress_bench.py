@@ -350,6 +350,37 @@ def test_warmup_connections_are_not_counted(origin, pki):
     assert sum(out["alpn"].values()) == 10, out["alpn"]
 
 
+def test_duration_bounds_an_open_loop_run_that_falls_behind(origin, pki):
+    """--rate 100 for 1 s on one connection to a server that takes 50 ms: the client can send
+    about 20 of the 100 requests due in the window. The run ends when the window does (it had
+    sent all 100 late, lasting 5 s, plus 2.5 s for the warmup's 50), the requests due but not
+    sent are counted as not_sent (JSON and text), and latency still counts from each request's
+    due time."""
+    origin.delay = 0.05
+    started = time.monotonic()
+    r = bench("--json", "--cacert", pki["ca"], "--rate", 100, "--duration", "1s", "--warmup",
+              "500ms", origin.url())
+    wall = time.monotonic() - started
+    out = json.loads(r.stdout)
+    n, not_sent = out["requests"]["total"], out["not_sent"]
+    assert wall < 3.0, (wall, out["requests"], not_sent)
+    assert n + not_sent == 100, (n, not_sent)
+    assert 5 <= n <= 35 and out["requests"]["errors"] == 0, out["requests"]
+    assert out["requests"]["warmup"] <= 15, out["requests"]  # late warmup requests dropped
+    assert out["latency_us"]["max"] >= 500_000, out["latency_us"]  # from the due time
+    assert out["elapsed_s"] < 1.6, out["elapsed_s"]
+    text = bench("--cacert", pki["ca"], "--rate", 100, "--duration", "500ms",
+                 origin.url()).stdout
+    line = next(l for l in text.splitlines() if l.startswith("requests "))
+    assert " not sent " in line, text
+
+
+def test_open_loop_that_keeps_up_sends_everything(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--rate", 100, "--duration", "500ms",
+                     "--connections", 4, origin.url())
+    assert out["not_sent"] == 0 and out["requests"]["total"] == 50, out
+
+
 def test_rate_with_requests_is_exact(origin, pki):
     out = bench_json("--cacert", pki["ca"], "--rate", 500, "--requests", 40, "--warmup", "100ms",
                      "--connections", 2, origin.url())
