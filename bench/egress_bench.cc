@@ -73,16 +73,33 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
     }
     side.options = std::move(*options);
   }
+  // Both sides must be able to start (resolution, --cacert) before A's first run: a B that
+  // cannot is found now, not after A ran.
+  for (const auto& side : sides) {
+    const std::string error = check_setup(side.options);
+    if (!error.empty()) {
+      std::cerr << "egress-bench: --compare " << side.label << ": " << error << "\n";
+      return kExitFailed;
+    }
+  }
   // Ctrl-C ends the comparison: the run it cut is partial and left out, and so is the A run
-  // of a pair whose B never ran; the report covers the complete pairs.
+  // of a pair whose B never ran; the report covers the complete pairs. A run that cannot start
+  // (or whose driver failed) ends it the same way, with exit status 1.
   bool interrupted = false;
-  for (int pair = 1; pair <= pairs && !interrupted; ++pair) {
+  bool failed = false;
+  for (int pair = 1; pair <= pairs && !interrupted && !failed; ++pair) {
     for (auto& side : sides) {
       RunResult r = run_benchmark(side.options);
       if (r.interrupted) {
         interrupted = true;
         std::fprintf(stderr, "egress-bench: pair %d %s: interrupted, left out\n", pair,
                      side.label.c_str());
+        break;
+      }
+      if (!r.fatal_error.empty()) {
+        failed = true;
+        std::fprintf(stderr, "egress-bench: pair %d %s: %s; stopped, left out\n", pair,
+                     side.label.c_str(), r.fatal_error.c_str());
         break;
       }
       std::string not_sent;
@@ -92,10 +109,6 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
       std::fprintf(stderr, "egress-bench: pair %d %s: %.1f req/s, %llu errors%s\n", pair,
                    side.label.c_str(), r.rps(), static_cast<unsigned long long>(r.stats.failed),
                    not_sent.c_str());
-      if (!r.fatal_error.empty()) {
-        std::cerr << "egress-bench: run " << side.label << ": " << r.fatal_error << "\n";
-        return kExitFailed;
-      }
       side.runs.push_back(std::move(r));
     }
     if (sides[0].runs.size() > sides[1].runs.size()) {
@@ -106,6 +119,9 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
     print_compare_json(std::cout, sides[0], sides[1]);
   } else {
     print_compare_text(std::cout, sides[0], sides[1]);
+  }
+  if (failed) {
+    return kExitFailed;
   }
   for (const auto& side : sides) {
     for (const auto& r : side.runs) {

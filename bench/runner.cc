@@ -49,6 +49,12 @@ class InterruptScope {
 
 }  // namespace
 
+std::string check_setup(const BenchOptions& options) {
+  std::string error;
+  make_transport_setup(options, error);
+  return error;
+}
+
 RunResult run_benchmark(const BenchOptions& options) {
   RunResult result;
   if (g_interrupted.load()) {

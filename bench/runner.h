@@ -27,5 +27,8 @@ struct RunResult {
 /// Runs the benchmark described by `options` to completion (blocking). SIGINT ends it early.
 RunResult run_benchmark(const BenchOptions& options);
 
+/// What run_benchmark() sets up before any request (first hop resolution, trust store, ALPN),
+/// done and thrown away: the reason the run could not start, or empty. Blocking.
+std::string check_setup(const BenchOptions& options);
 
 }  // namespace egress::bench

@@ -417,6 +417,39 @@ def test_compare_json(origin, pki):
         assert all(r["requests"] == 30 for r in out[side]["runs"])
 
 
+def test_compare_checks_both_sides_before_the_first_run(origin, pki, tmp_path):
+    """B cannot start (its --cacert is missing): nothing runs, exit 1 (A had run first)."""
+    r = bench("--cacert", pki["ca"], "--requests", 5, origin.url(), "--compare", "",
+              f"--cacert {tmp_path / 'missing.pem'}", expect=1)
+    assert origin.requests == []
+    assert "--compare B" in r.stderr and "missing.pem" in r.stderr, r.stderr
+
+
+def test_compare_a_run_that_cannot_start_keeps_the_complete_pairs(origin, pki, tmp_path):
+    """B's --cacert disappears after pair 1 (found at the check, gone at pair 2's B): the
+    comparison stops, prints pair 1 and exits 1 (it had thrown the complete pair away and
+    printed nothing)."""
+    ca = tmp_path / "ca.pem"
+    shutil.copy(pki["ca"], ca)
+    p = subprocess.Popen([BIN, "--json", "--cacert", pki["ca"], "--rate", "50", "--requests",
+                          "25", origin.url(), "--compare", "", f"--cacert {ca}", "--pairs", "3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(origin.requests) < 25 * 2 + 5:
+            time.sleep(0.02)  # into pair 2's A run
+        ca.unlink()
+        out, err = p.communicate(timeout=RUN_TIMEOUT)
+    finally:
+        p.kill()
+    assert p.returncode == 1, err
+    assert len(origin.requests) == 25 * 3, len(origin.requests)  # pair 2's B never started
+    rep = json.loads(out)
+    assert rep["pairs"] == 1 and len(rep["a"]["runs"]) == len(rep["b"]["runs"]) == 1, rep
+    assert rep["b"]["runs"][0]["requests"] == 25
+    assert "pair 2 B" in err and "ca.pem" in err, err
+
+
 def _peers_report(tmp_path, compare: dict, load: str) -> str:
     """bench/peers/report.py on one (load, peer) comparison; returns its markdown."""
     w = tmp_path / "w"
