@@ -184,9 +184,11 @@ size_t strip_hop_by_hop(std::vector<Header>& headers, bool keep_te_trailers) {
         if (is_hop_by_hop(h.name)) {
             return true;
         }
-        // Connection may name extra hop-by-hop headers, but never the message framing: a
-        // "Connection: content-length" must not let the sandbox strip the body length.
-        if (iequals(h.name, "content-length")) {
+        // Connection may name extra hop-by-hop headers, but never the message framing nor its
+        // encoding: a "Connection: content-length" must not let the sandbox strip the body
+        // length, nor a "Connection: content-encoding" let an upstream hide that its body is
+        // gzip from the scrubber's check (the echoed credential inside would pass unseen).
+        if (iequals(h.name, "content-length") || iequals(h.name, "content-encoding")) {
             return false;
         }
         return !tokens.empty() && tokens.names(h.name);

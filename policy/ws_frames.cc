@@ -1,9 +1,11 @@
 #include "policy/ws_frames.h"
 
 #include <openssl/evp.h>
+#include <openssl/rand.h>
 #include <openssl/sha.h>
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "common/secure_zero.h"
 
@@ -17,6 +19,16 @@ std::string websocket_accept(std::string_view key) {
     SHA1(reinterpret_cast<const unsigned char*>(input.data()), input.size(), digest);
     char out[4 * ((SHA_DIGEST_LENGTH + 2) / 3) + 1];
     const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out), digest, SHA_DIGEST_LENGTH);
+    return std::string(out, static_cast<size_t>(n));
+}
+
+std::string websocket_key() {
+    unsigned char nonce[16];
+    if (RAND_bytes(nonce, sizeof nonce) != 1) {
+        throw std::runtime_error("RAND_bytes failed: cannot make a WebSocket key");
+    }
+    char out[4 * ((sizeof nonce + 2) / 3) + 1];
+    const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out), nonce, sizeof nonce);
     return std::string(out, static_cast<size_t>(n));
 }
 

@@ -38,6 +38,10 @@ namespace egress::policy {
 /// not come from a WebSocket server answering this handshake, and is not relayed.
 std::string websocket_accept(std::string_view key);
 
+/// A fresh Sec-WebSocket-Key (RFC 6455 4.1: base64 of 16 random bytes) for the handshake
+/// egressd sends upstream in place of the client's.
+std::string websocket_key();
+
 class WsServerScrubber {
 public:
     explicit WsServerScrubber(std::shared_ptr<const ScrubPlan> plan);

@@ -67,6 +67,7 @@ struct Identity {
     std::shared_ptr<Run> run;
     int status = 0;
     std::string reason;
+    std::string ended_run;  // a revoked or expired run whose token this request presented
 };
 
 Identity identify(const Runtime& rt, const H1RequestParser& req) {
@@ -94,7 +95,7 @@ Identity identify(const Runtime& rt, const H1RequestParser& req) {
     }
     egress::secure_zero(pass.data(), pass.size());
     if (!ended_reason.empty()) {
-        return {nullptr, 403, ended_reason};
+        return {nullptr, 403, ended_reason, user};
     }
     if (!ok) {
         return {nullptr, 407, "bad_identity"};
@@ -358,6 +359,28 @@ awaitable<bool> announce_established(TcpStream& client) {
     co_return !ec;
 }
 
+/// The record of a CONNECT whose client left before its 200 could be written (while the
+/// upstream was dialed, say): allowed, status 0, client_aborted, as a request whose client
+/// left. `rec` is the tunnel's (its durable decision record names the same req_id), or a
+/// fresh one for an intercepted host.
+void audit_left_before_established(Scope& scope, AuditRecord rec, Clock::time_point started) {
+    Worker& w = *scope.worker;
+    if (rec.req_id == 0) {
+        rec.req_id = w.next_req_id();
+        rec.run = scope.run->policy.id;
+        rec.method = scope.method;
+        rec.host = scope.target.host;
+        rec.port = scope.target.port;
+        rec.decision = "allow";
+        rec.proto_in = scope.proto_in;
+    }
+    rec.status = 0;
+    rec.reason = "client_aborted";
+    rec.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
+    w.audit(rec);
+    w.metrics.request("allow", scope.proto_in, rec.duration_ms / 1000.0);
+}
+
 /// Blind relay for allowed, unpinned hosts under `unpinned: tunnel`. `announce`: answer the
 /// CONNECT with 200 first (false on the transparent listener, where there is no CONNECT).
 awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
@@ -403,8 +426,12 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
             co_return;
         }
     }
-    if (announce && !co_await announce_established(client)) {
-        co_return;
+    if (announce) {
+        const bool announced = co_await announce_established(client);
+        if (!announced) {
+            audit_left_before_established(scope, std::move(rec), started);
+            co_return;
+        }
     }
     uint64_t up_bytes = 0;
     uint64_t down_bytes = 0;
@@ -529,12 +556,19 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     auto misses_before = leaves.misses();
     auto leaf = leaves.get(scope.target.host);
     if (!leaf) {
-        bool rate = leaf.error() == tls::kMintRateExceeded;
-        int status = rate ? 429 : 502;
-        std::string reason = rate ? std::string(tls::kMintRateExceeded) : "leaf_mint_failed";
+        const bool rate = leaf.error() == tls::kMintRateExceeded;
+        const bool outside = leaf.error() == tls::kOutsideRunCa;
+        int status = rate ? 429 : outside ? 403 : 502;
+        std::string reason = rate      ? std::string(tls::kMintRateExceeded)
+                             : outside ? std::string(tls::kOutsideRunCa)
+                                       : "leaf_mint_failed";
         if (rate) {
             spdlog::warn("conn={} run {}: leaf mint rate exceeded (limits.leaf_mints_per_minute)",
                          scope.conn_id, scope.run->policy.id);
+        } else if (outside) {
+            spdlog::warn("conn={} run {}: {} is outside the names its CA may certify (fixed when "
+                         "the run was created); refused, not intercepted",
+                         scope.conn_id, scope.run->policy.id, scope.target.host);
         } else {
             spdlog::error("conn={} leaf mint for {} failed: {}", scope.conn_id, scope.target.host,
                           leaf.error());
@@ -551,8 +585,12 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     } else {
         w.shared.metrics.cert_cache_hits.fetch_add(1);
     }
-    if (announce && !co_await announce_established(client)) {
-        co_return;
+    if (announce) {
+        const bool announced = co_await announce_established(client);
+        if (!announced) {
+            audit_left_before_established(scope, AuditRecord{}, started);
+            co_return;
+        }
     }
     TlsStream tls(std::move(client), *w.shared.server_ctx);
     if (auto ok = tls::use_leaf(tls.native_handle(), **leaf); !ok) {
@@ -639,40 +677,12 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
         std::string method(parser.method_string());
         bool is_connect = parser.method() == http::verb::connect;
 
-        auto id = identify(*rt, parser);
-        if (!id.run) {
-            co_await write_refusal(stream, limits.refusal_timeout, id.status, id.reason, false);
-            audit_refusal(scope, method, "", id.status, id.reason, started);
-            co_return;
-        }
-        // The run is held by the scope alone from here (moved out of `id`), so a tunnel or a
-        // connection that lets go of it (run_tunnel, serve_intercepted_h2) really does.
-        if (!scope.run) {
-            scope.run = std::move(id.run);
-            unidentified.identified();  // counted by its run from here
-            if (!admission.admit(*scope.run, limits.connections_per_run, stream.socket())) {
-                co_await write_refusal(stream, limits.refusal_timeout, 429,
-                                       "too_many_connections", false);
-                audit_refusal(scope, method, "", 429, "too_many_connections", started);
-                co_return;
-            }
-            if (!still_live(w, *scope.run)) {
-                const char* reason = run_end_reason(*scope.run);
-                co_await write_refusal(stream, limits.refusal_timeout, 403, reason, false);
-                audit_refusal(scope, method, "", 403, reason, started);
-                co_return;
-            }
-        } else if (scope.run->policy.id != id.run->policy.id) {
-            co_await write_refusal(stream, limits.refusal_timeout, 403, "identity_changed",
-                                   false);
-            audit_refusal(scope, method, "", 403, "identity_changed", started);
-            co_return;
-        } else {
-            scope.run = std::move(id.run);  // the same run, maybe rebuilt since (a reload)
-        }
-
-        // Destination: CONNECT authority, or the absolute-form URI's authority.
+        // Destination first: CONNECT authority, or the absolute-form URI's authority. Every
+        // record of this head, a refusal of its identity too, names this request's
+        // destination (and its path without the scheme and authority), never the previous
+        // request's on a keep-alive connection.
         Outcome<policy::HostPort> dest = Refusal{400, "bad_request_target", ""};
+        std::string audit_path;  // "" for CONNECT
         if (is_connect) {
             auto hp = policy::parse_authority(parser.target(), std::nullopt);
             if (hp) {
@@ -692,15 +702,65 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                     dest = *hp;
                 }
             }
+            if (url) {
+                const auto path = url->encoded_path();
+                audit_path.assign(path.data(), path.size());
+                if (audit_path.empty()) {
+                    audit_path = "/";
+                }
+            }
         }
-        if (auto* r = std::get_if<Refusal>(&dest)) {
-            co_await write_refusal(stream, limits.refusal_timeout, r->status, r->reason, false);
-            audit_refusal(scope, method, "", r->status, r->reason, started);
-            co_return;
+        scope.target = policy::HostPort{};
+        if (auto* hp = std::get_if<policy::HostPort>(&dest)) {
+            scope.target = *hp;
         }
-        scope.target = std::get<policy::HostPort>(dest);
         scope.tls = false;
         scope.sni.reset();
+
+        auto id = identify(*rt, parser);
+        if (!id.run) {
+            // The connection ends here: the run of an earlier request on it does not answer
+            // for this one. An ended run is named (its token was checked); an unknown name
+            // is not.
+            scope.run.reset();
+            co_await write_refusal(stream, limits.refusal_timeout, id.status, id.reason, false);
+            audit_refusal(scope, method, audit_path, id.status, id.reason, started, 0,
+                          id.ended_run.empty() ? nullptr : &id.ended_run);
+            co_return;
+        }
+        // The run is held by the scope alone from here (moved out of `id`), so a tunnel or a
+        // connection that lets go of it (run_tunnel, serve_intercepted_h2) really does.
+        if (!scope.run) {
+            scope.run = std::move(id.run);
+            unidentified.identified();  // counted by its run from here
+            if (!admission.admit(*scope.run, limits.connections_per_run, stream.socket())) {
+                co_await write_refusal(stream, limits.refusal_timeout, 429,
+                                       "too_many_connections", false);
+                audit_refusal(scope, method, audit_path, 429, "too_many_connections", started);
+                co_return;
+            }
+            if (!still_live(w, *scope.run)) {
+                const char* reason = run_end_reason(*scope.run);
+                co_await write_refusal(stream, limits.refusal_timeout, 403, reason, false);
+                audit_refusal(scope, method, audit_path, 403, reason, started);
+                co_return;
+            }
+        } else if (scope.run->policy.id != id.run->policy.id) {
+            co_await write_refusal(stream, limits.refusal_timeout, 403, "identity_changed",
+                                   false);
+            // Named by the identity this request proved, not the connection's first one.
+            const std::string proved = id.run->policy.id;
+            audit_refusal(scope, method, audit_path, 403, "identity_changed", started, 0, &proved);
+            co_return;
+        } else {
+            scope.run = std::move(id.run);  // the same run, maybe rebuilt since (a reload)
+        }
+
+        if (auto* r = std::get_if<Refusal>(&dest)) {
+            co_await write_refusal(stream, limits.refusal_timeout, r->status, r->reason, false);
+            audit_refusal(scope, method, audit_path, r->status, r->reason, started);
+            co_return;
+        }
 
         auto dd = policy::decide_destination(rt->config->policy, scope.run->policy, scope.target,
                                              policy::Clock::now());
@@ -710,9 +770,9 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                 reason = "secret_unavailable";
             }
             bool ka = !is_connect && parser.keep_alive() && parser.is_done();
-            co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka);
-            audit_refusal(scope, method, is_connect ? "" : std::string(parser.target()), 403,
-                          reason, started);
+            co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
+                                   parser.method() == http::verb::head);
+            audit_refusal(scope, method, audit_path, 403, reason, started);
             if (!ka) {
                 co_return;
             }
@@ -928,7 +988,8 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
                                              scope.target, policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
             bool ka = parser.keep_alive() && parser.is_done();
-            co_await write_refusal(stream, limits.refusal_timeout, 403, dd.reason, ka);
+            co_await write_refusal(stream, limits.refusal_timeout, 403, dd.reason, ka,
+                                   parser.method() == http::verb::head);
             audit_refusal(scope, method, std::string(parser.target()), 403, dd.reason, started);
             if (!ka) {
                 co_return;

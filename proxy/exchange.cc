@@ -444,9 +444,10 @@ awaitable<bool> audit_durably(AuditLog& log, const AuditRecord& rec) {
 }
 
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
-                   const std::string& reason, Clock::time_point started, uint64_t req_id) {
+                   const std::string& reason, Clock::time_point started, uint64_t req_id,
+                   const std::string* run) {
     AuditRecord rec;
-    rec.run = scope.run ? scope.run->policy.id : "";
+    rec.run = run != nullptr ? *run : (scope.run ? scope.run->policy.id : "");
     rec.method = method;
     rec.scheme = scope.tls ? "https" : (method == "CONNECT" ? "" : "http");
     rec.host = scope.target.host;
@@ -515,8 +516,19 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // A WebSocket's frames are scrubbed with the same needles (policy/ws_frames.h).
     const bool upgrade = !head.upgrade.empty();
     std::shared_ptr<const policy::ScrubPlan> frame_plan;
+    // The upstream gets a handshake key of egressd's own, and its 101 must answer that key:
+    // a key the client chose lets the client compute the accept value and have an upstream
+    // that echoes what it is told (a status, a header) open a raw relay past the pipeline.
+    // The client's accept is then computed from the client's key (RFC 6455 4.2.2).
+    std::string ws_client_key;
+    std::string ws_key;
     if (upgrade) {
         frame_plan = decision.scrub;
+        if (const std::string* key = head.find("sec-websocket-key"); key != nullptr) {
+            ws_client_key = std::string(policy::trim_ows(*key));
+            ws_key = policy::websocket_key();
+            head.set("sec-websocket-key", ws_key);
+        }
     }
     // The needles (the secret, the injected value) are the pin's plan, shared and wiped with
     // it; what the scrubber holds back of this response is wiped by its destructor.
@@ -710,12 +722,20 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_await left_during_dial();
         co_return false;
     }
+    // A dial refused (policy, DNS, connect, TLS): recorded as a refusal, with the pin and
+    // secret the pipeline chose and the address that was reached, if one was (a TLS failure
+    // on a credentialed host is the record that shows an interception attempt).
+    auto dial_refused = [&](const Refusal& r) {
+        rec.upstream_addr = r.peer ? endpoint_text(*r.peer) : std::string();
+        rec.proto_out.clear();  // (a retry's first upstream answered nothing either)
+        deny_body(r.status, r.reason.c_str());
+    };
     if (auto* r = std::get_if<Refusal>(&opened)) {
         if (!r->kind.empty()) {
             shared.metrics.upstream_error(r->kind);
         }
         co_await down.refuse(r->status, r->reason, false);
-        audit_refusal(scope, method, head.path, r->status, r->reason, started);
+        dial_refused(*r);
         co_return false;
     }
     auto up = std::move(std::get<std::unique_ptr<Upstream>>(opened));
@@ -734,7 +754,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
         if (auto* r = std::get_if<Refusal>(&again)) {
             co_await down.refuse(r->status, r->reason, false);
-            audit_refusal(scope, method, head.path, r->status, r->reason, started);
+            dial_refused(*r);
             co_return false;
         }
         up = std::move(std::get<std::unique_ptr<Upstream>>(again));
@@ -1066,14 +1086,18 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         // Only the switch this request asked for: a 101 nobody asked for (or to another
         // protocol) would leave the client reading bytes it cannot frame.
         const char* bad = nullptr;
-        const std::string* key = head.find("sec-websocket-key");
-        const std::string* accept = policy::find_header(resp->headers, "sec-websocket-accept");
-        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade) || key == nullptr ||
-            accept == nullptr ||
-            policy::trim_ows(*accept) != policy::websocket_accept(policy::trim_ows(*key))) {
-            // Also a 101 whose accept value does not answer this handshake's key: whatever
-            // sent it (a status the client could choose, echoed by the upstream) is no
-            // WebSocket server, and an open relay to it would carry requests past the pipeline.
+        std::string* accept = nullptr;
+        for (policy::Header& h : resp->headers) {
+            if (policy::iequals(h.name, "sec-websocket-accept")) {  // h1: the upstream's case
+                accept = &h.value;
+                break;
+            }
+        }
+        if (!upgrade || !policy::iequals(resp->upgrade, head.upgrade) || ws_key.empty() ||
+            accept == nullptr || policy::trim_ows(*accept) != policy::websocket_accept(ws_key)) {
+            // Also a 101 whose accept value does not answer egressd's key: whatever sent it (a
+            // status the client could choose, echoed by the upstream) is no WebSocket server,
+            // and an open relay to it would carry requests past the pipeline.
             bad = "upstream_bad_response";
         } else if (scrubber.active() &&
                    policy::find_header(resp->headers, "sec-websocket-extensions") != nullptr) {
@@ -1084,6 +1108,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             finish(502, bad, "response");
             goto done;
         }
+        *accept = policy::websocket_accept(ws_client_key);  // answers the client's own key
         RawBytes* origin = up->switched();
         RawBytes* client = nullptr;
         if (origin != nullptr) {  // no co_await in a conditional operand (GCC 12)

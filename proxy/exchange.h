@@ -205,10 +205,11 @@ std::string endpoint_text(const tcp::endpoint& ep);
 awaitable<bool> audit_durably(AuditLog& log, const AuditRecord& rec);
 
 /// Records a refusal in audit and metrics; `req_id` that of a decision record already
-/// written for it (audit.durable), or 0 for a new one.
+/// written for it (audit.durable), or 0 for a new one; `run` the run to name when it is not
+/// the scope's (an identity refusal: the run whose token was presented, or none).
 void audit_refusal(Scope& scope, const std::string& method, const std::string& path, int status,
                    const std::string& reason, std::chrono::steady_clock::time_point started,
-                   uint64_t req_id = 0);
+                   uint64_t req_id = 0, const std::string* run = nullptr);
 
 // --- codec factories (defined by the codecs) ---------------------------------------------
 std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> conn, bool reused,

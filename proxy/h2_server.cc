@@ -445,7 +445,7 @@ ssize_t read_response_body(nghttp2_session* session, int32_t stream_id, uint8_t*
 class H2Downstream final : public Downstream {
 public:
     H2Downstream(std::shared_ptr<Conn> c, std::shared_ptr<ServerStream> st)
-        : c_(std::move(c)), st_(std::move(st)) {}
+        : c_(std::move(c)), st_(std::move(st)), head_request_(st_->head.method == "HEAD") {}
     ~H2Downstream() override {
         auto& st = *st_;
         st.handler_gone = true;
@@ -539,7 +539,10 @@ public:
                       {"x-egress-reason", reason},
                       {"content-length", std::to_string(body.size())}};
         rh.body.length = body.size();
-        if (co_await send_head(rh)) {
+        // The answer to a HEAD ends with its head: DATA on it is a stream error (RFC 9113
+        // 8.1.1) and the client would never see the status.
+        rh.body.none = head_request_;
+        if (co_await send_head(rh) && !head_request_) {
             co_await send_body(body, true, nullptr);
         }
     }
@@ -603,6 +606,7 @@ private:
 
     std::shared_ptr<Conn> c_;
     std::shared_ptr<ServerStream> st_;
+    bool head_request_;  // the stream's head may be moved into the exchange; its method is kept
 };
 
 /// A stream's own copy of its connection's scope (serve_exchange refreshes the run and the

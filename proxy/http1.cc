@@ -461,7 +461,8 @@ public:
         lowest(s_).expires_never();
     }
     awaitable<void> refuse(int status, const std::string& reason, bool keep_alive) override {
-        co_await write_refusal(s_, refusal_timeout_, status, reason, keep_alive);
+        co_await write_refusal(s_, refusal_timeout_, status, reason, keep_alive,
+                               p_.method() == http::verb::head);
     }
     awaitable<bool> send_head(const ResponseHead& rh) override {
         if (rh.status < 100 || rh.status > 999) {
@@ -870,7 +871,7 @@ std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_head
 
 template <class Stream>
 awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int status,
-                              const std::string& reason, bool keep_alive) {
+                              const std::string& reason, bool keep_alive, bool head_request) {
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
     res.set(http::field::server, "egressd");
     res.set(http::field::content_type, "text/plain; charset=utf-8");
@@ -887,14 +888,22 @@ awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int 
     res.keep_alive(keep_alive);
     res.prepare_payload();
     lowest(s).expires_after(timeout);
-    co_await http::async_write(s, res, use_nothrow);
+    if (head_request) {
+        // The answer to a HEAD has no body (RFC 9110 9.3.2): its Content-Length says what a
+        // GET would get, and bytes after the head would be read as the next response on a
+        // connection kept alive.
+        http::response_serializer<http::string_body> sr{res};
+        co_await http::async_write_header(s, sr, use_nothrow);
+    } else {
+        co_await http::async_write(s, res, use_nothrow);
+    }
     lowest(s).expires_never();
 }
 
 template awaitable<void> write_refusal<TcpStream>(TcpStream&, std::chrono::milliseconds, int,
-                                                  const std::string&, bool);
+                                                  const std::string&, bool, bool);
 template awaitable<void> write_refusal<TlsStream>(TlsStream&, std::chrono::milliseconds, int,
-                                                  const std::string&, bool);
+                                                  const std::string&, bool, bool);
 
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,

@@ -177,7 +177,7 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
     }
     if (ec) {
         if (ec == beast::error::timeout) {
-            co_return Refusal{504, "upstream_tls_timeout", "tls_timeout"};
+            co_return Refusal{504, "upstream_tls_timeout", "tls_timeout", d.peer};
         }
         long verify = SSL_get_verify_result(ssl);
         spdlog::info("upstream tls {} ({}): {}{}", host, d.peer.address().to_string(),
@@ -185,7 +185,7 @@ awaitable<Outcome<std::unique_ptr<TlsConn>>> tls_connect(Worker& w, const Runtim
                      verify != X509_V_OK
                          ? std::string("; verify: ") + X509_verify_cert_error_string(verify)
                          : std::string());
-        co_return Refusal{502, "upstream_tls_failed", "tls"};
+        co_return Refusal{502, "upstream_tls_failed", "tls", d.peer};
     }
     conn->stream->expires_never();
     conn->alpn = tls::negotiated_alpn(ssl);

@@ -21,6 +21,9 @@ struct Refusal {
     int status = 0;
     std::string reason;
     std::string kind;  // egressd_upstream_errors_total{kind}; "" for policy refusals
+    /// The upstream's address when one was reached (a TLS handshake that failed or timed
+    /// out): its audit record names it, as an answered request's does.
+    std::optional<tcp::endpoint> peer{};
 };
 
 template <class T>

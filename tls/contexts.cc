@@ -122,6 +122,14 @@ Result<bool> use_leaf(SSL* ssl, const Leaf& leaf) {
         SSL_use_PrivateKey(ssl, leaf.key.get()) != 1 || SSL_check_private_key(ssl) != 1) {
         return ssl_error("installing the leaf certificate failed");
     }
+    // The server context is shared by every run, and so are its session cache and ticket
+    // keys: without a context of the leaf's own, a session made under run A's CA resumed
+    // on run B's connection with no certificate shown (OpenSSL refuses to resume a session
+    // whose id context differs, for session ids and tickets alike).
+    if (SSL_set_session_id_context(ssl, leaf.session_context.data(),
+                                   static_cast<unsigned int>(leaf.session_context.size())) != 1) {
+        return ssl_error("setting the session id context failed");
+    }
     return true;
 }
 

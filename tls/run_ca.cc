@@ -404,6 +404,24 @@ Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
     if (X509_sign(cert.get(), ca_key_.get(), EVP_sha256()) <= 0) {
         return ssl_error("signing the leaf for '" + host_in + "' failed");
     }
+    // A name-constrained CA hands out no leaf its own constraints forbid: every client would
+    // refuse it. The names it may certify are fixed at the run's creation; a reload since
+    // (unpinned: intercept, a wider allow list) may route other hosts here. OpenSSL's own
+    // check, the one a verifier applies, on a parsed copy (the check reads the extensions
+    // OpenSSL caches when a certificate is parsed, not the ones just added).
+    if (auto* nc = static_cast<NAME_CONSTRAINTS*>(
+            X509_get_ext_d2i(cert_.get(), NID_name_constraints, nullptr, nullptr))) {
+        X509Ptr parsed(X509_dup(cert.get()));
+        const int verdict = parsed != nullptr && X509_check_purpose(parsed.get(), -1, 0) == 1
+                                ? NAME_CONSTRAINTS_check(parsed.get(), nc)
+                                : X509_V_ERR_UNSPECIFIED;
+        NAME_CONSTRAINTS_free(nc);
+        ERR_clear_error();
+        if (verdict != X509_V_OK) {
+            return make_error(std::string(kOutsideRunCa));
+        }
+    }
+    ERR_clear_error();
 
     auto leaf = std::make_shared<Leaf>();
     leaf->cert = std::move(cert);
@@ -412,6 +430,21 @@ Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
     }
     leaf->key.reset(leaf_key_.get());
     leaf->not_after = Clock::from_time_t(not_after);
+    // The session id context: SHA-256 of the CA certificate's SHA-256 and the host, the same
+    // for every leaf of one run and host (a re-minted leaf keeps its sessions resumable).
+    unsigned char ca_digest[EVP_MAX_MD_SIZE];
+    unsigned int ca_len = 0;
+    if (X509_digest(cert_.get(), EVP_sha256(), ca_digest, &ca_len) != 1) {
+        return ssl_error("digesting the run CA failed");
+    }
+    std::string input(reinterpret_cast<const char*>(ca_digest), ca_len);
+    input += host_str;
+    unsigned int digest_len = 0;
+    if (EVP_Digest(input.data(), input.size(), leaf->session_context.data(), &digest_len,
+                   EVP_sha256(), nullptr) != 1 ||
+        digest_len != leaf->session_context.size()) {
+        return ssl_error("the session context for '" + host_in + "' failed");
+    }
     return std::shared_ptr<const Leaf>(std::move(leaf));
 }
 

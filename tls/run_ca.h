@@ -1,6 +1,7 @@
 #pragma once
 // A certificate authority that belongs to one run: ECDSA P-256 key and self-signed
 // certificate, created in memory; the key is never written anywhere.
+#include <array>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -13,11 +14,19 @@
 
 namespace egress::tls {
 
+/// RunCa::mint's error for a host outside the CA's name constraints (no leaf it could sign
+/// would verify).
+inline constexpr std::string_view kOutsideRunCa = "outside_run_ca";
+
 /// A minted leaf: certificate for one host, signed by the run CA, with the run's leaf key.
 struct Leaf {
     X509Ptr cert;
     PKeyPtr key;  // the run's shared leaf key (ref-counted by EVP_PKEY_up_ref)
     std::chrono::system_clock::time_point not_after;
+    /// The TLS session id context of the connections it serves (use_leaf): SHA-256 of the run
+    /// CA's certificate digest and the host. A session or ticket resumes only under the run
+    /// CA and host that made it: never under another run's CA, nor for another host.
+    std::array<unsigned char, 32> session_context{};
 };
 
 class RunCa {

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import subprocess
 import threading
 import time
 
+import pytest
+
 import helpers
 from clients import proxy_env, run_ca
+from dns_server import DnsServer, fixed
 from helpers import poll
 
 
@@ -312,3 +316,45 @@ def test_h2_stream_waiting_for_another_streams_dial_leaves_at_once(world, factor
         assert r["status"] == 200, r
         assert relay.accepted == 1, relay.accepted
         assert [s.path for s in up.find(marker)] == [f"/echo/{marker}-first"]
+
+
+class _SlowDns(DnsServer):
+    """Answers every query after a second: a CONNECT's dial that the client can leave."""
+
+    def _reply(self, data: bytes, proto: str) -> bytes | None:
+        time.sleep(1.0)
+        return super()._reply(data, proto)
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_connect_whose_client_leaves_during_the_dial_is_audited(world, factory, durable):
+    """A blind tunnel's client that resets while egressd resolves and dials gets no 200, and
+    its CONNECT still ends in one record (status 0, client_aborted); under audit.durable it
+    closes the decision record written before the dial's bytes could flow (same req_id)."""
+    dns = _SlowDns()
+    dns.set("slowdns.test", fixed("127.0.0.1"))
+    try:
+        def mutate(c):
+            c["resolver"]["servers"] = [dns.address]
+            c["policy"]["allow_hosts"].append("slowdns.test")
+            c["audit"]["durable"] = durable
+        e = factory.start(mutate=mutate)
+        s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=5)
+        s.sendall(f"CONNECT slowdns.test:{world.U} HTTP/1.1\r\nHost: slowdns.test:{world.U}\r\n"
+                  f"Proxy-Authorization: {world.auth()}\r\n\r\n".encode())
+        poll(lambda: dns.queries("slowdns.test"), 5, "the CONNECT's lookup")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # a reset while the lookup waits
+        recs = poll(lambda: [r for r in e.audit_records()
+                             if r.get("host") == "slowdns.test" and "event" not in r], 10,
+                    "the left CONNECT's record")
+        assert len(recs) == 1, recs
+        rec = recs[0]
+        assert (rec["status"], rec["reason"], rec["method"]) == (0, "client_aborted", "CONNECT"), rec
+        assert rec["run"] == "r1", rec
+        if durable:
+            decisions = [r for r in e.audit_records()
+                         if r.get("host") == "slowdns.test" and r.get("event") == "decision"]
+            assert [d["req_id"] for d in decisions] == [rec["req_id"]], (decisions, rec)
+    finally:
+        dns.close()

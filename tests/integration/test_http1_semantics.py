@@ -8,6 +8,7 @@ import signal
 import socket
 
 import helpers
+from clients import curl_via, run_ca
 
 
 def _proxy(e) -> helpers.Conn:
@@ -111,3 +112,48 @@ def test_drain_beginning_mid_request_answers_with_connection_close(world, factor
     finally:
         c.close()
     assert e.proc.wait(timeout=15) == 0
+
+
+def test_a_refused_head_in_a_tunnel_is_a_head_alone(world, egressd):
+    """The refusal of a HEAD has no body (RFC 9110 9.3.2): its Content-Length is what a GET
+    would get, and the bytes of a body would be read as the next response on the
+    connection it keeps alive."""
+    U = world.U
+    c = helpers.tunnel(egressd.proxy_port, "lim.test", U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        c.send(f"HEAD /not-echo HTTP/1.1\r\nHost: lim.test:{U}\r\n\r\n".encode())
+        r = helpers.read_response(c, head_request=True)
+        assert r.status == 403 and r.egress_reason == "no_matching_pin", (r.status, r.headers)
+        c.send(f"GET /echo/after-head HTTP/1.1\r\nHost: lim.test:{U}\r\n\r\n".encode())
+        r2 = helpers.read_response(c)
+        assert r2.status == 200, (r2.status, r2.body[:200])
+    finally:
+        c.close()
+
+
+def test_a_refused_absolute_form_head_is_a_head_alone(world, egressd):
+    P = world.plain.port
+    c = _proxy(egressd)
+    try:
+        c.send((f"HEAD http://unlisted.test:{P}/x HTTP/1.1\r\nHost: unlisted.test:{P}\r\n"
+                f"Proxy-Authorization: {world.auth()}\r\n\r\n").encode())
+        r = helpers.read_response(c, head_request=True)
+        assert r.status == 403 and r.egress_reason == "host_not_allowed", (r.status, r.headers)
+        c.send(_get(world, "/echo/after-head"))
+        r2 = helpers.read_response(c)
+        assert r2.status == 200, (r2.status, r2.body[:200])
+    finally:
+        c.close()
+
+
+def test_a_refused_head_on_http2_ends_with_its_head(world, egressd):
+    """On HTTP/2 a DATA frame on a HEAD's stream is a stream error: curl would see
+    PROTOCOL_ERROR (exit 92) instead of the status. Both requests share the connection (the
+    pin allows GET only: both HEADs are refused)."""
+    U = world.U
+    r = curl_via(world, egressd, f"https://lim.test:{U}/not-echo", "--http2", "-I",
+                 f"https://lim.test:{U}/echo/after-head", timeout=20)
+    out = r.stdout.decode(errors="replace")
+    assert r.returncode == 0, helpers.redact_secrets(r.stderr.decode(errors="replace"))
+    assert out.count("HTTP/2 403") == 2, out
+    assert out.lower().count("x-egress-reason: no_matching_pin") == 2, out

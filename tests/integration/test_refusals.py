@@ -146,6 +146,59 @@ def test_wrong_identity_407(world, egressd, marker):
     assert world.upstream.find(marker) == []
 
 
+def test_identity_refusals_name_this_requests_destination_and_no_earlier_run(world, egressd):
+    """A refusal of a request's identity is recorded with that request's destination (the
+    CONNECT target, the absolute-form URI's host, port and path) and names no run it did not
+    prove: on a keep-alive connection, not the run of the request before it."""
+    P = world.plain.port
+    r = connect_refused(egressd, f"unlisted.test:{world.U}", helpers.basic_auth("r1", "wrong"),
+                        407, "bad_identity")
+    rec = audited(egressd, "bad_identity", 407, host="unlisted.test")
+    assert (rec["port"], rec["run"], rec["method"]) == (world.U, None, "CONNECT"), rec
+    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    try:
+        c.send((f"GET http://plain.test:{P}/echo/attribution HTTP/1.1\r\nHost: plain.test:{P}\r\n"
+                f"Proxy-Authorization: {world.auth()}\r\n\r\n").encode())
+        assert helpers.read_response(c).status == 200
+        offset = audit_mark(egressd)
+        c.send((f"GET http://unlisted.test/second?q=1 HTTP/1.1\r\nHost: unlisted.test\r\n"
+                f"Proxy-Authorization: {helpers.basic_auth('r1', 'wrong')}\r\n\r\n").encode())
+        r = helpers.read_response(c)
+    finally:
+        c.close()
+    assert (r.status, r.egress_reason) == (407, "bad_identity")
+    rec = one_record_since(egressd, offset, 407, "bad_identity")
+    assert (rec["run"], rec["host"], rec["port"], rec["path"]) == \
+        (None, "unlisted.test", 80, "/second"), rec
+
+
+def test_a_denied_absolute_form_request_records_its_path_not_its_uri(world, egressd):
+    offset = audit_mark(egressd)
+    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10)
+    c = helpers.Conn(s)
+    try:
+        c.send((f"GET http://unlisted.test/repos/x?access_token=abc HTTP/1.1\r\n"
+                f"Host: unlisted.test\r\nProxy-Authorization: {world.auth()}\r\n\r\n").encode())
+        r = helpers.read_response(c)
+    finally:
+        c.close()
+    assert (r.status, r.egress_reason) == (403, "host_not_allowed")
+    rec = one_record_since(egressd, offset, 403, "host_not_allowed")
+    assert (rec["run"], rec["host"], rec["path"]) == ("r1", "unlisted.test", "/repos/x"), rec
+
+
+def test_a_revoked_runs_refusal_names_the_run_and_destination(world, factory):
+    from cp_helpers import api_ok, bearer_pin, cp_mutate, create_run, put_secret
+    e = factory.start(mutate=cp_mutate(world, ports=[world.U]))
+    put_secret(e, "rv_tok", "rv-itest-value", org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(f"api.test:{world.U}", "rv_tok")])
+    api_ok(e, "DELETE", f"/v1/runs/{run.id}")
+    connect_refused(e, f"api.test:{world.U}", run.auth, 403, "run_revoked")
+    rec = audited(e, "run_revoked", 403)
+    assert (rec["run"], rec["host"], rec["port"]) == (run.id, "api.test", world.U), rec
+
+
 # ---------------------------------------------------------------------------------------------
 # destination policy (CONNECT level)
 

@@ -153,6 +153,17 @@ TEST(StripHopByHop, ConnectionCannotStripFraming) {
     EXPECT_EQ(h.count("content-length"), 1U);
 }
 
+TEST(StripHopByHop, ConnectionCannotStripTheContentEncoding) {
+    // An upstream's "Connection: Content-Encoding" would hide a gzip body from the check that
+    // refuses encoded bodies the scrubber cannot read.
+    std::vector<Header> h = {{"Connection", "Content-Encoding"},
+                             {"Content-Encoding", "gzip"},
+                             {"Content-Length", "82"}};
+    EXPECT_EQ(strip_hop_by_hop(h), 1U);
+    ASSERT_NE(find_header(h, "content-encoding"), nullptr);
+    EXPECT_EQ(*find_header(h, "content-encoding"), "gzip");
+}
+
 TEST(StripHopByHop, ConnectionTokensMatchWholeNamesInAnyCase) {
     // A response as an HTTP/1.1 upstream sends it (names in their own case). "x-update" names
     // X-Update only: Update and Date (both inside "x-update") stay.

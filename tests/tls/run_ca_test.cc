@@ -54,6 +54,28 @@ int verify_error(X509* leaf, X509* ca, const std::string& host) {
     return err == X509_V_OK && rc != 1 ? X509_V_ERR_UNSPECIFIED : err;
 }
 
+/// What a leaked CA key could sign for `host`, which RunCa::mint refuses outside the CA's
+/// name constraints: a leaf built as mint builds one (minted by another CA), issued and signed
+/// again by `ca`'s key. Shows what the constraints in the CA certificate itself allow.
+X509Ptr forge_leaf(const RunCa& ca, const std::string& host) {
+    auto other = RunCa::create("forger", hours(1));
+    EXPECT_TRUE(other.ok());
+    auto leaf = (*other)->mint(host);
+    EXPECT_TRUE(leaf.ok()) << (leaf.ok() ? "" : leaf.error());
+    X509Ptr cert(X509_dup((*leaf)->cert.get()));
+    X509_set_issuer_name(cert.get(), X509_get_subject_name(ca.cert()));
+    const int akid = X509_get_ext_by_NID(cert.get(), NID_authority_key_identifier, -1);
+    X509_EXTENSION_free(X509_delete_ext(cert.get(), akid));
+    std::string key_pem = ca.key_pem();
+    BIO* bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+    EVP_PKEY* key = PEM_read_bio_PrivateKey(bio, nullptr, nullptr, nullptr);
+    BIO_free(bio);
+    EXPECT_NE(key, nullptr);
+    EXPECT_GT(X509_sign(cert.get(), key, EVP_sha256()), 0);
+    EVP_PKEY_free(key);
+    return cert;
+}
+
 /// Seconds from now to `t` (negative: in the past).
 long seconds_from_now(const ASN1_TIME* t) {
     int days = 0;
@@ -185,26 +207,44 @@ TEST(RunCaTest, NameConstraintsPermitOnlyTheRunsHosts) {
     auto ok = must_mint(**ca, "api.test");
     auto sub = must_mint(**ca, "b.s3.test");
     auto ip = must_mint(**ca, "127.0.0.1");
-    auto outside = must_mint(**ca, "evil.test");
-    auto apex = must_mint(**ca, "s3.test");
+    auto outside = forge_leaf(**ca, "evil.test");
+    auto apex = forge_leaf(**ca, "s3.test");
     EXPECT_EQ(verify_error(ok->cert.get(), (*ca)->cert(), "api.test"), X509_V_OK);
     EXPECT_EQ(verify_error(sub->cert.get(), (*ca)->cert(), "b.s3.test"), X509_V_OK);
     EXPECT_EQ(verify_error(ip->cert.get(), (*ca)->cert(), "127.0.0.1"), X509_V_OK);
-    EXPECT_EQ(verify_error(outside->cert.get(), (*ca)->cert(), "evil.test"),
+    EXPECT_EQ(verify_error(outside.get(), (*ca)->cert(), "evil.test"),
               X509_V_ERR_PERMITTED_VIOLATION);
-    EXPECT_EQ(verify_error(apex->cert.get(), (*ca)->cert(), "s3.test"),
+    EXPECT_EQ(verify_error(apex.get(), (*ca)->cert(), "s3.test"),
               X509_V_ERR_PERMITTED_VIOLATION);
     EXPECT_FALSE(RunCa::create("bad", hours(1), {"a,DNS:evil.test"}).ok());
     EXPECT_EQ(RunCa::permitted_names((*ca)->cert_pem()),
               (std::vector<std::string>{"api.test", ".s3.test", "127.0.0.1"}));
     // Addresses: only the permitted one; no other IPv4, and no IPv6 (OpenSSL finds it outside
     // the permitted addresses first; it is also excluded, for verifiers that keep families apart).
-    auto ip_other = must_mint(**ca, "10.0.0.1");
-    auto ip6 = must_mint(**ca, "::1");
-    EXPECT_EQ(verify_error(ip_other->cert.get(), (*ca)->cert(), "10.0.0.1"),
+    auto ip_other = forge_leaf(**ca, "10.0.0.1");
+    auto ip6 = forge_leaf(**ca, "::1");
+    EXPECT_EQ(verify_error(ip_other.get(), (*ca)->cert(), "10.0.0.1"),
               X509_V_ERR_PERMITTED_VIOLATION);
-    EXPECT_EQ(verify_error(ip6->cert.get(), (*ca)->cert(), "::1"),
+    EXPECT_EQ(verify_error(ip6.get(), (*ca)->cert(), "::1"),
               X509_V_ERR_PERMITTED_VIOLATION);
+}
+
+// The CA itself signs nothing its constraints forbid (a reload may have routed another host
+// to the run since it was made): the mint fails with kOutsideRunCa, and egressd refuses the
+// CONNECT instead of handing the client a leaf it must reject.
+TEST(RunCaTest, MintRefusesNamesOutsideTheConstraints) {
+    auto ca = RunCa::create("run-nc", hours(1), {"api.test", ".s3.test", "127.0.0.1"});
+    ASSERT_TRUE(ca.ok()) << ca.error();
+    for (const char* host : {"evil.test", "s3.test", "10.0.0.1", "::1", "api.test.evil"}) {
+        auto leaf = (*ca)->mint(host);
+        ASSERT_FALSE(leaf.ok()) << host;
+        EXPECT_EQ(leaf.error(), kOutsideRunCa) << host;
+    }
+    for (const char* host : {"api.test", "x.api.test", "b.s3.test", "127.0.0.1"}) {
+        EXPECT_TRUE((*ca)->mint(host).ok()) << host;
+    }
+    // An unconstrained CA mints for any valid name.
+    EXPECT_TRUE(make_ca("plain")->mint("evil.test").ok());
 }
 
 // A CA made for host names only certifies no address of either family: a name type without a
@@ -213,12 +253,12 @@ TEST(RunCaTest, NameConstraintsOfHostNamesExcludeEveryAddress) {
     auto ca = RunCa::create("run-names", hours(1), {"api.test"});
     ASSERT_TRUE(ca.ok()) << ca.error();
     auto name = must_mint(**ca, "api.test");
-    auto v4 = must_mint(**ca, "93.184.216.34");
-    auto v6 = must_mint(**ca, "2001:db8::1");
+    auto v4 = forge_leaf(**ca, "93.184.216.34");
+    auto v6 = forge_leaf(**ca, "2001:db8::1");
     EXPECT_EQ(verify_error(name->cert.get(), (*ca)->cert(), "api.test"), X509_V_OK);
-    EXPECT_EQ(verify_error(v4->cert.get(), (*ca)->cert(), "93.184.216.34"),
+    EXPECT_EQ(verify_error(v4.get(), (*ca)->cert(), "93.184.216.34"),
               X509_V_ERR_EXCLUDED_VIOLATION);
-    EXPECT_EQ(verify_error(v6->cert.get(), (*ca)->cert(), "2001:db8::1"),
+    EXPECT_EQ(verify_error(v6.get(), (*ca)->cert(), "2001:db8::1"),
               X509_V_ERR_EXCLUDED_VIOLATION);
     EXPECT_EQ(RunCa::permitted_names(make_ca("plain")->cert_pem()), std::nullopt);
     EXPECT_EQ(RunCa::permitted_names("junk"), std::nullopt);
