@@ -1306,10 +1306,59 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
         return ok(200, out);
     }
     if (!run) return error(503, "not_ready", "run not loaded yet");
+    // The secret a pin uses, and where it is found: a store secret by the dynamic run's scope
+    // or a static run's `scope` (its `secret: NAME` pins, with the scope chain); other static
+    // pins read a secret_file.
+    auto describe_secret = [&](const std::string& pin_id, const std::string& name,
+                               const std::string& file) {
+        json::object sj;
+        sj["name"] = name;
+        const credstore::Scope* scope = rec != nullptr ? &rec->scope : nullptr;
+        if (static_run) {
+            scope = nullptr;
+            for (const auto& sp : static_run->store_pins) {
+                if (sp.pin.id == pin_id) scope = &static_run->scope;
+            }
+        }
+        if (scope == nullptr) {
+            sj["source"] = "secret_file";
+            if (!file.empty()) sj["file"] = file;
+            out["secret"] = sj;
+            return;
+        }
+        std::vector<credstore::ScopeCandidate> chain;
+        const auto* chosen = credstore::resolve_secret(*snap, name, *scope, &chain);
+        if (chosen != nullptr) {
+            sj["scope"] = scope_json(chosen->scope);
+            sj["version"] = chosen->version;
+        }
+        json::array ch;
+        for (const auto& c : chain) {
+            json::object co;
+            co["scope"] = scope_json(c.scope);
+            co["version"] = c.version;
+            co["matches"] = c.matches;
+            co["chosen"] = chosen != nullptr && chosen->scope == c.scope;
+            ch.push_back(co);
+        }
+        out["chain"] = ch;
+        out["secret"] = sj;
+    };
     auto dd = policy::decide_destination(config->policy, run->policy, *dest, now);
     if (dd.carry == policy::Carry::Deny) {
+        // The proxy's own reason for this refusal (destination_refusal_reason): a host whose
+        // pin's secret is missing is secret_unavailable, naming that pin and its secret.
         out["decision"] = "deny";
-        out["reason"] = dd.reason;
+        out["reason"] = destination_refusal_reason(*run, *dest, dd.reason);
+        if (dd.reason == "host_not_allowed") {
+            if (const UnavailablePin* up = find_unavailable_pin(*run, *dest)) {
+                json::object pj;
+                pj["id"] = up->pin_id;
+                pj["host"] = up->host.text();
+                out["pin"] = pj;
+                describe_secret(up->pin_id, up->secret_name, up->secret_file);
+            }
+        }
         return ok(200, out);
     }
     if (dd.carry == policy::Carry::Tunnel) {
@@ -1328,37 +1377,7 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
     pj["id"] = pin->id;
     pj["host"] = pin->host.text();
     out["pin"] = pj;
-    json::object sj;
-    sj["name"] = pin->secret_name;
-    // The scope a store secret is found by: the dynamic run's, or a static run's `scope`
-    // for its `secret: NAME` pins; other static pins read a secret_file.
-    const credstore::Scope* scope = rec != nullptr ? &rec->scope : nullptr;
-    if (static_run) {
-        for (const auto& sp : static_run->store_pins) {
-            if (sp.pin.id == pin->id) scope = &static_run->scope;
-        }
-    }
-    if (scope != nullptr) {
-        std::vector<credstore::ScopeCandidate> chain;
-        const auto* chosen = credstore::resolve_secret(*snap, pin->secret_name, *scope, &chain);
-        if (chosen != nullptr) {
-            sj["scope"] = scope_json(chosen->scope);
-            sj["version"] = chosen->version;
-        }
-        json::array ch;
-        for (const auto& c : chain) {
-            json::object co;
-            co["scope"] = scope_json(c.scope);
-            co["version"] = c.version;
-            co["matches"] = c.matches;
-            co["chosen"] = chosen != nullptr && chosen->scope == c.scope;
-            ch.push_back(co);
-        }
-        out["chain"] = ch;
-    } else {
-        sj["source"] = "secret_file";
-    }
-    out["secret"] = sj;
+    describe_secret(pin->id, pin->secret_name, {});
     out["decision"] = https ? "inject" : "forward";
     out["reason"] = https ? "injected" : "cleartext_no_credential";
     return ok(200, out);
@@ -1768,7 +1787,7 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
                 if (v) value = *v;
             }
             if (!value) {
-                run->unavailable_pins.push_back(*pat);
+                run->unavailable_pins.push_back({*pat, p.id, p.secret, {}});
                 continue;
             }
             policy::Pin pin;

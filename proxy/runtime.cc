@@ -38,6 +38,23 @@ std::string one_per_line(const std::vector<std::string>& errors) {
 
 }  // namespace
 
+const UnavailablePin* find_unavailable_pin(const Run& run, const policy::HostPort& dest) {
+    for (const auto& p : run.unavailable_pins) {
+        if (p.matches(dest)) {
+            return &p;
+        }
+    }
+    return nullptr;
+}
+
+std::string_view destination_refusal_reason(const Run& run, const policy::HostPort& dest,
+                                            std::string_view reason) {
+    if (reason == "host_not_allowed" && find_unavailable_pin(run, dest) != nullptr) {
+        return "secret_unavailable";
+    }
+    return reason;
+}
+
 std::shared_ptr<Run> Runtime::find(const std::string& id) const {
     const std::shared_ptr<Run>* run = lookup(id);
     return run != nullptr ? *run : nullptr;
@@ -158,7 +175,8 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                     warnings.lines.push_back(pc.yaml_path + ".secret_file: " + pc.secret_file +
                                              " does not exist; pin for " + pc.host.text() +
                                              " disabled until it does (then reload)");
-                    run->unavailable_pins.push_back(pc.host);
+                    run->unavailable_pins.push_back(
+                        {pc.host, pin.id, pin.secret_name, pc.secret_file});
                     continue;
                 }
                 auto s = credstore::load_secret_file(pc.secret_file);
@@ -182,7 +200,7 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             run->policy.pins.push_back(std::move(pin));
         }
         for (const auto& sp : run->store_pins) {
-            run->unavailable_pins.push_back(sp.pin.host);
+            run->unavailable_pins.push_back({sp.pin.host, sp.pin.id, sp.pin.secret_name, {}});
         }
         if (rc.scope) {
             run->scope = *rc.scope;
@@ -254,7 +272,7 @@ std::shared_ptr<Run> with_store_secrets(const Run& statics,
             run->policy.pins.push_back(file_pins[next_file++]);
         }
         if (i >= values.size() || !values[i]) {
-            run->unavailable_pins.push_back(sp.pin.host);
+            run->unavailable_pins.push_back({sp.pin.host, sp.pin.id, sp.pin.secret_name, {}});
             continue;
         }
         policy::Pin pin = sp.pin;

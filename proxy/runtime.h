@@ -20,6 +20,17 @@
 
 namespace egress::proxy {
 
+/// A pin of a run whose secret could not be loaded (a secret file not mounted yet, a store
+/// secret deleted or not found in the run's scope): it injects nothing, and its host is
+/// refused as secret_unavailable rather than host_not_allowed (destination_refusal_reason).
+struct UnavailablePin {
+    policy::HostPattern host;
+    std::string pin_id;
+    std::string secret_name;  // the store secret's name, or the secret file's name
+    std::string secret_file;  // the path of a secret_file pin; empty for a store secret
+    bool matches(const policy::HostPort& dest) const { return host.matches(dest); }
+};
+
 struct Run {
     policy::RunPolicy policy;
     std::optional<std::chrono::seconds> static_ttl;  // static runs: the ttl they were built with
@@ -33,7 +44,7 @@ struct Run {
     std::shared_ptr<tls::LeafCache> leaves;  // keeps `ca` alive (see make_leaf_cache)
     /// Pins whose secret could not be loaded (e.g. a secret file not mounted yet): their
     /// hosts are refused with "secret_unavailable" instead of "host_not_allowed".
-    std::vector<policy::HostPattern> unavailable_pins;
+    std::vector<UnavailablePin> unavailable_pins;
     std::vector<policy::Cidr> sources;  // transparent mode: client addresses bound to the run
 
     /// Static runs: pins on a store secret (`secret: NAME`), found by `scope` in the state
@@ -57,6 +68,17 @@ struct Run {
 std::shared_ptr<Run> with_store_secrets(const Run& statics,
                                         const std::vector<credstore::SecretPtr>& values,
                                         policy::InjectionCache& injections);
+
+/// The first of `run`'s unavailable pins whose host matches `dest`, or null.
+const UnavailablePin* find_unavailable_pin(const Run& run, const policy::HostPort& dest);
+
+/// The reason a destination refusal of `dest` is given with, by the proxy listeners (the
+/// X-Egress-Reason and the audit record) and by run explain alike: decide_destination's
+/// `reason`, except that host_not_allowed becomes secret_unavailable when one of the run's
+/// unavailable pins names the host (the grant exists; its secret does not, yet). Returns
+/// `reason` itself or a static string.
+std::string_view destination_refusal_reason(const Run& run, const policy::HostPort& dest,
+                                            std::string_view reason);
 
 struct Runtime {
     std::shared_ptr<const Config> config;

@@ -955,7 +955,11 @@ int cmd_run_explain(const Ctx& ctx, const std::vector<std::string>& rest) {
         const auto& so = s->get_object();
         if (so.contains("scope")) std::cout << " in " << scope_text(so.at("scope"));
         if (so.contains("version")) std::cout << ", version " << str_field(*s, "version");
-        if (so.contains("source")) std::cout << " (" << str_field(*s, "source") << ")";
+        if (so.contains("source")) {
+            std::cout << " (" << str_field(*s, "source");
+            if (so.contains("file")) std::cout << " " << str_field(*s, "file");
+            std::cout << ")";
+        }
         std::cout << "\n";
     } else {
         std::cout << "secret:   none\n";

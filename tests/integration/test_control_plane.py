@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -1918,3 +1919,85 @@ def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
     ctl_ok(e, "keys", "rotate")
     assert not os.path.exists(master_key_file(e) + ".next.tmp")
     assert api(e, "GET", "/v1/secrets").status == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# proxy_url (listen.advertise), run explain of a missing secret, the CA bundle of --env
+
+
+def test_explain_says_secret_unavailable_as_the_proxy_does(factory, world):
+    """A pin whose secret is missing refuses its host with 403 secret_unavailable, and run
+    explain now says the same (it said host_not_allowed), naming the pin and its secret: a
+    static secret_file not there yet (the quickstart before var/github.token exists), a static
+    `secret: NAME` pin after `egressctl secret rm`, a dynamic run's pin whose secret was
+    deleted."""
+    U = world.U
+    missing = {}
+
+    def mutate(cfg):
+        missing["path"] = os.path.join(os.path.dirname(cfg["admin"]["token_file"]),
+                                       "not-yet.token")
+        r1 = cfg["runs"][0]
+        r1["scope"] = {"org": "acme"}
+        r1["pins"] += [
+            {"host": f"nofile.test:{U}", "secret_file": missing["path"],
+             "inject": {"type": "bearer"}},
+            {"host": f"other.test:{U}", "secret": "st_tok", "inject": {"type": "bearer"}},
+        ]
+    e = factory.start(mutate=mutate)
+    n = len(e.config["runs"][0]["pins"])
+
+    def explain(run, url):
+        return api_ok(e, "GET", f"/v1/runs/{run}/explain?url={urllib.parse.quote(url, safe='')}")
+
+    def proxy_reason(auth, host):
+        c, r = helpers.proxy_connect(e.proxy_port, f"{host}:{U}", auth)
+        c.close()
+        return r.status, r.egress_reason
+
+    def settle(run, url, reason):
+        """The explain answer once it says `reason` (a store change is applied by a rebuild;
+        bounded)."""
+        for _ in range(50):
+            ex = explain(run, url)
+            if ex["reason"] == reason:
+                return ex
+            time.sleep(0.1)
+        raise AssertionError(f"explain {url}: {ex['decision']} ({ex['reason']}), want {reason}")
+
+    # 1. A static secret_file that does not exist yet.
+    ex = explain("r1", f"https://nofile.test:{U}/")
+    assert (ex["decision"], ex["reason"]) == ("deny", "secret_unavailable"), ex
+    assert ex["pin"] == {"id": f"r1-pin-{n - 2}", "host": f"nofile.test:{U}"}
+    assert ex["secret"] == {"name": "not-yet.token", "source": "secret_file",
+                            "file": missing["path"]}
+    assert proxy_reason(world.auth("r1"), "nofile.test") == (403, "secret_unavailable")
+    out = ctl_ok(e, "run", "explain", "r1", f"https://nofile.test:{U}/").out
+    assert "decision: deny (secret_unavailable)" in out, out
+    assert f"pin:      r1-pin-{n - 2}" in out and "not-yet.token" in out, out
+
+    # 2. A static `secret: NAME` pin: live once put, unavailable again after `secret rm`.
+    put_secret(e, "st_tok", sval("st"), org="acme")
+    settle("r1", f"https://other.test:{U}/", "injected")
+    ctl_ok(e, "secret", "rm", "st_tok", "--scope", "org=acme")
+    ex = settle("r1", f"https://other.test:{U}/", "secret_unavailable")
+    assert ex["decision"] == "deny", ex
+    assert ex["pin"] == {"id": f"r1-pin-{n - 1}", "host": f"other.test:{U}"}
+    assert ex["secret"]["name"] == "st_tok" and "scope" not in ex["secret"], ex
+    assert isinstance(ex["chain"], list)
+    assert proxy_reason(world.auth("r1"), "other.test") == (403, "secret_unavailable")
+
+    # 3. A dynamic run whose pin's secret was deleted.
+    put_secret(e, "dyn_tok", sval("dyn"), org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), "dyn_tok")])
+    settle(run.id, f"https://{api_host(world)}/", "injected")
+    ctl_ok(e, "secret", "rm", "dyn_tok", "--scope", "org=acme")
+    ex = settle(run.id, f"https://{api_host(world)}/", "secret_unavailable")
+    assert ex["decision"] == "deny", ex
+    assert ex["pin"] == {"id": run.reply["pins"][0]["id"], "host": api_host(world)}
+    assert ex["secret"]["name"] == "dyn_tok", ex
+    assert proxy_reason(run.auth, "api.test") == (403, "secret_unavailable")
+    # A host no pin names stays host_not_allowed, in both.
+    ex = explain(run.id, f"https://unlisted.test:{U}/")
+    assert (ex["reason"], ex["pin"], ex["secret"]) == ("host_not_allowed", None, None), ex
+    assert proxy_reason(run.auth, "unlisted.test") == (403, "host_not_allowed")

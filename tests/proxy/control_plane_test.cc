@@ -196,7 +196,7 @@ TEST_F(StaticStorePins, OffUntilPutThenTheMostSpecificSecretOfTheRunsScope) {
     ASSERT_TRUE(app);
     EXPECT_TRUE(app->policy.pins.empty());
     ASSERT_EQ(app->unavailable_pins.size(), 1u);
-    EXPECT_EQ(app->unavailable_pins[0].text(), "a.test");
+    EXPECT_EQ(app->unavailable_pins[0].host.text(), "a.test");
     ASSERT_EQ(w.lines.size(), 1u);
     EXPECT_EQ(w.lines[0],
               "runs[0].pins[0].secret: no secret 'gh' for scope org=acme,project=web in the "

@@ -160,8 +160,8 @@ TEST_F(RuntimeCaFiles, StoreSecretPinsAreOffUntilResolvedThenMergedInConfigOrder
     EXPECT_FALSE(r.store_pins[0].pin.secret);
     // As built (not yet resolved), the store pins' hosts are refused as secret_unavailable.
     ASSERT_EQ(r.unavailable_pins.size(), 2u);
-    EXPECT_EQ(r.unavailable_pins[0].text(), "b.test");
-    EXPECT_EQ(r.unavailable_pins[1].text(), "c.test");
+    EXPECT_EQ(r.unavailable_pins[0].host.text(), "b.test");
+    EXPECT_EQ(r.unavailable_pins[1].host.text(), "c.test");
 
     // gh resolved, npm not: merged in config order, npm's host stays unavailable.
     auto gh = std::make_shared<const credstore::SecretValue>("store-gh");
@@ -174,7 +174,7 @@ TEST_F(RuntimeCaFiles, StoreSecretPinsAreOffUntilResolvedThenMergedInConfigOrder
     EXPECT_EQ(served->policy.pins[1].secret, gh);
     ASSERT_TRUE(served->policy.pins[1].injection);
     ASSERT_EQ(served->unavailable_pins.size(), 1u);
-    EXPECT_EQ(served->unavailable_pins[0].text(), "c.test");
+    EXPECT_EQ(served->unavailable_pins[0].host.text(), "c.test");
     EXPECT_EQ(served->ca, r.ca);  // the same CA and leaf cache: sandboxes keep trusting it
     EXPECT_EQ(served->leaves, r.leaves);
     EXPECT_EQ(served->token, r.token);
