@@ -173,6 +173,23 @@ Result<ListenAddress> parse_listen(std::string_view text, bool allow_unix) {
     return out;
 }
 
+/// listen.advertise: "host:port", host a DNS name or an IP literal ("[v6]:port"), port
+/// 1..65535; returned as parse_authority normalizes it ("[::1]:3128"). An unspecified address
+/// is refused: nobody can connect to it.
+Result<std::string> parse_advertise(std::string_view text) {
+    auto hp = policy::parse_authority(text, std::nullopt);
+    if (!hp) {
+        return make_error("expected host:port that sandboxes connect to (e.g. "
+                          "egressd.egress.svc:3128, 10.0.0.5:3128 or [fd00::5]:3128), got " +
+                          quoted(text) + ": " + hp.error());
+    }
+    if (hp->host == "0.0.0.0" || hp->host == "::") {
+        return make_error("unspecified address " + quoted(hp->host) +
+                          ": name an address sandboxes can connect to");
+    }
+    return hp->authority();
+}
+
 /// resolver.servers entry: "ip", "ip:port" or "[v6]:port"; port 1..65535.
 Result<bool> check_dns_server(std::string_view text) {
     if (policy::IpAddress::parse(text)) {
@@ -498,6 +515,18 @@ public:
                                           c.transparent.reset();
                                       } else if (auto a = listen(v, p, false)) {
                                           c.transparent = std::move(*a);
+                                      }
+                                  }},
+                                 {"advertise",
+                                  [this, &c](const YAML::Node& v, const std::string& p) {
+                                      if (v.IsNull()) {
+                                          c.advertise.reset();
+                                      } else if (auto s = string(v, p)) {
+                                          if (auto a = parse_advertise(*s)) {
+                                              c.advertise = std::move(*a);
+                                          } else {
+                                              error(p, a.error());
+                                          }
                                       }
                                   }}})},
              {"admin",
@@ -1131,6 +1160,20 @@ std::string ListenAddress::to_string() const {
         return "[" + host + "]:" + std::to_string(port);
     }
     return host + ":" + std::to_string(port);
+}
+
+std::string proxy_authority(const std::optional<std::string>& advertise,
+                            const std::string& host, uint16_t port) {
+    if (advertise) {
+        return *advertise;
+    }
+    ListenAddress a{host, port, {}};
+    if (a.host == "0.0.0.0") {
+        a.host = "127.0.0.1";
+    } else if (a.host == "::") {
+        a.host = "::1";
+    }
+    return a.to_string();
 }
 
 Result<std::chrono::milliseconds> parse_duration(const std::string& text) {

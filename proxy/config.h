@@ -181,6 +181,11 @@ struct Config {
     ListenAddress proxy{"127.0.0.1", 3128, {}};
     ListenAddress admin{"127.0.0.1", 9901, {}};
     std::optional<ListenAddress> transparent;
+    /// listen.advertise: the "host:port" put into a new run's proxy_url (POST /v1/runs), as
+    /// sandboxes reach the proxy listener (a Service name, a load balancer's address); host is
+    /// a DNS name or an IP literal (an IPv6 one bracketed here). Unset: the listener's own
+    /// address, loopback for an unspecified bind (proxy_authority()).
+    std::optional<std::string> advertise;
     std::string admin_token_file = "var/admin.token";
     AdminLimits admin_limits;
     std::string state_backend = "file";
@@ -206,6 +211,12 @@ struct Config {
 Result<Config> parse_config(const std::string& yaml_text, const std::string& source_name);
 /// Reads the file, then parse_config. A missing or unreadable file is an error naming it.
 Result<Config> load_config_file(const std::string& path);
+
+/// The authority ("host:port") a new run's proxy_url names: `advertise` when set, else the
+/// proxy listener's address `host` (an IP literal) and bound `port`, with loopback in place of
+/// an unspecified address (127.0.0.1 for 0.0.0.0, ::1 for ::) and brackets around IPv6.
+std::string proxy_authority(const std::optional<std::string>& advertise,
+                            const std::string& host, uint16_t port);
 
 /// "10s", "500ms", "2m", "1h", or a bare integer of seconds.
 Result<std::chrono::milliseconds> parse_duration(const std::string& text);

@@ -320,6 +320,12 @@ struct Server::Impl {
         shared.metrics.state_revision.store(control->built_revision());
     }
 
+    /// The "host:port" a new run's proxy_url names (listen.advertise, else the listener's).
+    std::string advertised_proxy(const Config& cfg) const {
+        auto pep = proxy_acceptor->local_endpoint();
+        return proxy_authority(cfg.advertise, pep.address().to_string(), pep.port());
+    }
+
     /// SIGHUP: re-read the config; apply it atomically or refuse it and keep the old one.
     /// Also reopens the audit file (log rotation, or a new audit.path).
     void reload() {
@@ -366,6 +372,7 @@ struct Server::Impl {
         spdlog::set_level(spdlog::level::from_str(config->log_level));
         control->set_statics(*statics);
         control->set_admin_token(std::move(*admin_token));
+        control->set_proxy_authority(advertised_proxy(*config));  // listen.advertise
         publish_runtime();
         log_static_cas(**statics);
         if (!needs_restart.empty()) {
@@ -708,12 +715,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     }
     impl_->control = std::move(*control);
     Impl::log_static_cas(*runtime);
-    auto pep = impl_->proxy_acceptor->local_endpoint();
-    std::string host = pep.address().is_unspecified() ? "127.0.0.1" : pep.address().to_string();
-    if (pep.address().is_v6()) {
-        host = "[" + host + "]";
-    }
-    impl_->control->set_proxy_authority(host + ":" + std::to_string(pep.port()));
+    impl_->control->set_proxy_authority(impl_->advertised_proxy(cfg));
     s.control = impl_->control.get();
     s.control_executor = impl_->control_ioc.get_executor();
     // Listener first: a change the etcd watch brings in between is then built either way.

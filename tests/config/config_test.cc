@@ -502,6 +502,59 @@ TEST(ConfigParse, ListenAddresses) {
     }
 }
 
+TEST(ConfigParse, ListenAdvertise) {
+    struct Row {
+        const char* value;
+        const char* expect;  // the stored authority, or the error's first line
+    };
+    const Row rows[] = {
+        {"egressd-gateway.default.svc.cluster.local:3128",
+         "egressd-gateway.default.svc.cluster.local:3128"},
+        {"EgressD.Example.:3128", "egressd.example:3128"},
+        {"10.0.0.5:3128", "10.0.0.5:3128"},
+        {"'[fd00::5]:3128'", "[fd00::5]:3128"},
+        {"'[::1]:3128'", "[::1]:3128"},
+        {"egressd.svc", "listen.advertise: expected host:port that sandboxes connect to"},
+        {"egressd.svc:0", "listen.advertise: expected host:port"},
+        {"egressd.svc:70000", "listen.advertise: expected host:port"},
+        {"'user@egressd.svc:3128'", "listen.advertise: expected host:port"},
+        {"'http://egressd.svc:3128'", "listen.advertise: expected host:port"},
+        {"0.0.0.0:3128", "listen.advertise: unspecified address '0.0.0.0'"},
+        {"'[::]:3128'", "listen.advertise: unspecified address '::'"},
+        {"[1, 2]", "listen.advertise: expected a string, got a list"},
+    };
+    for (const auto& row : rows) {
+        std::string yaml = std::string("listen:\n  advertise: ") + row.value + "\n";
+        SCOPED_TRACE(yaml);
+        auto r = parse_config(yaml, "t");
+        std::string expect = row.expect;
+        if (expect.rfind("listen.", 0) == 0) {
+            ASSERT_FALSE(r.ok());
+            EXPECT_EQ(lines_of(r.error())[0].rfind(expect, 0), 0u) << r.error();
+            continue;
+        }
+        ASSERT_TRUE(r.ok()) << r.error();
+        ASSERT_TRUE(r->advertise.has_value());
+        EXPECT_EQ(*r->advertise, expect);
+    }
+    auto unset = parse_config("listen:\n  advertise: null\n", "t");
+    ASSERT_TRUE(unset.ok()) << unset.error();
+    EXPECT_FALSE(unset->advertise.has_value());
+}
+
+TEST(ConfigParse, ProxyAuthorityOfANewRun) {
+    // listen.advertise wins; else the listener's address, loopback for an unspecified bind,
+    // an IPv6 host bracketed (and only then).
+    EXPECT_EQ(proxy_authority(std::string("gw.example:3128"), "0.0.0.0", 4000),
+              "gw.example:3128");
+    EXPECT_EQ(proxy_authority(std::nullopt, "0.0.0.0", 4000), "127.0.0.1:4000");
+    EXPECT_EQ(proxy_authority(std::nullopt, "::", 4000), "[::1]:4000");
+    EXPECT_EQ(proxy_authority(std::nullopt, "127.0.0.1", 4000), "127.0.0.1:4000");
+    EXPECT_EQ(proxy_authority(std::nullopt, "::1", 4000), "[::1]:4000");
+    EXPECT_EQ(proxy_authority(std::nullopt, "10.1.2.3", 3128), "10.1.2.3:3128");
+    EXPECT_EQ(proxy_authority(std::nullopt, "fd00::5", 3128), "[fd00::5]:3128");
+}
+
 TEST(ConfigParse, ListenersMustNotCollide) {
     auto r = parse_config("listen: {proxy: 127.0.0.1:9000, admin: 127.0.0.1:9000}\n", "t");
     ASSERT_FALSE(r.ok());
@@ -921,6 +974,16 @@ TEST(ExampleConfigs, QuickstartParses) {
     EXPECT_EQ(run.pins[0].host.text(), "api.github.com");
     EXPECT_EQ(run.pins[0].secret_file, "var/github.token");
     EXPECT_EQ(run.pins[0].inject.type, policy::InjectType::Bearer);
+}
+
+TEST(ExampleConfigs, FleetAdvertisesTheService) {
+    // A fleet binds 0.0.0.0: without listen.advertise every run's proxy_url would name
+    // 127.0.0.1, the sandbox itself.
+    auto r = load_config_file((source_root() / "configs" / "fleet.yaml").string());
+    ASSERT_TRUE(r.ok()) << r.error();
+    EXPECT_EQ(r->proxy.to_string(), "0.0.0.0:3128");
+    ASSERT_TRUE(r->advertise.has_value());
+    EXPECT_EQ(*r->advertise, "egressd-gateway.default.svc.cluster.local:3128");
 }
 
 TEST(ExampleConfigs, SidecarParses) {

@@ -473,6 +473,13 @@ def test_gateway_config(gateway):
     assert (host, port) == ("0.0.0.0", 3128)
     admin_host, _ = host_port(cfg["listen"]["admin"])
     assert ipaddress.ip_address(admin_host).is_loopback, "gateway admin API must stay in the pod"
+    # A run's proxy_url names the Service (its DNS name and port), not the 0.0.0.0 bind,
+    # which would give sandbox pods 127.0.0.1: themselves.
+    svc = one(gateway["docs"], "Service")
+    adv_host, adv_port = host_port(cfg["listen"]["advertise"])
+    assert adv_host.split(".")[0] == svc["metadata"]["name"], adv_host
+    assert adv_host.endswith(".svc.cluster.local"), adv_host
+    assert adv_port in [p["port"] for p in svc["spec"]["ports"] if p["name"] == "proxy"]
     assert cfg["state"]["backend"] == "file"
     assert "state.backend: etcd" in gateway["cfg_text"] or "backend: etcd" in gateway["cfg_text"]
     assert_writable_paths(cfg, gateway["spec"], gateway["egressd"])

@@ -1925,6 +1925,72 @@ def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
 # proxy_url (listen.advertise), run explain of a missing secret, the CA bundle of --env
 
 
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("bind,want_host", [
+    ("0.0.0.0", "127.0.0.1"),
+    pytest.param("[::]", "::1", marks=pytest.mark.skipif(not _has_ipv6_loopback(),
+                                                         reason="no IPv6 loopback")),
+    ("127.0.0.1", "127.0.0.1"),
+])
+def test_proxy_url_of_a_new_run_is_usable(factory, world, bind, want_host):
+    """A run's proxy_url names loopback for an unspecified bind, bracketed only when IPv6: a
+    `[::]:PORT` listener had given `http://run:TOKEN@[127.0.0.1]:PORT`, which no client
+    parses. curl goes through the URL as given, and the pinned credential is injected."""
+    def mutate(cfg):
+        cp_mutate(world)(cfg)
+        cfg["listen"]["proxy"] = f"{bind}:{cfg['listen']['proxy'].rsplit(':', 1)[1]}"
+    e = factory.start(mutate=mutate)
+    v = sval("url")
+    put_secret(e, "url_tok", v, org="acme")
+    r = api(e, "POST", "/v1/runs", {"scope": {"org": "acme"},
+                                    "pins": [bearer_pin(api_host(world), "url_tok")]})
+    assert r.status == 201, r.status
+    j = r.json
+    u = urllib.parse.urlsplit(j["proxy_url"])
+    assert (u.scheme, u.hostname, u.port, u.username) == ("http", want_host, e.proxy_port,
+                                                          j["id"])
+    ca = os.path.join(e.workdir, f"{j['id']}-url-ca.pem")
+    with open(ca, "w") as f:
+        f.write(j["ca_pem"])
+    marker = "m-url-" + pysecrets.token_hex(3)
+    c = helpers.curl(["-x", j["proxy_url"], "--cacert", ca, "-o", "/dev/null", "-w",
+                      "%{http_code}", f"https://{api_host(world)}/echo/{marker}"], timeout=30)
+    assert c.returncode == 0 and c.stdout == b"200", (c.returncode, c.stderr[-500:])
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "token not injected")
+
+
+def test_listen_advertise_names_the_proxy_url_and_follows_a_reload(factory, world):
+    """listen.advertise is what a new run's proxy_url names (a Service name in a cluster); a
+    reload applies a new value to runs created after it."""
+    def mutate(cfg):
+        cp_mutate(world)(cfg)
+        cfg["listen"]["proxy"] = f"0.0.0.0:{cfg['listen']['proxy'].rsplit(':', 1)[1]}"
+        cfg["listen"]["advertise"] = "egressd-gateway.ns.svc.cluster.local:3128"
+    e = factory.start(mutate=mutate)
+
+    def url_of_new_run():
+        r = api(e, "POST", "/v1/runs", {"scope": {"org": "acme"}, "allow_hosts": ["x.test"]})
+        assert r.status == 201, r.status
+        return urllib.parse.urlsplit(r.json["proxy_url"])
+
+    u = url_of_new_run()
+    assert (u.hostname, u.port) == ("egressd-gateway.ns.svc.cluster.local", 3128)
+    e.config["listen"]["advertise"] = "[fd00::5]:8080"
+    e.write_config()
+    e.reload()
+    u = url_of_new_run()
+    assert (u.hostname, u.port) == ("fd00::5", 8080)
+    assert u.netloc.endswith("@[fd00::5]:8080")
+
+
 def test_explain_says_secret_unavailable_as_the_proxy_does(factory, world):
     """A pin whose secret is missing refuses its host with 403 secret_unavailable, and run
     explain now says the same (it said host_not_allowed), naming the pin and its secret: a
