@@ -10,6 +10,7 @@
 // 2 usage error.
 #include <fcntl.h>
 #include <openssl/crypto.h>
+#include <openssl/x509.h>
 #include <sys/prctl.h>
 #include <termios.h>
 #include <unistd.h>
@@ -83,6 +84,12 @@ const char* kUsage =
     "             [--pin HOST[:PORT]=SECRET:bearer|basic:USER|header:NAME[:TEMPLATE]\n"
     "                    |aws-sigv4:[ACCESS_KEY_ID]:REGION:SERVICE]...\n"
     "             [PIN OPTIONS] [--allow HOST]... [--ttl 30m] [--env] [--ca-out FILE]\n"
+    "             [--ca-bundle-out FILE] [--system-ca-file FILE]\n"
+    "                     --env prints the sandbox's variables and writes the run CA\n"
+    "                     (--ca-out, default ./egress-run-ca.pem; NODE_EXTRA_CA_CERTS) and a\n"
+    "                     bundle of the system roots (--system-ca-file, default OpenSSL's)\n"
+    "                     plus the run CA (--ca-bundle-out, default ./egress-run-ca-bundle.pem;\n"
+    "                     SSL_CERT_FILE, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE, GIT_SSL_CAINFO)\n"
     "  run pin ID --pin HOST[:PORT]=SECRET:TYPE [PIN OPTIONS] [--ttl 10m]\n"
     "                     add a pin to a run (its ttl never past the run's end)\n"
     "    PIN OPTIONS narrow every --pin of the command:\n"
@@ -776,21 +783,84 @@ int cmd_secret_rm(const Ctx& ctx, const std::vector<std::string>& rest) {
     return 0;
 }
 
-/// Writes the CA certificate (public) atomically; returns the absolute path.
-std::string write_ca(const std::string& path, const std::string& pem) {
+/// Writes a public certificate file (the run CA, the CA bundle) atomically, never following a
+/// name planted beside it (stage_file_beside); returns the absolute path. `flag` names the
+/// option in errors.
+std::string write_ca(const std::string& path, const std::string& pem,
+                     const char* flag = "--ca-out") {
     namespace fs = std::filesystem;
     std::error_code ec;
     fs::path abs = fs::absolute(path, ec);
-    if (ec) throw Failure("--ca-out " + path + ": " + ec.message());
+    if (ec) throw Failure(std::string(flag) + " " + path + ": " + ec.message());
     abs = abs.lexically_normal();
     auto tmp = egress::stage_file_beside(abs.string(), pem, 0644);
-    if (!tmp) throw Failure("--ca-out " + abs.string() + ": " + tmp.error());
+    if (!tmp) throw Failure(std::string(flag) + " " + abs.string() + ": " + tmp.error());
     if (::rename(tmp->c_str(), abs.c_str()) != 0) {
         const int err = errno;
         ::unlink(tmp->c_str());
-        throw Failure("--ca-out " + abs.string() + ": " + std::strerror(err));
+        throw Failure(std::string(flag) + " " + abs.string() + ": " + std::strerror(err));
     }
     return abs.string();
+}
+
+/// The bundle's default name: beside the run CA file, "-bundle" before its ".pem"
+/// (./egress-run-ca.pem -> ./egress-run-ca-bundle.pem).
+std::string default_bundle_path(const std::string& ca_out) {
+    constexpr std::string_view kPem = ".pem";
+    if (ca_out.size() > kPem.size() && ca_out.ends_with(kPem)) {
+        return ca_out.substr(0, ca_out.size() - kPem.size()) + "-bundle.pem";
+    }
+    return ca_out + "-bundle.pem";
+}
+
+/// The trust store a CA bundle starts from: `given` (--system-ca-file), else OpenSSL's
+/// default certificate file, else Debian's. Not $SSL_CERT_FILE: in a shell that ran an earlier
+/// `run create --env` it names that run's bundle, and each new bundle would grow by a CA.
+/// Returns the PEM text, or empty (with a warning) when there is none to read.
+std::string system_roots(const std::optional<std::string>& given) {
+    std::vector<std::string> candidates;
+    if (given) {
+        candidates.push_back(*given);
+    } else {
+        candidates.push_back(X509_get_default_cert_file());
+        candidates.push_back("/etc/ssl/certs/ca-certificates.crt");
+    }
+    constexpr size_t kMaxBytes = 64u << 20;
+    for (const auto& path : candidates) {
+        std::error_code ec;
+        if (!given && !std::filesystem::is_regular_file(path, ec)) continue;
+        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            throw Failure("--system-ca-file " + path + ": " + std::strerror(errno));
+        }
+        std::string text;
+        char buf[65536];
+        for (;;) {
+            const ssize_t n = ::read(fd, buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n < 0) {
+                const int err = errno;
+                ::close(fd);
+                throw Failure("--system-ca-file " + path + ": " + std::strerror(err));
+            }
+            if (n == 0) break;
+            text.append(buf, static_cast<size_t>(n));
+            if (text.size() > kMaxBytes) {
+                ::close(fd);
+                throw Failure("--system-ca-file " + path + ": larger than 64 MiB");
+            }
+        }
+        ::close(fd);
+        if (text.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
+            throw Failure("--system-ca-file " + path + ": no PEM certificate in it");
+        }
+        if (text.back() != '\n') text += '\n';
+        return text;
+    }
+    std::cerr << "egressctl: warning: no system trust store found (" << candidates[0]
+              << "); the CA bundle holds the run CA only, so hosts egressd tunnels blind fail "
+                 "verification; give --system-ca-file FILE\n";
+    return {};
 }
 
 /// The --pin specs of a command, each narrowed by --path, --method and --header.
@@ -843,7 +913,9 @@ int cmd_run_pin(const Ctx& ctx, const std::vector<std::string>& rest) {
 }
 
 int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
-    auto a = parse_args(rest, {"scope", "pin", "path", "method", "header", "allow", "ttl", "ca-out"},
+    auto a = parse_args(rest,
+                        {"scope", "pin", "path", "method", "header", "allow", "ttl", "ca-out",
+                         "ca-bundle-out", "system-ca-file"},
                         {"env", "json"});
     want_pos(a, 0, "");
     json::object req;
@@ -858,7 +930,17 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     req["pins"] = pins_from(a);
     const bool env = a.flag("env");
     auto ca_out = a.one("ca-out");
-    if (env && !ca_out) ca_out = kDefaultCaOut;
+    auto bundle_out = a.one("ca-bundle-out");
+    if ((env || bundle_out) && !ca_out) ca_out = kDefaultCaOut;
+    if (env && !bundle_out) bundle_out = default_bundle_path(*ca_out);
+    if (a.one("system-ca-file") && !bundle_out) {
+        throw Usage("--system-ca-file is what a CA bundle starts from: give --env or "
+                    "--ca-bundle-out");
+    }
+    // Read before the run is made: a trust store that cannot be read fails the command
+    // without leaving a run behind.
+    std::string roots;
+    if (bundle_out) roots = system_roots(a.one("system-ca-file"));
 
     std::string body = json::serialize(req);
     auto r = ctx.client().call(http::verb::post, "/v1/runs", &body);
@@ -873,10 +955,21 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     }
     std::string ca_path;
     if (ca_out) ca_path = write_ca(*ca_out, ca_pem);
+    // SSL_CERT_FILE, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE and GIT_SSL_CAINFO replace a client's
+    // trust store: they name the bundle (the system roots and the run CA), so hosts egressd
+    // carries through a blind tunnel still verify. NODE_EXTRA_CA_CERTS adds to Node's own
+    // roots: it names the run CA alone.
+    std::string bundle_path;
+    if (bundle_out) {
+        std::string bundle = roots + ca_pem;
+        if (bundle.back() != '\n') bundle += '\n';
+        bundle_path = write_ca(*bundle_out, bundle, "--ca-bundle-out");
+    }
 
     if (env) {
         std::string q = shell_quote(proxy_url);
         std::string ca = shell_quote(ca_path);
+        std::string bundle = shell_quote(bundle_path);
         std::string no_proxy = shell_quote("localhost,127.0.0.1,::1");
         std::cout << "# egressd run " << str_field(v, "id") << ", expires "
                   << str_field(v, "expires_at") << "\n";
@@ -886,10 +979,11 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
         for (const char* k : {"NO_PROXY", "no_proxy"}) {
             std::cout << "export " << k << "=" << no_proxy << "\n";
         }
-        for (const char* k : {"SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
-                              "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"}) {
-            std::cout << "export " << k << "=" << ca << "\n";
+        for (const char* k :
+             {"SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"}) {
+            std::cout << "export " << k << "=" << bundle << "\n";
         }
+        std::cout << "export NODE_EXTRA_CA_CERTS=" << ca << "\n";
         return 0;
     }
     json::object out;
@@ -898,6 +992,7 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     }
     if (ca_out) {
         out["ca_file"] = ca_path;
+        if (bundle_out) out["ca_bundle_file"] = bundle_path;
     } else {
         out["ca_pem"] = ca_pem;
     }

@@ -1047,7 +1047,9 @@ def test_egressctl_env_output_is_shell_safe(cp, world, api_secret, tmp_path):
         k, _, v = line[len("export "):].partition("=")
         exported[k] = shlex.split(v)[0]
     assert sorted(exported) == sorted(names)
-    assert exported["SSL_CERT_FILE"] == str(ca) and os.path.isabs(exported["SSL_CERT_FILE"])
+    assert exported["NODE_EXTRA_CA_CERTS"] == str(ca)
+    assert exported["SSL_CERT_FILE"] == str(ca.parent / "ca-bundle.pem")
+    assert os.path.isabs(exported["SSL_CERT_FILE"])
     assert exported["NO_PROXY"] == "localhost,127.0.0.1,::1"
     assert exported["HTTPS_PROXY"].startswith("http://run_")
     with open(ca) as f:
@@ -1570,7 +1572,11 @@ echo done
               "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE", "https_proxy",
               "http_proxy", "no_proxy"):
         assert k in env, k
-    assert env["SSL_CERT_FILE"] == str(sandbox / "egress-run-ca.pem")
+    # The variables that replace a client's trust store name the bundle (system roots + the
+    # run CA); NODE_EXTRA_CA_CERTS (additive) the run CA alone.
+    for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"):
+        assert env[k] == str(sandbox / "egress-run-ca-bundle.pem"), k
+    assert env["NODE_EXTRA_CA_CERTS"] == str(sandbox / "egress-run-ca.pem")
     expect(not contains_any(env_text, {"t": token}), "token in the sandbox environment")
     hits = []
     for root, _dirs, names in os.walk(sandbox):
@@ -1925,6 +1931,17 @@ def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
 # proxy_url (listen.advertise), run explain of a missing secret, the CA bundle of --env
 
 
+def _parse_exports(text: str) -> dict:
+    exported = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        assert line.startswith("export "), line
+        k, _, v = line[len("export "):].partition("=")
+        exported[k] = shlex.split(v)[0]
+    return exported
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:
@@ -2067,3 +2084,61 @@ def test_explain_says_secret_unavailable_as_the_proxy_does(factory, world):
     ex = explain(run.id, f"https://unlisted.test:{U}/")
     assert (ex["reason"], ex["pin"], ex["secret"]) == ("host_not_allowed", None, None), ex
     assert proxy_reason(run.auth, "unlisted.test") == (403, "host_not_allowed")
+
+
+def test_egressctl_env_ca_bundle_reaches_intercepted_and_tunnelled_hosts(cp, world, api_secret,
+                                                                         tmp_path):
+    """The variables that replace a client's trust store (SSL_CERT_FILE, REQUESTS_CA_BUNDLE,
+    CURL_CA_BUNDLE, GIT_SSL_CAINFO) name a bundle of the system roots plus the run CA, so a
+    host egressd tunnels blind (tunnel.test, the upstream's own certificate) verifies as well
+    as a pinned one; NODE_EXTRA_CA_CERTS (additive) keeps the run CA alone. They had all named
+    the run CA alone. The test PKI's CA stands in for the system roots (--system-ca-file)."""
+    roots = tmp_path / "system-roots.pem"
+    with open(world.pki.ca) as f:
+        roots_text = f.read()
+    roots.write_text(roots_text)
+    ca = tmp_path / "run-ca.pem"
+    bundle = tmp_path / "run-ca-bundle.pem"
+    r = ctl_ok(cp, "run", "create", "--scope", "org=acme",
+               "--pin", f"{api_host(world)}=api_tok:bearer", "--env", "--ca-out", str(ca),
+               "--system-ca-file", str(roots))
+    exported = _parse_exports(r.out)
+    for k in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO"):
+        assert exported[k] == str(bundle), k
+    assert exported["NODE_EXTRA_CA_CERTS"] == str(ca)
+    ca_text = ca.read_text()
+    assert ca_text.startswith("-----BEGIN CERTIFICATE-----") and ca_text.count("BEGIN") == 1
+    assert bundle.read_text() == roots_text.rstrip("\n") + "\n" + ca_text
+    assert oct(bundle.stat().st_mode & 0o777) == "0o644"
+
+    env = helpers.clean_env(**exported)
+    U = world.U
+    for host, injected in ((api_host(world), True), (f"tunnel.test:{U}", False)):
+        m_curl = "m-bundle-curl-" + pysecrets.token_hex(3)
+        c = helpers.curl(["-o", "/dev/null", "-w", "%{http_code}",
+                          f"https://{host}/echo/{m_curl}"], env=env, timeout=30)
+        assert c.returncode == 0 and c.stdout == b"200", (host, c.returncode, c.stderr[-500:])
+        m_py = "m-bundle-py-" + pysecrets.token_hex(3)
+        p = subprocess.run([sys.executable, "-c",
+                            "import requests, sys\n"
+                            "r = requests.get(sys.argv[1], timeout=30)\n"
+                            "print(r.status_code)\n",
+                            f"https://{host}/echo/{m_py}"],
+                           env=env, capture_output=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.strip() == b"200", (host, p.stderr[-800:])
+        for m in (m_curl, m_py):
+            got = seen_auth(world.upstream, m)
+            expect(bool(got) == injected, f"{host}: Authorization {'not ' if injected else ''}"
+                                          "seen upstream")
+
+    # Without --env, --ca-bundle-out alone writes both files and names them in the JSON.
+    b2 = tmp_path / "b2.pem"
+    j = json.loads(ctl_ok(cp, "run", "create", "--scope", "org=acme", "--allow", "x.test",
+                          "--ca-out", str(tmp_path / "c2.pem"), "--ca-bundle-out", str(b2),
+                          "--system-ca-file", str(roots)).out)
+    assert j["ca_bundle_file"] == str(b2) and b2.read_text().startswith(roots_text)
+    # A trust store that cannot be read fails the command before a run is made.
+    bad = ctl(cp, "run", "create", "--scope", "org=acme", "--allow", "x.test", "--env",
+              "--ca-out", str(tmp_path / "c3.pem"), "--system-ca-file", str(tmp_path / "none"))
+    assert bad.returncode == 1 and "--system-ca-file" in bad.err, bad.err
+    assert not (tmp_path / "c3.pem").exists()
