@@ -37,6 +37,9 @@ namespace {
 
 constexpr int64_t kDefaultRunTtl = 1800;
 constexpr int64_t kMaxRunTtl = 7 * 24 * 3600;
+// The records one `keys rotate` transaction writes to etcd, in bytes: below etcd's default
+// --max-request-bytes (1.5 MiB), with room for the transaction's compares and framing.
+constexpr size_t kRotateTxnBytes = 1 << 20;
 
 int64_t unix_now() {
     return std::chrono::duration_cast<std::chrono::seconds>(
@@ -1414,9 +1417,30 @@ ApiResponse ControlPlane::rotate_keys() {
         target = keys_.find(next_id);
     }
     auto snap = store_->snapshot();
-    std::vector<credstore::Mutation> muts;
-    credstore::Mutation all;
-    all.kind = credstore::Mutation::Kind::ReplaceSecrets;
+    // The writes, in batches. The file backend writes all of them at once (one file). etcd
+    // takes them in transactions of at most state.etcd.max_txn_ops records and
+    // kRotateTxnBytes of them: one transaction of the whole state exceeds etcd's
+    // --max-request-bytes (1.5 MiB by default) or --max-txn-ops as soon as the state is large.
+    // Several transactions are safe: every key that wraps a stored record stays loaded until
+    // the last one went through (etcd rotates through keys.kms_command, whose KMS unwraps
+    // under either id; a master key file is refused above), so each record is served whichever
+    // key wraps it, and a rotation that stops half way is finished by the next.
+    const bool etcd_backend = cfg->state_backend == "etcd";
+    const size_t max_ops = etcd_backend ? std::max<size_t>(1, cfg->etcd.max_txn_ops)
+                                        : std::numeric_limits<size_t>::max();
+    const size_t max_bytes = etcd_backend ? kRotateTxnBytes : std::numeric_limits<size_t>::max();
+    std::vector<std::vector<credstore::Mutation>> batches(1);
+    size_t batch_ops = 0;
+    size_t batch_bytes = 0;
+    auto room_for = [&](size_t record_bytes) {  // one more record; a new batch if it is full
+        if (batch_ops > 0 && (batch_ops + 1 > max_ops || batch_bytes + record_bytes > max_bytes)) {
+            batches.emplace_back();
+            batch_ops = 0;
+            batch_bytes = 0;
+        }
+        ++batch_ops;
+        batch_bytes += record_bytes;
+    };
     size_t count = 0;
     // A record that no loaded key unwraps (sealed under a key that is gone, or edited) is
     // left as it is and named in "skipped": it was not served before the rotation and is not
@@ -1480,10 +1504,16 @@ ApiResponse ControlPlane::rotate_keys() {
         auto r = rewrap_one(s, std::move(who),
                             "secret " + s.name + " (" + s.scope.to_string() + ")");
         if (!r) return error(500, "kek_failed", r.error());
-        // ReplaceSecrets replaces the whole set: a skipped secret stays, as it was.
-        all.secrets.push_back(r->has_value() ? **r : s);
+        if (!r->has_value()) continue;  // skipped: it stays as it was
+        const size_t size = credstore::secret_record_to_json(**r).size() + k.size();
+        room_for(size);
+        auto& b = batches.back();
+        if (b.empty()) {
+            b.push_back({});
+            b.back().kind = credstore::Mutation::Kind::ReplaceSecrets;
+        }
+        b.front().secrets.push_back(std::move(**r));
     }
-    muts.push_back(all);
     for (const auto& [id, run] : snap->runs) {
         json::object who;
         who["kind"] = "run";
@@ -1496,9 +1526,30 @@ ApiResponse ControlPlane::rotate_keys() {
         m.run = run;
         m.run.ca_key = **r;
         m.expect_run = run;  // a run revoked elsewhere meanwhile is not un-revoked
-        muts.push_back(m);
+        room_for(credstore::run_record_to_json(m.run).size() + id.size());
+        batches.back().push_back(std::move(m));
     }
-    if (auto r = store_->apply(muts); !r) return store_error(r.error());
+    size_t written = 0;  // records in the transactions that went through
+    for (const auto& b : batches) {
+        if (b.empty()) continue;
+        if (auto r = store_->apply(b); !r) {
+            std::string e = r.error();
+            if (e.find("larger than max") != std::string::npos ||
+                e.find("request is too large") != std::string::npos) {
+                e += " (etcd's --max-request-bytes bounds one transaction; egressd sends at most " +
+                     std::to_string(kRotateTxnBytes) + " bytes of records in each)";
+            }
+            if (written > 0) {
+                e += "; " + std::to_string(written) + " of " + std::to_string(count) +
+                     " records were rewrapped before it: both keys stay loaded, so every "
+                     "record is still served; run `egressctl keys rotate` again to finish";
+            }
+            return store_error(e);
+        }
+        for (const auto& m : b) {
+            written += m.kind == credstore::Mutation::Kind::ReplaceSecrets ? m.secrets.size() : 1;
+        }
+    }
     if (file_kek) {
         // Only now that every data key is wrapped by the new KEK does it replace the old one.
         std::filesystem::rename(next_path, cfg->master_key_file, fec);
