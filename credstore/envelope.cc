@@ -591,10 +591,35 @@ Result<std::unique_ptr<KeyProvider>> make_kms_command_provider(const std::string
         std::make_unique<KmsCommandProvider>(command, "kms:" + std::string(first)));
 }
 
+std::string hmac_sha256(std::string_view key, std::string_view data) {
+    unsigned char out[EVP_MAX_MD_SIZE];
+    size_t n = 0;
+    if (EVP_Q_mac(nullptr, "HMAC", nullptr, "SHA256", nullptr, key.data(), key.size(),
+                  bytes_of(data), data.size(), out, sizeof out, &n) == nullptr) {
+        return {};
+    }
+    std::string mac(reinterpret_cast<const char*>(out), n);
+    OPENSSL_cleanse(out, sizeof out);  // a derived key's bytes, when it makes one
+    return mac;
+}
+
+namespace {
+
+// The record MAC key of a sealing (envelope.h): derived from its DEK, never the DEK itself.
+SecretPtr record_mac_key(std::string_view dek) {
+    WipedString key(hmac_sha256(dek, "egressd record mac v1"));
+    if (key.get().empty()) {
+        return nullptr;
+    }
+    return std::make_shared<const SecretValue>(key.get());
+}
+
+}  // namespace
+
 // ---- seal / unseal / rewrap ----------------------------------------------------------------
 
 Result<SealedSecret> seal(KeyProvider& kek, const std::string& name, const Scope& scope,
-                          uint64_t version, std::string_view plaintext) {
+                          uint64_t version, std::string_view plaintext, SecretPtr* mac_key_out) {
     if (name.empty()) {
         return make_error("secret name is empty");
     }
@@ -629,10 +654,16 @@ Result<SealedSecret> seal(KeyProvider& kek, const std::string& name, const Scope
     out.wrapped_dek = base64_encode(*wrapped);
     out.nonce = base64_encode(*nonce);
     out.ciphertext = base64_encode(*ct);
+    if (mac_key_out != nullptr) {
+        *mac_key_out = record_mac_key(dek.get());
+        if (!*mac_key_out) {
+            return make_error("seal " + name + ": HMAC failed");
+        }
+    }
     return out;
 }
 
-Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed) {
+Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed, SecretPtr* mac_key_out) {
     const std::string failure =
         "secret " + sealed.name + ": cannot decrypt (wrong master key " + "or tampered data)";
     Result<std::string> wrapped = base64_decode(sealed.wrapped_dek);
@@ -655,6 +686,12 @@ Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed) {
         return make_error(failure);
     }
     WipedString plaintext(std::move(plain).value());
+    if (mac_key_out != nullptr) {
+        *mac_key_out = record_mac_key(dek.get());
+        if (!*mac_key_out) {
+            return make_error(failure);
+        }
+    }
     return SecretPtr(std::make_shared<const SecretValue>(plaintext.get()));
 }
 

@@ -52,11 +52,20 @@ struct SealedSecret {
 };
 
 /// Validates the plaintext (validate_secret_bytes), seals it under a fresh DEK.
+/// `mac_key_out`, when given, receives the record MAC key of the new sealing (below).
 Result<SealedSecret> seal(KeyProvider& kek, const std::string& name, const Scope& scope,
-                          uint64_t version, std::string_view plaintext);
+                          uint64_t version, std::string_view plaintext,
+                          SecretPtr* mac_key_out = nullptr);
 /// Unwraps the DEK and decrypts; fails (without detail that could leak) if the blob, its
-/// name, scope or version were tampered with.
-Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed);
+/// name, scope or version were tampered with. `mac_key_out`, when given, receives the record
+/// MAC key of the sealing, once it decrypted.
+///
+/// The record MAC key authenticates the record a sealing belongs to (a run record, by its
+/// sealed CA key: credstore/run_mac.h): HMAC-SHA256(DEK, "egressd record mac v1"). Only a
+/// holder of the KEK (or a KMS's unwrap) gets the DEK, so only it can make or check such a
+/// MAC; a KEK rotation (rewrap) keeps the DEK, and so the MAC key and every MAC made with it.
+Result<SecretPtr> unseal(KeyProvider& kek, const SealedSecret& sealed,
+                         SecretPtr* mac_key_out = nullptr);
 /// KEK rotation: unwraps the DEK with `from`, wraps it with `to`. The ciphertext and nonce
 /// are untouched. On failure, `*record_failed` (when given) is true if the record's side
 /// failed (its wrapped DEK does not unwrap with `from`) and false if `to` did not wrap.
@@ -65,6 +74,8 @@ Result<SealedSecret> rewrap(KeyProvider& from, KeyProvider& to, const SealedSecr
 
 /// SHA-256 of `bytes`, lowercase hex (OpenSSL EVP).
 std::string sha256_hex(std::string_view bytes);
+/// HMAC-SHA256 of `data` under `key`, 32 raw bytes (OpenSSL EVP_MAC); empty if OpenSSL fails.
+std::string hmac_sha256(std::string_view key, std::string_view data);
 
 /// Base64 helpers (OpenSSL EVP), shared by the store.
 std::string base64_encode(std::string_view bytes);

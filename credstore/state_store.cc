@@ -119,6 +119,9 @@ json::object run_to_json(const RunRecord& r) {
     if (!r.ca_key.name.empty()) {
         o["ca_key"] = sealed_to_json(r.ca_key);
     }
+    if (!r.mac.empty()) {
+        o["mac"] = r.mac;
+    }
     return o;
 }
 
@@ -284,7 +287,7 @@ public:
             !boolean(*o, "revoked", path, out.revoked) ||
             !strings(*o, "allow_hosts", path, out.allow_hosts) ||
             !strings(*o, "source_cidrs", path, out.source_cidrs) ||
-            !str(*o, "ca_cert_pem", path, out.ca_cert_pem)) {
+            !str(*o, "ca_cert_pem", path, out.ca_cert_pem) || !str(*o, "mac", path, out.mac)) {
             return false;
         }
         if (const json::value* pins = o->if_contains("pins"); pins != nullptr) {

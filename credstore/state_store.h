@@ -54,6 +54,10 @@ struct RunRecord {
     std::vector<PinRecord> pins;
     std::string ca_cert_pem;   // public
     SealedSecret ca_key;       // the CA private key (PEM), sealed like a secret, name "ca:<run id>"
+    /// HMAC-SHA256 (hex) of every other field, under ca_key's record MAC key
+    /// (credstore/run_mac.h): a record that does not verify is not served. Empty in a record
+    /// an egressd from before MACs wrote (not served either).
+    std::string mac;
 };
 
 struct StateSnapshot {

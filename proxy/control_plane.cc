@@ -25,6 +25,7 @@
 #include "common/secure_zero.h"
 #include "common/wiping_json.h"
 #include "policy/header_rules.h"
+#include "credstore/run_mac.h"
 #include "proxy/etcd_store.h"
 #include "tls/run_ca.h"
 
@@ -728,6 +729,41 @@ Result<credstore::SecretPtr> ControlPlane::unseal_cached(const credstore::Sealed
     return *v;
 }
 
+Result<credstore::SecretPtr> ControlPlane::verified_run_mac_key(const credstore::RunRecord& r) {
+    if (r.mac.empty()) {
+        return make_error("its record has no MAC (written by an egressd from before run "
+                          "records were authenticated)");
+    }
+    if (r.ca_key.name != "ca:" + r.id) {
+        return make_error("its record's CA key belongs to '" + r.ca_key.name + "'");
+    }
+    const std::string sealing = r.ca_key.nonce + "|" + r.ca_key.ciphertext;
+    credstore::SecretPtr key;
+    {
+        std::lock_guard mac_lock(mac_mu_);
+        auto it = run_mac_keys_.find(r.id);
+        if (it != run_mac_keys_.end() && it->second.sealing == sealing) {
+            key = it->second.key;
+        }
+    }
+    if (!key) {
+        auto* kp = keys_.find(r.ca_key.kek_id);
+        if (kp == nullptr) {
+            return make_error("no key '" + r.ca_key.kek_id + "' unwraps its CA key");
+        }
+        auto ca_key = credstore::unseal(*kp, r.ca_key, &key);
+        if (!ca_key) {
+            return make_error("its CA key: " + ca_key.error());
+        }
+        std::lock_guard mac_lock(mac_mu_);
+        run_mac_keys_[r.id] = {sealing, key};
+    }
+    if (!credstore::run_mac_valid(r, *key)) {
+        return make_error("its record does not verify (changed outside egressd)");
+    }
+    return key;
+}
+
 ApiResponse ControlPlane::create_secret(std::string_view body) {
     auto o = parse_body(body);
     if (!o) return error(400, "invalid_request", o.error());
@@ -1076,12 +1112,19 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     if (!ca) return error(500, "ca_failed", ca.error());
     run.ca_cert_pem = (*ca)->cert_pem();
     std::string key = (*ca)->key_pem();
-    auto sealed_key = credstore::seal(keys_.primary(), "ca:" + run.id, *scope, 1, key);
+    credstore::SecretPtr mac_key;
+    auto sealed_key =
+        credstore::seal(keys_.primary(), "ca:" + run.id, *scope, 1, key, &mac_key);
     egress::secure_zero(key.data(), key.size());
     if (!sealed_key) return error(500, "ca_failed", sealed_key.error());
     run.ca_key = *sealed_key;
     std::string token = random_hex(24);
     run.token_sha256 = sha256_hex(token);
+    credstore::sign_run(run, *mac_key);
+    {
+        std::lock_guard mac_lock(mac_mu_);
+        run_mac_keys_[run.id] = {run.ca_key.nonce + "|" + run.ca_key.ciphertext, mac_key};
+    }
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
     m.run = run;
@@ -1176,6 +1219,13 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
     if (run.revoked || run.expires_at <= now) {
         return error(409, "conflict", "run '" + id + "' is revoked or expired");
     }
+    // The pin is added to the record as it is, and the result signed: a record changed
+    // outside egressd would come out of it signed, so it must verify first.
+    auto mac_key = verified_run_mac_key(run);
+    if (!mac_key) {
+        return error(409, "conflict", "run '" + id + "' is not served: " + mac_key.error() +
+                                          "; create a new run");
+    }
     if (const size_t most = current_config()->admin_limits.max_pins_per_run;
         run.pins.size() >= most) {
         return error(409, "conflict", "run '" + id + "' has " + std::to_string(run.pins.size()) +
@@ -1200,6 +1250,7 @@ ApiResponse ControlPlane::add_pin(const std::string& id, std::string_view body) 
                      "(name constraints are fixed at creation); create a new run");
     }
     run.pins.push_back(*p);
+    credstore::sign_run(run, **mac_key);
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::PutRun;
     m.run = run;
@@ -1224,6 +1275,11 @@ ApiResponse ControlPlane::revoke_run(const std::string& id) {
         m.kind = credstore::Mutation::Kind::PutRun;
         m.run = it->second;
         m.run.revoked = true;
+        // Signed again only if it verified: a record changed outside egressd is revoked all
+        // the same (refused as revoked), and keeps a MAC that does not verify.
+        if (auto mac_key = verified_run_mac_key(it->second)) {
+            credstore::sign_run(m.run, **mac_key);
+        }
         m.expect_run = it->second;
         auto r = store_->apply({m});
         if (r) {
@@ -1768,7 +1824,9 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
         // version alone is not enough: a secret deleted and created again is version 1 again,
         // and a replica that never saw it missing (a watch resync, events in one batch) would
         // keep injecting the old value.
-        std::string fp = rec.token_sha256 + "|" + std::to_string(rec.expires_at);
+        // The MAC is part of it: a record that changes gets a new one, so it is verified
+        // again; one changed outside egressd with its MAC kept is served as built before.
+        std::string fp = rec.mac + "|" + rec.token_sha256 + "|" + std::to_string(rec.expires_at);
         for (const auto& h : rec.allow_hosts) fp += "|a:" + h;
         for (const auto& p : rec.pins) {
             const auto* s = credstore::resolve_secret(*snap, p.secret, rec.scope);
@@ -1782,6 +1840,12 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
             built[id] = prev->second;
             fps[id] = fp;
             rt->runs[id] = prev->second;
+            continue;
+        }
+        // Nothing of a record is used until its MAC verified: its token hash, pins, scope
+        // and expiry decide where a secret goes (credstore/run_mac.h).
+        if (auto verified = verified_run_mac_key(rec); !verified) {
+            spdlog::warn("run {}: not served: {}", id, verified.error());
             continue;
         }
         auto run = std::make_shared<Run>();
@@ -1867,6 +1931,11 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
     }
     built_ = std::move(built);
     fingerprints_ = std::move(fps);
+    {
+        std::lock_guard mac_lock(mac_mu_);
+        std::erase_if(run_mac_keys_,
+                      [&](const auto& entry) { return snap->runs.count(entry.first) == 0; });
+    }
     // Keep only the values a built run still uses: a deleted or rotated secret (or the copy
     // unsealed under a retired KEK) then leaves memory, wiped, once the last runtime holding
     // it is dropped, and the cache stays as small as the live pins.

@@ -108,6 +108,11 @@ private:
     ApiResponse rotate_keys();
     std::shared_ptr<const Config> current_config();
     Result<credstore::SecretPtr> unseal_cached(const credstore::SealedSecret& s);
+    /// The record MAC key of run `r` (credstore/run_mac.h), if r's MAC verifies under it;
+    /// else an error saying why (never key bytes). Cached per run and CA-key sealing; a miss
+    /// unwraps the CA key's DEK (a KMS call with keys.kms_command). Caller holds mu_ or
+    /// build_mu_ (keys_).
+    Result<credstore::SecretPtr> verified_run_mac_key(const credstore::RunRecord& r);
     /// Replaces each static run of `rt` that has store pins by its served copy (the one of the
     /// build before when neither the static run nor its secrets changed). Holds build_mu_.
     void resolve_static_store_pins(const credstore::StateSnapshot& snap, Runtime& rt,
@@ -126,6 +131,12 @@ private:
     // digest of a whole sealed record (every field) → its value; only values a built run
     // uses (build_runtime evicts)
     std::map<std::string, credstore::SecretPtr> unsealed_;
+    struct RunMacKey {
+        std::string sealing;  // the CA key's nonce and ciphertext: what the DEK sealed
+        credstore::SecretPtr key;
+    };
+    std::mutex mac_mu_;                                // guards run_mac_keys_
+    std::map<std::string, RunMacKey> run_mac_keys_;    // run id → its record MAC key
     std::map<std::string, std::shared_ptr<Run>> built_;    // run id → last built Run
     struct StaticBuild {
         std::shared_ptr<Run> statics;  // the static run (config) it was made from
