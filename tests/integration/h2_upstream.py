@@ -10,6 +10,10 @@ Endpoints (like upstream.Upstream):
     /status/N   an empty response with status N
 Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
 
+Every request head that arrives is also recorded in `heads` (its path), when it arrives: a
+stream that never ends (an upload still coming, a stream reset before its end) is answered and
+recorded in `requests` only at its end, if at all, but reached the upstream all the same.
+
 Refusals, as real servers make them (each stream refused is counted in `refused`, never in
 `requests`: nothing of it was processed):
     goaway_after = N   after answering N requests on a connection, GOAWAY with the last of
@@ -64,6 +68,7 @@ class H2Upstream:
         self.ctx.set_alpn_protocols(["h2"])
         self.lock = threading.Lock()
         self.requests_seen: list[Seen] = []
+        self.heads_seen: list[str] = []  # the :path of every request head received
         self.connections = 0
         self.goaway_after = 0     # 0: never
         self.refused = 0          # streams refused unprocessed (GOAWAY'd or REFUSED_STREAM)
@@ -86,6 +91,11 @@ class H2Upstream:
 
     def find(self, marker: str) -> list[Seen]:
         return [r for r in self.requests if marker in r.path]
+
+    def heads(self, marker: str) -> list[str]:
+        """Paths of the request heads that reached the upstream (ended or not) with `marker`."""
+        with self.lock:
+            return [p for p in self.heads_seen if marker in p]
 
     def close(self):
         self._stop.set()
@@ -182,6 +192,8 @@ class H2Upstream:
     def _event(self, conn, streams, ev, sni):
         if isinstance(ev, h2.events.RequestReceived):
             st = _Stream(ev.stream_id, list(ev.headers))
+            with self.lock:
+                self.heads_seen.append(st.pseudo.get(":path", "/"))
             if self._refuse_first(st.pseudo.get(":path", "/"), "/refuse-early-once/"):
                 conn.reset_stream(st.sid, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)
                 return
