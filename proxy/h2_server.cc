@@ -323,8 +323,10 @@ int on_frame_recv(nghttp2_session* session, const nghttp2_frame* frame, void* us
         }
         st->signal.notify();
     } else if (frame->hd.type == NGHTTP2_DATA) {
-        if (frame->hd.length == 0 && !end) {
-            c->control_frame();  // empty DATA frames cost us and carry nothing
+        if (frame->hd.length == frame->data.padlen && !end) {
+            // Empty DATA frames cost us and carry nothing; padding alone carries nothing
+            // either (padlen counts the Pad Length field too).
+            c->control_frame();
         }
         if (end) {
             st->req_end = true;
@@ -332,6 +334,14 @@ int on_frame_recv(nghttp2_session* session, const nghttp2_frame* frame, void* us
         }
     }
     return 0;
+}
+
+/// A frame of a type egressd does not use (an extension, or ALTSVC, ORIGIN, PRIORITY_UPDATE:
+/// all registered as the application's, start_session): dropped, and counted as a control
+/// frame, as an empty DATA frame is. nghttp2 would skip them silently, unbounded.
+int on_unknown_frame(nghttp2_session*, void**, const nghttp2_frame_hd*, void* user_data) {
+    static_cast<Conn*>(user_data)->control_frame();
+    return NGHTTP2_ERR_CANCEL;
 }
 
 /// A complete response went out while the client has not finished its request (an early
@@ -841,6 +851,7 @@ bool start_session(Conn& c) {
     nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
     nghttp2_session_callbacks_set_on_frame_send_callback(cbs.get(), on_frame_send);
     nghttp2_session_callbacks_set_on_invalid_frame_recv_callback(cbs.get(), on_invalid_frame_recv);
+    nghttp2_session_callbacks_set_unpack_extension_callback(cbs.get(), on_unknown_frame);
     nghttp2_option* opt_raw = nullptr;
     nghttp2_option_new(&opt_raw);
     OptionPtr opt(opt_raw);
@@ -853,6 +864,9 @@ bool start_session(Conn& c) {
     nghttp2_option_set_max_outbound_ack(opt.get(), l.h2_max_outbound_ack);
     nghttp2_option_set_max_settings(opt.get(), l.h2_max_settings);
     nghttp2_option_set_no_closed_streams(opt.get(), 1);
+    for (unsigned type = 0x0a; type <= 0xff; ++type) {  // past the RFC 9113 types
+        nghttp2_option_set_user_recv_extension_type(opt.get(), static_cast<uint8_t>(type));
+    }
     nghttp2_session* s = nullptr;
     if (nghttp2_session_server_new3(&s, cbs.get(), &c, opt.get(), c.pool.mem()) != 0) {
         return false;

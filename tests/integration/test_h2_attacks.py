@@ -395,6 +395,38 @@ def test_ping_and_settings_flood_goaway(world, e2, h2up, marker, good_client):
     assert e2.alive()
 
 
+@pytest.mark.parametrize("kind", ["empty", "padded", "unknown_type"])
+def test_empty_frame_flood_goaway(world, e2, h2up, marker, good_client, kind):
+    """Frames that carry nothing egressd uses still cost it a read each: empty DATA frames,
+    padded ones too (padding alone used to pass uncounted), and frames of a type it does not
+    know (nghttp2 skipped them silently) count as control frames (h2_control_frame_burst), so
+    20 000 of them get GOAWAY ENHANCE_YOUR_CALM (they were taken and the request answered)."""
+    c = H2Client(e2, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    try:
+        sid = raw.send_headers([(":method", "POST"), (":scheme", "https"),
+                                (":authority", f"api.test:{h2up.port}"),
+                                (":path", f"/echo/{marker}"), ("content-type", "x/y")],
+                               end_stream=False)
+        if kind == "padded":
+            one = DataFrame(sid, data=b"", flags=["PADDED"], pad_length=0).serialize()
+        elif kind == "empty":
+            one = DataFrame(sid, data=b"").serialize()
+        else:  # length 0, type 0xfa, no flags, on the stream
+            one = bytes([0, 0, 0, 0xFA, 0]) + sid.to_bytes(4, "big")
+        try:
+            for _ in range(20):
+                raw.send(one * 1000)
+            raw.send(DataFrame(sid, data=b"x", flags=["END_STREAM"]).serialize())
+        except OSError:
+            pass  # torn down mid-flood
+        raw.pump(until=lambda: raw.goaway is not None, timeout=10)
+        assert raw.goaway == ENHANCE_YOUR_CALM or raw.closed, (raw.goaway, raw.streams[sid])
+    finally:
+        c.close()
+    assert e2.alive()
+
+
 def test_duplex_upload_timing_out_while_a_response_piece_waits(factory, world, h2up, marker):
     """HTTP/2 on both legs, the upstream answering while the upload still comes: the client
     opens no window for the response (a 10-byte trickle keeps the response part waiting with
