@@ -60,8 +60,10 @@ public:
             if (!stream_->responded()) {  // still open: no head within `wait`
                 co_return Refusal{504, "upstream_timeout", "response_timeout"};
             }
-            co_return Refusal{502, stream_->error_code() != 0 ? "upstream_reset"
-                                                              : "upstream_bad_response",
+            // A head over our limits was reset by us: a bad response, as from HTTP/1.1.
+            co_return Refusal{502, stream_->error_code() != 0 && !stream_->bad_response()
+                                       ? "upstream_reset"
+                                       : "upstream_bad_response",
                               "response"};
         }
         ResponseHead rh;

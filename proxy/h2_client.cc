@@ -42,6 +42,9 @@ struct H2ClientStreamState {
     bool closed = false;
     bool abandoned = false;
     uint32_t error = 0;
+    /// A response header block over max_header_list_bytes or max_header_fields: reset by us
+    /// (INTERNAL_ERROR), the upstream's fault.
+    bool bad_response = false;
 };
 
 struct H2ClientSession::Impl {
@@ -110,6 +113,7 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     }
     if (!within_header_budget(st, namelen, valuelen, im->opts.max_header_fields,
                               im->opts.max_header_list_bytes)) {
+        st->bad_response = true;
         return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // resets this stream only
     }
     auto n = sv(name, namelen);
@@ -475,5 +479,7 @@ bool H2ClientStream::responded() const {
 uint32_t H2ClientStream::error_code() const { return state_->error; }
 
 bool H2ClientStream::refused() const { return state_->error == NGHTTP2_REFUSED_STREAM; }
+
+bool H2ClientStream::bad_response() const { return state_->bad_response; }
 
 }  // namespace egress::proxy

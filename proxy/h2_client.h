@@ -87,6 +87,9 @@ public:
     /// The peer refused the stream unprocessed (RST_STREAM REFUSED_STREAM, or above the
     /// last stream id of its GOAWAY): RFC 9113 8.7, safe to send again elsewhere.
     bool refused() const;
+    /// We reset the stream because its response head broke max_header_list_bytes or
+    /// max_header_fields (the upstream's fault: not a reset of its own).
+    bool bad_response() const;
     void reset();
 
 private:

@@ -19,7 +19,7 @@ from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 import helpers
 from clients import proxy_env, run_ca
 from dns_server import DnsServer, fixed
-from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
+from h2_helpers import H2Client, RawH2, add_h2_pins, h2up, header  # noqa: F401 (fixture)
 from helpers import SANITIZER, poll
 from upstream import payload_sha256
 
@@ -387,3 +387,45 @@ def test_reset_while_waiting_for_the_answer_ends_the_upstream_part(world, factor
         assert time.monotonic() - t0 < 4
     finally:
         c.close()
+
+
+class _BigHeadUpstream:
+    """Mixin for H2Upstream: /bighead answers a head of 120 fields of 1000 bytes (120 KB)."""
+
+    def _respond(self, conn, st):
+        if st.pseudo.get(":path", "/").startswith("/bighead"):
+            st.responded = True
+            conn.send_headers(st.sid, [(":status", "200")] +
+                              [(f"x-h{i}", "v" * 1000) for i in range(120)], end_stream=True)
+            st.done = True
+            return
+        super()._respond(conn, st)
+
+
+def test_h2_upstream_response_head_over_the_limit_is_502_bad_response(world, factory, marker):
+    """An HTTP/2 upstream's response head over the limits (max_header_bytes and
+    h2_max_header_list_bytes, h2_max_header_fields) is 502 upstream_bad_response, as an
+    HTTP/1.1 upstream's (README, max_header_bytes); egressd resets that stream itself, which
+    used to be reported as the upstream's reset (502 upstream_reset)."""
+    from h2_upstream import H2Upstream
+
+    class Up(_BigHeadUpstream, H2Upstream):
+        pass
+    up = Up(world.pki.server_cert, world.pki.server_key)
+    try:
+        e = factory.start(add_h2_pins(world, up))
+        c = H2Client(e, world, "api.test", up.port, timeout=30)
+        try:
+            r = c.request(f"/bighead/{marker}", timeout=15)
+            ok = c.request(f"/echo/{marker}-ok", timeout=15)  # the session goes on
+        finally:
+            c.close()
+    finally:
+        up.close()
+    assert r["status"] == 502 and header(r, "x-egress-reason") == "upstream_bad_response", \
+        (r["status"], header(r, "x-egress-reason"))
+    assert ok["status"] == 200
+    poll(lambda: [x for x in e.audit_records() if "/bighead/" + marker in x.get("path", "")], 5,
+         "audit")
+    rec = [x for x in e.audit_records() if "/bighead/" + marker in x.get("path", "")]
+    assert [(x["status"], x.get("reason")) for x in rec] == [(502, "upstream_bad_response")], rec
