@@ -54,6 +54,9 @@ public:
                                                std::chrono::milliseconds wait) override {
         H2ClientResponse r;
         if (!co_await stream_->response(r, wait)) {
+            if (stream_->too_large()) {  // the head as it would go out: never sent, no retry
+                co_return Refusal{431, "header_too_large", ""};
+            }
             if (stream_->refused()) {
                 co_return Refusal{502, kRefusedStream, "response"};
             }

@@ -45,6 +45,8 @@ struct H2ClientStreamState {
     /// A response header block over max_header_list_bytes or max_header_fields: reset by us
     /// (INTERNAL_ERROR), the upstream's fault.
     bool bad_response = false;
+    /// A header block of ours over the session's max_send_header_block_length: never sent.
+    bool too_large = false;
 };
 
 struct H2ClientSession::Impl {
@@ -60,6 +62,7 @@ struct H2ClientSession::Impl {
     std::unique_ptr<TlsStream> stream;
     H2Io io;
     H2ClientOptions opts;
+    size_t max_send_block = 0;  // max_send_header_block_length of the session
     H2Pool pool;  // nghttp2's memory: outlives the session
     SessionPtr session;
     StreamMap<H2ClientStreamState> streams;
@@ -184,6 +187,28 @@ int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const ui
     return 0;
 }
 
+/// A header block of ours that nghttp2 did not send: over max_send_header_block_length (open()
+/// checks a request head before, so this is the trailers', or a backstop) is marked too large,
+/// so that it is not taken for a refusal to retry: nghttp2 closes the stream of a request head
+/// it could not send with REFUSED_STREAM, and leaves open one whose trailers it could not send
+/// (reset here). Other reasons (a GOAWAY came first: REFUSED_STREAM) stay as nghttp2 says.
+int on_frame_not_send(nghttp2_session* session, const nghttp2_frame* frame, int lib_error,
+                      void* user_data) {
+    auto* im = static_cast<Impl*>(user_data);
+    if (frame->hd.type != NGHTTP2_HEADERS || lib_error != NGHTTP2_ERR_FRAME_SIZE_ERROR) {
+        return 0;
+    }
+    spdlog::info("h2 upstream stream {}: header block over {} bytes not sent", frame->hd.stream_id,
+                 im->max_send_block);
+    if (auto* st = im->find(frame->hd.stream_id)) {
+        st->too_large = true;
+        if (frame->headers.cat != NGHTTP2_HCAT_REQUEST) {
+            nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, st->id, NGHTTP2_CANCEL);
+        }
+    }
+    return 0;
+}
+
 int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, void* user_data) {
     auto* im = static_cast<Impl*>(user_data);
     auto it = im->streams.find(stream_id);
@@ -283,10 +308,14 @@ std::shared_ptr<H2ClientSession> H2ClientSession::start(std::unique_ptr<TlsStrea
     nghttp2_session_callbacks_set_on_frame_recv_callback(cbs.get(), on_frame_recv);
     nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
     nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
+    nghttp2_session_callbacks_set_on_frame_not_send_callback(cbs.get(), on_frame_not_send);
     nghttp2_option* opt_raw = nullptr;
     nghttp2_option_new(&opt_raw);
     OptionPtr opt(opt_raw);
     nghttp2_option_set_no_auto_window_update(opt.get(), 1);
+    // Request heads as large as egressd's limits let through, with the injected fields.
+    im.max_send_block = h2_send_block_limit(opts.max_header_list_bytes);
+    nghttp2_option_set_max_send_header_block_length(opt.get(), im.max_send_block);
     nghttp2_option_set_peer_max_concurrent_streams(opt.get(), 100);
     nghttp2_session* s = nullptr;
     nghttp2_session_client_new3(&s, cbs.get(), &im, opt.get(), im.pool.mem());
@@ -346,6 +375,16 @@ std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead&
         }
     }
     auto st = make_stream<H2ClientStreamState>(im.stream->get_executor());
+    if (h2_block_bound(nva.data(), nva.size()) > im.max_send_block) {
+        // nghttp2 would drop the head unsent and close the stream REFUSED_STREAM, as if the
+        // upstream had refused it (sent again, in vain): a stream that never opens instead,
+        // too_large for the caller (H2ClientStream::too_large).
+        spdlog::info("h2 upstream: request head over the {} bytes a header block may take: "
+                     "not sent", im.max_send_block);
+        st->closed = true;
+        st->too_large = true;
+        return std::make_unique<H2ClientStream>(shared_from_this(), std::move(st));
+    }
     nghttp2_data_provider prd{};
     prd.source.ptr = st.get();
     prd.read_callback = read_request_body;
@@ -478,8 +517,12 @@ bool H2ClientStream::responded() const {
 
 uint32_t H2ClientStream::error_code() const { return state_->error; }
 
-bool H2ClientStream::refused() const { return state_->error == NGHTTP2_REFUSED_STREAM; }
+bool H2ClientStream::refused() const {
+    return state_->error == NGHTTP2_REFUSED_STREAM && !state_->too_large;
+}
 
 bool H2ClientStream::bad_response() const { return state_->bad_response; }
+
+bool H2ClientStream::too_large() const { return state_->too_large; }
 
 }  // namespace egress::proxy

@@ -32,7 +32,8 @@ struct H2ClientOptions {
     uint32_t stream_window = 256 * 1024;      // receive window per stream (= buffer bound)
     uint32_t connection_window = 1 << 20;     // receive window for the connection
     size_t max_send_buffer = 256 * 1024;      // request bytes queued per stream before write() waits
-    size_t max_header_list_bytes = 65536;     // response header block limit
+    size_t max_header_list_bytes = 65536;     // response header block limit; the request
+                                              // blocks sent: h2_send_block_limit of it
     size_t max_header_fields = 100;
     std::chrono::milliseconds idle_timeout{30'000};  // no open stream this long: GOAWAY, close
     std::chrono::milliseconds io_timeout{60'000};    // a stream read/write waits at most this
@@ -90,6 +91,10 @@ public:
     /// We reset the stream because its response head broke max_header_list_bytes or
     /// max_header_fields (the upstream's fault: not a reset of its own).
     bool bad_response() const;
+    /// A header block of the request (its head, or trailers) was too large to send (over the
+    /// session's max_send_header_block_length, h2_send_block_limit): not a refusal, the
+    /// upstream never saw that block. A head too large never opens a stream at all.
+    bool too_large() const;
     void reset();
 
 private:

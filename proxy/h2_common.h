@@ -170,6 +170,29 @@ ssize_t read_outbound(nghttp2_session* session, int32_t stream_id, uint8_t* buf,
     return static_cast<ssize_t>(copied);
 }
 
+/// What nghttp2 reckons a header block may take encoded (nghttp2_hd_deflate_bound: 12 bytes,
+/// then each field's name and value and 12 more) with a priority field: a block over the
+/// session's max_send_header_block_length is not sent at all (session_prep_frame).
+inline size_t h2_block_bound(const nghttp2_nv* nva, size_t n) {
+    size_t bound = 12 + 5;  // 5: the priority field (NGHTTP2_PRIORITY_SPECLEN)
+    for (size_t i = 0; i < n; ++i) {
+        bound += nva[i].namelen + nva[i].valuelen + 12;
+    }
+    return bound;
+}
+
+/// The max_send_header_block_length of both codecs' sessions, for heads of at most `max_head`
+/// bytes as egressd's limits count them (the larger of limits.max_header_bytes and
+/// h2_max_header_list_bytes). nghttp2's default, 64 KiB of h2_block_bound, is less than those
+/// limits let through: a response head near them was dropped unsent (its stream hung until
+/// idle_timeout) and a request head was closed REFUSED_STREAM (and sent again, in vain). An
+/// HTTP/1.1 field of k bytes ("a:\r\n" is 4) bounds at k + 9, at most 3.25 k; an HTTP/2 field
+/// counts 32 bytes besides its name and value in the decoded size, more than the bound's 12.
+/// So 4 × `max_head` holds every head that passed egressd's limits, and 256 KiB more the
+/// fields egressd adds (the injected credential, a secret being at most 16 KiB, a pin's extra
+/// headers). A head still over it is refused on its stream (on_frame_not_send, open()).
+inline size_t h2_send_block_limit(size_t max_head) { return 4 * max_head + 256 * 1024; }
+
 inline std::string_view sv(const uint8_t* p, size_t n) {
     return {reinterpret_cast<const char*>(p), n};
 }

@@ -362,6 +362,28 @@ int on_frame_send(nghttp2_session* session, const nghttp2_frame* frame, void* us
     return 0;
 }
 
+/// A response header block (head or trailers) nghttp2 did not send: over the session's
+/// max_send_header_block_length (h2_send_block_limit, sized for every head egressd's limits let
+/// through, so a backstop). nghttp2 drops it and leaves the stream open, which would hang the
+/// client until idle_timeout: reset it (INTERNAL_ERROR), which ends its handler (audited as
+/// a client that went away: the core hears only that the stream is gone).
+int on_frame_not_send(nghttp2_session* session, const nghttp2_frame* frame, int lib_error,
+                      void* user_data) {
+    auto* c = static_cast<Conn*>(user_data);
+    if (frame->hd.type != NGHTTP2_HEADERS) {
+        return 0;
+    }
+    auto* st = c->find(frame->hd.stream_id);
+    if (st == nullptr || st->closed) {
+        return 0;
+    }
+    spdlog::warn("conn={} h2 stream {}: response header block not sent ({}): reset",
+                 c->scope.conn_id, st->id, nghttp2_strerror(lib_error));
+    st->refusal = "upstream_bad_response";
+    nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, st->id, NGHTTP2_INTERNAL_ERROR);
+    return 0;
+}
+
 int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const uint8_t* data,
                   size_t len, void* user_data) {
     auto* c = static_cast<Conn*>(user_data);
@@ -850,6 +872,7 @@ bool start_session(Conn& c) {
     nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs.get(), on_data_chunk);
     nghttp2_session_callbacks_set_on_stream_close_callback(cbs.get(), on_stream_close);
     nghttp2_session_callbacks_set_on_frame_send_callback(cbs.get(), on_frame_send);
+    nghttp2_session_callbacks_set_on_frame_not_send_callback(cbs.get(), on_frame_not_send);
     nghttp2_session_callbacks_set_on_invalid_frame_recv_callback(cbs.get(), on_invalid_frame_recv);
     nghttp2_session_callbacks_set_unpack_extension_callback(cbs.get(), on_unknown_frame);
     nghttp2_option* opt_raw = nullptr;
@@ -867,6 +890,9 @@ bool start_session(Conn& c) {
     for (unsigned type = 0x0a; type <= 0xff; ++type) {  // past the RFC 9113 types
         nghttp2_option_set_user_recv_extension_type(opt.get(), static_cast<uint8_t>(type));
     }
+    // Response heads as large as an upstream may send within egressd's limits.
+    nghttp2_option_set_max_send_header_block_length(
+        opt.get(), h2_send_block_limit(std::max(l.max_header_bytes, l.h2_max_header_list_bytes)));
     nghttp2_session* s = nullptr;
     if (nghttp2_session_server_new3(&s, cbs.get(), &c, opt.get(), c.pool.mem()) != 0) {
         return false;

@@ -72,6 +72,7 @@ class H2Upstream:
         self.connections = 0
         self.goaway_after = 0     # 0: never
         self.refused = 0          # streams refused unprocessed (GOAWAY'd or REFUSED_STREAM)
+        self.max_header_list_size = 1 << 16  # decoded request head it takes (h2's default)
         self._refused_paths: set[str] = set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,6 +125,7 @@ class H2Upstream:
         sni = None
         conn = h2.connection.H2Connection(
             config=h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+        conn.decoder.max_header_list_size = self.max_header_list_size
         conn.initiate_connection()
         conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100})
         s.sendall(conn.data_to_send())

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import time
 
+import pytest
 from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
 import helpers
@@ -387,6 +388,108 @@ def test_reset_while_waiting_for_the_answer_ends_the_upstream_part(world, factor
         assert time.monotonic() - t0 < 4
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("max_header_bytes,pad", [(65536, 65400), (262144, 250000)])
+def test_response_head_near_max_header_bytes_reaches_an_h2_client(world, factory, marker,
+                                                                  max_header_bytes, pad):
+    """A response head within limits.max_header_bytes (from an HTTP/1.1 upstream) reaches an
+    HTTP/2 client whole. nghttp2 sends no header block over max_send_header_block_length (64 KiB
+    of its estimate by default): it dropped this HEADERS frame silently, the stream hung until
+    idle_timeout and was audited 200 client_aborted."""
+    e = factory.start(mutate=lambda c: c["limits"].update(
+        {"max_header_bytes": max_header_bytes, "idle_timeout": "20s"}))
+    c = H2Client(e, world, "api.test", world.U, timeout=30)
+    c.conn.decoder.max_header_list_size = 1 << 20  # the client takes heads that large
+    try:
+        r = c.request(f"/bighead/{pad}?{marker}", timeout=10)
+    finally:
+        c.close()
+    assert r["status"] == 200 and r["ended"], (r["status"], r["ended"], r["reset"])
+    assert dict(r["headers"]).get("x-pad") == "p" * pad
+    # (the audit's path has no query: this egressd's only /bighead request)
+    poll(lambda: [x for x in e.audit_records() if "/bighead/" in x.get("path", "")], 5, "audit")
+    rec = [x for x in e.audit_records() if "/bighead/" in x.get("path", "")]
+    assert [(x["status"], x.get("reason")) for x in rec] == [(200, "injected")], rec
+
+
+@pytest.fixture(scope="module")
+def bigup(world):
+    """An h2 upstream that takes request heads up to 1 MiB (decoded)."""
+    from h2_upstream import H2Upstream
+    u = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    u.max_header_list_size = 1 << 20
+    yield u
+    u.close()
+
+
+@pytest.mark.parametrize("down", ["h1", "h2"])
+def test_request_head_within_limits_reaches_an_h2_upstream(world, factory, bigup, marker, down):
+    """A request head within egressd's limits, with the credential egressd injects, goes to an
+    HTTP/2 upstream: from an HTTP/1.1 client, 90 fields near the default max_header_bytes
+    (each costs nghttp2's estimate 8 bytes more than its HTTP/1.1 line); from an HTTP/2 client,
+    120 KB of fields under a raised h2_max_header_list_bytes. nghttp2 did not send such a head
+    (over its 64 KiB default block length) and closed the stream REFUSED_STREAM, which egressd
+    took for the upstream's refusal: ten retries, then 502 upstream_refused_stream, though the
+    upstream never saw a byte."""
+    path = f"/echo/{marker}"
+    authority = f"api.test:{bigup.port}"
+    if down == "h2":
+        e = factory.start(add_h2_pins(world, bigup, limits={"h2_max_header_list_bytes": 262144}))
+        # 8 frames (h2_max_continuations); nghttp2 decodes no field over 64 KiB
+        fields = [(f"x-big{i}", "a" * 30_000) for i in range(4)]
+        c = H2Client(e, world, "api.test", bigup.port, timeout=30)
+        try:
+            r = c.request(path, extra=fields, timeout=15)
+        finally:
+            c.close()
+        status, reason = r["status"], header(r, "x-egress-reason")
+    else:
+        e = factory.start(add_h2_pins(world, bigup))
+        fixed = len(f"GET {path} HTTP/1.1\r\nHost: {authority}\r\n\r\n")
+        size = (65536 - 600 - fixed) // 90 - len("x-f00: \r\n")  # 600 bytes within the limit
+        fields = [(f"x-f{i:02d}", "v" * size) for i in range(90)]
+        conn = helpers.tunnel(e.proxy_port, "api.test", bigup.port, world.auth("r1"),
+                              run_ca(e, "r1"))
+        try:
+            resp = helpers.request(conn, "GET", path, authority, fields)
+        finally:
+            conn.close()
+        status, reason = resp.status, resp.egress_reason
+    assert status == 200, (status, reason)
+    seen = bigup.find(marker)
+    assert len(seen) == 1 and [h for h in seen[0].headers if h[0].startswith("x-")] == fields
+    assert dict(seen[0].headers)["authorization"].startswith("Bearer ")
+    assert bigup.refused == 0
+
+
+def test_request_head_too_large_to_send_is_431_not_retried(world, factory, bigup, marker):
+    """A request head that would go out over the largest header block egressd sends (here
+    through a pin's extra header of 600 KB) is refused on its own: 431 header_too_large, nothing
+    reaches the upstream and the request is not sent again (it was taken for the upstream's
+    REFUSED_STREAM: ten retries, then 502 upstream_refused_stream)."""
+    pinned = add_h2_pins(world, bigup)
+
+    def mutate(cfg):
+        pinned(cfg)
+        for pin in cfg["runs"][0]["pins"]:
+            if pin["host"] == f"hdr.test:{bigup.port}":
+                pin["headers"] = {"x-huge": "h" * 600_000}
+    e = factory.start(mutate)
+    c = H2Client(e, world, "hdr.test", bigup.port, timeout=30)
+    try:
+        t0 = time.monotonic()
+        r = c.request(f"/echo/{marker}", timeout=15)
+        took = time.monotonic() - t0
+        assert r["status"] == 431, (r["status"], header(r, "x-egress-reason"))
+        assert header(r, "x-egress-reason") == "header_too_large"
+        assert took < 5, took
+    finally:
+        c.close()
+    assert bigup.heads(marker) == []
+    poll(lambda: [x for x in e.audit_records() if marker in x.get("path", "")], 5, "audit")
+    rec = [x for x in e.audit_records() if marker in x.get("path", "")]
+    assert [(x["status"], x.get("reason")) for x in rec] == [(431, "header_too_large")], rec
 
 
 class _BigHeadUpstream:
