@@ -222,6 +222,10 @@ std::shared_ptr<Stream> make_stream(Args&&... args) {
     return std::allocate_shared<Stream>(PoolAllocator<Stream>{}, std::forward<Args>(args)...);
 }
 
+/// What one call of a data callback takes at most (nghttp2's DATA payload length, 16 KiB):
+/// the piece a stream with nothing queued may add past its connection's queue budget.
+inline constexpr size_t kH2FramePiece = 16384;
+
 /// Shared state of one HTTP/2 connection's I/O: the writer is the only coroutine that writes
 /// to the TLS stream, and the only caller of nghttp2_session_mem_send.
 struct H2Io {
@@ -235,8 +239,9 @@ struct H2Io {
     std::chrono::steady_clock::time_point write_started{};
     std::chrono::steady_clock::time_point last_activity = std::chrono::steady_clock::now();
     /// Body bytes queued for nghttp2 on all streams, and how many may be: past the budget a
-    /// producer waits before queuing (h2_send_body), so a peer that reads nothing pins at most
-    /// the budget per connection, not its streams times their windows.
+    /// producer waits before queuing (h2_send_body) unless its stream has nothing queued, so a
+    /// peer that reads nothing pins at most the budget plus kH2FramePiece per stream, not its
+    /// streams times their windows.
     size_t queued = 0;
     size_t queue_budget = std::numeric_limits<size_t>::max();
     std::vector<Signal*> room_waiters;  // producers waiting for queued < queue_budget
@@ -322,13 +327,14 @@ struct H2Io {
 };
 
 /// One stream's outgoing body, for both codecs (the server's responses, the client's request
-/// bodies): waits while the connection's queue is over its budget (io.queue_budget), queues
-/// `data` for nghttp2's data callback and, with the last piece, the trailers (names
-/// lowercased; fields HTTP/2 forbids, te and content-length dropped), resumes a deferred
-/// stream, wakes the writer, then waits while more than `window` bytes are queued, so a slow
-/// reader holds only this stream's handler; after the last piece, until nothing is queued, so
-/// the handler (and the request, in flight for a SIGTERM drain) ends when nghttp2 has the
-/// whole body. False when the stream or connection is gone, or the body was already complete.
+/// bodies): waits while the connection's queue is over its budget (io.queue_budget) and this
+/// stream's previous bytes are still queued, queues `data` for nghttp2's data callback and,
+/// with the last piece, the trailers (names lowercased; fields HTTP/2 forbids, te and
+/// content-length dropped), resumes a deferred stream, wakes the writer, then waits while more
+/// than `window` bytes are queued, so a slow reader holds only this stream's handler; after the
+/// last piece, until nothing is queued, so the handler (and the request, in flight for a
+/// SIGTERM drain) ends when nghttp2 has the whole body. False when the stream or connection is
+/// gone, or the body was already complete.
 template <class Stream>
 awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool last,
                              const std::vector<policy::Header>* trailers, size_t window,
@@ -336,30 +342,50 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
     if (st.closed || io.dead || st.out_last) {
         co_return false;
     }
-    if (!data.empty()) {
-        // Over the connection's budget the piece waits in its producer's buffer: it is copied
-        // into the queue only once the peer has taken enough of the connection's others.
-        for (;;) {
-            if (st.closed || io.dead) {
-                co_return false;
-            }
-            if (io.queued < io.queue_budget) {
-                break;
-            }
-            Signal& sent = st.sent.get(st.signal.executor());
-            io.room_waiters.push_back(&sent);
-            struct Leave {
-                std::vector<Signal*>& waiters;
-                Signal* s;
-                ~Leave() { std::erase(waiters, s); }
-            } leave{io.room_waiters, &sent};
-            if (!co_await sent.wait(timeout)) {
-                co_return false;
-            }
+    // Wakes the writer for what was queued (a deferred stream is resumed first).
+    const auto kick = [&io, &st] {
+        if (st.deferred) {
+            st.deferred = false;
+            nghttp2_session_resume_data(io.session, st.id);
         }
-        st.out.emplace_back(data);
-        st.out_bytes += data.size();
-        io.queued += data.size();
+        io.wsig.notify();
+    };
+    while (!data.empty()) {
+        if (st.closed || io.dead) {
+            co_return false;
+        }
+        // Within the connection's budget the piece is queued whole. Past it a piece waits in
+        // its producer's buffer until the peer has taken enough of the connection's others,
+        // except on a stream with nothing queued: the peer took all it was given, so it may
+        // queue one more frame's worth (kH2FramePiece) at a time. Streams whose reader stopped
+        // (their window closed, their bytes queued) thus hold the budget without stalling the
+        // streams whose reader goes on (head-of-line blocking: four unread streams of 256 KiB
+        // windows used to stop every stream of the connection for idle_timeout). A peer that
+        // reads nothing pins the budget plus at most kH2FramePiece per stream.
+        size_t take = data.size();
+        if (io.queued >= io.queue_budget) {
+            if (st.out_bytes > 0) {
+                Signal& sent = st.sent.get(st.signal.executor());
+                io.room_waiters.push_back(&sent);
+                struct Leave {
+                    std::vector<Signal*>& waiters;
+                    Signal* s;
+                    ~Leave() { std::erase(waiters, s); }
+                } leave{io.room_waiters, &sent};
+                if (!co_await sent.wait(timeout)) {
+                    co_return false;
+                }
+                continue;
+            }
+            take = std::min(take, kH2FramePiece);
+        }
+        st.out.emplace_back(data.substr(0, take));
+        st.out_bytes += take;
+        io.queued += take;
+        data.remove_prefix(take);
+        if (!data.empty()) {
+            kick();  // the rest waits for this piece to be taken
+        }
     }
     if (last) {
         st.out_last = true;
@@ -372,11 +398,7 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
             }
         }
     }
-    if (st.deferred) {
-        st.deferred = false;
-        nghttp2_session_resume_data(io.session, st.id);
-    }
-    io.wsig.notify();
+    kick();
     while (st.out_bytes > (last ? 0 : window)) {
         if (st.closed || io.dead) {
             co_return false;

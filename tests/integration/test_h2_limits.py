@@ -390,6 +390,46 @@ def test_reset_while_waiting_for_the_answer_ends_the_upstream_part(world, factor
         c.close()
 
 
+def test_unread_streams_holding_the_queue_budget_do_not_stall_a_read_stream(world, factory,
+                                                                            marker):
+    """Six downloads whose client never acknowledges their DATA each queue about a stream
+    window (h2_stream_window, 256 KiB) in egressd, more than the connection's queue budget
+    (h2_connection_window, 1 MiB); a seventh download on the same connection, read as it comes,
+    still completes at once (it used to wait for idle_timeout, then was reset INTERNAL_ERROR),
+    and the unread ones still get no more than their windows."""
+    e = factory.start(mutate=lambda c: c["limits"].update({"idle_timeout": "30s"}))
+    c = H2Client(e, world, "api.test", world.U, timeout=30)
+    try:
+        c.conn.increment_flow_control_window(64 * MiB)  # connection level only
+        c.flush()
+        c.pump(timeout=0.3)
+        slow = []
+        for i in range(6):
+            sid = c.headers(f"/bytes/{4 * MiB}?id={marker}-slow{i}")
+            c.hold.add(sid)
+            slow.append(sid)
+        c.flush()
+        # Each fills the client's stream window (64 KiB), then egressd queues its next bytes.
+        c.pump(until=lambda: all(c.responses[s].get("held", 0) >= 65535 for s in slow),
+               timeout=10)
+        assert all(c.responses[s].get("held", 0) == 65535 for s in slow), \
+            [c.responses[s].get("held") for s in slow]
+        c.pump(timeout=1.0)  # and queues them: the budget is full
+        t0 = time.monotonic()
+        sid = c.headers(f"/bytes/{2 * MiB}?id={marker}-read")
+        c.flush()
+        r = c.responses[sid]
+        c.pump(until=lambda: r["ended"] or r["reset"] is not None, timeout=15)
+        took = time.monotonic() - t0
+        assert r["ended"] and r["reset"] is None, (r["status"], len(r["body"]), r["reset"], took)
+        assert hashlib.sha256(r["body"]).hexdigest() == payload_sha256(2 * MiB)
+        assert took < 10, took
+        for s in slow:
+            assert c.responses[s]["reset"] is None and c.responses[s]["held"] == 65535
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("max_header_bytes,pad", [(65536, 65400), (262144, 250000)])
 def test_response_head_near_max_header_bytes_reaches_an_h2_client(world, factory, marker,
                                                                   max_header_bytes, pad):
