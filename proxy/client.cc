@@ -438,6 +438,17 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     auto last_activity = Clock::now();
     auto& cs = client.socket();
     auto& us = d.stream->socket();
+    // The drain's cut (Worker::cut_all) ends the relay: an upstream that never closes after
+    // the client's end (shut down at drain_timeout) kept it in flight past the loops' stop,
+    // without its record.
+    CutGuard cut(
+        w,
+        [](void* s) {
+            error_code ignored;
+            static_cast<tcp::socket*>(s)->shutdown(tcp::socket::shutdown_both, ignored);
+            static_cast<tcp::socket*>(s)->cancel(ignored);
+        },
+        &us);
     std::string refused;
     const auto idle_timeout = rt.config->limits.idle_timeout;
     TunnelPolicy policy(w, scope.run->policy.id, scope.target, d.peer);

@@ -744,6 +744,24 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         co_return false;
     }
     auto up = std::move(std::get<std::unique_ptr<Upstream>>(opened));
+    // For as long as the exchange holds its upstream, the drain's cut (Worker::cut_all) ends
+    // whatever waits on it: a body write to an upstream that stopped reading, a response
+    // body that stalled, a 101's relay (shutting the client's connection down is not noticed
+    // there). Not after finish() (an HTTP/1.1 connection may be back in the pool), nor while
+    // a reopen dials (its own cut). The exchange then ends through its error path, recorded.
+    struct HeldUpstream {
+        std::unique_ptr<Upstream>* up;
+        bool released = false;
+    } held{&up};
+    CutGuard held_cut(
+        w,
+        [](void* p) {
+            auto& h = *static_cast<HeldUpstream*>(p);
+            if (!h.released && *h.up) {
+                (*h.up)->abort();
+            }
+        },
+        &held);
     rec.proto_out = up->proto();
     rec.upstream_addr = endpoint_text(up->peer());
     // The upstream once more, for a retry (a stale pooled connection, a refused stream):
@@ -1182,6 +1200,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // record says so (its bytes_in counts what the client sent up to then).
     finish(resp->status, early || !request_done ? "upstream_early_response" : "", "");
     up->finish();
+    held.released = true;
     keep = down.client_keep_alive();  // as the response head said (a drain may have begun)
 
 done:

@@ -467,6 +467,137 @@ def test_a_dial_still_waiting_at_drain_timeout_is_cut_and_audited(world, factory
     assert recs[0]["reason"] == "drain_timeout", recs
 
 
+def _sigterm_within_the_drain(e) -> None:
+    """SIGTERM; egressd exits 0 within drain_timeout (2 s) and its cut's 1 s grace, and no
+    request or tunnel was left without its record."""
+    t0 = time.monotonic()
+    e.proc.send_signal(signal.SIGTERM)
+    assert e.proc.wait(timeout=30) == 0
+    took = time.monotonic() - t0
+    assert took < 6, f"egressd took {took:.1f}s to stop"
+    assert "without an audit record" not in e.stderr_text(), e.stderr_text()[-1500:]
+
+
+def _one_drain_timeout_record(e, pred) -> dict:
+    recs = [r for r in e.audit_records() if pred(r)]
+    assert len(recs) == 1, recs
+    assert recs[0]["decision"] == "allow" and recs[0]["reason"] == "drain_timeout", recs
+    return recs[0]
+
+
+def test_an_upload_to_an_upstream_that_stopped_reading_is_cut_and_audited_at_drain(world,
+                                                                                   factory):
+    """An upload whose upstream takes the head and never reads the body is still being written
+    at drain_timeout: shutting its client down is not noticed there. The drain's cut ends the
+    write too, so the request ends with its record (reason drain_timeout), not with the loop."""
+    import threading
+    e = factory.start()  # drain_timeout 2s; slow.test is the silent listener (never reads)
+    target = f"slow.test:{world.silent.port}"
+    total = 64 * MiB
+    s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10)
+    s.sendall((f"POST http://{target}/up HTTP/1.1\r\nHost: {target}\r\n"
+               f"Proxy-Authorization: {world.auth()}\r\nContent-Length: {total}\r\n\r\n")
+              .encode())
+    sent = [0]
+
+    def pump():
+        chunk = b"a" * 65536
+        try:
+            while sent[0] < total:
+                sent[0] += s.send(chunk)
+        except OSError:
+            pass  # egressd shut the connection down (or the send timed out)
+    th = threading.Thread(target=pump, daemon=True)
+    th.start()
+    try:
+        last = -1
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # until the upload stalls: every buffer is full
+            time.sleep(0.2)
+            if sent[0] == last and sent[0] > 0:
+                break
+            last = sent[0]
+        assert 0 < sent[0] < total, sent
+        _sigterm_within_the_drain(e)
+        th.join(15)
+    finally:
+        s.close()
+    rec = _one_drain_timeout_record(e, lambda r: r.get("path") == "/up")
+    assert 0 < rec["bytes_in"] < total, rec
+
+
+def test_a_download_whose_upstream_stalled_mid_body_is_cut_and_audited_at_drain(world,
+                                                                                factory):
+    """A download whose upstream sent part of its body and then went quiet: at drain_timeout
+    egressd waits on the upstream, not on its (shut down) client. The cut ends that read."""
+    import threading
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    srv.settimeout(10)
+    port = srv.getsockname()[1]
+    release = threading.Event()
+
+    def serve():
+        try:
+            c, _ = srv.accept()
+        except OSError:
+            return
+        with c:
+            c.settimeout(10)
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                got = c.recv(4096)
+                if not got:
+                    return
+                buf += got
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n" + b"x" * 1000)
+            release.wait(30)  # then silent, the connection open
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+
+    def m(c):
+        c["runs"][0]["pins"].append({"host": f"slow.test:{port}",
+                                     "secret_file": world.secret_files["api_token"],
+                                     "inject": {"type": "bearer"}})
+        c["policy"]["allowed_ports"].append(port)
+    e = factory.start(mutate=m)  # drain_timeout 2s
+    s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10)
+    try:
+        s.sendall((f"GET http://slow.test:{port}/stall HTTP/1.1\r\nHost: slow.test:{port}\r\n"
+                   f"Proxy-Authorization: {world.auth()}\r\n\r\n").encode())
+        got = b""
+        while got.count(b"x") < 1000:
+            piece = s.recv(65536)
+            assert piece, got[:200]
+            got += piece
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        _sigterm_within_the_drain(e)
+    finally:
+        release.set()
+        s.close()
+        srv.close()
+        th.join(10)
+    rec = _one_drain_timeout_record(e, lambda r: r.get("path") == "/stall")
+    assert rec["status"] == 200 and rec["bytes_out"] == 1000, rec
+
+
+def test_a_tunnel_whose_upstream_never_closes_is_cut_and_audited_at_drain(world, factory):
+    """A blind tunnel to an upstream that never answers nor closes: at drain_timeout egressd
+    shuts the client down and sends the upstream its FIN, which the upstream ignores; the cut
+    ends the wait for the upstream's end."""
+    e = factory.start()  # drain_timeout 2s
+    c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.silent.port}", world.auth())
+    try:
+        assert r.status == 200
+        c.send(b"hello")
+        _sigterm_within_the_drain(e)
+    finally:
+        c.close()
+    rec = _one_drain_timeout_record(e, lambda r: r.get("host") == "tunnel.test")
+    assert rec["status"] == 200 and rec["bytes_out"] == 0, rec
+
+
 def test_h2_stream_sent_after_sigterm_is_served_or_left_unprocessed(world, factory, marker):
     """A stream that reaches egressd after SIGTERM gets no final 503: egressd sends its GOAWAY
     at once, and a stream it had already received is served (as HTTP/1.1 serves a request
