@@ -12,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <spdlog/spdlog.h>
@@ -291,6 +292,7 @@ Result<FILE*> open_append(const std::string& path) {
 Result<std::unique_ptr<AuditLog>> AuditLog::open(const std::string& path, bool durable) {
     std::unique_ptr<AuditLog> log(new AuditLog());
     log->durable_ = durable;
+    log->path_ = path;
     auto f = open_append(path);
     if (!f) {
         return make_error(f.error());
@@ -319,6 +321,8 @@ Result<bool> AuditLog::reopen(const std::string& path) {
         file_ = *f;
         owned_ = *f != stdout;
         fd_ = ::fileno(*f);
+        path_ = path;
+        torn_ = false;  // a new file (or the same one): its end is not our torn line
     }
     if (old_owned && old != *f) {
         std::fclose(old);
@@ -356,8 +360,7 @@ void AuditLog::append(std::string_view lines) {
         wake_.notify_one();
         return;
     }
-    std::fwrite(lines.data(), 1, lines.size(), file_);
-    std::fflush(file_);
+    write_lines(lines);
 }
 
 void AuditLog::write_durable(const AuditRecord& rec, std::function<void(bool)> done) {
@@ -375,22 +378,94 @@ void AuditLog::write_durable(const AuditRecord& rec, std::function<void(bool)> d
 
 namespace {
 
-bool write_all(int fd, const std::string& bytes) {
-    size_t off = 0;
-    while (off < bytes.size()) {
-        ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
+/// Writes all of `bytes`; `written` says how many went (also on failure, errno set).
+bool write_all(int fd, std::string_view bytes, size_t& written) {
+    written = 0;
+    while (written < bytes.size()) {
+        ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
         if (n < 0 && errno == EINTR) {
             continue;
         }
         if (n <= 0) {
+            if (n == 0) {
+                errno = EIO;
+            }
             return false;
         }
-        off += static_cast<size_t>(n);
+        written += static_cast<size_t>(n);
     }
     return true;
 }
 
 }  // namespace
+
+bool AuditLog::write_lines(std::string_view bytes) {
+    size_t written = 0;
+    if (torn_) {
+        // A failed write left part of a line that could not be cut off: the next record
+        // begins on a line of its own (the torn one is then a line of its own, not JSON).
+        if (!write_all(fd_, "\n", written)) {
+            const int err = errno;
+            failed(false, err, static_cast<size_t>(std::count(bytes.begin(), bytes.end(), '\n')));
+            return false;
+        }
+        torn_ = false;
+    }
+    if (write_all(fd_, bytes, written)) {
+        succeeded();
+        return true;
+    }
+    const int err = errno;
+    // The lines that went whole stay; the part of a line after them is cut off.
+    const size_t whole = bytes.substr(0, written).rfind('\n') + 1;  // npos + 1 == 0
+    if (const size_t torn = written - whole; torn > 0) {
+        struct stat st{};
+        if (::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode) &&
+            static_cast<uint64_t>(st.st_size) >= torn &&
+            ::ftruncate(fd_, st.st_size - static_cast<off_t>(torn)) == 0) {
+            // cut back to the end of the last whole line (O_APPEND: the next write goes there)
+        } else {
+            torn_ = true;
+        }
+    }
+    const std::string_view lost = bytes.substr(whole);
+    failed(false, err, static_cast<size_t>(std::count(lost.begin(), lost.end(), '\n')));
+    return false;
+}
+
+void AuditLog::failed(bool sync, int err, size_t lines) {
+    write_errors_.fetch_add(1, std::memory_order_relaxed);
+    failing_ = true;
+    unlogged_ += lines;
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_line_) {
+        return;
+    }
+    spdlog::error("audit: {} {} failed: {}; {} audit records {}{} (the next such line in {} s "
+                  "at the earliest)",
+                  sync ? "syncing" : "writing", path_, std::strerror(err), unlogged_,
+                  sync ? "written but maybe not on disk" : "lost",
+                  said_ ? " since the last line" : "", kErrorLogEvery.count());
+    unlogged_ = 0;
+    said_ = true;
+    next_line_ = now + kErrorLogEvery;
+}
+
+void AuditLog::succeeded() {
+    if (!failing_) {
+        return;
+    }
+    failing_ = false;
+    if (said_) {
+        spdlog::info("audit: writing {} works again{}", path_,
+                     unlogged_ == 0 ? std::string()
+                                    : "; " + std::to_string(unlogged_) +
+                                          " more audit records failed since the last line");
+        unlogged_ = 0;
+        said_ = false;
+        next_line_ = {};
+    }
+}
 
 void AuditLog::writer_loop() {
     std::vector<Pending> batch;
@@ -413,14 +488,15 @@ void AuditLog::writer_loop() {
         bool ok = false;
         {
             std::lock_guard io(io_mu_);
-            ok = write_all(fd_, bytes);
+            ok = write_lines(bytes);
             if (ok && owned_) {
                 ok = ::fdatasync(fd_) == 0;
                 syncs_.fetch_add(1);
+                if (!ok) {
+                    failed(true, errno,
+                           static_cast<size_t>(std::count(bytes.begin(), bytes.end(), '\n')));
+                }
             }
-        }
-        if (!ok) {
-            spdlog::error("audit.durable: writing the audit file failed: {}", std::strerror(errno));
         }
         for (auto& p : batch) {
             if (p.done) {

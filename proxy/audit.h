@@ -63,7 +63,11 @@ public:
     /// Appends a record (durable mode: queues it behind earlier ones, does not wait).
     void write(const AuditRecord& rec);
     /// Appends complete JSON lines at once (one write(2) in plain mode; durable mode queues
-    /// them as one entry, completion records need no acknowledgement).
+    /// them as one entry, completion records need no acknowledgement). A write that fails
+    /// (a full disk, an I/O error) loses the lines that did not go whole: it is logged (at
+    /// most one line per kErrorLogEvery) and counted (write_errors()), and it leaves no torn
+    /// line: the file is cut back to its last whole line, or, where it cannot be (a pipe), the
+    /// next write begins on a line of its own.
     void append(std::string_view lines);
     /// Durable mode: calls `done(true)` on the writer thread once the record is on disk, or
     /// `done(false)` if writing or syncing failed (the caller must then not proceed).
@@ -71,15 +75,31 @@ public:
     void write_durable(const AuditRecord& rec, std::function<void(bool)> done);
     /// fdatasync calls made so far (a measure of how well commits are grouped).
     uint64_t syncs() const { return syncs_.load(); }
+    /// Writes (and durable mode's syncs) of the file that failed so far (/metrics:
+    /// egressd_audit_write_errors_total, Metrics::audit_write_errors points here).
+    const std::atomic<uint64_t>& write_errors() const { return write_errors_; }
 
     /// SIGHUP: log rotation (the file was moved or removed: a new one is created at `path`)
     /// or a changed audit.path. Opens `path` first and keeps the current file if that fails
     /// (the error names audit.path); records already handed over go to the old file.
     Result<bool> reopen(const std::string& path);
 
+    /// At most one line about failed writes this often; the failures in between are counted
+    /// and said with the next line.
+    static constexpr std::chrono::seconds kErrorLogEvery{10};
+
 private:
     AuditLog() = default;
     void writer_loop();
+    /// Writes `bytes` (whole lines) at the end of the file; false if not all of them went
+    /// (logged, counted, no torn line left). Called with mu_ (plain mode) or io_mu_ (durable
+    /// mode's writer) held: one caller at a time.
+    bool write_lines(std::string_view bytes);
+    /// After a failed write (or, `sync`, fdatasync) of `lines` records: the count and,
+    /// rate-limited, the log.
+    void failed(bool sync, int err, size_t lines);
+    /// After a write that went whole: says that writing works again, if a line said it failed.
+    void succeeded();
     struct Pending {
         std::string line;
         std::function<void(bool)> done;
@@ -97,6 +117,14 @@ private:
     bool stopping_ = false;
     std::thread writer_;
     std::atomic<uint64_t> syncs_{0};
+    // Written under the same lock as write_lines (see there).
+    std::string path_;
+    std::atomic<uint64_t> write_errors_{0};
+    bool torn_ = false;       // a failed write left a partial line that could not be cut off
+    bool failing_ = false;    // the last write failed
+    bool said_ = false;       // a failure line was written since the last success
+    uint64_t unlogged_ = 0;   // records lost since the last failure line
+    std::chrono::steady_clock::time_point next_line_{};
 };
 
 /// "2026-12-02T17:53:31.687Z": the one timestamp format of audit records and JSON logs.

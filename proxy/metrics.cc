@@ -91,6 +91,10 @@ std::string Metrics::render() const {
       << certs_minted.load() << "\n";
     o << "# TYPE egressd_cert_cache_hits_total counter\negressd_cert_cache_hits_total "
       << cert_cache_hits.load() << "\n";
+    o << "# HELP egressd_audit_write_errors_total Failed writes or syncs of the audit file (a "
+         "full disk, an I/O error).\n"
+         "# TYPE egressd_audit_write_errors_total counter\negressd_audit_write_errors_total "
+      << (audit_write_errors != nullptr ? audit_write_errors->load() : 0) << "\n";
     o << "# TYPE egressd_denied_total counter\n";
     for (const auto& [k, v] : denied_) {
         o << "egressd_denied_total{reason=\"" << k << "\"} " << v << "\n";

@@ -49,6 +49,9 @@ public:
     std::atomic<uint64_t> state_revision{0};
     std::atomic<uint64_t> certs_minted{0};
     std::atomic<uint64_t> cert_cache_hits{0};
+    /// The audit log's count of failed writes (AuditLog::write_errors), set at start; the
+    /// log outlives these metrics. Null: rendered as 0.
+    const std::atomic<uint64_t>* audit_write_errors = nullptr;
 
     /// Prometheus text exposition.
     std::string render() const;

@@ -630,6 +630,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
         throw std::runtime_error(audit.error());
     }
     s.audit = std::move(*audit);
+    s.metrics.audit_write_errors = &s.audit->write_errors();
     auto server_ctx = tls::make_server_context({"h2", "http/1.1"});
     if (!server_ctx) {
         throw std::runtime_error("server TLS context: " + server_ctx.error());

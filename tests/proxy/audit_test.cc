@@ -6,9 +6,14 @@
 
 #include <boost/json.hpp>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <charconv>
 #include <cmath>
+#include <csignal>
+#include <future>
 #include <random>
 #include <chrono>
 #include <cstdio>
@@ -352,6 +357,98 @@ TEST(AuditJson, TypicalLineIsExactlyTheContract) {
               "\"bytes_in\":0,\"bytes_out\":1234,\"duration_ms\":3.142,"
               "\"upstream_addr\":\"127.0.0.1:8443\",\"proto_in\":\"h2\",\"proto_out\":null,"
               "\"req_id\":7}");
+}
+
+/// Writes beyond `limit` bytes of a file fail (RLIMIT_FSIZE, EFBIG; SIGXFSZ ignored) while
+/// it lives: a disk that fills up in the middle of a write, deterministically.
+class FileSizeLimit {
+public:
+    explicit FileSizeLimit(uint64_t limit) {
+        ::getrlimit(RLIMIT_FSIZE, &old_);
+        old_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+        rlimit r = old_;
+        r.rlim_cur = limit;
+        ::setrlimit(RLIMIT_FSIZE, &r);
+    }
+    ~FileSizeLimit() {
+        ::setrlimit(RLIMIT_FSIZE, &old_);
+        std::signal(SIGXFSZ, old_handler_);
+    }
+
+private:
+    rlimit old_{};
+    void (*old_handler_)(int) = SIG_DFL;
+};
+
+std::string line_of(uint64_t id) {
+    std::string l = audit_json(record(id));
+    l.push_back('\n');
+    return l;
+}
+
+bool durable_write(AuditLog& log, uint64_t id) {
+    std::promise<bool> done;
+    log.write_durable(record(id), [&](bool ok) { done.set_value(ok); });
+    return done.get_future().get();
+}
+
+// A write the disk cuts short keeps the lines that went whole and leaves no part of one:
+// the next record begins a line of its own (it had been glued to the torn one, invalid
+// JSONL, and nothing said it). The failure is counted (egressd_audit_write_errors_total).
+TEST(AuditLog, AFailedWriteLeavesNoTornLineAndIsCounted) {
+    for (bool durable : {false, true}) {
+        SCOPED_TRACE(durable);
+        auto path = temp_file(durable ? "full-durable.jsonl" : "full.jsonl");
+        {
+            std::ofstream f(path);
+            for (uint64_t id = 100; id < 110; ++id) {
+                f << line_of(id);
+            }
+        }
+        const uint64_t before = std::filesystem::file_size(path);
+        auto log = AuditLog::open(path.string(), durable);
+        ASSERT_TRUE(log.ok()) << log.error();
+        const std::string first = line_of(1);
+        {
+            // Room for the first line and 10 bytes of the second.
+            FileSizeLimit limit(before + first.size() + 10);
+            if (durable) {
+                (*log)->append(first + line_of(2));
+                EXPECT_FALSE(durable_write(**log, 3));  // after the queued lines: not on disk
+            } else {
+                (*log)->append(first + line_of(2));
+                EXPECT_EQ((*log)->write_errors().load(), 1u);
+            }
+            EXPECT_EQ(std::filesystem::file_size(path), before + first.size());
+        }
+        EXPECT_GE((*log)->write_errors().load(), 1u);
+        if (durable) {
+            EXPECT_TRUE(durable_write(**log, 4));
+        } else {
+            (*log)->write(record(4));
+        }
+        auto recs = read_records(path);  // every line parses
+        ASSERT_EQ(recs.size(), 12u);
+        EXPECT_EQ(recs[10].at("req_id").as_int64(), 1);
+        EXPECT_EQ(recs[11].at("req_id").as_int64(), 4);
+    }
+}
+
+// A file that takes no byte (/dev/full: ENOSPC): plain records are dropped and counted, a
+// durable one is reported as not written; nothing throws or blocks.
+TEST(AuditLog, AFullDeviceIsCountedAndDurableWritesFail) {
+    if (::access("/dev/full", W_OK) != 0) {
+        GTEST_SKIP() << "no writable /dev/full";
+    }
+    auto plain = AuditLog::open("/dev/full", false);
+    ASSERT_TRUE(plain.ok()) << plain.error();
+    (*plain)->write(record(1));
+    (*plain)->write(record(2));
+    EXPECT_EQ((*plain)->write_errors().load(), 2u);
+    auto durable = AuditLog::open("/dev/full", true);
+    ASSERT_TRUE(durable.ok()) << durable.error();
+    EXPECT_FALSE(durable_write(**durable, 3));
+    EXPECT_EQ((*durable)->write_errors().load(), 1u);
 }
 
 TEST(AuditLog, UnwritablePathNamesTheKey) {

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <string>
 #include <thread>
 #include <vector>
@@ -67,6 +68,14 @@ TEST(Metrics, ShardsCountedByTheirOwnThreadsWhileRenderedAreExact) {
     }
     EXPECT_EQ(value_of(m.render(), R"(egressd_requests_total{decision="allow",protocol="h2"})"),
               std::to_string(kThreads * kEach));
+}
+
+TEST(Metrics, AuditWriteErrorsAreTheLogsCount) {
+    Metrics m;
+    EXPECT_EQ(value_of(m.render(), "egressd_audit_write_errors_total"), "0");
+    std::atomic<uint64_t> errors{3};
+    m.audit_write_errors = &errors;
+    EXPECT_EQ(value_of(m.render(), "egressd_audit_write_errors_total"), "3");
 }
 
 }  // namespace
