@@ -329,6 +329,14 @@ struct Server::Impl {
     /// SIGHUP: re-read the config; apply it atomically or refuse it and keep the old one.
     /// Also reopens the audit file (log rotation, or a new audit.path).
     void reload() {
+        // Log rotation first, whether or not the reload applies: after a refused one (a config
+        // in the middle of an edit, a secret file briefly missing) records went on to the
+        // moved file, and were lost when logrotate removed it.
+        const std::string audit_path = shared.runtime.load()->config->audit.path;
+        if (auto a = shared.audit->reopen(audit_path); !a) {
+            spdlog::error("reload: {}; audit records keep going to the file opened before",
+                          a.error());
+        }
         auto cfg = load_config_file(config_path);
         if (!cfg) {
             spdlog::error("reload refused, keeping the running configuration: {}", cfg.error());
@@ -365,9 +373,11 @@ struct Server::Impl {
             spdlog::error("reload refused, keeping the running configuration: {}", w.error());
             return;
         }
-        if (auto a = shared.audit->reopen(config->audit.path); !a) {
-            spdlog::error("reload: {}; audit records keep going to the file opened before",
-                          a.error());
+        if (config->audit.path != audit_path) {
+            if (auto a = shared.audit->reopen(config->audit.path); !a) {
+                spdlog::error("reload: {}; audit records keep going to the file opened before",
+                              a.error());
+            }
         }
         spdlog::set_level(spdlog::level::from_str(config->log_level));
         control->set_statics(*statics);

@@ -720,6 +720,37 @@ def test_sighup_reopens_the_audit_file_and_names_keys_that_need_a_restart(world,
     assert records_in(e.audit_path, "moved") == []
 
 
+def test_a_refused_reload_still_reopens_the_audit_file(world, factory):
+    """logrotate moves the audit file and sends SIGHUP while the config is being edited (or a
+    mounted secret file is briefly missing): the reload is refused, but the audit file is
+    reopened all the same. Records had gone on to the moved file, lost when logrotate then
+    removed it."""
+    e = factory.start()
+
+    def deny():
+        c, r = helpers.proxy_connect(e.proxy_port, f"unlisted.test:{world.U}", world.auth())
+        c.close()
+        assert r.status == 403
+
+    def denials(path):
+        if not os.path.exists(path):
+            return 0
+        with open(path, "rb") as f:
+            recs = helpers.audit_lines(f.read())
+        return sum(1 for r in recs if r.get("host") == "unlisted.test")
+
+    deny()
+    poll(lambda: denials(e.audit_path) == 1, 5, "the first record")
+    os.rename(e.audit_path, e.audit_path + ".1")
+    with open(e.config_path, "a") as f:
+        f.write("\nlimits_typo: 1\n")
+    e.reload(expect="reload refused")
+    for _ in range(3):
+        deny()
+    poll(lambda: denials(e.audit_path) == 3, 5, "the records in the reopened file")
+    assert denials(e.audit_path + ".1") == 1
+
+
 def test_sighup_rereads_the_admin_token(factory):
     """An operator rotating a leaked admin token: write the new one, SIGHUP. The old token is
     refused from then on; a reload whose token file is unreadable is refused whole and the
