@@ -136,6 +136,9 @@ namespace {
 /// After the drain deadline shut the connections down: how long their coroutines get to end
 /// through their error paths and write their audit records before the loops stop.
 constexpr auto kDrainCutGrace = std::chrono::seconds(1);
+/// At the end of the drain: how long HTTP/2 client connections get to write their GOAWAY and
+/// close before the loops stop (an idle one does at once; Impl::wait_h2_closed).
+constexpr auto kH2GoawayWait = std::chrono::milliseconds(500);
 
 tcp::endpoint endpoint_of(const ListenAddress& a) {
     return {net::ip::make_address(a.host), a.port};
@@ -601,6 +604,33 @@ struct Server::Impl {
         }
     }
 
+    /// Returns once no worker has an HTTP/2 client connection left, or at `deadline`. SIGTERM
+    /// cancelled their watchdogs: each sends its GOAWAY, and an idle one closes at once. With
+    /// nothing in flight the drain ended before those posted cancels ran, and the loops
+    /// stopped under the connections: no GOAWAY. (Each worker's set is read on its thread.)
+    awaitable<void> wait_h2_closed(std::chrono::steady_clock::time_point deadline) {
+        auto open = std::make_shared<std::atomic<size_t>>(workers.size());
+        for (auto& w : workers) {
+            net::co_spawn(
+                w->ioc,
+                [w = w.get(), open, deadline]() -> awaitable<void> {
+                    net::steady_timer t(w->ioc);
+                    while (!w->h2_watchdogs.empty() &&
+                           std::chrono::steady_clock::now() < deadline) {
+                        t.expires_after(std::chrono::milliseconds(5));
+                        co_await t.async_wait(use_nothrow);
+                    }
+                    open->fetch_sub(1);
+                },
+                log_spawn_error);
+        }
+        net::steady_timer t(co_await net::this_coro::executor);
+        while (open->load() > 0 && std::chrono::steady_clock::now() < deadline) {
+            t.expires_after(std::chrono::milliseconds(5));
+            co_await t.async_wait(use_nothrow);
+        }
+    }
+
     Worker& pick_worker() {
         auto& w = *workers[next_worker];
         next_worker = (next_worker + 1) % workers.size();
@@ -814,6 +844,8 @@ int Server::run() {
                                      left);
                     }
                 }
+                co_await impl_->wait_h2_closed(std::chrono::steady_clock::now() +
+                                               kH2GoawayWait);
                 for (auto& w : impl_->workers) {
                     w->ioc.stop();
                 }

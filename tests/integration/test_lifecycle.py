@@ -598,6 +598,24 @@ def test_a_tunnel_whose_upstream_never_closes_is_cut_and_audited_at_drain(world,
     assert rec["status"] == 200 and rec["bytes_out"] == 0, rec
 
 
+def test_an_idle_h2_connection_gets_its_goaway_at_sigterm(world, factory, marker):
+    """An HTTP/2 client connection with nothing in flight gets a GOAWAY (NO_ERROR) at SIGTERM
+    before egressd exits: with nothing to wait for, the loops had stopped before the GOAWAY
+    was written, and the client saw the connection drop without one."""
+    from h2_helpers import H2Client
+    for i in range(3):  # the loss was a race (usually lost): each start must send it
+        e = factory.start()
+        h = H2Client(e, world, "api.test", world.U)
+        try:
+            assert h.request(f"/echo/{marker}-{i}")["status"] == 200
+            e.proc.send_signal(signal.SIGTERM)
+            h.pump(timeout=5)
+            assert h.goaway == 0, (i, h.goaway, h.closed)
+        finally:
+            h.close()
+        assert e.proc.wait(timeout=10) == 0
+
+
 def test_h2_stream_sent_after_sigterm_is_served_or_left_unprocessed(world, factory, marker):
     """A stream that reaches egressd after SIGTERM gets no final 503: egressd sends its GOAWAY
     at once, and a stream it had already received is served (as HTTP/1.1 serves a request
