@@ -1,9 +1,30 @@
 #include "proxy/metrics.h"
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <sstream>
 
 namespace egress::proxy {
+
+namespace {
+
+/// A floating value as Prometheus reads it: the shortest text that reads back as the same
+/// double (std::to_chars), "+Inf", "-Inf" or "NaN". An ostream's default precision (6
+/// significant digits) had the duration sum stop moving at 100000 s, and rounded it before.
+std::string prom_double(double v) {
+    if (std::isnan(v)) {
+        return "NaN";
+    }
+    if (std::isinf(v)) {
+        return v > 0 ? "+Inf" : "-Inf";
+    }
+    char buf[64];
+    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    return std::string(buf, ec == std::errc() ? end : buf);
+}
+
+}  // namespace
 
 void Metrics::Shard::request(std::string_view decision, std::string_view protocol,
                              double seconds) {
@@ -76,11 +97,11 @@ std::string Metrics::render() const {
     o << "# HELP egressd_request_duration_seconds Request duration.\n"
          "# TYPE egressd_request_duration_seconds histogram\n";
     for (size_t i = 0; i < kBuckets.size(); ++i) {
-        o << "egressd_request_duration_seconds_bucket{le=\"" << kBuckets[i] << "\"} "
-          << buckets[i] << "\n";
+        o << "egressd_request_duration_seconds_bucket{le=\"" << prom_double(kBuckets[i])
+          << "\"} " << buckets[i] << "\n";
     }
     o << "egressd_request_duration_seconds_bucket{le=\"+Inf\"} " << count << "\n"
-      << "egressd_request_duration_seconds_sum " << sum << "\n"
+      << "egressd_request_duration_seconds_sum " << prom_double(sum) << "\n"
       << "egressd_request_duration_seconds_count " << count << "\n";
     o << "# TYPE egressd_active_connections gauge\negressd_active_connections "
       << active_connections.load() << "\n";

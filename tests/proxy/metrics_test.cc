@@ -70,6 +70,18 @@ TEST(Metrics, ShardsCountedByTheirOwnThreadsWhileRenderedAreExact) {
               std::to_string(kThreads * kEach));
 }
 
+// The sum is written with every digit a double needs to read back as itself: at the
+// default ostream precision (6 significant digits) it stopped moving at 100000 s (a day and
+// a bit of requests) and rounded everything before.
+TEST(Metrics, DurationSumKeepsEveryDigit) {
+    Metrics m;
+    m.request("allow", "h2", 123456.789012);
+    m.request("allow", "h2", 0.000123);
+    const std::string sum = value_of(m.render(), "egressd_request_duration_seconds_sum");
+    EXPECT_EQ(std::stod(sum), 123456.789012 + 0.000123) << sum;
+    EXPECT_EQ(sum, "123456.789135");
+}
+
 TEST(Metrics, AuditWriteErrorsAreTheLogsCount) {
     Metrics m;
     EXPECT_EQ(value_of(m.render(), "egressd_audit_write_errors_total"), "0");
