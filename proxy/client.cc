@@ -641,15 +641,6 @@ bool still_live(Worker& w, const Run& run) {
     return w.runtime()->lookup(run.policy.id) != nullptr;
 }
 
-bool secret_unavailable(const Run& run, const policy::HostPort& dest) {
-    for (const auto& p : run.unavailable_pins) {
-        if (p.matches(dest)) {
-            return true;
-        }
-    }
-    return false;
-}
-
 /// The forward port's requests on one client connection; `unread`: the last one's body was
 /// left unread (an early answer).
 awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
@@ -776,10 +767,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
         auto dd = policy::decide_destination(rt->config->policy, scope.run->policy, scope.target,
                                              policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
-            std::string reason = dd.reason;
-            if (reason == "host_not_allowed" && secret_unavailable(*scope.run, scope.target)) {
-                reason = "secret_unavailable";
-            }
+            std::string reason(destination_refusal_reason(*scope.run, scope.target, dd.reason));
             bool ka = !is_connect && parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
                                    parser.method() == http::verb::head);
@@ -1111,10 +1099,7 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
     auto dd = policy::decide_destination(rt.config->policy, scope.run->policy, scope.target,
                                          policy::Clock::now());
     if (dd.carry == policy::Carry::Deny) {
-        std::string reason = dd.reason;
-        if (reason == "host_not_allowed" && secret_unavailable(*scope.run, scope.target)) {
-            reason = "secret_unavailable";
-        }
+        std::string reason(destination_refusal_reason(*scope.run, scope.target, dd.reason));
         spdlog::info("conn={} transparent {}:{} (dialled {}) refused: {}", scope.conn_id, host,
                      original->port(), original->address().to_string(), reason);
         audit_refusal(scope, "", "", 403, reason, started);
