@@ -1659,13 +1659,28 @@ Result<size_t> ControlPlane::sweep_expired() {
     std::vector<credstore::Mutation> muts;
     size_t swept = 0;
     auto write = [&]() -> Result<bool> {
-        if (!muts.empty()) {
-            if (auto r = store_->apply(muts); !r) {
+        while (!muts.empty()) {
+            auto r = store_->apply(muts);
+            if (r) {
+                swept += muts.size();
+                break;
+            }
+            // Another replica swept some of these first (its deletion had not reached this
+            // one's view yet): they are swept. The store's view has them gone now (a write
+            // that lost reads the state again): the rest are written without them.
+            if (r.error().rfind("not_found: run ", 0) != 0) {
                 return make_error(r.error());
             }
-            swept += muts.size();
-            muts.clear();
+            const auto now_held = store_->snapshot();
+            const size_t before = muts.size();
+            std::erase_if(muts, [&](const credstore::Mutation& m) {
+                return now_held->runs.count(m.run_id) == 0;
+            });
+            if (muts.size() == before) {
+                return make_error(r.error());
+            }
         }
+        muts.clear();
         return true;
     };
     for (const auto& [id, run] : snap->runs) {

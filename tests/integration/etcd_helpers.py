@@ -178,6 +178,38 @@ class Etcd:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    # -- its history replaced (an operator's restore or wipe) -------------------------------
+    def _etcdctl(self, *args: str) -> None:
+        b = shutil.which("etcdctl") or "/usr/bin/etcdctl"
+        if not os.access(b, os.X_OK):
+            pytest.skip("etcdctl not installed (apt-get install etcd-client)")
+        env = {k: v for k, v in helpers.clean_env().items() if not k.startswith("ETCD")}
+        env["ETCDCTL_API"] = "3"
+        r = subprocess.run([b, *args], capture_output=True, env=env, timeout=60,
+                           cwd=self.workdir)
+        assert r.returncode == 0, f"etcdctl {args[:2]}: {r.stderr[-600:]!r}"
+
+    def snapshot_save(self, path: str) -> None:
+        """etcdctl snapshot save: a backup of the whole keyspace at its current revision."""
+        self._etcdctl("--endpoints", self.url, "snapshot", "save", path)
+
+    def restore(self, snapshot: str) -> None:
+        """Stops etcd, replaces its data with `snapshot` (etcdctl snapshot restore, same name
+        and peer URL: the revision goes back to the snapshot's) and starts it again."""
+        self.stop()
+        shutil.rmtree(self.data_dir)
+        p = self.peer_port
+        self._etcdctl("snapshot", "restore", snapshot, "--data-dir", self.data_dir,
+                      "--name", "t", "--initial-cluster", f"t=http://127.0.0.1:{p}",
+                      "--initial-advertise-peer-urls", f"http://127.0.0.1:{p}")
+        self.start()
+
+    def wipe(self) -> None:
+        """Stops etcd, deletes its data and starts it again, empty, on the same ports."""
+        self.stop()
+        shutil.rmtree(self.data_dir)
+        self.start()
+
     def log_text(self) -> str:
         return helpers.file_text(self.log_path)
 
@@ -248,6 +280,7 @@ class GatewayRelay:
     def __init__(self, etcd_port: int):
         import threading
         self.etcd_port = etcd_port
+        self.delay_txn = 0.0  # seconds a transaction waits before it is sent on to etcd
         self.pause_watch = threading.Event()
         self.hold_range = threading.Event()
         self.held = threading.Event()
@@ -304,6 +337,8 @@ class GatewayRelay:
             if req is None:
                 return
             path, raw, body = req
+            if path == "/v3/kv/txn" and self.delay_txn > 0:
+                time.sleep(self.delay_txn)
             u = socket.create_connection(("127.0.0.1", self.etcd_port), timeout=60)
             u.sendall(raw)
             whole = False
@@ -354,4 +389,79 @@ class GatewayRelay:
         self.closed = True
         self.release.set()
         self.pause_watch.clear()
+        self.sock.close()
+
+
+class CuttableRelay:
+    """A TCP relay on 127.0.0.1 in front of etcd that can be cut (a partition: every open
+    connection is shut down, new ones are closed at once) and healed."""
+
+    def __init__(self, etcd_port: int):
+        import threading
+        self.etcd_port = etcd_port
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.cut = False
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self):
+        import threading
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.cut:
+                c.close()
+                continue
+            try:
+                u = socket.create_connection(("127.0.0.1", self.etcd_port), timeout=5)
+            except OSError:
+                c.close()
+                continue
+            with self.lock:
+                self.conns += [c, u]
+            for x, y in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+
+    @staticmethod
+    def _pump(x: socket.socket, y: socket.socket):
+        try:
+            while True:
+                d = x.recv(65536)
+                if not d:
+                    break
+                y.sendall(d)
+        except OSError:
+            pass
+        for s in (x, y):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def partition(self):
+        self.cut = True
+        with self.lock:
+            conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def heal(self):
+        self.cut = False
+
+    def close(self):
+        self.partition()
         self.sock.close()

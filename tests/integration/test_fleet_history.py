@@ -1,0 +1,92 @@
+"""A fleet whose etcd is not the one it read: restored from a snapshot (its revision goes back),
+wiped (a new, empty cluster), or out of reach (a partition); and two replicas sweeping the same
+expired runs.
+
+A replica's view of the state only moves forward with etcd's revision. After a restore or a
+wipe etcd's revision is below the one the replica holds: its whole-state read is the truth
+again, however old its revision, or the replica serves its old state for good (a revocation
+answered 200 and never enforced, new writes never shown). A replica that cannot reach etcd
+serves what it last saw; state.etcd.max_staleness bounds how long /readyz says it is ready.
+
+Each test has an etcd of its own (these tests replace its data), loopback only, temp data.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets as pysecrets
+import time
+
+import pytest
+
+import helpers
+from cp_helpers import api, api_ok, bearer_pin, create_run, put_secret
+from etcd_helpers import CuttableRelay, Etcd, GatewayRelay, require_etcd_bin
+from test_fleet import (PROPAGATE_S, api_host, connect_status, make_replica, on, secret_names,
+                        start_replica, sval, wait_run_known)
+
+# How long a replica may take to notice etcd came back with another history and read it
+# again: its watch breaks when etcd stops, resyncs with a backoff of up to 2 s, then one read
+# and the runtime rebuild. A sanitizer build runs several times slower.
+RECOVER_S = 10.0 * (2 if helpers.SANITIZER else 1)
+
+
+@pytest.fixture
+def etcd(world):
+    """An etcd of the test's own: the tests restore and wipe it."""
+    e = Etcd(require_etcd_bin(), world.new_dir("etcd-hist-")).start()
+    yield e
+    e.stop()
+
+
+def two_replicas(factory, world, a_endpoints: list[str], b_endpoints: list[str], **etcd_keys):
+    prefix = f"/egressd-hist-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    a = start_replica(factory, make_replica(factory, world, prefix, a_endpoints, key,
+                                            **etcd_keys))
+    b = start_replica(factory, make_replica(factory, world, prefix, b_endpoints, key,
+                                            **etcd_keys))
+    return a, b, prefix
+
+
+def refused_everywhere(run, replicas, world, bound: float, why: str):
+    for e in replicas:
+        helpers.poll(lambda e=e: connect_status(on(run, e), api_host(world))[0] != 200, bound,
+                     f"replica :{e.proxy_port} to refuse {why}", interval=0.05)
+
+
+def test_two_replicas_sweeping_the_same_expired_runs_both_succeed(factory, world, etcd):
+    """Three runs expire while B's view lags (its watch held back, its writes slowed): A sweeps
+    them first, and B's sweep of the same runs finds them gone. That is not a failure: B's
+    sweep counts them as swept, logs no failure and does not back off. Before: B's whole
+    batch failed on not_found and the sweep backed off."""
+    relay = GatewayRelay(etcd.client_port)
+    try:
+        a, b, prefix = two_replicas(factory, world, [etcd.url], [relay.url])
+        runs = [create_run(a, world, {"org": "acme"}, [], ttl=3) for _ in range(3)]
+        keep = create_run(a, world, {"org": "acme"}, [], ttl=600)
+        for r in runs:
+            helpers.poll(lambda r=r: api(b, "GET", f"/v1/runs/{r.id}").status == 200,
+                         PROPAGATE_S, "the run on B")
+        # B's view keeps the runs (its watch is held) and its writes reach etcd late, so
+        # whichever replica's sweep comes first, A's deletion lands before B's.
+        relay.pause_watch.set()
+        relay.delay_txn = 1.5
+        helpers.poll(lambda: not any(r.id in k for r in runs for k in etcd.keys(prefix)), 10.0,
+                     "A to sweep the expired runs", interval=0.1)
+        # B reads the state again when its transaction loses (the runs are gone): its sweep
+        # has come back then.
+        helpers.poll(lambda: all(api(b, "GET", f"/v1/runs/{r.id}").status == 404 for r in runs),
+                     10.0, "B's sweep to have come back", interval=0.1)
+        time.sleep(0.5)
+        relay.pause_watch.clear()
+        relay.delay_txn = 0
+        log = b.stderr_text()
+        assert "sweeping expired runs failed" not in log, log[-2000:]
+        for e in (a, b):
+            helpers.poll(lambda e=e: all(api(e, "GET", f"/v1/runs/{r.id}").status == 404
+                                         for r in runs), 5.0,
+                         f"replica :{e.admin_port} to forget the swept runs")
+            assert api(e, "GET", f"/v1/runs/{keep.id}").status == 200
+    finally:
+        relay.close()
