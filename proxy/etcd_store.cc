@@ -129,6 +129,19 @@ int64_t header_revision(const json::object& answer) {
     return h != nullptr && h->is_object() ? int_field(h->as_object(), "revision") : 0;
 }
 
+/// The answer's cluster_id, as etcd wrote it (a uint64, as a string; "" if absent): a wiped
+/// etcd, or one restored from a snapshot, is usually a new cluster (etcdctl snapshot restore
+/// makes a new id unless given the old cluster's names and token).
+std::string header_cluster(const json::object& answer) {
+    const json::value* h = answer.if_contains("header");
+    const json::value* id =
+        h != nullptr && h->is_object() ? h->as_object().if_contains("cluster_id") : nullptr;
+    if (id == nullptr) {
+        return "";
+    }
+    return id->is_string() ? std::string(id->as_string()) : json::serialize(*id);
+}
+
 Result<std::string> string_b64(const json::object& o, std::string_view key) {
     const json::value* v = o.if_contains(key);
     if (v == nullptr) {
@@ -259,7 +272,7 @@ public:
             ioc_.run();
         });
         int64_t keys = 0;
-        auto loaded = run_sync(load(keys));
+        auto loaded = run_sync(load(keys, cluster_id_));
         if (!loaded) {
             return make_error(loaded.error());
         }
@@ -311,15 +324,31 @@ public:
                                   std::to_string(options_.max_txn_ops) +
                                   "; raise it with etcd's --max-txn-ops)");
             }
+            int64_t seen_before = 0;
+            {
+                std::lock_guard lock(mu_);
+                seen_before = seen_revision_;
+            }
             auto done = run_sync(commit(std::move(plan)));
             if (!done) {
                 return make_error(done.error());
             }
-            const auto [revision, succeeded] = *done;
+            const auto [revision, succeeded, other_cluster] = *done;
             // Written: this replica shows its own write before answering, normally through
             // the watch (which also runs the listeners), else by reading the state again.
             if (succeeded) {
-                if (!wait_seen(revision)) {
+                if (revision <= seen_before || other_cluster) {
+                    // A write takes etcd past every revision it held before: one at or below
+                    // what this replica had seen means etcd's history is not the one this
+                    // replica holds (restored from a backup, wiped, another cluster). Waiting
+                    // for the watch would return at once, without the write: the state is
+                    // read again, and installed whatever its revision (resync).
+                    spdlog::warn("etcd: a write landed at revision {}{}, this replica had seen "
+                                 "{}: reading the state again",
+                                 revision, other_cluster ? " of another etcd cluster" : "",
+                                 seen_before);
+                    (void)run_sync(resync());
+                } else if (!wait_seen(revision)) {
                     spdlog::warn("etcd: the watch has not delivered revision {} within {} ms; "
                                  "reading the state", revision, options_.timeout.count());
                     (void)run_sync(resync());
@@ -526,12 +555,14 @@ private:
 
     // ---- the state ------------------------------------------------------------------------
     /// Reads every record under the prefix (one consistent revision); `keys`: how many keys
-    /// etcd holds under it (records that do not parse, keys outside the layout included).
-    awaitable<Result<View>> load(int64_t& keys) {
+    /// etcd holds under it (records that do not parse, keys outside the layout included);
+    /// `cluster`: the answer's cluster id.
+    awaitable<Result<View>> load(int64_t& keys, std::string& cluster) {
         auto r = co_await call("/v3/kv/range", range_body(options_.prefix, range_end_));
         if (!r) {
             co_return make_error(r.error());
         }
+        cluster = header_cluster(*r);
         StateSnapshot snap;
         View view;
         keys = 0;
@@ -548,20 +579,58 @@ private:
 
     /// Reads the whole state and makes it this replica's view (on the store's thread, so
     /// listeners stay in order; watch events it already holds are skipped when they come).
+    ///
+    /// The read is linearizable: in one etcd history its revision is at least any revision
+    /// this replica held when it asked. One below that, or from another cluster id, means
+    /// etcd's history is not the one this replica holds: restored from a snapshot (an older
+    /// revision, often a new cluster id), wiped (a new cluster, revision 1), replaced. The read
+    /// is then installed whatever its revision, what this replica had seen is forgotten (so a
+    /// write waits for its own revision again), and an open watch is cut, to resume from the
+    /// read. A compaction changes neither: the watch is cancelled, and the read comes back at
+    /// the same revision or later.
     awaitable<Result<bool>> resync() {
         int64_t keys = 0;
-        auto loaded = co_await load(keys);
+        std::string cluster;
+        int64_t asked_at = 0;
+        {
+            std::lock_guard lock(mu_);
+            asked_at = static_cast<int64_t>(view_->snap->revision);
+        }
+        auto loaded = co_await load(keys, cluster);
         if (!loaded) {
             co_return make_error(loaded.error());
+        }
+        const auto got = static_cast<int64_t>(loaded->snap->revision);
+        const bool other_cluster =
+            !cluster.empty() && !cluster_id_.empty() && cluster != cluster_id_;
+        if (got < asked_at || other_cluster) {
+            const std::string why =
+                other_cluster
+                    ? "etcd's cluster id changed (" + cluster_id_ + " to " + cluster + ")"
+                    : "etcd's revision " + std::to_string(got) + " is below this replica's " +
+                          std::to_string(asked_at);
+            spdlog::warn("etcd: {}: etcd was restored from a backup, wiped or replaced; this "
+                         "replica now serves etcd's state at revision {}",
+                         why, got);
+            cluster_id_ = cluster;
+            install(std::make_shared<View>(std::move(*loaded)), true, true);
+            watched_keys_ = keys;
+            if (open_watch_) {
+                open_watch_->drop(why + ": the watch resumes from the state read");
+            }
+            co_return true;
         }
         {
             // The watch runs on while the read is in flight: if it installed a newer revision
             // meanwhile (a revocation from another replica), the older read must not replace
             // it. The watch will not send that change again; the view would roll back for good.
             std::lock_guard lock(mu_);
-            if (view_ && loaded->snap->revision < view_->snap->revision) {
+            if (view_ && got < static_cast<int64_t>(view_->snap->revision)) {
                 co_return true;
             }
+        }
+        if (!cluster.empty()) {
+            cluster_id_ = cluster;
         }
         install(std::make_shared<View>(std::move(*loaded)), true);
         watched_keys_ = keys;
@@ -593,8 +662,9 @@ private:
 
     /// Makes `view` this replica's state, runs the listeners, then lets apply() callers
     /// waiting for its revision go. Runs on the store's thread (or in start(), before it
-    /// serves anyone), so listeners see revisions in order.
-    void install(std::shared_ptr<const View> view, bool notify) {
+    /// serves anyone), so listeners see revisions in order. `reset`: etcd's history changed
+    /// (resync): the revisions seen before are forgotten.
+    void install(std::shared_ptr<const View> view, bool notify, bool reset = false) {
         std::vector<Listener> listeners;
         {
             std::lock_guard lock(mu_);
@@ -609,15 +679,21 @@ private:
         }
         {
             std::lock_guard lock(mu_);
-            seen_revision_ = std::max<int64_t>(seen_revision_,
-                                               static_cast<int64_t>(view->snap->revision));
+            const auto revision = static_cast<int64_t>(view->snap->revision);
+            seen_revision_ = reset ? revision : std::max(seen_revision_, revision);
         }
         seen_cv_.notify_all();
     }
 
     // ---- writes -----------------------------------------------------------------------------
-    /// Sends the plan as one transaction; returns (revision, succeeded).
-    awaitable<Result<std::pair<int64_t, bool>>> commit(credstore::etcd::TxnPlan plan) {
+    struct Committed {
+        int64_t revision = 0;
+        bool succeeded = false;
+        bool other_cluster = false;  // the answer names another cluster id than the view's
+    };
+
+    /// Sends the plan as one transaction.
+    awaitable<Result<Committed>> commit(credstore::etcd::TxnPlan plan) {
         const int64_t now = std::chrono::duration_cast<std::chrono::seconds>(
                                 std::chrono::system_clock::now().time_since_epoch())
                                 .count();
@@ -652,7 +728,9 @@ private:
         if (!r) {
             co_return make_error(r.error());
         }
-        co_return std::pair<int64_t, bool>{header_revision(*r), succeeded};
+        const std::string cluster = header_cluster(*r);
+        co_return Committed{header_revision(*r), succeeded,
+                            !cluster.empty() && !cluster_id_.empty() && cluster != cluster_id_};
     }
 
     // ---- the watch --------------------------------------------------------------------------
@@ -734,6 +812,9 @@ private:
             }
         }
     };
+    // The open watch's check, null between watches (the store's thread only): resync() cuts
+    // the watch through it when etcd's history changed under it.
+    std::shared_ptr<WatchCheck> open_watch_;
 
     template <class Stream>
     awaitable<std::string> watch_on(Stream& stream, size_t watched, int64_t from_revision,
@@ -772,10 +853,14 @@ private:
             boost::system::error_code ignored;
             stream.socket().cancel(ignored);
         };
+        open_watch_ = check;
         struct EndCheck {  // on every way out of this frame, its destruction included
             EtcdStateStore& store;
             std::shared_ptr<WatchCheck> check;
             ~EndCheck() {
+                if (store.open_watch_ == check) {
+                    store.open_watch_ = nullptr;
+                }
                 check->over = true;
                 check->cut = nullptr;
                 if (!store.stopping_) {
@@ -853,6 +938,7 @@ private:
             }
             size_t answered = watched;
             std::string failed;
+            const auto asked_view = static_cast<int64_t>(current_.load()->revision);
             auto r = co_await call_from(watched, "/v3/kv/range", count_request, &answered,
                                         &failed);
             if (check->over) {
@@ -869,6 +955,20 @@ private:
             }
             const int64_t etcd_revision = header_revision(*r);
             const int64_t etcd_keys = int_field(*r, "count");
+            const std::string cluster = header_cluster(*r);
+            // A linearizable read answers at least every revision this replica held when it
+            // asked: one below, or another cluster id, is another etcd history (resync()).
+            const bool other_cluster =
+                !cluster.empty() && !cluster_id_.empty() && cluster != cluster_id_;
+            if (etcd_revision < asked_view || other_cluster) {
+                check->drop(other_cluster
+                                ? "etcd answers with another cluster id (" + cluster_id_ +
+                                      " to " + cluster + "): restored, wiped or replaced"
+                                : "etcd's revision " + std::to_string(etcd_revision) +
+                                      " is below this replica's " + std::to_string(asked_view) +
+                                      ": etcd was restored or wiped");
+                co_return;
+            }
             const auto view_revision = static_cast<int64_t>(current_.load()->revision);
             if (etcd_revision <= std::max(view_revision, current_at)) {
                 behind_since.reset();
@@ -998,6 +1098,8 @@ private:
     // watched create and delete): the watch check compares it with etcd's count. The store's
     // thread only (start() sets it before the watch starts).
     int64_t watched_keys_ = 0;
+    // etcd's cluster id as of the view (the store's thread only; start() sets it first).
+    std::string cluster_id_;
     std::atomic<bool> stopping_{false};
 
     std::mutex write_mu_;  // one apply() at a time on this replica

@@ -55,6 +55,67 @@ def refused_everywhere(run, replicas, world, bound: float, why: str):
                      f"replica :{e.proxy_port} to refuse {why}", interval=0.05)
 
 
+def test_a_revocation_after_etcd_was_restored_from_a_snapshot_is_enforced(factory, world, etcd):
+    """A snapshot is taken, writes follow, and etcd is restored from the snapshot: its revision
+    goes back below the replicas'. The replicas serve etcd's state as restored (the writes
+    after the snapshot are gone), a revocation made then is enforced on both, and a secret
+    written then shows on both. Before: each replica threw away the older read and watched
+    from its old revision; the revocation answered 200 and the run kept working."""
+    a, b, prefix = two_replicas(factory, world, [etcd.url], [etcd.url])
+    put_secret(a, "rs_tok", sval("rs"), org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "rs_tok")])
+    wait_run_known(b, run, world)
+    backup = os.path.join(etcd.workdir, "backup.db")
+    etcd.snapshot_save(backup)
+    for i in range(10):  # writes after the backup: the replicas' revision moves past it
+        put_secret(a, f"after{i}", sval("after"), org="acme")
+    helpers.poll(lambda: "after9" in secret_names(b), PROPAGATE_S, "B to see the last write")
+
+    etcd.restore(backup)
+
+    # The writes after the snapshot are gone from etcd, so from both replicas.
+    for e in (a, b):
+        helpers.poll(lambda e=e: "after0" not in secret_names(e), RECOVER_S,
+                     f"replica :{e.admin_port} to serve the restored state", interval=0.1)
+    r = api(a, "DELETE", f"/v1/runs/{run.id}")
+    assert r.status == 200, f"revoke after the restore: {r.status} {r.body[:300]!r}"
+    refused_everywhere(run, (a, b), world, 2 * PROPAGATE_S, "the run revoked after the restore")
+    for e in (a, b):
+        assert api_ok(e, "GET", f"/v1/runs/{run.id}")["revoked"] is True
+    put_secret(b, "restored_new", sval("rn"), org="acme")
+    helpers.poll(lambda: "restored_new" in secret_names(a), 2 * PROPAGATE_S,
+                 "A to show a secret written on B after the restore")
+    assert "etcd was restored from a backup, wiped or replaced" in a.stderr_text()
+
+
+
+def test_a_wiped_etcd_is_served_as_it_now_is(factory, world, etcd):
+    """etcd loses its data (a new, empty cluster on the same address): the replicas drop the
+    state etcd no longer holds (the run is refused: etcd is the truth, fail closed), and a
+    secret written then shows on both. Before: both kept their old state, and a write
+    answered 201 but never showed on the other replica."""
+    a, b, prefix = two_replicas(factory, world, [etcd.url], [etcd.url])
+    put_secret(a, "wp_tok", sval("wp"), org="acme")
+    run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "wp_tok")])
+    wait_run_known(b, run, world)
+    for i in range(10):
+        put_secret(a, f"pad{i}", sval("pad"), org="acme")
+    helpers.poll(lambda: "pad9" in secret_names(b), PROPAGATE_S, "B to see the last write")
+
+    etcd.wipe()
+
+    refused_everywhere(run, (a, b), world, RECOVER_S, "a run etcd no longer holds")
+    for e in (a, b):
+        helpers.poll(lambda e=e: secret_names(e) == [], RECOVER_S,
+                     f"replica :{e.admin_port} to list etcd's (empty) state", interval=0.1)
+    put_secret(a, "after_wipe", sval("aw"), org="acme")
+    assert "after_wipe" in secret_names(a), "A does not show its own write"
+    helpers.poll(lambda: "after_wipe" in secret_names(b), 2 * PROPAGATE_S,
+                 "B to show a secret written on A after the wipe")
+    assert [k for k in etcd.keys(prefix) if "/secrets/" in k], "the write is not in etcd"
+
+
+
 def test_two_replicas_sweeping_the_same_expired_runs_both_succeed(factory, world, etcd):
     """Three runs expire while B's view lags (its watch held back, its writes slowed): A sweeps
     them first, and B's sweep of the same runs finds them gone. That is not a failure: B's
