@@ -3,6 +3,7 @@
 // (common/published.h); updates are applied atomically and durably.
 // Backends: FileStateStore (embedded default, state.path) and the etcd backend
 // (credstore/etcd_store.h, a fleet of replicas sharing one state).
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -106,6 +107,12 @@ public:
     /// Stops calling listeners (a backend with a thread of its own joins it); apply() fails
     /// afterwards. For shutdown: listeners use what their owner is about to destroy.
     virtual void stop() {}
+    /// How long ago this replica last knew its snapshot held all of a shared store's state (the
+    /// etcd backend: a read or check of etcd that showed it); nullopt for a store that cannot
+    /// fall behind (the file backend).
+    virtual std::optional<std::chrono::steady_clock::duration> sync_age() const {
+        return std::nullopt;
+    }
 };
 
 /// Applies mutations to a copy of `base` (pure; shared by every backend). Errors:

@@ -15,6 +15,19 @@ namespace egress::proxy {
 
 namespace {
 
+/// Seconds since the state store last knew it held all of the shared state (etcd), or null
+/// (the file backend, or no store).
+std::optional<double> state_sync_age(Shared& shared) {
+    if (shared.control == nullptr) {
+        return std::nullopt;
+    }
+    const auto age = shared.control->store().sync_age();
+    if (!age) {
+        return std::nullopt;
+    }
+    return std::chrono::duration<double>(*age).count();
+}
+
 bool host_is_loopback_name(std::string_view host_header, uint16_t port) {
     // Host pinning on loopback (DNS-rebinding defence): a loopback name or address, and when
     // a port is given it must be ours.
@@ -243,15 +256,25 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             res.body() = "ok\n";
         } else if (target == "/readyz") {
             res.set(http::field::content_type, "text/plain");
+            // state.etcd.max_staleness: a replica cut off from etcd serves what it last saw
+            // (revocations made since included); past the bound it asks not to be routed to.
+            const auto& limit = shared.runtime.load()->config->etcd.max_staleness;
+            const auto age = limit ? state_sync_age(shared) : std::nullopt;
             if (shared.draining.load()) {
                 res.result(http::status::service_unavailable);
                 res.body() = "draining\n";
+            } else if (age && *age * 1000 > static_cast<double>(limit->count())) {
+                res.result(http::status::service_unavailable);
+                res.body() = "state stale: not in step with etcd for " +
+                             std::to_string(static_cast<int64_t>(*age)) +
+                             " s (state.etcd.max_staleness " +
+                             std::to_string(limit->count()) + " ms)\n";
             } else {
                 res.body() = "ready\n";
             }
         } else if (target == "/metrics") {
             res.set(http::field::content_type, "text/plain; version=0.0.4");
-            res.body() = shared.metrics.render();
+            res.body() = shared.metrics.render(state_sync_age(shared));
         } else if (target.substr(0, 4) == "/v1/" && shared.control != nullptr) {
             // On the control thread (the call may wait on the store up to state.etcd.timeout;
             // the probes on this thread go on answering); this coroutine resumes here after.

@@ -677,11 +677,27 @@ public:
                             }
                         }},
                        {"max_txn_ops", set_count(c.etcd.max_txn_ops, 1, 1'000'000)},
+                       {"max_staleness",
+                        [this, &c](const YAML::Node& v, const std::string& p) {
+                            c.etcd.max_staleness.reset();
+                            if (!v.IsNull()) {
+                                c.etcd.max_staleness = duration(v, p);
+                            }
+                        }},
                        {"ca_file", set_string(c.etcd.ca_file)},
                        {"cert_file", set_optional_string(c.etcd.cert_file)},
                        {"key_file", set_optional_string(c.etcd.key_file)}})}});
         if (c.etcd.prefix.empty()) {
             error(join_path(path, "etcd.prefix"), "must not be empty");
+        }
+        // A replica in step with etcd confirms it about every second, at worst every
+        // state.etcd.timeout + 1 s (while etcd's revision moves under other prefixes).
+        if (const auto& m = c.etcd.max_staleness;
+            m && (*m < std::max<std::chrono::milliseconds>(std::chrono::seconds(3),
+                                                           2 * c.etcd.timeout) ||
+                  *m > std::chrono::hours(24))) {
+            error(join_path(path, "etcd.max_staleness"),
+                  "must be null, or between 3s (and twice state.etcd.timeout) and 24h");
         }
         if (endpoints_set && c.state_backend == "etcd" && c.etcd.endpoints.empty()) {
             error(join_path(path, "etcd.endpoints"),

@@ -158,6 +158,9 @@ struct EtcdConfig {
     // Records one transaction may write; keep it at etcd's --max-txn-ops (default 128): a
     // larger change (a key rotation of a large state) is refused before it is sent.
     size_t max_txn_ops = 128;
+    // How long a replica may go without confirming its state holds all of etcd's before
+    // /readyz answers 503 (null: never; the data path keeps serving what it last saw).
+    std::optional<std::chrono::milliseconds> max_staleness;
     // https:// endpoints: the CAs that verify etcd's certificate ("system": the system
     // store), and a client certificate for an etcd with --client-cert-auth (both or neither).
     std::string ca_file = "system";

@@ -272,12 +272,14 @@ public:
             ioc_.run();
         });
         int64_t keys = 0;
+        const auto asked = Clock::now();
         auto loaded = run_sync(load(keys, cluster_id_));
         if (!loaded) {
             return make_error(loaded.error());
         }
         install(std::make_shared<View>(std::move(*loaded)), false);
         watched_keys_ = keys;
+        note_synced(asked);
         // The watch must not end unseen: an exception out of it is logged, and the replica
         // would serve a state nobody updates, so it ends the process (a supervisor restarts it).
         net::co_spawn(ioc_, watch_loop(), [](std::exception_ptr e) {
@@ -297,6 +299,11 @@ public:
     }
 
     std::shared_ptr<const StateSnapshot> snapshot() const override { return current_.load(); }
+
+    std::optional<std::chrono::steady_clock::duration> sync_age() const override {
+        const auto at = Clock::time_point(Clock::duration(synced_at_.load()));
+        return std::max(Clock::now() - at, Clock::duration::zero());
+    }
 
     Result<uint64_t> apply(const std::vector<credstore::Mutation>& mutations) override {
         std::lock_guard write_lock(write_mu_);
@@ -596,6 +603,7 @@ private:
             std::lock_guard lock(mu_);
             asked_at = static_cast<int64_t>(view_->snap->revision);
         }
+        const auto asked = Clock::now();
         auto loaded = co_await load(keys, cluster);
         if (!loaded) {
             co_return make_error(loaded.error());
@@ -615,6 +623,7 @@ private:
             cluster_id_ = cluster;
             install(std::make_shared<View>(std::move(*loaded)), true, true);
             watched_keys_ = keys;
+            note_synced(asked);
             if (open_watch_) {
                 open_watch_->drop(why + ": the watch resumes from the state read");
             }
@@ -626,6 +635,7 @@ private:
             // it. The watch will not send that change again; the view would roll back for good.
             std::lock_guard lock(mu_);
             if (view_ && got < static_cast<int64_t>(view_->snap->revision)) {
+                note_synced(asked);  // the view holds more than etcd did when asked
                 co_return true;
             }
         }
@@ -634,7 +644,18 @@ private:
         }
         install(std::make_shared<View>(std::move(*loaded)), true);
         watched_keys_ = keys;
+        note_synced(asked);
         co_return true;
+    }
+
+    /// This replica's view held all etcd held under the prefix when a request sent at `asked`
+    /// was answered: /metrics' egressd_state_sync_age_seconds and state.etcd.max_staleness
+    /// count from the latest such time.
+    void note_synced(Clock::time_point asked) {
+        const int64_t at = asked.time_since_epoch().count();
+        int64_t prev = synced_at_.load();
+        while (prev < at && !synced_at_.compare_exchange_weak(prev, at)) {
+        }
     }
 
     /// One key-value of a range or watch answer into the state; a bad record is logged and
@@ -930,6 +951,10 @@ private:
         int64_t behind_view = 0;                        // the view's revision meanwhile
         int64_t behind_etcd = 0;                        // etcd's when it was first ahead
         std::optional<Clock::time_point> lacking_since;  // a change the view lacks, seen
+        // A check the view had not caught up with when answered: when it was sent, and etcd's
+        // revision then. Once the view (or current_at) reaches that revision, the view held
+        // all etcd held at that time (a watch that delivers steadily confirms this way).
+        std::optional<std::pair<Clock::time_point, int64_t>> pending;
         for (;;) {
             check->timer.expires_after(kWatchCheckEvery);
             co_await check->timer.async_wait(nothrow);
@@ -938,6 +963,7 @@ private:
             }
             size_t answered = watched;
             std::string failed;
+            const auto asked = Clock::now();
             const auto asked_view = static_cast<int64_t>(current_.load()->revision);
             auto r = co_await call_from(watched, "/v3/kv/range", count_request, &answered,
                                         &failed);
@@ -970,11 +996,18 @@ private:
                 co_return;
             }
             const auto view_revision = static_cast<int64_t>(current_.load()->revision);
+            if (pending && std::max(view_revision, current_at) >= pending->second) {
+                note_synced(pending->first);
+                pending.reset();
+            }
             if (etcd_revision <= std::max(view_revision, current_at)) {
+                note_synced(asked);
+                pending.reset();
                 behind_since.reset();
                 lacking_since.reset();
                 continue;
             }
+            pending = std::pair{asked, etcd_revision};
             const auto now = Clock::now();
             if (!behind_since || view_revision != behind_view) {  // the watch delivered since
                 behind_since = now;
@@ -1002,6 +1035,8 @@ private:
                 }
                 if (newest <= behind_view && int_field(*n, "count") == watched_keys_) {
                     current_at = header_revision(*n);  // the writes were elsewhere in etcd
+                    note_synced(asked);  // the view held etcd's prefix when the count was sent
+                    pending.reset();
                     behind_since.reset();
                     continue;
                 }
@@ -1100,6 +1135,9 @@ private:
     int64_t watched_keys_ = 0;
     // etcd's cluster id as of the view (the store's thread only; start() sets it first).
     std::string cluster_id_;
+    // When the view was last known to hold all of etcd's prefix (steady_clock ticks): when the
+    // read or check that showed it was sent (note_synced).
+    std::atomic<int64_t> synced_at_{0};
     std::atomic<bool> stopping_{false};
 
     std::mutex write_mu_;  // one apply() at a time on this replica

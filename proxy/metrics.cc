@@ -66,7 +66,7 @@ void Metrics::upstream_error(const std::string& kind) {
     ++upstream_errors_[kind];
 }
 
-std::string Metrics::render() const {
+std::string Metrics::render(std::optional<double> state_sync_age) const {
     std::ostringstream o;
     std::lock_guard lock(mu_);
     std::map<std::pair<std::string, std::string>, uint64_t> requests;
@@ -108,6 +108,12 @@ std::string Metrics::render() const {
     o << "# TYPE egressd_runs_active gauge\negressd_runs_active " << runs_active.load() << "\n";
     o << "# TYPE egressd_state_revision gauge\negressd_state_revision " << state_revision.load()
       << "\n";
+    if (state_sync_age) {
+        o << "# HELP egressd_state_sync_age_seconds Seconds since this replica last knew it held "
+             "all of etcd's state.\n# TYPE egressd_state_sync_age_seconds gauge\n"
+             "egressd_state_sync_age_seconds "
+          << *state_sync_age << "\n";
+    }
     o << "# TYPE egressd_certs_minted_total counter\negressd_certs_minted_total "
       << certs_minted.load() << "\n";
     o << "# TYPE egressd_cert_cache_hits_total counter\negressd_cert_cache_hits_total "

@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -53,8 +54,9 @@ public:
     /// log outlives these metrics. Null: rendered as 0.
     const std::atomic<uint64_t>* audit_write_errors = nullptr;
 
-    /// Prometheus text exposition.
-    std::string render() const;
+    /// Prometheus text exposition. `state_sync_age`: seconds since the state store last knew it
+    /// held all of etcd's state (egressd_state_sync_age_seconds; absent with the file backend).
+    std::string render(std::optional<double> state_sync_age = std::nullopt) const;
 
 private:
     Shard common_;  // request() of callers that are not a worker

@@ -88,7 +88,6 @@ def test_a_revocation_after_etcd_was_restored_from_a_snapshot_is_enforced(factor
     assert "etcd was restored from a backup, wiped or replaced" in a.stderr_text()
 
 
-
 def test_a_wiped_etcd_is_served_as_it_now_is(factory, world, etcd):
     """etcd loses its data (a new, empty cluster on the same address): the replicas drop the
     state etcd no longer holds (the run is refused: etcd is the truth, fail closed), and a
@@ -114,6 +113,63 @@ def test_a_wiped_etcd_is_served_as_it_now_is(factory, world, etcd):
                  "B to show a secret written on A after the wipe")
     assert [k for k in etcd.keys(prefix) if "/secrets/" in k], "the write is not in etcd"
 
+
+def test_a_replica_cut_off_from_etcd_stops_being_ready_after_max_staleness(factory, world,
+                                                                          etcd):
+    """Replica A reaches etcd through a relay that is cut (a partition); B revokes a run. A
+    cannot know and serves it, but its /readyz answers 503 naming the stale state once
+    state.etcd.max_staleness has passed (a Service stops sending it new connections), and
+    /metrics shows how long it has been; healed, A enforces the revocation and is ready
+    again. B, in step all along, stays ready. Before: A said ready for good."""
+    relay = CuttableRelay(etcd.client_port)
+    try:
+        a, b, prefix = two_replicas(factory, world, [relay.url], [etcd.url], timeout="1s",
+                                    max_staleness="3s")
+        put_secret(b, "pt_tok", sval("pt"), org="acme")
+        run = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "pt_tok")])
+        wait_run_known(a, run, world)
+        for e in (a, b):
+            assert e.admin_get("/readyz")[0] == 200
+            m = re.search(rb"^egressd_state_sync_age_seconds ([0-9.e+-]+)$",
+                          e.admin_get("/metrics")[1], re.M)
+            assert m and float(m.group(1)) < 3.0, m
+
+        relay.partition()
+        assert api(b, "DELETE", f"/v1/runs/{run.id}").status == 200
+        t0 = time.monotonic()
+        got = helpers.poll(lambda: (lambda r: r if r and r[0] == 503 else None)(
+                           a.admin_get("/readyz")), 10.0, "A's /readyz to answer 503",
+                           interval=0.1)
+        waited = time.monotonic() - t0
+        assert b"state stale" in got[1] and b"max_staleness" in got[1], got
+        assert waited > 1.0, f"A unready {waited:.1f} s after the cut, before max_staleness"
+        age = float(re.search(rb"^egressd_state_sync_age_seconds ([0-9.e+-]+)$",
+                              a.admin_get("/metrics")[1], re.M).group(1))
+        assert age > 3.0, age
+        assert b.admin_get("/readyz")[0] == 200, "B (in step with etcd) is not ready"
+
+        relay.heal()
+        refused_everywhere(run, (a,), world, RECOVER_S, "the run revoked while cut off")
+        helpers.poll(lambda: a.admin_get("/readyz")[0] == 200, RECOVER_S,
+                     "A's /readyz to answer 200 again")
+    finally:
+        relay.close()
+
+
+def test_max_staleness_is_checked(factory):
+    """state.etcd.max_staleness: null or a duration, at least 3 s and twice state.etcd.timeout;
+    --check names the key."""
+    def etcd_cfg(**keys):
+        return lambda c: c["state"].update(
+            {"backend": "etcd", "etcd": {"endpoints": ["http://127.0.0.1:2379"], **keys}})
+    for keys in ({"max_staleness": "30s"}, {"max_staleness": None}):
+        r = factory.make(etcd_cfg(**keys)).check()
+        assert r.returncode == 0, (keys, r.stderr)
+    for keys in ({"max_staleness": "1s"}, {"max_staleness": "8s", "timeout": "5s"},
+                 {"max_staleness": "soon"}, {"max_staleness": "48h"}):
+        r = factory.make(etcd_cfg(**keys)).check()
+        assert r.returncode != 0, f"--check accepted {keys}"
+        assert "state.etcd.max_staleness" in r.stderr, (keys, r.stderr)
 
 
 def test_two_replicas_sweeping_the_same_expired_runs_both_succeed(factory, world, etcd):
