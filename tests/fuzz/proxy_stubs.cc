@@ -16,7 +16,8 @@ Worker::Worker(Shared& s) : metrics(s.metrics.add_shard()), shared(s) {}
 Worker::~Worker() = default;
 
 void audit_refusal(Scope&, const std::string&, const std::string&, int status,
-                   const std::string& reason, std::chrono::steady_clock::time_point, uint64_t) {
+                   const std::string& reason, std::chrono::steady_clock::time_point, uint64_t,
+                   const std::string*) {
     if (status < 400 || status > 599 || reason.empty()) {
         std::abort();  // every refusal is a 4xx/5xx with a reason
     }
