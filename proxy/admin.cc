@@ -258,7 +258,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             res.set(http::field::content_type, "text/plain");
             // state.etcd.max_staleness: a replica cut off from etcd serves what it last saw
             // (revocations made since included); past the bound it asks not to be routed to.
-            const auto& limit = shared.runtime.load()->config->etcd.max_staleness;
+            const auto& limit = shared.max_staleness;
             const auto age = limit ? state_sync_age(shared) : std::nullopt;
             if (shared.draining.load()) {
                 res.result(http::status::service_unavailable);

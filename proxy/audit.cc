@@ -12,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -322,7 +323,9 @@ Result<bool> AuditLog::reopen(const std::string& path) {
         owned_ = *f != stdout;
         fd_ = ::fileno(*f);
         path_ = path;
-        torn_ = false;  // a new file (or the same one): its end is not our torn line
+        if (*f != old) {
+            torn_ = false;  // a new file: its end is not our torn line (standard output stays)
+        }
     }
     if (old_owned && old != *f) {
         std::fclose(old);
@@ -419,8 +422,12 @@ bool AuditLog::write_lines(std::string_view bytes) {
     // The lines that went whole stay; the part of a line after them is cut off.
     const size_t whole = bytes.substr(0, written).rfind('\n') + 1;  // npos + 1 == 0
     if (const size_t torn = written - whole; torn > 0) {
+        // Only a file egressd opened itself (O_APPEND, no other writer): standard output may
+        // be a file opened without O_APPEND (the cut would leave a gap of NULs before the next
+        // write) or shared with another process (whose bytes the cut would take).
         struct stat st{};
-        if (::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode) &&
+        if (owned_ && (::fcntl(fd_, F_GETFL) & O_APPEND) != 0 && ::fstat(fd_, &st) == 0 &&
+            S_ISREG(st.st_mode) &&
             static_cast<uint64_t>(st.st_size) >= torn &&
             ::ftruncate(fd_, st.st_size - static_cast<off_t>(torn)) == 0) {
             // cut back to the end of the last whole line (O_APPEND: the next write goes there)

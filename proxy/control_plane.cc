@@ -1828,6 +1828,14 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
     }
     for (const auto& [id, rec] : snap->runs) {
         if (rec.revoked || rec.expires_at <= now) {
+            // An ended run's token hash and source ranges decide answers too (403 for its
+            // token, a transparent connection's run by its most specific range): an edited
+            // record must not refuse a live run's sandbox by claiming its range.
+            if (auto verified = verified_run_mac_key(rec); !verified) {
+                spdlog::warn("run {}: ended, and its record is not used: {}", id,
+                             verified.error());
+                continue;
+            }
             rt->ended[id] = {rec.token_sha256, rec.revoked ? "run_revoked" : "run_expired",
                              cidrs(rec.source_cidrs), rec.created_at};
             continue;

@@ -1039,6 +1039,13 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     early = true;
                     break;
                 }
+                if (auto* r = std::get_if<Refusal>(&got); r != nullptr && r->status == 431) {
+                    // A head too large to send (an h2 upstream's header block bound): the
+                    // stream never opened, nothing went upstream; the client's, not a 502.
+                    co_await down.refuse(r->status, r->reason, false);
+                    finish(r->status, r->reason, "");
+                    co_return false;
+                }
                 sent = false;
                 early = false;
             }

@@ -370,7 +370,9 @@ int on_frame_send(nghttp2_session* session, const nghttp2_frame* frame, void* us
 int on_frame_not_send(nghttp2_session* session, const nghttp2_frame* frame, int lib_error,
                       void* user_data) {
     auto* c = static_cast<Conn*>(user_data);
-    if (frame->hd.type != NGHTTP2_HEADERS) {
+    // Only a block over the send bound: a HEADERS dropped because its stream or the session
+    // is closing needs nothing (and must not replace the stream's own refusal, bad_framing).
+    if (frame->hd.type != NGHTTP2_HEADERS || lib_error != NGHTTP2_ERR_FRAME_SIZE_ERROR) {
         return 0;
     }
     auto* st = c->find(frame->hd.stream_id);
@@ -379,7 +381,6 @@ int on_frame_not_send(nghttp2_session* session, const nghttp2_frame* frame, int 
     }
     spdlog::warn("conn={} h2 stream {}: response header block not sent ({}): reset",
                  c->scope.conn_id, st->id, nghttp2_strerror(lib_error));
-    st->refusal = "upstream_bad_response";
     nghttp2_submit_rst_stream(session, NGHTTP2_FLAG_NONE, st->id, NGHTTP2_INTERNAL_ERROR);
     return 0;
 }

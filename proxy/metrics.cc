@@ -112,7 +112,7 @@ std::string Metrics::render(std::optional<double> state_sync_age) const {
         o << "# HELP egressd_state_sync_age_seconds Seconds since this replica last knew it held "
              "all of etcd's state.\n# TYPE egressd_state_sync_age_seconds gauge\n"
              "egressd_state_sync_age_seconds "
-          << *state_sync_age << "\n";
+          << prom_double(*state_sync_age) << "\n";
     }
     o << "# TYPE egressd_certs_minted_total counter\negressd_certs_minted_total "
       << certs_minted.load() << "\n";

@@ -686,6 +686,7 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     const size_t configured = cfg.limits.worker_threads;
     const size_t n = configured != 0 ? configured : usable_cpus();
     s.worker_count = n;
+    s.max_staleness = cfg.etcd.max_staleness;
     for (size_t i = 0; i < n; ++i) {
         impl_->workers.push_back(std::make_unique<Worker>(s));
     }

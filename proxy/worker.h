@@ -8,6 +8,7 @@
 #include <set>
 #include <mutex>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -101,6 +102,9 @@ struct Shared {
     std::atomic<bool> drain_cut{false};
     std::atomic<uint64_t> next_conn_id{1};
     size_t worker_count = 1;  // set at start (a share of a process-wide limit per worker)
+    /// state.etcd.max_staleness as the process started (the state.etcd keys, and the store's
+    /// timeout it is checked against, need a restart): /readyz's bound.
+    std::optional<std::chrono::milliseconds> max_staleness;
     std::atomic<uint64_t> next_req_id{1};  // workers take request ids from here in blocks
     ConnectionRegistry connections;
     ControlPlane* control = nullptr;  // set when the admin API is enabled

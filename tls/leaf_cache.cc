@@ -121,6 +121,11 @@ Result<std::shared_ptr<const Leaf>> LeafCache::get(const std::string& host) {
     auto it = map_.find(host);
     const bool cached = it != map_.end() && it->second == entry;
     if (!minted.ok()) {
+        if (mint_rate_ != 0 && minted.error() == kOutsideRunCa) {
+            // Nothing was minted for the host (the CA may not certify it): its refusals do
+            // not spend the mint budget the run's other hosts need.
+            mint_tokens_ = std::min(static_cast<double>(mint_rate_), mint_tokens_ + 1.0);
+        }
         entry->failed = true;
         entry->error = minted.error();
         entry->leaf.reset();

@@ -931,8 +931,18 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     const bool env = a.flag("env");
     auto ca_out = a.one("ca-out");
     auto bundle_out = a.one("ca-bundle-out");
-    if ((env || bundle_out) && !ca_out) ca_out = kDefaultCaOut;
+    if (env && !ca_out) ca_out = kDefaultCaOut;
     if (env && !bundle_out) bundle_out = default_bundle_path(*ca_out);
+    if (ca_out && bundle_out) {
+        const auto same = [](const std::string& x, const std::string& y) {
+            return std::filesystem::absolute(x).lexically_normal() ==
+                   std::filesystem::absolute(y).lexically_normal();
+        };
+        if (same(*ca_out, *bundle_out)) {
+            // NODE_EXTRA_CA_CERTS would name every system root as the run's CA.
+            throw Usage("--ca-bundle-out names the same file as --ca-out: give two files");
+        }
+    }
     if (a.one("system-ca-file") && !bundle_out) {
         throw Usage("--system-ca-file is what a CA bundle starts from: give --env or "
                     "--ca-bundle-out");
@@ -992,10 +1002,10 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     }
     if (ca_out) {
         out["ca_file"] = ca_path;
-        if (bundle_out) out["ca_bundle_file"] = bundle_path;
     } else {
         out["ca_pem"] = ca_pem;
     }
+    if (bundle_out) out["ca_bundle_file"] = bundle_path;
     pretty(std::cout, out);
     std::cout << "\n";
     return 0;

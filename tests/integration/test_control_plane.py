@@ -2137,6 +2137,12 @@ def test_egressctl_env_ca_bundle_reaches_intercepted_and_tunnelled_hosts(cp, wor
                           "--ca-out", str(tmp_path / "c2.pem"), "--ca-bundle-out", str(b2),
                           "--system-ca-file", str(roots)).out)
     assert j["ca_bundle_file"] == str(b2) and b2.read_text().startswith(roots_text)
+    # The bundle cannot be the CA file itself (NODE_EXTRA_CA_CERTS would name every root).
+    same = ctl(cp, "run", "create", "--scope", "org=acme", "--allow", "x.test",
+               "--ca-out", str(tmp_path / "s.pem"), "--ca-bundle-out",
+               str(tmp_path / "." / "s.pem"), "--system-ca-file", str(roots))
+    assert same.returncode != 0 and "same file" in same.err, same.err
+    assert not (tmp_path / "s.pem").exists()
     # A trust store that cannot be read fails the command before a run is made.
     bad = ctl(cp, "run", "create", "--scope", "org=acme", "--allow", "x.test", "--env",
               "--ca-out", str(tmp_path / "c3.pem"), "--system-ca-file", str(tmp_path / "none"))

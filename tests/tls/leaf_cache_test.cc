@@ -259,6 +259,21 @@ TEST(LeafCacheTest, MintRateBoundsDistinctNamesButKeepsServingCachedOnes) {
     EXPECT_EQ(cache.hits(), 10u);
 }
 
+TEST(LeafCacheTest, HostsOutsideTheCaConstraintsDoNotSpendTheMintRate) {
+    auto ca = RunCa::create("run-nc", std::chrono::hours(1), {"a.test"});
+    ASSERT_TRUE(ca.ok()) << ca.error();
+    LeafCache cache(**ca, 64);
+    cache.set_mint_rate(2);
+    for (int i = 0; i < 5; ++i) {
+        auto outside = cache.get("evil.test");
+        ASSERT_FALSE(outside.ok());
+        EXPECT_EQ(outside.error(), kOutsideRunCa);
+    }
+    EXPECT_EQ(cache.size(), 0u);
+    ASSERT_NE(must_get(cache, "a.test"), nullptr);
+    ASSERT_NE(must_get(cache, "x.a.test"), nullptr);
+}
+
 TEST(LeafCacheTest, ZeroMintRateIsUnlimited) {
     auto ca = make_ca();
     LeafCache cache(*ca, 64);
