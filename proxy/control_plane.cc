@@ -729,7 +729,8 @@ Result<credstore::SecretPtr> ControlPlane::unseal_cached(const credstore::Sealed
     return *v;
 }
 
-Result<credstore::SecretPtr> ControlPlane::verified_run_mac_key(const credstore::RunRecord& r) {
+Result<credstore::SecretPtr> ControlPlane::verified_run_mac_key(const credstore::RunRecord& r,
+                                                                credstore::SecretPtr* ca_key_out) {
     if (r.mac.empty()) {
         return make_error("its record has no MAC (written by an egressd from before run "
                           "records were authenticated)");
@@ -754,6 +755,9 @@ Result<credstore::SecretPtr> ControlPlane::verified_run_mac_key(const credstore:
         auto ca_key = credstore::unseal(*kp, r.ca_key, &key);
         if (!ca_key) {
             return make_error("its CA key: " + ca_key.error());
+        }
+        if (ca_key_out != nullptr) {
+            *ca_key_out = *ca_key;  // the caller loads the CA from it: one unwrap, not two
         }
         std::lock_guard mac_lock(mac_mu_);
         run_mac_keys_[r.id] = {sealing, key};
@@ -1867,7 +1871,8 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
         }
         // Nothing of a record is used until its MAC verified: its token hash, pins, scope
         // and expiry decide where a secret goes (credstore/run_mac.h).
-        if (auto verified = verified_run_mac_key(rec); !verified) {
+        credstore::SecretPtr unsealed_ca_key;  // set when the check had to unwrap it
+        if (auto verified = verified_run_mac_key(rec, &unsealed_ca_key); !verified) {
             spdlog::warn("run {}: not served: {}", id, verified.error());
             continue;
         }
@@ -1895,7 +1900,10 @@ Result<std::shared_ptr<const Runtime>> ControlPlane::build_runtime(BuildWarnings
                              rec.ca_key.kek_id);
                 continue;
             }
-            auto key = credstore::unseal(*kp, rec.ca_key);
+            Result<credstore::SecretPtr> key = unsealed_ca_key;
+            if (!unsealed_ca_key) {
+                key = credstore::unseal(*kp, rec.ca_key);
+            }
             if (!key) {
                 spdlog::warn("run {}: not served: its CA key: {}", id, key.error());
                 continue;

@@ -112,7 +112,8 @@ private:
     /// else an error saying why (never key bytes). Cached per run and CA-key sealing; a miss
     /// unwraps the CA key's DEK (a KMS call with keys.kms_command). Caller holds mu_ or
     /// build_mu_ (keys_).
-    Result<credstore::SecretPtr> verified_run_mac_key(const credstore::RunRecord& r);
+    Result<credstore::SecretPtr> verified_run_mac_key(const credstore::RunRecord& r,
+                                                      credstore::SecretPtr* ca_key = nullptr);
     /// Replaces each static run of `rt` that has store pins by its served copy (the one of the
     /// build before when neither the static run nor its secrets changed). Holds build_mu_.
     void resolve_static_store_pins(const credstore::StateSnapshot& snap, Runtime& rt,

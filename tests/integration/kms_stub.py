@@ -9,7 +9,8 @@ Not a cipher to use anywhere else; enough that a wrong key fails and that no dat
 etcd in the clear. `unwrap` reverses it; `key-id` prints the key's fingerprint, or the text
 of KEYFILE.id when that file exists (a KMS whose key version moved on: a new key id, and it
 still unwraps what it wrapped before, as Kubernetes KMS v2 plugins do). While KEYFILE.down
-exists, `wrap` and `unwrap` fail (a KMS that is down).
+exists, `wrap` and `unwrap` fail (a KMS that is down). Each wrap or unwrap asked is appended to
+KEYFILE.calls (its verb on a line).
 """
 import base64
 import hashlib
@@ -39,6 +40,8 @@ def main() -> int:
             print(hashlib.sha256(key).hexdigest()[:16])
         return 0
     data = base64.b64decode(sys.stdin.read().strip())
+    with open(sys.argv[1] + ".calls", "a") as f:  # one line per wrap or unwrap asked
+        f.write(verb + "\n")
     if os.path.exists(sys.argv[1] + ".down"):
         print("kms_stub: unavailable", file=sys.stderr)
         return 1

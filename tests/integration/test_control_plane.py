@@ -1209,6 +1209,29 @@ def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
     assert api(e, "GET", f"/v1/runs/{run.id}").status == 200
 
 
+def test_a_run_seen_at_start_costs_one_kms_unwrap(factory, world):
+    """keys.kms_command starts a process per wrap or unwrap: a replica building a run it has
+    not seen (at start, or a run another replica made) unwraps the run's CA key once, for its
+    record's MAC key and its CA together (it had asked twice)."""
+    kek = os.path.join(world.new_dir("kms-calls-"), "kek")
+    with open(kek, "wb") as f:
+        f.write(os.urandom(32))
+    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
+    kms = f"{sys.executable} {stub} {kek}"
+    e = factory.start(mutate=cp_mutate(world, extra=lambda c: c["keys"].update(kms_command=kms)))
+    runs = [create_run(e, world, {"org": "acme"}, [], allow=["x.test"]) for _ in range(3)]
+    assert e.stop() == 0
+    os.unlink(kek + ".calls")
+    e.start()
+    for run in runs:  # all three are served after the restart
+        c, r = helpers.proxy_connect(e.proxy_port, f"unlisted.test:{world.U}", run.auth)
+        c.close()
+        assert (r.status, r.egress_reason) == (403, "host_not_allowed"), (r.status, r.body)
+    with open(kek + ".calls") as f:
+        calls = f.read().split()
+    assert calls.count("unwrap") == len(runs), calls
+
+
 def test_keys_rotate_fails_whole_while_the_kms_is_down(factory, world):
     """keys.kms_command and a KMS that fails every wrap and unwrap: `keys rotate` answers
     500 kek_failed naming the key, writes nothing (no record is taken for one no key unwraps:
