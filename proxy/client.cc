@@ -359,21 +359,25 @@ awaitable<bool> announce_established(TcpStream& client) {
     co_return !ec;
 }
 
+/// A new record of an allowed CONNECT (or transparent connection) of `scope`.
+AuditRecord allowed_connection_record(Scope& scope) {
+    AuditRecord rec;
+    rec.req_id = scope.worker->next_req_id();
+    rec.run = scope.run->policy.id;
+    rec.method = scope.method;
+    rec.host = scope.target.host;
+    rec.port = scope.target.port;
+    rec.decision = "allow";
+    rec.proto_in = scope.proto_in;
+    return rec;
+}
+
 /// The record of a CONNECT whose client left before its 200 could be written (while the
 /// upstream was dialed, say): allowed, status 0, client_aborted, as a request whose client
-/// left. `rec` is the tunnel's (its durable decision record names the same req_id), or a
-/// fresh one for an intercepted host.
+/// left. `rec` is the tunnel's (its durable decision record names the same req_id), or
+/// allowed_connection_record's for an intercepted host.
 void audit_left_before_established(Scope& scope, AuditRecord rec, Clock::time_point started) {
     Worker& w = *scope.worker;
-    if (rec.req_id == 0) {
-        rec.req_id = w.next_req_id();
-        rec.run = scope.run->policy.id;
-        rec.method = scope.method;
-        rec.host = scope.target.host;
-        rec.port = scope.target.port;
-        rec.decision = "allow";
-        rec.proto_in = scope.proto_in;
-    }
     rec.status = 0;
     rec.reason = "client_aborted";
     rec.duration_ms = std::chrono::duration<double, std::milli>(Clock::now() - started).count();
@@ -401,13 +405,7 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         co_return;
     }
     auto& d = std::get<Dialed>(dialed);
-    AuditRecord rec;
-    rec.req_id = w.next_req_id();
-    rec.run = scope.run->policy.id;
-    rec.method = scope.method;
-    rec.host = scope.target.host;
-    rec.port = scope.target.port;
-    rec.decision = "allow";
+    AuditRecord rec = allowed_connection_record(scope);
     rec.reason = "tunnel";
     rec.upstream_addr = endpoint_text(d.peer);
     rec.proto_in = "tunnel";
@@ -599,7 +597,7 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     if (announce) {
         const bool announced = co_await announce_established(client);
         if (!announced) {
-            audit_left_before_established(scope, AuditRecord{}, started);
+            audit_left_before_established(scope, allowed_connection_record(scope), started);
             co_return;
         }
     }

@@ -11,6 +11,7 @@ import http.client
 import http.server
 import json
 import os
+import sys
 import socket
 import ssl
 import subprocess
@@ -73,6 +74,18 @@ def cp_mutate(w, overrides: dict[str, list[str]] | None = None, ports: list[int]
         if extra:
             extra(cfg)
     return mutate
+
+
+KMS_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
+
+
+def kms_stub(w, name: str) -> tuple[str, str]:
+    """A test KMS (kms_stub.py) with a fresh random key in a directory of its own: returns
+    (KEYFILE, the keys.kms_command that uses it)."""
+    kek = os.path.join(w.new_dir(name), "kek")
+    with open(kek, "wb") as f:
+        f.write(os.urandom(32))
+    return kek, f"{sys.executable} {KMS_STUB} {kek}"
 
 
 def admin_token(e: helpers.Egressd) -> str:

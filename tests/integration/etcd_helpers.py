@@ -15,6 +15,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import threading
 import urllib.request
 
 import pytest
@@ -278,7 +279,6 @@ class GatewayRelay:
     `held` tells that one is being kept. For races between a replica's watch and its reads."""
 
     def __init__(self, etcd_port: int):
-        import threading
         self.etcd_port = etcd_port
         self.delay_txn = 0.0  # seconds a transaction waits before it is sent on to etcd
         self.pause_watch = threading.Event()
@@ -298,7 +298,6 @@ class GatewayRelay:
         return f"http://127.0.0.1:{self.port}"
 
     def _accept(self):
-        import threading
         while not self.closed:
             try:
                 c, _ = self.sock.accept()
@@ -393,20 +392,21 @@ class GatewayRelay:
 
 
 class CuttableRelay:
-    """A TCP relay on 127.0.0.1 in front of etcd that can be cut (a partition: every open
-    connection is shut down, new ones are closed at once) and healed."""
+    """A loopback TCP relay to `target_port` (etcd, for a partition). cut() closes every
+    relayed connection and, until restore(), closes each new one as soon as it is accepted (a
+    peer that is unreachable without being stalled). Threads are daemons; close() ends them."""
 
-    def __init__(self, etcd_port: int):
-        import threading
-        self.etcd_port = etcd_port
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.cut = False
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
+    def __init__(self, target_port: int):
+        self.target_port = target_port
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.mu = threading.Lock()
+        self.down = False
+        self.closed = False
+        self.live: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -414,54 +414,62 @@ class CuttableRelay:
         return f"http://127.0.0.1:{self.port}"
 
     def _accept(self):
-        import threading
         while True:
             try:
-                c, _ = self.sock.accept()
+                c, _ = self.lsock.accept()
             except OSError:
-                return
-            if self.cut:
-                c.close()
-                continue
+                return  # closed
             try:
-                u = socket.create_connection(("127.0.0.1", self.etcd_port), timeout=5)
+                u = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                u.settimeout(None)
             except OSError:
                 c.close()
                 continue
-            with self.lock:
-                self.conns += [c, u]
-            for x, y in ((c, u), (u, c)):
-                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+            with self.mu:
+                if self.down or self.closed:
+                    c.close()
+                    u.close()
+                    continue
+                self.live += [c, u]
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
 
     @staticmethod
-    def _pump(x: socket.socket, y: socket.socket):
+    def _pipe(src: socket.socket, dst: socket.socket):
         try:
             while True:
-                d = x.recv(65536)
-                if not d:
+                data = src.recv(65536)
+                if not data:
                     break
-                y.sendall(d)
+                dst.sendall(data)
         except OSError:
             pass
-        for s in (x, y):
-            try:
-                s.close()
-            except OSError:
-                pass
-
-    def partition(self):
-        self.cut = True
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for s in conns:
+        for s in (src, dst):
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
-    def heal(self):
-        self.cut = False
+    def _close_live(self):
+        for s in self.live:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        self.live.clear()
+
+    def cut(self):
+        with self.mu:
+            self.down = True
+            self._close_live()
+
+    def restore(self):
+        with self.mu:
+            self.down = False
 
     def close(self):
-        self.partition()
-        self.sock.close()
+        with self.mu:
+            self.closed = True
+            self._close_live()
+        self.lsock.close()

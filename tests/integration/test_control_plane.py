@@ -26,7 +26,7 @@ import pytest
 import helpers
 from cp_helpers import (SEEN, GitServer, admin_token, api, api_ok, bearer_pin, contains_any,
                         create_run, ctl, ctl_ok, cp_mutate, egressctl_bin, expect, get_via,
-                        make_bare_repo, make_leaf, master_key_file, put_secret,
+                        kms_stub, make_bare_repo, make_leaf, master_key_file, put_secret,
                         refused_or_closed, rotate_secret, seen_auth, state_dir)
 
 
@@ -1170,13 +1170,9 @@ def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
     key version) and still unwraps what it wrapped before. Runs and secrets sealed under the
     old id stay served (they go to the KMS), and `keys rotate` rewraps them under the new id;
     a record no key unwraps is logged, naming the run, never dropped silently."""
-    kek = os.path.join(world.new_dir("kms-moved-"), "kek")
-    with open(kek, "wb") as f:
-        f.write(os.urandom(32))
+    kek, kms = kms_stub(world, "kms-moved-")
     with open(kek + ".id", "w") as f:
         f.write("v1\n")
-    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
-    kms = f"{sys.executable} {stub} {kek}"
     e = factory.start(mutate=cp_mutate(world, extra=lambda c: c["keys"].update(kms_command=kms)))
     v = sval("kms-moved")
     put_secret(e, "kms_tok", v, org="acme")
@@ -1213,11 +1209,7 @@ def test_a_run_seen_at_start_costs_one_kms_unwrap(factory, world):
     """keys.kms_command starts a process per wrap or unwrap: a replica building a run it has
     not seen (at start, or a run another replica made) unwraps the run's CA key once, for its
     record's MAC key and its CA together (it had asked twice)."""
-    kek = os.path.join(world.new_dir("kms-calls-"), "kek")
-    with open(kek, "wb") as f:
-        f.write(os.urandom(32))
-    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
-    kms = f"{sys.executable} {stub} {kek}"
+    kek, kms = kms_stub(world, "kms-calls-")
     e = factory.start(mutate=cp_mutate(world, extra=lambda c: c["keys"].update(kms_command=kms)))
     runs = [create_run(e, world, {"org": "acme"}, [], allow=["x.test"]) for _ in range(3)]
     assert e.stop() == 0
@@ -1237,11 +1229,7 @@ def test_keys_rotate_fails_whole_while_the_kms_is_down(factory, world):
     500 kek_failed naming the key, writes nothing (no record is taken for one no key unwraps:
     that had answered 200 with every record "skipped", and egressctl exited 0); the secret
     is still served meanwhile, and once the KMS is back the rotation goes through."""
-    kek = os.path.join(world.new_dir("kms-down-"), "kek")
-    with open(kek, "wb") as f:
-        f.write(os.urandom(32))
-    stub = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
-    kms = f"{sys.executable} {stub} {kek}"
+    kek, kms = kms_stub(world, "kms-down-")
     e = factory.start(mutate=cp_mutate(world, extra=lambda c: c["keys"].update(kms_command=kms)))
     v = sval("kms-down")
     put_secret(e, "down_tok", v, org="acme")

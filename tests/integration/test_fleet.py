@@ -24,7 +24,6 @@ import secrets as pysecrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -36,8 +35,8 @@ import yaml
 import helpers
 import upstream
 from cp_helpers import (SEEN, DynRun, api, api_ok, bearer_pin, contains_any, cp_mutate,
-                        create_run, expect, fp, get_via, put_secret, refused_or_closed,
-                        rotate_secret, seen_auth)
+                        create_run, expect, fp, get_via, kms_stub, put_secret,
+                        refused_or_closed, rotate_secret, seen_auth)
 from dns_server import DnsServer, fixed
 from etcd_helpers import Etcd, EtcdTls, GatewayRelay, b64, prefix_end, require_etcd_bin
 
@@ -894,19 +893,13 @@ def test_state_etcd_lease_grace_sets_how_long_a_run_outlives_its_expiry(fleet, f
     short.stop()
 
 
-KMS_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kms_stub.py")
-
-
 def test_a_rotation_larger_than_state_etcd_max_txn_ops_goes_in_several_transactions(
         factory, world, etcd):
     """POST /v1/keys/rotate (through keys.kms_command, the fleet's way) re-wraps every record
     in etcd transactions of at most state.etcd.max_txn_ops records each: with more records
     than that it still rotates them all (each transaction one etcd revision, none larger than
     the bound), and another replica rotates the same state again; both keep injecting."""
-    kek = os.path.join(world.new_dir("kms-"), "kek")
-    with open(kek, "wb") as f:
-        f.write(os.urandom(32))
-    kms = f"{sys.executable} {KMS_STUB} {kek}"
+    kek, kms = kms_stub(world, "kms-")
 
     def with_kms(cfg: dict):
         cfg["keys"]["kms_command"] = kms

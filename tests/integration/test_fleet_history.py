@@ -134,7 +134,7 @@ def test_a_replica_cut_off_from_etcd_stops_being_ready_after_max_staleness(facto
                           e.admin_get("/metrics")[1], re.M)
             assert m and float(m.group(1)) < 3.0, m
 
-        relay.partition()
+        relay.cut()
         assert api(b, "DELETE", f"/v1/runs/{run.id}").status == 200
         t0 = time.monotonic()
         got = helpers.poll(lambda: (lambda r: r if r and r[0] == 503 else None)(
@@ -148,7 +148,7 @@ def test_a_replica_cut_off_from_etcd_stops_being_ready_after_max_staleness(facto
         assert age > 3.0, age
         assert b.admin_get("/readyz")[0] == 200, "B (in step with etcd) is not ready"
 
-        relay.heal()
+        relay.restore()
         refused_everywhere(run, (a,), world, RECOVER_S, "the run revoked while cut off")
         helpers.poll(lambda: a.admin_get("/readyz")[0] == 200, RECOVER_S,
                      "A's /readyz to answer 200 again")

@@ -9,14 +9,13 @@ import hashlib
 import json
 import os
 import secrets as pysecrets
-import sys
 
 import pytest
 
 import helpers
-from cp_helpers import (api, api_ok, bearer_pin, cp_mutate, create_run, get_via, put_secret,
-                        seen_auth, state_dir)
-from test_fleet import (KMS_STUB, PROPAGATE_S, api_host, connect_status, injected,
+from cp_helpers import (api, api_ok, bearer_pin, cp_mutate, create_run, get_via, kms_stub,
+                        put_secret, seen_auth, state_dir)
+from test_fleet import (PROPAGATE_S, api_host, connect_status, injected,
                         make_replica, on, sval, start_replica, wait_run_known)
 from etcd_helpers import Etcd, require_etcd_bin
 
@@ -31,10 +30,7 @@ def etcd(world):
 def kms_fleet(factory, world, etcd, n: int = 2):
     """n replicas on a fresh prefix sharing one KMS (keys.kms_command: the fleet's way to
     rotate); returns (replicas, prefix, with_kms) to start more of the same."""
-    kek = os.path.join(world.new_dir("kms-"), "kek")
-    with open(kek, "wb") as f:
-        f.write(os.urandom(32))
-    kms = f"{sys.executable} {KMS_STUB} {kek}"
+    kek, kms = kms_stub(world, "kms-")
 
     def with_kms(cfg: dict):
         cfg["keys"]["kms_command"] = kms

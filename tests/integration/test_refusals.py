@@ -146,6 +146,13 @@ def test_wrong_identity_407(world, egressd, marker):
     assert world.upstream.find(marker) == []
 
 
+def forward_get(c: helpers.Conn, authority: str, target: str, auth: str) -> helpers.Response:
+    """One absolute-form GET http://authority/target on the forward port's connection c."""
+    c.send((f"GET http://{authority}{target} HTTP/1.1\r\nHost: {authority}\r\n"
+            f"Proxy-Authorization: {auth}\r\n\r\n").encode())
+    return helpers.read_response(c)
+
+
 def test_identity_refusals_name_this_requests_destination_and_no_earlier_run(world, egressd):
     """A refusal of a request's identity is recorded with that request's destination (the
     CONNECT target, the absolute-form URI's host, port and path) and names no run it did not
@@ -155,16 +162,11 @@ def test_identity_refusals_name_this_requests_destination_and_no_earlier_run(wor
                         407, "bad_identity")
     rec = audited(egressd, "bad_identity", 407, host="unlisted.test")
     assert (rec["port"], rec["run"], rec["method"]) == (world.U, None, "CONNECT"), rec
-    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10)
-    c = helpers.Conn(s)
+    c = helpers.Conn(socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10))
     try:
-        c.send((f"GET http://plain.test:{P}/echo/attribution HTTP/1.1\r\nHost: plain.test:{P}\r\n"
-                f"Proxy-Authorization: {world.auth()}\r\n\r\n").encode())
-        assert helpers.read_response(c).status == 200
+        assert forward_get(c, f"plain.test:{P}", "/echo/attribution", world.auth()).status == 200
         offset = audit_mark(egressd)
-        c.send((f"GET http://unlisted.test/second?q=1 HTTP/1.1\r\nHost: unlisted.test\r\n"
-                f"Proxy-Authorization: {helpers.basic_auth('r1', 'wrong')}\r\n\r\n").encode())
-        r = helpers.read_response(c)
+        r = forward_get(c, "unlisted.test", "/second?q=1", helpers.basic_auth("r1", "wrong"))
     finally:
         c.close()
     assert (r.status, r.egress_reason) == (407, "bad_identity")
@@ -175,12 +177,9 @@ def test_identity_refusals_name_this_requests_destination_and_no_earlier_run(wor
 
 def test_a_denied_absolute_form_request_records_its_path_not_its_uri(world, egressd):
     offset = audit_mark(egressd)
-    s = socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10)
-    c = helpers.Conn(s)
+    c = helpers.Conn(socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10))
     try:
-        c.send((f"GET http://unlisted.test/repos/x?access_token=abc HTTP/1.1\r\n"
-                f"Host: unlisted.test\r\nProxy-Authorization: {world.auth()}\r\n\r\n").encode())
-        r = helpers.read_response(c)
+        r = forward_get(c, "unlisted.test", "/repos/x?access_token=abc", world.auth())
     finally:
         c.close()
     assert (r.status, r.egress_reason) == (403, "host_not_allowed")

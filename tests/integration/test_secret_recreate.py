@@ -18,15 +18,13 @@ from __future__ import annotations
 import os
 import re
 import secrets as pysecrets
-import socket
-import threading
 import time
 
 import pytest
 
 import helpers
 from cp_helpers import api, api_ok, bearer_pin, create_run, expect, fp, put_secret, seen_auth
-from etcd_helpers import Etcd, require_etcd_bin
+from etcd_helpers import CuttableRelay, Etcd, require_etcd_bin
 from test_fleet import (PROPAGATE_S, api_host, make_replica, on, start_replica, state_revision,
                         sval, wait_run_known)
 
@@ -36,90 +34,6 @@ def etcd(world):
     e = Etcd(require_etcd_bin(), world.new_dir("etcd-recreate-")).start()
     yield e
     e.stop()
-
-
-class CuttableRelay:
-    """A loopback TCP relay to `target_port`. cut() closes every relayed connection and, until
-    restore(), closes each new one as soon as it is accepted (a peer that is unreachable
-    without being stalled). Threads are daemons; close() ends them."""
-
-    def __init__(self, target_port: int):
-        self.target_port = target_port
-        self.lsock = socket.socket()
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(64)
-        self.port = self.lsock.getsockname()[1]
-        self.mu = threading.Lock()
-        self.down = False
-        self.closed = False
-        self.live: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self):
-        while True:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return  # closed
-            try:
-                u = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-                u.settimeout(None)
-            except OSError:
-                c.close()
-                continue
-            with self.mu:
-                if self.down or self.closed:
-                    c.close()
-                    u.close()
-                    continue
-                self.live += [c, u]
-            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket):
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _close_live(self):
-        for s in self.live:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-        self.live.clear()
-
-    def cut(self):
-        with self.mu:
-            self.down = True
-            self._close_live()
-
-    def restore(self):
-        with self.mu:
-            self.down = False
-
-    def close(self):
-        with self.mu:
-            self.closed = True
-            self._close_live()
-        self.lsock.close()
 
 
 def _static_store_run(world):
