@@ -74,14 +74,14 @@ Identity identify(const Runtime& rt, const H1RequestParser& req) {
     const std::string* auth = req.find("proxy-authorization");
     if (auth == nullptr) {
         if (rt.anonymous) {
-            return {rt.anonymous, 0, ""};
+            return {rt.anonymous, 0, "", {}};
         }
-        return {nullptr, 407, "no_identity"};
+        return {nullptr, 407, "no_identity", {}};
     }
     std::string user;
     std::string pass;
     if (!parse_proxy_basic(*auth, user, pass)) {
-        return {nullptr, 407, "bad_identity"};
+        return {nullptr, 407, "bad_identity", {}};
     }
     auto run = rt.find(user);
     bool ok = run && token_matches(*run, pass);
@@ -98,9 +98,9 @@ Identity identify(const Runtime& rt, const H1RequestParser& req) {
         return {nullptr, 403, ended_reason, user};
     }
     if (!ok) {
-        return {nullptr, 407, "bad_identity"};
+        return {nullptr, 407, "bad_identity", {}};
     }
-    return {run, 0, ""};
+    return {run, 0, "", {}};
 }
 
 /// Whether a blind tunnel's destination is still allowed: asked before each relayed read, it

@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <set>
@@ -33,7 +34,7 @@ constexpr size_t kMaxConfigBytes = 16 * 1024 * 1024;
 constexpr size_t kMaxUnixPath = 107;  // sizeof(sockaddr_un::sun_path) - 1
 constexpr std::string_view kDurationHint = "(expected e.g. 500ms, 10s, 2m, 1h)";
 
-std::string quoted(std::string_view text) {
+std::string quote_value(std::string_view text) {
     std::string out = "'";
     if (text.size() > kMaxEchoedValue) {
         out.append(text.substr(0, kMaxEchoedValue)).append("...");
@@ -49,7 +50,7 @@ std::string describe(const YAML::Node& node) {
         case YAML::NodeType::Null:
             return "null";
         case YAML::NodeType::Scalar:
-            return quoted(node.Scalar());
+            return quote_value(node.Scalar());
         case YAML::NodeType::Sequence:
             return "a list";
         case YAML::NodeType::Map:
@@ -125,7 +126,7 @@ Result<ListenAddress> parse_listen(std::string_view text, bool allow_unix) {
         }
         std::string_view path = text.substr(kUnix.size());
         if (path.empty()) {
-            return make_error("expected unix:/path.sock, got " + quoted(text));
+            return make_error("expected unix:/path.sock, got " + quote_value(text));
         }
         if (path.size() > kMaxUnixPath) {
             return make_error("unix socket path too long (max " + std::to_string(kMaxUnixPath) +
@@ -141,31 +142,31 @@ Result<ListenAddress> parse_listen(std::string_view text, bool allow_unix) {
     if (!text.empty() && text.front() == '[') {
         size_t close = text.find(']');
         if (close == std::string_view::npos || close + 1 >= text.size() || text[close + 1] != ':') {
-            return make_error(expected + "), got " + quoted(text));
+            return make_error(expected + "), got " + quote_value(text));
         }
         host = text.substr(1, close - 1);
         port = text.substr(close + 2);
     } else {
         size_t colon = text.rfind(':');
         if (colon == std::string_view::npos) {
-            return make_error(expected + "), got " + quoted(text));
+            return make_error(expected + "), got " + quote_value(text));
         }
         host = text.substr(0, colon);
         port = text.substr(colon + 1);
         if (host.find(':') != std::string_view::npos) {
-            return make_error(expected + "; put an IPv6 address in brackets), got " + quoted(text));
+            return make_error(expected + "; put an IPv6 address in brackets), got " + quote_value(text));
         }
     }
     if (host.empty()) {
-        return make_error(expected + "), got " + quoted(text));
+        return make_error(expected + "), got " + quote_value(text));
     }
     auto ip = policy::IpAddress::parse(host);
     if (!ip) {
-        return make_error("host must be an IP address (e.g. 127.0.0.1), got " + quoted(host));
+        return make_error("host must be an IP address (e.g. 127.0.0.1), got " + quote_value(host));
     }
     auto p = parse_port(port);
     if (!p) {
-        return make_error("bad port " + quoted(port) + " (expected 0..65535)");
+        return make_error("bad port " + quote_value(port) + " (expected 0..65535)");
     }
     ListenAddress out;
     out.host = ip->to_string();
@@ -181,10 +182,10 @@ Result<std::string> parse_advertise(std::string_view text) {
     if (!hp) {
         return make_error("expected host:port that sandboxes connect to (e.g. "
                           "egressd.egress.svc:3128, 10.0.0.5:3128 or [fd00::5]:3128), got " +
-                          quoted(text) + ": " + hp.error());
+                          quote_value(text) + ": " + hp.error());
     }
     if (hp->host == "0.0.0.0" || hp->host == "::") {
-        return make_error("unspecified address " + quoted(hp->host) +
+        return make_error("unspecified address " + quote_value(hp->host) +
                           ": name an address sandboxes can connect to");
     }
     return hp->authority();
@@ -200,24 +201,24 @@ Result<bool> check_dns_server(std::string_view text) {
     if (!text.empty() && text.front() == '[') {
         size_t close = text.find("]:");
         if (close == std::string_view::npos) {
-            return make_error("expected ip or ip:port, got " + quoted(text));
+            return make_error("expected ip or ip:port, got " + quote_value(text));
         }
         host = text.substr(1, close - 1);
         port = text.substr(close + 2);
     } else {
         size_t colon = text.find(':');
         if (colon == std::string_view::npos || text.find(':', colon + 1) != text.npos) {
-            return make_error("expected ip or ip:port, got " + quoted(text));
+            return make_error("expected ip or ip:port, got " + quote_value(text));
         }
         host = text.substr(0, colon);
         port = text.substr(colon + 1);
     }
     if (!policy::IpAddress::parse(host)) {
-        return make_error("bad IP address " + quoted(host));
+        return make_error("bad IP address " + quote_value(host));
     }
     auto p = parse_port(port);
     if (!p || *p == 0) {
-        return make_error("bad port " + quoted(port) + " (expected 1..65535)");
+        return make_error("bad port " + quote_value(port) + " (expected 1..65535)");
     }
     return true;
 }
@@ -369,7 +370,7 @@ public:
                 return i;
             }
         }
-        error(path, "unknown value " + quoted(*s) + " (expected " + one_of(names) + ")");
+        error(path, "unknown value " + quote_value(*s) + " (expected " + one_of(names) + ")");
         return std::nullopt;
     }
 
@@ -642,7 +643,7 @@ public:
                     auto s = string(n, np);
                     if (s && s->rfind("http://", 0) != 0 && s->rfind("https://", 0) != 0) {
                         error(np, "expected an http:// or https://host:port URL, got " +
-                                      quoted(*s));
+                                      quote_value(*s));
                         s.reset();
                     }
                     return s;
@@ -747,7 +748,7 @@ public:
                     auto s = string(n, np);
                     std::optional<policy::IpAddress> ip;
                     if (s && !(ip = policy::IpAddress::parse(*s))) {
-                        error(np, "bad IP address " + quoted(*s));
+                        error(np, "bad IP address " + quote_value(*s));
                     }
                     return ip;
                 });
@@ -755,7 +756,7 @@ public:
                 error(host_path, "must list at least one address");
             }
             if (!out.emplace(*host, std::move(addrs)).second) {
-                error(host_path, "duplicate host " + quoted(*host));
+                error(host_path, "duplicate host " + quote_value(*host));
             }
         }
     }
@@ -847,7 +848,7 @@ public:
             return s;
         }
         if (auto why = policy::path_prefix_problem(*s)) {
-            error(path, *why + ", got " + quoted(*s));
+            error(path, *why + ", got " + quote_value(*s));
             s.reset();
         }
         return s;
@@ -856,7 +857,7 @@ public:
     std::optional<std::string> method(const YAML::Node& node, const std::string& path) {
         auto s = string(node, path);
         if (s && !std::all_of(s->begin(), s->end(), is_tchar)) {
-            error(path, "not an HTTP method token: " + quoted(*s));
+            error(path, "not an HTTP method token: " + quote_value(*s));
             s.reset();
         } else if (s) {
             std::transform(s->begin(), s->end(), s->begin(),
@@ -908,7 +909,7 @@ public:
                              [&](const YAML::Node& v, const std::string& p) {
                                  auto s = string(v, p);
                                  if (s && !credstore::valid_secret_name(*s)) {
-                                     error(p, "bad secret name " + quoted(*s) + " (expected " +
+                                     error(p, "bad secret name " + quote_value(*s) + " (expected " +
                                                   credstore::kSecretNameRule + ")");
                                  } else if (s) {
                                      pin.secret = std::move(*s);
@@ -1001,7 +1002,7 @@ public:
                              [&](const YAML::Node& v, const std::string& p) {
                                  auto s = string(v, p, /*allow_empty=*/true);
                                  if (s && !valid_run_id(*s)) {
-                                     error(p, "bad run id " + quoted(*s) +
+                                     error(p, "bad run id " + quote_value(*s) +
                                                   " (expected 1 to 64 of A-Z a-z 0-9 _ . -)");
                                  } else if (s) {
                                      run.id = std::move(*s);
@@ -1026,6 +1027,7 @@ public:
                                  }
                              }},
                             {"ca_cert_out", set_string(run.ca_cert_out)},
+                            {"ca_bundle_out", set_string(run.ca_bundle_out)},
                             {"sources", set_cidrs(run.sources)},
                             {"allow_hosts", set_patterns(run.allow_hosts)},
                             {"scope", [&](const YAML::Node& v,
@@ -1044,6 +1046,15 @@ public:
         }
         if (seen.count("ca_cert_out") == 0) {
             run.ca_cert_out = "var/run-" + run.id + "-ca.pem";
+        }
+        std::error_code ec_a;
+        std::error_code ec_b;
+        if (!run.ca_bundle_out.empty() && !run.ca_cert_out.empty() &&
+            std::filesystem::absolute(run.ca_bundle_out, ec_a).lexically_normal() ==
+                std::filesystem::absolute(run.ca_cert_out, ec_b).lexically_normal()) {
+            // NODE_EXTRA_CA_CERTS (the CA file) would name every system root as the run's CA.
+            error(join_path(path, "ca_bundle_out"),
+                  "names the same file as ca_cert_out: give two files");
         }
         if (seen.count("scope") == 0) {
             // A store secret is found by the run's scope: without one it could never resolve.
@@ -1077,7 +1088,7 @@ public:
                 auto [it, inserted] = first_path.emplace(run.id, p);
                 if (!inserted) {
                     error(join_path(p, "id"),
-                          "duplicate run id " + quoted(run.id) + " (first at " + it->second + ")");
+                          "duplicate run id " + quote_value(run.id) + " (first at " + it->second + ")");
                     ok = false;
                 }
             }
@@ -1194,7 +1205,7 @@ std::string proxy_authority(const std::optional<std::string>& advertise,
 
 Result<std::chrono::milliseconds> parse_duration(const std::string& text) {
     auto bad = [&] {
-        return make_error("bad duration " + quoted(text) + " " + std::string(kDurationHint));
+        return make_error("bad duration " + quote_value(text) + " " + std::string(kDurationHint));
     };
     size_t digits = 0;
     while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) {
@@ -1224,7 +1235,7 @@ Result<std::chrono::milliseconds> parse_duration(const std::string& text) {
     constexpr int64_t kMaxMs = int64_t{87'600} * 60 * 60 * 1000;
     const int64_t ms = static_cast<int64_t>(*value) * ms_per_unit;
     if (ms > kMaxMs) {
-        return make_error("duration " + quoted(text) + " is over the longest allowed, 87600h");
+        return make_error("duration " + quote_value(text) + " is over the longest allowed, 87600h");
     }
     return std::chrono::milliseconds(ms);
 }

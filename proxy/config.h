@@ -114,6 +114,9 @@ struct RunConfig {
     std::optional<std::string> token_file;
     std::optional<std::chrono::seconds> ttl;
     std::string ca_cert_out;
+    /// The system roots (upstream.ca_file's) followed by the run CA, for clients whose trust
+    /// store a variable replaces (SSL_CERT_FILE …); empty = not written.
+    std::string ca_bundle_out;
     std::vector<policy::Cidr> sources;
     std::vector<policy::HostPattern> allow_hosts;
     std::vector<PinConfig> pins;

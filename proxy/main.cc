@@ -159,9 +159,13 @@ int main(int argc, char** argv) {
         spdlog::error("cannot start:\n{}", runtime.error());
         return 1;
     }
-    if (auto w = egress::proxy::write_ca_files(**runtime); !w) {
+    egress::proxy::BuildWarnings file_warnings;
+    if (auto w = egress::proxy::write_ca_files(**runtime, nullptr, &file_warnings); !w) {
         spdlog::error("cannot start:\n{}", w.error());
         return 1;
+    }
+    for (const auto& w : file_warnings.lines) {
+        spdlog::warn("{}", w);
     }
     try {
         egress::proxy::Server server(*runtime, config_path);

@@ -9,6 +9,7 @@
 
 #include "common/secure_zero.h"
 #include "common/staged_file.h"
+#include "common/trust_roots.h"
 #include "credstore/envelope.h"
 
 namespace egress::proxy {
@@ -287,12 +288,93 @@ std::shared_ptr<Run> with_store_secrets(const Run& statics,
     return run;
 }
 
-Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {
-    std::vector<std::pair<const RunConfig*, std::string>> staged;  // runs and their new file
+namespace {
+
+/// The roots a run's ca_bundle_out starts from: those egressd trusts upstream
+/// (upstream.ca_file), for "system" OpenSSL's default file (common/trust_roots.h). Empty, with
+/// a warning, when the system has none.
+Result<std::string> bundle_roots(const Config& config, BuildWarnings* warnings) {
+    std::optional<std::string> path;
+    if (config.upstream_ca_file == "system") {
+        path = find_default_root_file();
+        if (!path) {
+            if (warnings != nullptr) {
+                warnings->lines.push_back(
+                    "no system trust store found (" + default_root_files()[0] +
+                    "): ca_bundle_out files hold the run CA only, so hosts tunnelled blind fail "
+                    "verification in clients that use them");
+            }
+            return std::string();
+        }
+    } else {
+        path = config.upstream_ca_file;
+    }
+    auto text = read_root_file(*path);
+    if (!text) {
+        return make_error("cannot read " + *path + " (upstream.ca_file) for the CA bundle: " +
+                          text.error());
+    }
+    return text;
+}
+
+/// Whether `path` holds exactly `content` (a bundle that would not change is not rewritten).
+bool holds(const std::string& path, const std::string& content) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+        return false;
+    }
+    std::string have((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return have == content;
+}
+
+}  // namespace
+
+Result<bool> write_ca_files(const Runtime& next, const Runtime* previous,
+                            BuildWarnings* warnings) {
+    struct Staged {
+        const RunConfig* rc;
+        const char* key;          // "ca_cert_out" or "ca_bundle_out"
+        const std::string* path;  // rc's value of that key
+        std::string tmp;
+    };
+    std::vector<Staged> staged;
     std::vector<std::string> errors;
+    std::optional<std::string> roots;  // read once, for the first run that wants a bundle
+    auto stage = [&](const RunConfig& rc, const char* key, const std::string& path,
+                     const std::string& content) {
+        auto w = stage_file(path, content, 0644);
+        if (!w) {
+            errors.push_back(rc.yaml_path + "." + key + ": " + w.error());
+            return;
+        }
+        staged.push_back({&rc, key, &path, std::move(*w)});
+    };
     for (const auto& rc : next.config->runs) {
         auto run = next.find(rc.id);
-        if (rc.ca_cert_out.empty() || !run || !run->ca) {
+        if (!run || !run->ca) {
+            continue;
+        }
+        if (!rc.ca_bundle_out.empty()) {
+            // Rebuilt at every start and reload (the system's roots change with its packages),
+            // written only when it differs from what the file holds.
+            if (!roots) {
+                auto r = bundle_roots(*next.config, warnings);
+                if (!r) {
+                    errors.push_back(rc.yaml_path + ".ca_bundle_out: " + r.error());
+                    roots.emplace();
+                } else {
+                    roots = std::move(*r);
+                }
+            }
+            std::string bundle = *roots + run->ca->cert_pem();
+            if (!bundle.empty() && bundle.back() != '\n') {
+                bundle += '\n';
+            }
+            if (!holds(rc.ca_bundle_out, bundle)) {
+                stage(rc, "ca_bundle_out", rc.ca_bundle_out, bundle);
+            }
+        }
+        if (rc.ca_cert_out.empty()) {
             continue;
         }
         if (previous != nullptr) {
@@ -305,24 +387,19 @@ Result<bool> write_ca_files(const Runtime& next, const Runtime* previous) {
                 continue;  // the kept CA, already in that file
             }
         }
-        auto w = stage_file(rc.ca_cert_out, run->ca->cert_pem(), 0644);
-        if (!w) {
-            errors.push_back(rc.yaml_path + ".ca_cert_out: " + w.error());
-            continue;
-        }
-        staged.emplace_back(&rc, std::move(*w));
+        stage(rc, "ca_cert_out", rc.ca_cert_out, run->ca->cert_pem());
     }
     // Only when every file is staged does any reach its place: a refused start or reload
-    // leaves each ca_cert_out holding the CA that (still) serves.
-    for (const auto& [rc, tmp] : staged) {
+    // leaves each ca_cert_out (and ca_bundle_out) holding the CA that (still) serves.
+    for (const auto& s : staged) {
         std::error_code ec;
         if (!errors.empty()) {
-            std::filesystem::remove(tmp, ec);
+            std::filesystem::remove(s.tmp, ec);
             continue;
         }
-        std::filesystem::rename(tmp, rc->ca_cert_out, ec);
+        std::filesystem::rename(s.tmp, *s.path, ec);
         if (ec) {
-            errors.push_back(rc->yaml_path + ".ca_cert_out: cannot rename " + tmp + ": " +
+            errors.push_back(s.rc->yaml_path + "." + s.key + ": cannot rename " + s.tmp + ": " +
                              ec.message());
         }
     }

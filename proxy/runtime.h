@@ -128,11 +128,15 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                                                BuildWarnings& warnings,
                                                const Runtime* previous = nullptr);
 
-/// Writes each static run's CA certificate to its ca_cert_out: call it only for a runtime
+/// Writes each static run's CA certificate to its ca_cert_out, and its CA bundle (the roots
+/// egressd trusts upstream, then the run CA) to its ca_bundle_out: call it only for a runtime
 /// that will serve (a start, or a reload that is applied). With `previous`, a run that keeps
-/// its CA and ca_cert_out is skipped. All files are written as .tmp first and renamed only if
-/// every one succeeded, so on an error (naming runs[i].ca_cert_out) no ca_cert_out changed.
-Result<bool> write_ca_files(const Runtime& next, const Runtime* previous = nullptr);
+/// its CA and ca_cert_out is skipped; a bundle is written when its content changed. All files
+/// are written beside their place first and renamed only if every one succeeded, so on an
+/// error (naming runs[i].ca_cert_out or .ca_bundle_out) no file changed. `warnings` gets a
+/// line when the system has no trust store to start a bundle from.
+Result<bool> write_ca_files(const Runtime& next, const Runtime* previous = nullptr,
+                            BuildWarnings* warnings = nullptr);
 
 /// How close a static run's CA is to its not_after (a run with ttl: null outlives it only if
 /// the process runs longer than limits.static_ca_validity): Soon once a tenth of `validity`

@@ -372,9 +372,13 @@ struct Server::Impl {
             return;
         }
         // The CA files only now: a refused reload must leave them naming the serving CAs.
-        if (auto w = write_ca_files(**statics, current.get()); !w) {
+        BuildWarnings file_warnings;
+        if (auto w = write_ca_files(**statics, current.get(), &file_warnings); !w) {
             spdlog::error("reload refused, keeping the running configuration: {}", w.error());
             return;
+        }
+        for (const auto& w : file_warnings.lines) {
+            spdlog::warn("{}", w);
         }
         if (config->audit.path != audit_path) {
             if (auto a = shared.audit->reopen(config->audit.path); !a) {

@@ -41,6 +41,7 @@
 #include "common/json_text.h"
 #include "common/secure_zero.h"
 #include "common/staged_file.h"
+#include "common/trust_roots.h"
 #include "common/wiping_json.h"
 
 namespace net = boost::asio;
@@ -813,54 +814,23 @@ std::string default_bundle_path(const std::string& ca_out) {
     return ca_out + "-bundle.pem";
 }
 
-/// The trust store a CA bundle starts from: `given` (--system-ca-file), else OpenSSL's
-/// default certificate file, else Debian's. Not $SSL_CERT_FILE: in a shell that ran an earlier
-/// `run create --env` it names that run's bundle, and each new bundle would grow by a CA.
-/// Returns the PEM text, or empty (with a warning) when there is none to read.
+/// The trust store a CA bundle starts from: `given` (--system-ca-file), else the system's
+/// (egress::find_default_root_file). Returns the PEM text, or empty (with a warning) when
+/// there is none to read.
 std::string system_roots(const std::optional<std::string>& given) {
-    std::vector<std::string> candidates;
-    if (given) {
-        candidates.push_back(*given);
-    } else {
-        candidates.push_back(X509_get_default_cert_file());
-        candidates.push_back("/etc/ssl/certs/ca-certificates.crt");
+    std::optional<std::string> path = given ? given : egress::find_default_root_file();
+    if (!path) {
+        std::cerr << "egressctl: warning: no system trust store found ("
+                  << egress::default_root_files()[0]
+                  << "); the CA bundle holds the run CA only, so hosts egressd tunnels blind "
+                     "fail verification; give --system-ca-file FILE\n";
+        return {};
     }
-    constexpr size_t kMaxBytes = 64u << 20;
-    for (const auto& path : candidates) {
-        std::error_code ec;
-        if (!given && !std::filesystem::is_regular_file(path, ec)) continue;
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-            throw Failure("--system-ca-file " + path + ": " + std::strerror(errno));
-        }
-        std::string text;
-        char buf[65536];
-        for (;;) {
-            const ssize_t n = ::read(fd, buf, sizeof buf);
-            if (n < 0 && errno == EINTR) continue;
-            if (n < 0) {
-                const int err = errno;
-                ::close(fd);
-                throw Failure("--system-ca-file " + path + ": " + std::strerror(err));
-            }
-            if (n == 0) break;
-            text.append(buf, static_cast<size_t>(n));
-            if (text.size() > kMaxBytes) {
-                ::close(fd);
-                throw Failure("--system-ca-file " + path + ": larger than 64 MiB");
-            }
-        }
-        ::close(fd);
-        if (text.find("-----BEGIN CERTIFICATE-----") == std::string::npos) {
-            throw Failure("--system-ca-file " + path + ": no PEM certificate in it");
-        }
-        if (text.back() != '\n') text += '\n';
-        return text;
+    auto text = egress::read_root_file(*path);
+    if (!text) {
+        throw Failure("--system-ca-file " + *path + ": " + text.error());
     }
-    std::cerr << "egressctl: warning: no system trust store found (" << candidates[0]
-              << "); the CA bundle holds the run CA only, so hosts egressd tunnels blind fail "
-                 "verification; give --system-ca-file FILE\n";
-    return {};
+    return std::move(*text);
 }
 
 /// The --pin specs of a command, each narrowed by --path, --method and --header.

@@ -241,6 +241,7 @@ runs:
     token_file: /etc/egressd/other.token
     ttl: null
     ca_cert_out: /tmp/other-ca.pem
+    ca_bundle_out: /tmp/other-bundle.pem
 )";
 
 TEST(ConfigParse, FullConfigRoundTrip) {
@@ -398,7 +399,24 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(b.id, "other.run_2");
     EXPECT_FALSE(b.ttl.has_value());
     EXPECT_EQ(b.ca_cert_out, "/tmp/other-ca.pem");
+    EXPECT_EQ(b.ca_bundle_out, "/tmp/other-bundle.pem");
+    EXPECT_TRUE(c.runs[0].ca_bundle_out.empty());  // not written unless asked for
     EXPECT_TRUE(b.pins.empty());
+}
+
+TEST(ConfigParse, CaBundleOutIsNotTheCaFile) {
+    auto r = parse_config(R"(
+runs:
+  - id: app
+    token_file: null
+    ca_cert_out: var/app-ca.pem
+    ca_bundle_out: var/./app-ca.pem
+)",
+                          "t");
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.error().find("runs[0].ca_bundle_out: names the same file as ca_cert_out"),
+              std::string::npos)
+        << r.error();
 }
 
 TEST(ConfigParse, SingleRunWithoutTokenFileAndDefaults) {
@@ -970,6 +988,7 @@ TEST(ExampleConfigs, QuickstartParses) {
     EXPECT_EQ(run.id, "quickstart");
     EXPECT_FALSE(run.token_file.has_value());
     EXPECT_EQ(run.ca_cert_out, "var/quickstart-ca.pem");
+    EXPECT_EQ(run.ca_bundle_out, "var/quickstart-bundle.pem");
     ASSERT_EQ(run.pins.size(), 1u);
     EXPECT_EQ(run.pins[0].host.text(), "api.github.com");
     EXPECT_EQ(run.pins[0].secret_file, "var/github.token");

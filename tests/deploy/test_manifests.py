@@ -28,8 +28,10 @@ DOCKERFILE = ROOT / "configs" / "Dockerfile"
 INSTALL_DEPS = ROOT / "scripts" / "install-deps.sh"
 
 ADMIN_ENDPOINTS = {"/healthz", "/readyz", "/metrics"}
-CA_ENV = ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "GIT_SSL_CAINFO",
-          "CURL_CA_BUNDLE"]
+# Variables that replace a client's trust store (they name the bundle: roots + run CA), and
+# the one that adds to Node's roots (the run CA alone).
+BUNDLE_ENV = ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "GIT_SSL_CAINFO", "CURL_CA_BUNDLE"]
+CA_ENV = ["NODE_EXTRA_CA_CERTS"]
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -167,6 +169,8 @@ def assert_writable_paths(cfg, spec, c):
     }
     for i, run in enumerate(cfg.get("runs") or []):
         paths[f"runs[{i}].ca_cert_out"] = run.get("ca_cert_out", f"var/run-{run['id']}-ca.pem")
+        if "ca_bundle_out" in run:
+            paths[f"runs[{i}].ca_bundle_out"] = run["ca_bundle_out"]
     audit = (cfg.get("audit") or {}).get("path", "var/audit.jsonl")
     if audit != "-":
         paths["audit.path"] = audit
@@ -333,6 +337,7 @@ def test_sidecar_config(sidecar):
     runs = cfg["runs"]
     assert len(runs) == 1 and runs[0]["id"] == "app" and runs[0]["token_file"] is None
     assert runs[0]["ca_cert_out"] == "/run/egress/ca.pem"
+    assert runs[0]["ca_bundle_out"] == "/run/egress/bundle.pem"
     pins = runs[0]["pins"]
     assert [p["host"] for p in pins] == ["api.github.com"]
     assert pins[0]["secret_file"] == "/var/run/secrets/github/token"
@@ -402,6 +407,10 @@ def test_sidecar_app_uses_proxy_and_run_ca(sidecar):
     ca = cfg["runs"][0]["ca_cert_out"]
     for name in CA_ENV:
         assert env.get(name) == ca, name
+    bundle = cfg["runs"][0]["ca_bundle_out"]
+    assert posixpath.dirname(bundle) == posixpath.dirname(ca)  # the same shared emptyDir
+    for name in BUNDLE_ENV:
+        assert env.get(name) == bundle, name
 
     # The CA file is on an emptyDir that egressd writes and the app mounts read-only.
     app_mounts = [m for m in app["volumeMounts"] if m["mountPath"].rstrip("/") ==
@@ -435,6 +444,9 @@ def test_sidecar_config_serves_probes(sidecar, tmp_path):
         assert status == 200 and "egressd_requests_total" in body
         ca = tmp_path / "run_egress" / "ca.pem"
         assert ca.read_text().startswith("-----BEGIN CERTIFICATE-----")
+        # The bundle: the system roots (this machine's), then that CA.
+        bundle = (tmp_path / "run_egress" / "bundle.pem").read_text()
+        assert bundle.endswith(ca.read_text()) and bundle.count("BEGIN CERTIFICATE") > 1
     finally:
         assert d.stop() == 0, d.output() if not d.log.closed else ""
 

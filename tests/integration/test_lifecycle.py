@@ -249,6 +249,61 @@ def test_ca_cert_out_never_follows_a_name_planted_beside_it(world, factory):
     assert e.config["runs"][0]["ca_cert_out"] == ca
 
 
+def test_ca_bundle_out_holds_the_roots_and_the_run_ca_and_follows_a_new_ca(world, factory,
+                                                                          marker):
+    """A static run's ca_bundle_out is the roots egressd trusts upstream (upstream.ca_file: the
+    test PKI's CA stands in for the system roots) followed by the run CA, so a client whose
+    trust store it replaces (SSL_CERT_FILE …) verifies a pinned host (intercepted, the run CA)
+    and a host tunnelled blind (its own certificate). A reload that makes a new CA rewrites it;
+    one that changes nothing leaves the file alone. It had to be built by hand after each
+    start (a static run gets a new CA at every start)."""
+    d = world.new_dir("bundle-")
+    bundle = os.path.join(d, "r1-bundle.pem")
+    e = factory.start(lambda c: c["runs"][0].__setitem__("ca_bundle_out", bundle))
+    with open(world.pki.ca) as f:
+        roots = f.read()
+    with open(run_ca(e, "r1")) as f:
+        ca1 = f.read()
+    with open(bundle) as f:
+        assert f.read() == roots.rstrip("\n") + "\n" + ca1
+    assert oct(os.stat(bundle).st_mode & 0o777) == "0o644"
+    for host, injected in (("api.test", True), ("tunnel.test", False)):
+        c = helpers.tunnel(e.proxy_port, host, world.U, world.auth(), bundle)
+        r = helpers.request(c, "GET", f"/echo/{marker}-{host}", f"{host}:{world.U}")
+        c.close()
+        assert r.status == 200, (host, r.status, r.egress_reason)
+        seen = world.upstream.find(f"{marker}-{host}")
+        assert len(seen) == 1, host
+        assert any(k.lower() == "authorization" for k, _ in seen[0].headers) == injected, host
+
+    # A reload that keeps the CA: the bundle is not written again.
+    inode = os.stat(bundle).st_ino
+    e.reload()
+    assert os.stat(bundle).st_ino == inode
+    # A reload that makes r1 a new CA (its ttl changed): the bundle names the new one.
+    e.rewrite_config(lambda c: c["runs"][0].__setitem__("ttl", "2h"))
+    e.reload()
+    with open(run_ca(e, "r1")) as f:
+        ca2 = f.read()
+    assert ca2 != ca1
+    with open(bundle) as f:
+        assert f.read() == roots.rstrip("\n") + "\n" + ca2
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), bundle)
+    assert helpers.request(c, "GET", f"/echo/{marker}-2", f"api.test:{world.U}").status == 200
+    c.close()
+
+
+def test_ca_bundle_out_may_not_be_the_ca_file(world, factory):
+    """The bundle and the CA file are two files: NODE_EXTRA_CA_CERTS names the CA file, and a
+    bundle written over it would make every root the run's CA."""
+    e = factory.make(lambda c: c["runs"][0].__setitem__(
+        "ca_bundle_out", os.path.join(os.path.dirname(c["runs"][0]["ca_cert_out"]), ".",
+                                      os.path.basename(c["runs"][0]["ca_cert_out"]))))
+    r = e.check()
+    assert r.returncode == 1
+    assert "runs[0].ca_bundle_out: names the same file as ca_cert_out" in r.stdout + r.stderr
+
+
 def test_a_static_token_changed_by_reload_closes_what_the_old_one_opened(world, factory, marker):
     """A leaked static proxy token rotated by a reload locks its holder out at once: the
     tunnel and the intercepted connection it opened are closed (an intercepted one had gone
