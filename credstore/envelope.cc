@@ -336,7 +336,10 @@ Result<std::string> run_command(const std::string& command, std::string_view inp
     out_write.reset();
     ::fcntl(in_write.get(), F_SETFL, ::fcntl(in_write.get(), F_GETFL) | O_NONBLOCK);
 
+    // unwrap's output is a plaintext data key: reserved once so that no copy is left behind
+    // in a block a growing string gave back, and the read buffer is wiped after each read.
     std::string output;
+    output.reserve(kMaxKmsOutputBytes + 4096);
     std::string failure;
     size_t written = 0;
     if (input.empty()) {
@@ -380,6 +383,7 @@ Result<std::string> run_command(const std::string& command, std::string_view inp
             const ssize_t r = ::read(out_read.get(), buf, sizeof buf);
             if (r > 0) {
                 output.append(buf, static_cast<size_t>(r));
+                egress::secure_zero(buf, static_cast<size_t>(r));
                 if (output.size() > kMaxKmsOutputBytes) {
                     failure = "output too large";
                 }

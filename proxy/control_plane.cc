@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <map>
 #include <set>
 #include <unordered_map>
 #include <fstream>
@@ -418,18 +419,46 @@ policy::InjectSpec to_spec(const credstore::InjectRecord& r) {
     return s;
 }
 
-std::string query_param(std::string_view query, std::string_view key) {
+/// The key ids the state's sealed records name ("file:1a2b3c4d", "kms:k1"), comma-separated,
+/// or "" when it holds no sealed record.
+std::string sealed_kek_ids(const credstore::StateSnapshot& snap) {
+    std::set<std::string> ids;
+    for (const auto& [k, sec] : snap.secrets) {
+        ids.insert(sec.kek_id);
+    }
+    for (const auto& [k, run] : snap.runs) {
+        ids.insert(run.ca_key.kek_id);
+    }
+    std::string out;
+    for (const auto& id : ids) {
+        out += (out.empty() ? "" : ", ") + id;
+    }
+    return out;
+}
+
+/// A route's query parameters, percent-decoded, by name. Refused (the error names the
+/// parameter): a name not in `allowed`, a name given twice, a query that does not parse. A
+/// misspelled `scope` on DELETE /v1/secrets/{name} had deleted the secret in every scope.
+Result<std::map<std::string, std::string, std::less<>>> query_params(
+    std::string_view query, std::initializer_list<std::string_view> allowed) {
+    std::map<std::string, std::string, std::less<>> out;
+    if (query.empty()) {
+        return out;
+    }
     std::string origin = "/?" + std::string(query);
     auto u = boost::urls::parse_origin_form(origin);
     if (!u) {
-        return {};
+        return make_error("query: not a valid query string");
     }
     for (auto p : u->params()) {  // percent-decoded
-        if (p.key == key) {
-            return p.value;
+        if (std::find(allowed.begin(), allowed.end(), p.key) == allowed.end()) {
+            return make_error("query: unknown parameter '" + p.key + "'");
+        }
+        if (!out.emplace(p.key, p.value).second) {
+            return make_error("query: parameter '" + p.key + "' given twice");
         }
     }
-    return {};
+    return out;
 }
 
 json::value pin_json(const credstore::PinRecord& p) {
@@ -578,6 +607,20 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
     }
     cp->admin_token_ = *tok;
 
+    // The state first: whether a missing master key file may be created depends on it.
+    if (cfg.state_backend == "etcd") {
+        auto store = open_etcd_store(cfg.etcd, cfg.resolver_servers, cfg.resolver_overrides);
+        if (!store) {
+            return make_error(store.error());  // names the state.etcd key to fix
+        }
+        cp->store_ = std::move(*store);
+    } else {
+        auto store = credstore::FileStateStore::open(cfg.state_path);
+        if (!store) {
+            return make_error("state.path: " + store.error());
+        }
+        cp->store_ = std::move(*store);
+    }
     // Master key (KEK).
     if (cfg.kms_command) {
         auto p = credstore::make_kms_command_provider(*cfg.kms_command);
@@ -586,7 +629,20 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         }
         cp->keys_.add(std::move(*p), true);
     } else {
-        auto p = credstore::open_master_key_file(cfg.master_key_file, true);
+        // A key file is made only for a state that holds nothing sealed: a missing file with
+        // sealed records is a volume not mounted or a wrong path, and a new key would have
+        // left every record unreadable and sealed new ones under a second key.
+        bool create = !std::filesystem::exists(cfg.master_key_file, fec);
+        if (create) {
+            if (auto sealed = sealed_kek_ids(*cp->store_->snapshot()); !sealed.empty()) {
+                return make_error("keys.master_key_file: " + cfg.master_key_file +
+                                  " does not exist, but the state holds records sealed under " +
+                                  sealed +
+                                  ": restore that key file (a new key would unseal none of "
+                                  "them), or point the key at it");
+            }
+        }
+        auto p = credstore::open_master_key_file(cfg.master_key_file, create);
         if (!p) {
             return make_error(p.error());
         }
@@ -603,19 +659,6 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         }
     }
 
-    if (cfg.state_backend == "etcd") {
-        auto store = open_etcd_store(cfg.etcd, cfg.resolver_servers, cfg.resolver_overrides);
-        if (!store) {
-            return make_error(store.error());  // names the state.etcd key to fix
-        }
-        cp->store_ = std::move(*store);
-    } else {
-        auto store = credstore::FileStateStore::open(cfg.state_path);
-        if (!store) {
-            return make_error("state.path: " + store.error());
-        }
-        cp->store_ = std::move(*store);
-    }
     if (std::filesystem::exists(cfg.master_key_file + ".next", fec)) {
         // Records no key unwraps are skipped (named in a warning), so this completes unless
         // the new key or the store fails. Then egressd still starts, with both keys loaded
@@ -851,9 +894,16 @@ ApiResponse ControlPlane::delete_secret(const std::string& name, std::string_vie
     credstore::Mutation m;
     m.kind = credstore::Mutation::Kind::DeleteSecret;
     m.name = name;
-    std::string scope_text = query_param(query, "scope");
-    if (!scope_text.empty()) {
-        auto sc = credstore::parse_scope(scope_text);
+    auto params = query_params(query, {"scope"});
+    if (!params) return error(400, "invalid_request", params.error());
+    if (auto it = params->find("scope"); it != params->end()) {
+        // Without the parameter the secret goes in every scope; an empty one is a mistake,
+        // not that.
+        if (it->second.empty()) {
+            return error(400, "invalid_request",
+                         "scope: empty (omit the parameter to delete the secret in every scope)");
+        }
+        auto sc = credstore::parse_scope(it->second);
         if (!sc) return error(400, "invalid_request", sc.error());
         m.scope = *sc;
     }
@@ -1311,8 +1361,10 @@ void KeyRing::retire_all_but(const std::string& key_id) {
 }
 
 ApiResponse ControlPlane::explain(const std::string& id, std::string_view query) {
-    std::string url_text = query_param(query, "url");
-    std::string method = query_param(query, "method");
+    auto params = query_params(query, {"url", "method"});
+    if (!params) return error(400, "invalid_request", params.error());
+    std::string url_text = (*params)["url"];
+    std::string method = (*params)["method"];
     if (method.empty()) {
         method = "GET";
     }

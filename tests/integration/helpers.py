@@ -633,3 +633,23 @@ def occurrences_in_memory(pid: int, needle: bytes) -> int:
             except (OSError, ValueError, OverflowError):
                 continue  # a mapping that went away or cannot be read ([vvar] and the like)
     return found
+
+
+def start_fails(e: Egressd, within: float = 15.0) -> str:
+    """Starts e, expecting it to exit non-zero within `within` seconds; its stderr."""
+    e.write_config()
+    with open(e.stderr_path, "wb") as err:
+        p = subprocess.Popen([e.binary, "--config", e.config_path], cwd=e.workdir,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                             env=clean_env(), preexec_fn=_die_with_parent)
+        try:
+            rc = p.wait(timeout=within)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+            raise AssertionError(f"egressd still running {within:.0f} s after start; "
+                                 f"stderr:\n{e.stderr_text()[-2000:]}")
+    stderr = e.stderr_text()
+    assert rc != 0, f"egressd exited 0; stderr:\n{stderr[-2000:]}"
+    assert not e.leaks()
+    return stderr

@@ -357,6 +357,35 @@ def test_duplicate_secret_is_a_conflict(cp, api_secret):
     assert r.status == 409 and r.json["error"] == "conflict", r.status
 
 
+@pytest.mark.parametrize("query, why", [
+    ("scope=", "empty"),
+    ("scopes=org%3Dacme", "unknown parameter 'scopes'"),
+    ("Scope=org%3Dacme", "unknown parameter 'Scope'"),
+    ("org=acme", "unknown parameter 'org'"),
+    ("scope=org%3Dacme&scope=org%3Dother", "given twice"),
+])
+def test_a_secret_delete_with_a_scope_it_cannot_read_deletes_nothing(cp, query, why):
+    """Without a scope parameter DELETE /v1/secrets/{name} removes the name in every scope. An
+    empty, misspelled, unknown or repeated parameter had been read as that: the secret went in
+    every org. Now 400, naming the parameter, and both scopes keep their secret."""
+    name = "del_" + pysecrets.token_hex(4)
+    for org in ("acme", "other"):
+        put_secret(cp, name, sval("del-" + org), org=org)
+    r = api(cp, "DELETE", f"/v1/secrets/{name}?{query}")
+    assert r.status == 400 and r.json["error"] == "invalid_request", (r.status, r.json)
+    assert why in r.json["detail"], r.json
+    left = {tuple(sorted(s["scope"].items())) for s in api_ok(cp, "GET", "/v1/secrets")["secrets"]
+            if s["name"] == name}
+    assert left == {(("org", "acme"),), (("org", "other"),)}, left
+    # The explain route refuses unknown parameters the same way.
+    r = api(cp, "GET", "/v1/runs/run_x/explain?url=https%3A%2F%2Fa.test%2F&methd=GET")
+    assert r.status == 400 and "unknown parameter 'methd'" in r.json["detail"], r.json
+    # A scope that parses deletes that scope alone.
+    assert api(cp, "DELETE", f"/v1/secrets/{name}?scope=org%3Dacme").status == 204
+    left = [s["scope"] for s in api_ok(cp, "GET", "/v1/secrets")["secrets"] if s["name"] == name]
+    assert left == [{"org": "other"}], left
+
+
 def test_unknown_routes_and_objects_are_404(cp):
     assert api(cp, "GET", "/v1/runs/run_doesnotexist").status == 404
     assert api(cp, "DELETE", "/v1/runs/run_doesnotexist").status == 404
@@ -1196,9 +1225,17 @@ def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
     os.unlink(kek + ".id")  # now a key id nothing was sealed under, and no earlier "kms:" id
     e.start()
     assert injected("fingerprint"), "the KMS unwraps what it wrapped, whatever id it reports"
-    # A key id that is no KMS's: a file master key cannot open them; the run is named.
+    # A key id that is no KMS's: a file master key cannot open them; the run is named. Without
+    # the key file, a start is refused (a new key would seal new records under a second key).
     assert e.stop() == 0
     e.config["keys"].pop("kms_command")
+    stderr = helpers.start_fails(e)
+    assert "does not exist, but the state holds records sealed under kms:v2" in stderr, \
+        stderr[-1500:]
+    key = master_key_file(e)
+    fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
     e.start()
     helpers.poll(lambda: f"run {run.id}: not served: no key 'kms:v2'" in e.stderr_text(), 10,
                  "the unserved run logged")
@@ -1416,6 +1453,33 @@ def test_restart_keeps_secrets_runs_and_ca(factory, world):
     assert (resp.status, resp.egress_reason) == (403, "run_revoked"), resp.status
     # the admin token did not change
     assert api(e, "GET", "/v1/secrets").status == 200
+
+
+def test_a_missing_master_key_with_sealed_state_is_a_start_error(factory, world):
+    """A master key file gone (a volume not mounted, a wrong path) while the state holds
+    records sealed under it: egressd had made a new key and served, every secret and run
+    unreadable and new writes sealed under a second key. Now the start fails naming the key
+    file and the key the records need; with the file back, everything serves as before."""
+    e = factory.start(mutate=cp_mutate(world))
+    put_secret(e, "mk_tok", sval("mk"), org="acme")
+    secrets_before = api_ok(e, "GET", "/v1/secrets")
+    key = master_key_file(e)
+    with open(key, "rb") as f:
+        key_bytes = f.read()
+    assert e.stop() == 0
+    os.rename(key, key + ".away")
+    stderr = helpers.start_fails(e)
+    assert "keys.master_key_file: " + key + " does not exist" in stderr, stderr[-1500:]
+    assert "file:" in stderr.split("sealed under", 1)[1], stderr[-1500:]
+    assert not os.path.exists(key), "a new master key was made"
+    os.rename(key + ".away", key)
+    e.start()
+    with open(key, "rb") as f:
+        assert f.read() == key_bytes
+    assert api_ok(e, "GET", "/v1/secrets") == secrets_before
+    # A state with nothing sealed still gets its key made on first start.
+    fresh = factory.start(mutate=cp_mutate(world))
+    assert os.path.getsize(master_key_file(fresh)) > 0
 
 
 def test_crash_during_writes_keeps_every_acknowledged_write(factory, world):

@@ -23,7 +23,6 @@ import re
 import secrets as pysecrets
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
@@ -942,32 +941,12 @@ def test_a_rotation_larger_than_state_etcd_max_txn_ops_goes_in_several_transacti
         e.stop()
 
 
-def start_fails(e: helpers.Egressd, within: float = 15.0) -> str:
-    """Starts e, expecting it to exit non-zero within `within` seconds; its stderr."""
-    e.write_config()
-    with open(e.stderr_path, "wb") as err:
-        p = subprocess.Popen([e.binary, "--config", e.config_path], cwd=e.workdir,
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                             env=helpers.clean_env(), preexec_fn=helpers._die_with_parent)
-        try:
-            rc = p.wait(timeout=within)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
-            pytest.fail(f"egressd still running {within:.0f} s after start; "
-                        f"stderr:\n{e.stderr_text()[-2000:]}", pytrace=False)
-    stderr = e.stderr_text()
-    assert rc != 0, f"egressd exited 0; stderr:\n{stderr[-2000:]}"
-    assert not e.leaks()
-    return stderr
-
-
 def test_an_unreachable_etcd_is_a_clear_start_error(factory, world):
     """An endpoint where nothing listens: egressd does not serve on a state it cannot load; it
     exits non-zero within seconds and says which key to fix."""
     e = make_replica(factory, world, f"/egressd-test-down-{pysecrets.token_hex(3)}/",
                      [f"http://127.0.0.1:{world.closed_port}"], os.urandom(32))
-    stderr = start_fails(e)
+    stderr = helpers.start_fails(e)
     assert "state.etcd.endpoints" in stderr, f"stderr does not name the key: {stderr[-2000:]!r}"
 
 
@@ -1090,7 +1069,7 @@ def test_etcd_tls_failures_are_clear_start_errors(factory, world, etcd_tls, case
         keys.update(tls_keys(world, "etcd-stranger"))
     e = make_replica(factory, world, f"/egressd-tls-bad-{pysecrets.token_hex(3)}/", [url],
                      os.urandom(32), **keys)
-    stderr = start_fails(e)
+    stderr = helpers.start_fails(e)
     assert "state.etcd.endpoints" in stderr, stderr[-2000:]
     assert url in stderr, stderr[-2000:]
     if case in ("untrusted_server", "wrong_name"):
