@@ -1,6 +1,6 @@
 // egressctl: the command line for the egressd admin API.
 //
-//   egressctl [--admin URL] [--token-file F] COMMAND ...
+//   egressctl [--admin URL] [--token-file F] [--timeout DURATION] COMMAND ...
 //
 // URL is http://HOST:PORT (default http://127.0.0.1:9901) or unix:/path.sock. The admin token
 // comes from EGRESSD_ADMIN_TOKEN or --token-file; it is sent as a bearer token and never
@@ -56,6 +56,7 @@ namespace {
 
 constexpr const char* kDefaultAdmin = "http://127.0.0.1:9901";
 constexpr const char* kDefaultCaOut = "./egress-run-ca.pem";
+constexpr std::chrono::seconds kDefaultTimeout{30};
 
 // --- errors ---------------------------------------------------------------------------------
 
@@ -69,11 +70,13 @@ struct Usage : std::runtime_error {
 };
 
 const char* kUsage =
-    "usage: egressctl [--admin URL] [--token-file FILE] COMMAND ...\n"
+    "usage: egressctl [--admin URL] [--token-file FILE] [--timeout DURATION] COMMAND ...\n"
     "\n"
     "  --admin URL        admin API: http://HOST:PORT or unix:/path.sock\n"
     "                     (default http://127.0.0.1:9901)\n"
     "  --token-file FILE  admin token file (default: $EGRESSD_ADMIN_TOKEN)\n"
+    "  --timeout DURATION give up on an admin API call not answered whole within\n"
+    "                     DURATION (30s, 2m; default 30s): exit 1\n"
     "\n"
     "commands:\n"
     "  secret put NAME --scope org=ORG [--scope project=P ...] [--rotate]\n"
@@ -337,26 +340,36 @@ json::object parse_scopes(const std::vector<std::string>& items, bool required) 
     return s;
 }
 
-/// "30m" → 1800. Units s, m, h, d; a bare number is seconds.
-int64_t parse_duration(const std::string& text) {
-    if (text.empty()) throw Usage("--ttl: empty duration");
+/// "30m" → 1800. Units s, m, h, d; a bare number is seconds. `flag` names the option in errors.
+int64_t parse_duration(const std::string& text, const std::string& flag = "--ttl") {
+    if (text.empty()) throw Usage(flag + ": empty duration");
     size_t i = 0;
     int64_t n = 0;
     while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
-        if (n > 100'000'000) throw Usage("--ttl '" + text + "': too large");
+        if (n > 100'000'000) throw Usage(flag + " '" + text + "': too large");
         n = n * 10 + (text[i] - '0');
         ++i;
     }
-    if (i == 0) throw Usage("--ttl '" + text + "': expected a number with s, m, h or d");
+    if (i == 0) throw Usage(flag + " '" + text + "': expected a number with s, m, h or d");
     std::string unit = text.substr(i);
     int64_t mult = unit.empty() || unit == "s" ? 1
                    : unit == "m"               ? 60
                    : unit == "h"               ? 3600
                    : unit == "d"               ? 86400
                                                : 0;
-    if (mult == 0) throw Usage("--ttl '" + text + "': unknown unit '" + unit + "' (s, m, h, d)");
-    if (n <= 0) throw Usage("--ttl must be positive");
+    if (mult == 0) {
+        throw Usage(flag + " '" + text + "': unknown unit '" + unit + "' (s, m, h, d)");
+    }
+    if (n <= 0) throw Usage(flag + " must be positive");
     return n * mult;
+}
+
+/// 30 s → "30s", 120 s → "2m": as --timeout takes it.
+std::string duration_text(std::chrono::seconds d) {
+    const int64_t n = d.count();
+    if (n % 3600 == 0) return std::to_string(n / 3600) + "h";
+    if (n % 60 == 0) return std::to_string(n / 60) + "m";
+    return std::to_string(n) + "s";
 }
 
 /// HOST[:PORT]=SECRET:bearer | SECRET:basic:USER | SECRET:header:NAME[:TEMPLATE]
@@ -458,7 +471,10 @@ struct Reply {
 
 class Client {
 public:
-    Client(Endpoint ep, std::string token) : ep_(std::move(ep)) { token_.s = std::move(token); }
+    Client(Endpoint ep, std::string token, std::chrono::seconds timeout)
+        : ep_(std::move(ep)), timeout_(timeout) {
+        token_.s = std::move(token);
+    }
 
     /// One request; `body` may hold a secret and is wiped by the caller.
     Reply call(http::verb method, const std::string& target, const std::string* body = nullptr) {
@@ -502,32 +518,70 @@ private:
         if (!req.body().empty()) egress::secure_zero(req.body().data(), req.body().size());
     }
 
+    /// The exchange runs as asynchronous operations under one deadline (`timeout_`) that
+    /// covers the lookup, the connect, the request and the whole answer: a listener that
+    /// accepts and never answers (a wedged egressd, an admin call stuck behind its state
+    /// store) fails the command instead of hanging it.
     template <class Protocol>
     Reply exchange(http::request<http::string_body>& req) {
+        using error_code = boost::system::error_code;
         net::io_context ioc;
-        beast::basic_stream<Protocol> stream(ioc);
-        stream.expires_after(std::chrono::seconds(30));
-        if constexpr (std::is_same_v<Protocol, net::ip::tcp>) {
-            net::ip::tcp::resolver resolver(ioc);
-            auto results = resolver.resolve(ep_.host, ep_.port);
-            stream.connect(results);
-        } else {
-            stream.connect(typename Protocol::endpoint(ep_.unix_path));
-        }
-        http::write(stream, req);
+        typename Protocol::socket sock(ioc);
+        net::ip::tcp::resolver resolver(ioc);
         beast::flat_buffer buf;
         http::response_parser<http::string_body> parser;
         parser.body_limit(64 << 20);
-        http::read(stream, buf, parser);
+        const char* phase = "connecting to";
+        std::optional<error_code> result;  // set when the exchange has ended
+        auto on_read = [&](error_code ec, size_t) { result = ec; };
+        auto on_write = [&](error_code ec, size_t) {
+            if (ec) {
+                result = ec;
+                return;
+            }
+            phase = "waiting for an answer from";
+            http::async_read(sock, buf, parser, on_read);
+        };
+        auto on_connect = [&](error_code ec, auto&&...) {
+            if (ec) {
+                result = ec;
+                return;
+            }
+            phase = "sending a request to";
+            http::async_write(sock, req, on_write);
+        };
+        if constexpr (std::is_same_v<Protocol, net::ip::tcp>) {
+            resolver.async_resolve(ep_.host, ep_.port,
+                                   [&](error_code ec, net::ip::tcp::resolver::results_type rs) {
+                                       if (ec) {
+                                           result = ec;
+                                           return;
+                                       }
+                                       net::async_connect(sock, rs, on_connect);
+                                   });
+        } else {
+            sock.async_connect(typename Protocol::endpoint(ep_.unix_path), on_connect);
+        }
+        ioc.run_for(timeout_);
+        if (!result) {
+            // Pending handlers are destroyed with the io_context, never run.
+            error_code ignored;
+            sock.close(ignored);
+            throw Failure(std::string("timed out after ") + duration_text(timeout_) + " " +
+                          phase + " the admin API at " + ep_.display + " (--timeout " +
+                          duration_text(timeout_) + ")");
+        }
+        if (*result) throw boost::system::system_error(*result);
         auto& res = parser.get();
-        boost::system::error_code ec;
-        stream.socket().shutdown(Protocol::socket::shutdown_both, ec);
+        error_code ec;
+        sock.shutdown(Protocol::socket::shutdown_both, ec);
         return Reply{static_cast<int>(res.result_int()), std::string(res.reason()),
                      std::move(res.body())};
     }
 
     Endpoint ep_;
     Wiped token_;
+    std::chrono::seconds timeout_;
 };
 
 /// The API's error as one line: "400 invalid_request: pins[0].secret: unknown secret ...".
@@ -648,6 +702,7 @@ Wiped read_secret_value() {
 struct Ctx {
     Endpoint ep;
     std::optional<std::string> token_file;
+    std::chrono::seconds timeout = kDefaultTimeout;
 
     Client client() const {
         std::string tok;
@@ -675,7 +730,7 @@ struct Ctx {
             throw Failure(token_file ? "--token-file " + *token_file + " is empty"
                                      : std::string("EGRESSD_ADMIN_TOKEN is empty"));
         }
-        return Client(ep, std::move(tok));
+        return Client(ep, std::move(tok), timeout);
     }
 };
 
@@ -1091,6 +1146,7 @@ int dispatch(const std::vector<std::string>& argv) {
     // Global options come before the command words (and may also follow them).
     Ctx ctx;
     std::optional<std::string> admin;
+    std::optional<std::string> timeout;
     std::vector<std::string> words;
     for (size_t i = 0; i < argv.size(); ++i) {
         const std::string& arg = argv[i];
@@ -1109,7 +1165,10 @@ int dispatch(const std::vector<std::string>& argv) {
             }
             return false;
         };
-        if (take("admin", admin) || take("token-file", ctx.token_file)) continue;
+        if (take("admin", admin) || take("token-file", ctx.token_file) ||
+            take("timeout", timeout)) {
+            continue;
+        }
         if (arg == "-h" || arg == "--help" || arg == "help") {
             std::cout << kUsage;
             return 0;
@@ -1117,6 +1176,11 @@ int dispatch(const std::vector<std::string>& argv) {
         words.push_back(arg);
     }
     ctx.ep = parse_admin(admin.value_or(kDefaultAdmin));
+    if (timeout) {
+        const int64_t t = parse_duration(*timeout, "--timeout");
+        if (t > 86400) throw Usage("--timeout '" + *timeout + "': at most 1d");
+        ctx.timeout = std::chrono::seconds(t);
+    }
     if (words.empty()) throw Usage("missing command");
     auto rest_from = [&](size_t n) {
         return std::vector<std::string>(words.begin() + static_cast<long>(n), words.end());

@@ -940,6 +940,66 @@ def test_egressctl_errors(cp, world, api_secret):
         assert tok.encode() not in body, f"admin token printed by {what}"
 
 
+def test_egressctl_gives_up_on_an_admin_api_that_never_answers():
+    """A listener that accepts and never answers (a wedged egressd, an admin call stuck behind
+    a stalled state store): egressctl used to wait forever (its 30 s only bounded Beast's
+    asynchronous operations, and it made synchronous ones). With --timeout 1s it exits 1
+    within a few seconds, naming the endpoint and the timeout, over TCP and a unix socket."""
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="ectl-", dir="/tmp")  # short: a unix socket path is bounded
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(8)
+    sock_path = os.path.join(d, "silent.sock")
+    ux = socket.socket(socket.AF_UNIX)
+    ux.bind(sock_path)
+    ux.listen(8)
+    stop = threading.Event()
+    held = []
+
+    def hold(ls):  # accept, read nothing, answer nothing
+        ls.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = ls.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            held.append(c)
+
+    threads = [threading.Thread(target=hold, args=(s,), daemon=True) for s in (tcp, ux)]
+    for t in threads:
+        t.start()
+    try:
+        for admin in (f"http://127.0.0.1:{tcp.getsockname()[1]}", f"unix:{sock_path}"):
+            t0 = time.monotonic()
+            r = subprocess.run([egressctl_bin(), "--admin", admin, "--timeout", "1s", "secret",
+                                "list"], capture_output=True, timeout=20,
+                               env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="not-a-real-token"))
+            took = time.monotonic() - t0
+            err = r.stderr.decode()
+            assert r.returncode == 1, (admin, r.returncode, err)
+            assert err == (f"egressctl: timed out after 1s waiting for an answer from the admin "
+                           f"API at {admin} (--timeout 1s)\n"), err
+            assert took < 5, (admin, took)
+        assert len(held) >= 2, "egressctl never connected"
+        # a timeout that is no duration is a usage error
+        for bad in ("0", "5x", "", "2d"):
+            r = subprocess.run([egressctl_bin(), "--timeout", bad, "secret", "list"],
+                               capture_output=True, timeout=20,
+                               env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="not-a-real-token"))
+            assert r.returncode == 2 and b"--timeout" in r.stderr, (bad, r.stderr)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        for s in held + [tcp, ux]:
+            s.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_egressctl_sends_an_indented_credentials_document_compact(cp, world):
     """`aws sts assume-role --query Credentials` prints its document indented over several
     lines, and a secret holds no line break: egressctl sends a JSON object compact (one
