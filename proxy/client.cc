@@ -583,8 +583,10 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
                           leaf.error());
         }
         if (announce) {
+            // Over the mint rate: Retry-After is when the run's bucket holds a mint again.
+            const auto retry = rate ? leaves.mint_retry_after() : std::chrono::seconds(1);
             co_await write_refusal(client, scope.runtime->config->limits.refusal_timeout, status,
-                                   reason, false);
+                                   reason, false, false, retry);
         }
         audit_refusal(scope, scope.method, "", status, reason, started);
         co_return;

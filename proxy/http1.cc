@@ -871,7 +871,8 @@ std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_head
 
 template <class Stream>
 awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int status,
-                              const std::string& reason, bool keep_alive, bool head_request) {
+                              const std::string& reason, bool keep_alive, bool head_request,
+                              std::chrono::seconds retry_after) {
     http::response<http::string_body> res{static_cast<http::status>(status), 11};
     res.set(http::field::server, "egressd");
     res.set(http::field::content_type, "text/plain; charset=utf-8");
@@ -880,7 +881,8 @@ awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int 
         res.set(http::field::proxy_authenticate, "Basic realm=\"egressd\"");
     }
     if (status == 429) {
-        res.set(http::field::retry_after, "1");
+        res.set(http::field::retry_after,
+                std::to_string(std::max<int64_t>(1, retry_after.count())));
     }
     res.body() = "egressd: " + std::to_string(status) + " " +
                  std::string(http::obsolete_reason(static_cast<http::status>(status))) + ": " +
@@ -901,9 +903,11 @@ awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int 
 }
 
 template awaitable<void> write_refusal<TcpStream>(TcpStream&, std::chrono::milliseconds, int,
-                                                  const std::string&, bool, bool);
+                                                  const std::string&, bool, bool,
+                                                  std::chrono::seconds);
 template awaitable<void> write_refusal<TlsStream>(TlsStream&, std::chrono::milliseconds, int,
-                                                  const std::string&, bool, bool);
+                                                  const std::string&, bool, bool,
+                                                  std::chrono::seconds);
 
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,

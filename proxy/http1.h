@@ -12,13 +12,14 @@
 namespace egress::proxy {
 
 /// Writes a refusal: status, text/plain body, X-Egress-Reason, and for 407
-/// Proxy-Authenticate, for 429 Retry-After; within `timeout` (limits.refusal_timeout: a client
-/// that does not read it has its connection closed). The refusal of a HEAD (`head_request`)
-/// is its head alone.
+/// Proxy-Authenticate, for 429 Retry-After (`retry_after`); within `timeout`
+/// (limits.refusal_timeout: a client that does not read it has its connection closed). The
+/// refusal of a HEAD (`head_request`) is its head alone.
 template <class Stream>
 awaitable<void> write_refusal(Stream& s, std::chrono::milliseconds timeout, int status,
                               const std::string& reason, bool keep_alive,
-                              bool head_request = false);
+                              bool head_request = false,
+                              std::chrono::seconds retry_after = std::chrono::seconds(1));
 
 /// How reading a request head ended.
 enum class HeadRead : uint8_t {

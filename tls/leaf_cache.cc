@@ -1,6 +1,7 @@
 #include "tls/leaf_cache.h"
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
 #include <utility>
 
@@ -34,6 +35,20 @@ void LeafCache::set_mint_rate(size_t per_minute) {
     mint_rate_ = per_minute;
     mint_tokens_ = static_cast<double>(per_minute);
     mint_refill_ = std::chrono::steady_clock::now();
+}
+
+std::chrono::seconds LeafCache::mint_retry_after() const {
+    std::lock_guard lock(mu_);
+    if (mint_rate_ == 0) {
+        return std::chrono::seconds(1);
+    }
+    const double per_second = static_cast<double>(mint_rate_) / 60.0;
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - mint_refill_).count();
+    const double tokens =
+        std::min(static_cast<double>(mint_rate_), mint_tokens_ + per_second * elapsed);
+    const double wait = std::ceil((1.0 - tokens) / per_second);
+    return std::chrono::seconds(wait < 1.0 ? 1 : static_cast<int64_t>(wait));
 }
 
 namespace {

@@ -34,6 +34,9 @@ public:
     /// kMintRateExceeded for a host with no usable leaf (a host whose leaf is due for a
     /// re-mint but still valid keeps being served). Bounds a storm of distinct SNI names.
     void set_mint_rate(size_t per_minute);
+    /// Seconds until the mint budget holds a mint again, rounded up, at least 1 (1 when the
+    /// rate is unlimited): the Retry-After of a kMintRateExceeded refusal.
+    std::chrono::seconds mint_retry_after() const;
 
     /// Cached leaves (mints in flight for a new host are not counted).
     size_t size() const;

@@ -1149,6 +1149,12 @@ def mint_rate_attack(c: Ctx) -> Obs:
         if r.status != 200:
             problems.append(f"mint {i} within the rate -> {r.status} {r.egress_reason}")
     o = c.connect_obs(f"m5-{c.m[-6:]}.wild.test:{c.U}")
+    # 5 mints a minute: the bucket gains one every 12 s, and it was spent moments ago
+    # (Retry-After was 1 whatever the rate)
+    ra = o.header("Retry-After")
+    if ra is None or not ra.isdigit() or not 6 <= int(ra) <= 12:
+        problems.append(f"Retry-After {ra!r}, not the 12 s (less what has refilled) that "
+                        f"5 mints a minute take to refill one")
     # a cached leaf is no mint: still served while the run is over its rate
     conn, r = c.connect(f"m0-{c.m[-6:]}.wild.test:{c.U}")
     conn.close()

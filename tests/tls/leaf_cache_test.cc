@@ -257,6 +257,24 @@ TEST(LeafCacheTest, MintRateBoundsDistinctNamesButKeepsServingCachedOnes) {
         ASSERT_NE(must_get(cache, "a.test"), nullptr);
     }
     EXPECT_EQ(cache.hits(), 10u);
+    // Retry-After of the refusal: the bucket regains a mint 20 s after it was spent, less
+    // the moments this test took (it was 1 whatever the rate).
+    const auto retry = cache.mint_retry_after();
+    EXPECT_GE(retry.count(), 15);
+    EXPECT_LE(retry.count(), 20);
+}
+
+TEST(LeafCacheTest, MintRetryAfterIsAtLeastOneSecond) {
+    auto ca = make_ca();
+    LeafCache cache(*ca, 64);
+    EXPECT_EQ(cache.mint_retry_after().count(), 1);  // unlimited
+    cache.set_mint_rate(60);                         // one a second: under a second to wait
+    int minted = 0;
+    while (minted < 100 && cache.get("h" + std::to_string(minted) + ".test").ok()) {
+        ++minted;
+    }
+    EXPECT_LT(minted, 100);
+    EXPECT_EQ(cache.mint_retry_after().count(), 1);
 }
 
 TEST(LeafCacheTest, HostsOutsideTheCaConstraintsDoNotSpendTheMintRate) {
