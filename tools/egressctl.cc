@@ -68,6 +68,13 @@ struct Failure : std::runtime_error {
 struct Usage : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
+/// -h or --help where an option may stand, or `help` where a command word does: the usage on
+/// stdout, exit 0. A positional value that reads "help" (`secret put help`) is a value.
+struct Help {};
+
+bool is_help(const std::string& word) {
+    return word == "help" || word == "-h" || word == "--help";
+}
 
 const char* kUsage =
     "usage: egressctl [--admin URL] [--token-file FILE] [--timeout DURATION] COMMAND ...\n"
@@ -269,6 +276,7 @@ Args parse_args(const std::vector<std::string>& in, const std::vector<std::strin
     bool only_pos = false;
     for (size_t i = 0; i < in.size(); ++i) {
         const std::string& arg = in[i];
+        if (!only_pos && (arg == "-h" || arg == "--help")) throw Help{};
         if (only_pos || arg.size() < 2 || arg.rfind("--", 0) != 0) {
             if (!only_pos && arg.size() > 1 && arg[0] == '-' && arg != "-") {
                 throw Usage("unknown option '" + arg + "'");
@@ -1169,11 +1177,14 @@ int dispatch(const std::vector<std::string>& argv) {
             take("timeout", timeout)) {
             continue;
         }
-        if (arg == "-h" || arg == "--help" || arg == "help") {
-            std::cout << kUsage;
-            return 0;
-        }
+        // Before the command: -h and --help are options. After it, each command's own
+        // parse_args reads them where an option may stand.
+        if (words.empty() && (arg == "-h" || arg == "--help")) throw Help{};
         words.push_back(arg);
+    }
+    // `help` is the command, or the subcommand (`egressctl secret help`).
+    if (!words.empty() && (is_help(words[0]) || (words.size() > 1 && is_help(words[1])))) {
+        throw Help{};
     }
     ctx.ep = parse_admin(admin.value_or(kDefaultAdmin));
     if (timeout) {
@@ -1220,6 +1231,9 @@ int main(int argc, char** argv) {
     std::vector<std::string> args(argv + 1, argv + argc);
     try {
         return dispatch(args);
+    } catch (const Help&) {
+        std::cout << kUsage;
+        return 0;
     } catch (const Usage& u) {
         std::cerr << "egressctl: " << u.what() << " (egressctl --help for usage)\n";
         return 2;

@@ -940,6 +940,27 @@ def test_egressctl_errors(cp, world, api_secret):
         assert tok.encode() not in body, f"admin token printed by {what}"
 
 
+def test_egressctl_help_is_a_command_or_an_option_never_a_value(cp):
+    """The word help anywhere printed the usage and exited 0: `secret put help --scope ...`
+    stored nothing and reported success. help is the command (or subcommand) word, -h and
+    --help are options; a value that reads "help" is a value."""
+    v = sval("help")
+    r = ctl(cp, "secret", "put", "help", "--scope", "org=helpful", stdin=v)
+    assert r.returncode == 0, r.err
+    cp.secrets["cp:help"] = v
+    assert r.out.startswith("secret help (org=helpful) stored: version 1"), r.out
+    listed = json.loads(ctl_ok(cp, "secret", "list", "--json").out)["secrets"]
+    assert [s["scope"] for s in listed if s["name"] == "help"] == [{"org": "helpful"}], listed
+    r = ctl(cp, "run", "show", "help")
+    assert r.returncode == 1 and r.err.startswith("egressctl: 404"), r.err
+    for args in (["help"], ["--help"], ["-h"], ["secret", "help"], ["secret", "--help"],
+                 ["run", "create", "--help"], ["secret", "put", "x", "-h"],
+                 ["--timeout", "5s", "help"]):
+        r = ctl(cp, *args)
+        assert r.returncode == 0 and r.out.startswith("usage: egressctl"), (args, r.err)
+    ctl_ok(cp, "secret", "rm", "help", "--scope", "org=helpful")
+
+
 def test_egressctl_gives_up_on_an_admin_api_that_never_answers():
     """A listener that accepts and never answers (a wedged egressd, an admin call stuck behind
     a stalled state store): egressctl used to wait forever (its 30 s only bounded Beast's
