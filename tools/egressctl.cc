@@ -847,25 +847,53 @@ int cmd_secret_rm(const Ctx& ctx, const std::vector<std::string>& rest) {
     return 0;
 }
 
-/// Writes a public certificate file (the run CA, the CA bundle) atomically, never following a
-/// name planted beside it (stage_file_beside); returns the absolute path. `flag` names the
-/// option in errors.
-std::string write_ca(const std::string& path, const std::string& pem,
-                     const char* flag = "--ca-out") {
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    fs::path abs = fs::absolute(path, ec);
-    if (ec) throw Failure(std::string(flag) + " " + path + ": " + ec.message());
-    abs = abs.lexically_normal();
-    auto tmp = egress::stage_file_beside(abs.string(), pem, 0644);
-    if (!tmp) throw Failure(std::string(flag) + " " + abs.string() + ": " + tmp.error());
-    if (::rename(tmp->c_str(), abs.c_str()) != 0) {
-        const int err = errno;
-        ::unlink(tmp->c_str());
-        throw Failure(std::string(flag) + " " + abs.string() + ": " + std::strerror(err));
+/// A public certificate file (the run CA, the CA bundle) egressctl is to write: its temporary
+/// is created beside it before the run is made (a folder that cannot be written fails the
+/// command with no run behind it), then written and renamed over it once the run exists,
+/// never following a name planted beside it (StagedFile). `flag` names the option in errors.
+class CaOutput {
+public:
+    CaOutput(const std::string& path, const char* flag) : flag_(flag) {
+        namespace fs = std::filesystem;
+        std::error_code ec;
+        fs::path abs = fs::absolute(path, ec);
+        if (ec) throw Failure(std::string(flag) + " " + path + ": " + ec.message());
+        path_ = abs.lexically_normal().string();
+        auto f = egress::StagedFile::create_beside(path_, 0644);
+        if (!f) throw Failure(std::string(flag) + " " + path_ + ": " + f.error());
+        staged_.emplace(std::move(*f));
     }
-    return abs.string();
-}
+
+    /// Writes `pem` under the temporary name; `commit` puts it in place.
+    void write(const std::string& pem) {
+        auto tmp = staged_->finish(pem);
+        if (!tmp) throw Failure(std::string(flag_) + " " + path_ + ": " + tmp.error());
+        tmp_ = std::move(*tmp);
+    }
+
+    /// Renames the written file over the path; returns the absolute path.
+    const std::string& commit() {
+        if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+            const int err = errno;
+            ::unlink(tmp_.c_str());
+            throw Failure(std::string(flag_) + " " + path_ + ": " + std::strerror(err));
+        }
+        tmp_.clear();
+        return path_;
+    }
+
+    ~CaOutput() {
+        if (!tmp_.empty()) ::unlink(tmp_.c_str());  // written, never committed
+    }
+    CaOutput(const CaOutput&) = delete;
+    CaOutput& operator=(const CaOutput&) = delete;
+
+private:
+    const char* flag_;
+    std::string path_;
+    std::optional<egress::StagedFile> staged_;
+    std::string tmp_;
+};
 
 /// The bundle's default name: beside the run CA file, "-bundle" before its ".pem"
 /// (./egress-run-ca.pem -> ./egress-run-ca-bundle.pem).
@@ -945,6 +973,22 @@ int cmd_run_pin(const Ctx& ctx, const std::vector<std::string>& rest) {
     return 0;
 }
 
+/// Revokes a run just created that egressctl cannot hand over; says what became of it.
+std::string revoke_unusable(Client& client, const json::value& run) {
+    const std::string id = str_field(run, "id", "");
+    if (id.empty()) return "the answer named no run id";
+    std::string why;
+    try {
+        auto r = client.call(http::verb::delete_, target({"v1", "runs", id}));
+        if (r.status == 200 || r.status == 204) return "run " + id + " revoked";
+        why = api_error(r);
+    } catch (const Failure& f) {
+        why = f.what();
+    }
+    return "run " + id + " was made but could not be revoked (" + why +
+           "): egressctl run revoke " + id;
+}
+
 int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     auto a = parse_args(rest,
                         {"scope", "pin", "path", "method", "header", "allow", "ttl", "ca-out",
@@ -980,33 +1024,46 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
         throw Usage("--system-ca-file is what a CA bundle starts from: give --env or "
                     "--ca-bundle-out");
     }
-    // Read before the run is made: a trust store that cannot be read fails the command
-    // without leaving a run behind.
+    // Read and staged before the run is made: a trust store that cannot be read, or an
+    // output file that cannot be created, fails the command without leaving a run behind.
     std::string roots;
     if (bundle_out) roots = system_roots(a.one("system-ca-file"));
+    std::optional<CaOutput> ca_file;
+    std::optional<CaOutput> bundle_file;
+    if (ca_out) ca_file.emplace(*ca_out, "--ca-out");
+    if (bundle_out) bundle_file.emplace(*bundle_out, "--ca-bundle-out");
 
     std::string body = json::serialize(req);
-    auto r = ctx.client().call(http::verb::post, "/v1/runs", &body);
+    Client client = ctx.client();
+    auto r = client.call(http::verb::post, "/v1/runs", &body);
     expect(r, {200, 201});
     auto v = parse_reply(r);
     if (!v.is_object()) throw Failure("the admin API answered with an unexpected body");
     auto& o = v.get_object();
     std::string proxy_url = str_field(v, "proxy_url", "");
     std::string ca_pem = str_field(v, "ca_pem", "");
-    if (proxy_url.empty() || ca_pem.empty()) {
-        throw Failure("the admin API answered without proxy_url or ca_pem");
-    }
     std::string ca_path;
-    if (ca_out) ca_path = write_ca(*ca_out, ca_pem);
-    // SSL_CERT_FILE, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE and GIT_SSL_CAINFO replace a client's
-    // trust store: they name the bundle (the system roots and the run CA), so hosts egressd
-    // carries through a blind tunnel still verify. NODE_EXTRA_CA_CERTS adds to Node's own
-    // roots: it names the run CA alone.
     std::string bundle_path;
-    if (bundle_out) {
-        std::string bundle = roots + ca_pem;
-        if (bundle.back() != '\n') bundle += '\n';
-        bundle_path = write_ca(*bundle_out, bundle, "--ca-bundle-out");
+    try {
+        if (proxy_url.empty() || ca_pem.empty()) {
+            throw Failure("the admin API answered without proxy_url or ca_pem");
+        }
+        // SSL_CERT_FILE, REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE and GIT_SSL_CAINFO replace a
+        // client's trust store: they name the bundle (the system roots and the run CA), so
+        // hosts egressd carries through a blind tunnel still verify. NODE_EXTRA_CA_CERTS adds
+        // to Node's own roots: it names the run CA alone.
+        if (ca_file) ca_file->write(ca_pem);
+        if (bundle_file) {
+            std::string bundle = roots + ca_pem;
+            if (bundle.back() != '\n') bundle += '\n';
+            bundle_file->write(bundle);
+        }
+        if (ca_file) ca_path = ca_file->commit();
+        if (bundle_file) bundle_path = bundle_file->commit();
+    } catch (const Failure& f) {
+        // The run exists, but its id and proxy token were never printed: nobody could use
+        // or find it, and it would count toward admin.max_runs until it expired.
+        throw Failure(std::string(f.what()) + "; " + revoke_unusable(client, v));
     }
 
     if (env) {

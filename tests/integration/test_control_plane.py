@@ -1141,6 +1141,41 @@ def test_egressctl_ca_out_never_follows_a_name_planted_beside_it(cp, world, api_
     assert not os.path.islink(ca) and ca.read_text().startswith("-----BEGIN CERTIFICATE-----")
 
 
+def test_egressctl_run_create_leaves_no_run_when_its_files_cannot_be_written(cp, world,
+                                                                             api_secret,
+                                                                             tmp_path):
+    """run create made the run, then wrote --ca-out / --ca-bundle-out: an unwritable path
+    printed the write error alone and left a run nobody could find (id and proxy token never
+    printed; counted toward admin.max_runs until it expired). The files are now created
+    before the run, so such a path leaves no run and no temporary file; a file that fails
+    after the run exists (the path is a folder) has the run revoked, and says so."""
+    def runs():
+        return {r["id"]: r.get("revoked", False) for r in _read_state(cp)["runs"]}
+
+    before = runs()
+    pin = f"{api_host(world)}=api_tok:bearer"
+    for args, flag in ((["--ca-out", "/nonexistent/dir/ca.pem"], "--ca-out"),
+                       (["--env", "--ca-out", str(tmp_path / "ca.pem"),
+                         "--ca-bundle-out", "/nonexistent/dir/bundle.pem"], "--ca-bundle-out")):
+        r = ctl(cp, "run", "create", "--scope", "org=acme", "--pin", pin, *args)
+        assert r.returncode == 1 and r.out == "", (args, r.returncode, r.out, r.err)
+        assert r.err.startswith(f"egressctl: {flag} /nonexistent/dir/"), r.err
+        assert r.err.count("\n") == 1, r.err
+        assert runs() == before, (args, "a run was made")
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    r = ctl(cp, "run", "create", "--scope", "org=acme", "--pin", pin, "--ca-out", str(folder))
+    assert r.returncode == 1 and r.out == "", (r.returncode, r.out, r.err)
+    after = runs()
+    made = set(after) - set(before)
+    assert len(made) == 1, made
+    (rid,) = made
+    assert after[rid] is True, "the run egressctl could not hand over was not revoked"
+    assert r.err == f"egressctl: --ca-out {folder}: Is a directory; run {rid} revoked\n", r.err
+    assert os.listdir(tmp_path) == ["a-folder"] and os.listdir(folder) == []
+
+
 def test_egressctl_env_output_is_shell_safe(cp, world, api_secret, tmp_path):
     ca = tmp_path / "it's a dir" / "ca.pem"
     ca.parent.mkdir()
