@@ -197,6 +197,9 @@ Decision RequestPipeline::run(RequestHead& head, const RequestContext& ctx) cons
             return refuse(503, "secret_unavailable");  // fail closed, never forward bare
         }
         inject(head, *pin, ctx, d);
+        // An aws-chunked body is S3's framing: no server that reads `_method` takes it.
+        d.check_body_method = d.forward() && !ctx.body_empty && !d.aws_chunks &&
+                              body_may_override_method(*pin, head);
         return d;
     }
     if (host_pinned(global, run, ctx.target, ctx.now)) {

@@ -47,6 +47,11 @@ struct Decision {
     /// aws-sigv4 for a chunk-signed upload: the body's chunks are signed again as they pass
     /// (the exchange feeds it every piece of the body; policy/aws_sigv4.h).
     std::shared_ptr<AwsChunkSigner> aws_chunks;
+    /// A POST whose body may name another method (`_method`) to a pin limited to methods
+    /// (body_may_override_method): the caller reads the body whole (bounded by
+    /// limits.method_body_bytes) and refuses it 403 "no_matching_pin", as match_pin does a
+    /// `_method` query parameter, unless body_method_matches.
+    bool check_body_method = false;
 
     bool forward() const { return status == 0; }
 };

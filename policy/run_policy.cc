@@ -132,14 +132,15 @@ constexpr std::string_view kMethodOverrides[] = {"x-http-method-override", "x-ht
 constexpr std::string_view kPathOverrides[] = {"x-original-url", "x-rewrite-url"};
 
 /// The `_method` query parameters a method-limited pin must also allow (Symfony and Laravel
-/// take a POST's method from it, uppercased). Fails closed: a query that names `_method` and
-/// does not parse allows nothing.
+/// take a POST's method from it, uppercased).
 bool query_method_matches(const Pin& pin, std::string_view path) {
     const size_t q = path.find('?');
-    if (q == std::string_view::npos) {
-        return true;
-    }
-    const std::string_view query = path.substr(q + 1);
+    return q == std::string_view::npos || form_method_matches(pin, path.substr(q + 1));
+}
+
+}  // namespace
+
+bool form_method_matches(const Pin& pin, std::string_view query) {
     const std::string lower = ascii_lower(query);
     if (lower.find('%') == std::string::npos && lower.find("method") == std::string::npos) {
         return true;  // the common case: no key can decode to _method
@@ -149,14 +150,17 @@ bool query_method_matches(const Pin& pin, std::string_view path) {
         return false;
     }
     for (const auto& p : *params) {
-        // PHP reads "_%6Dethod" as "_method", and makes '.', ' ' and '[' in a key '_'.
+        // PHP reads "_%6Dethod" as "_method", '+' as ' ', and makes '.', ' ' and '[' in a
+        // key '_'.
         std::string key = p.key.decode();
         std::replace_if(key.begin(), key.end(),
-                        [](char c) { return c == '.' || c == ' ' || c == '['; }, '_');
+                        [](char c) { return c == '.' || c == ' ' || c == '[' || c == '+'; },
+                        '_');
         if (key != "_method") {
             continue;
         }
         std::string method = p.has_value ? p.value.decode() : std::string();
+        std::replace(method.begin(), method.end(), '+', ' ');
         std::transform(method.begin(), method.end(), method.begin(),
                        [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
         if (!method_matches(pin, method)) {
@@ -165,6 +169,8 @@ bool query_method_matches(const Pin& pin, std::string_view path) {
     }
     return true;
 }
+
+namespace {
 
 /// The bucket a virtual-hosted S3 name addresses ("photos" of "photos.s3.us-east-1.amazonaws.com"
 /// or "photos.s3-us-west-2.amazonaws.com": a first label before one that begins with "s3"), or

@@ -200,6 +200,25 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
                      std::string_view method, std::string_view path, TimePoint now,
                      const RequestHead* head = nullptr);
 
+/// Whether every `_method` parameter of a query or form body ("a=1&_method=DELETE", keys as
+/// PHP reads them) names a method `pin` allows, uppercased. Fails closed: a query that may
+/// name `_method` and does not parse allows nothing.
+bool form_method_matches(const Pin& pin, std::string_view query);
+
+/// Whether a request's body may name another method to its server, which the methods of
+/// `pin` (the pin match_pin chose) must then allow too: a POST, to a pin limited to methods,
+/// with a form (application/x-www-form-urlencoded), multipart/form-data or JSON body (a
+/// media type with "json"), from which Rails (Rack::MethodOverride), Laravel, Symfony,
+/// Spring's HiddenHttpMethodFilter and ASP.NET Core take a `_method` field. The caller reads
+/// such a body whole (bounded) and checks it with body_method_matches before it leaves.
+bool body_may_override_method(const Pin& pin, const RequestHead& head);
+
+/// Whether the `_method` fields of `body` name only methods `pin` allows (uppercased): a form's
+/// `_method` keys (form_method_matches), the parts of a multipart body named `_method` (under
+/// every boundary its content-type names), a JSON object's top-level "_method" (a value that
+/// is not a string allows nothing). A body that is not what its type says carries none.
+bool body_method_matches(const Pin& pin, const RequestHead& head, std::string_view body);
+
 /// Whether `name` is a header match_pin reads as a method or path override, or an S3 copy
 /// source (dropped from request trailers, where no pin match checks it).
 bool is_override_header(std::string_view name);

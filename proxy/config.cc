@@ -618,6 +618,7 @@ public:
                         set_count(l.max_upstream_idle_per_host, 0, kMaxCount)},
                        {"retry_body_bytes", set_count(l.retry_body_bytes, 0, 16 << 20)},
                        {"sign_body_bytes", set_count(l.sign_body_bytes, 0, 64 << 20)},
+                       {"method_body_bytes", set_count(l.method_body_bytes, 0, 64 << 20)},
                        {"upstream_tls_sessions",
                         set_count(l.upstream_tls_sessions, 0, kMaxCount)},
                        {"worker_threads", set_count(l.worker_threads, 0, 256)}})},

@@ -93,6 +93,10 @@ struct Limits {
     // sent: at most this much (larger: 413 body_too_large_to_sign). Memory held per such
     // request in flight.
     size_t sign_body_bytes = 1 << 20;
+    // A POST with a form, multipart or JSON body to a pin limited to methods is read whole
+    // before it is sent, to check a `_method` field in it (policy::body_method_matches): at
+    // most this much (larger: 413 body_too_large_to_check). Memory held per such request.
+    size_t method_body_bytes = 1 << 20;
     size_t upstream_tls_sessions = 1024;  // resumable upstream sessions kept per worker; 0 = none
     size_t worker_threads = 0;  // event loops; 0 = one per CPU this process may use (cpus.h)
 };

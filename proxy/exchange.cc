@@ -539,12 +539,24 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // it; what the scrubber holds back of this response is wiped by its destructor.
     policy::Scrubber scrubber(std::move(decision.scrub));
 
-    // A body declared larger than aws-sigv4 may read to sign it is refused before a
-    // 100 Continue asks the client to send it (its refusal reads and drops what comes anyway).
-    if (decision.sign_body && req_body.length &&
-        *req_body.length > rt.config->limits.sign_body_bytes) {
-        co_await down.refuse(413, "body_too_large_to_sign", false);
-        audit_refusal(scope, method, head.path, 413, "body_too_large_to_sign", started);
+    // A body read whole before the request leaves (aws-sigv4 signing its hash, a `_method`
+    // field a pin limited to methods checks), at most `whole_bytes`; a larger one is refused
+    // 413 `too_large`. Declared larger, it is refused before a 100 Continue asks the client
+    // to send it (its refusal reads and drops what comes anyway).
+    size_t whole_bytes = 0;
+    const char* too_large = nullptr;
+    if (decision.sign_body) {
+        whole_bytes = rt.config->limits.sign_body_bytes;
+        too_large = "body_too_large_to_sign";
+    }
+    if (decision.check_body_method &&
+        (too_large == nullptr || rt.config->limits.method_body_bytes < whole_bytes)) {
+        whole_bytes = rt.config->limits.method_body_bytes;
+        too_large = "body_too_large_to_check";
+    }
+    if (too_large != nullptr && req_body.length && *req_body.length > whole_bytes) {
+        co_await down.refuse(413, too_large, false);
+        audit_refusal(scope, method, head.path, 413, too_large, started);
         co_return false;
     }
 
@@ -676,10 +688,11 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             std::string().swap(replay);
         }
     };
-    // aws-sigv4 signing the body's hash (Decision::sign_body): the body is read whole, at
-    // most limits.sign_body_bytes, before anything of the request leaves (even the dial), and
-    // goes out as a kept body (`replay`), so a refused h2 stream can send it again too.
-    if (decision.sign_body) {
+    // A body read whole (aws-sigv4 signing its hash, Decision::sign_body; a `_method` field
+    // checked, Decision::check_body_method), at most `whole_bytes`, before anything of the
+    // request leaves (even the dial); it goes out as a kept body (`replay`), so a refused h2
+    // stream can send it again too.
+    if (too_large != nullptr) {
         bool fits = true;  // a declared length was checked above
         while (fits) {
             auto chunk = co_await down.read_body();
@@ -688,7 +701,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 co_return false;
             }
             rec.bytes_in += chunk.data.size();
-            fits = replay.size() + chunk.data.size() <= limits.sign_body_bytes;
+            fits = replay.size() + chunk.data.size() <= whole_bytes;
             if (fits) {
                 replay.append(chunk.view());
             }
@@ -698,13 +711,25 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
             }
         }
         if (!fits) {
-            co_await down.refuse(413, "body_too_large_to_sign", false);
-            deny_body(413, "body_too_large_to_sign");
+            co_await down.refuse(413, too_large, false);
+            deny_body(413, too_large);
+            co_return false;
+        }
+        // A `_method` the pin does not allow: refused as match_pin refuses one in the query
+        // (no pin matched; the credential never left).
+        if (decision.check_body_method &&
+            !policy::body_method_matches(*decision.pin, head, replay)) {
+            rec.pin.reset();
+            rec.secret.reset();
+            co_await down.refuse(403, "no_matching_pin", false);
+            deny_body(403, "no_matching_pin");
             co_return false;
         }
         replay_whole = true;
         keep_replay = true;
-        policy::sign_with_body(head, decision, replay, ctx.now);
+        if (decision.sign_body) {
+            policy::sign_with_body(head, decision, replay, ctx.now);
+        }
     }
 
     // The client went away while the upstream was dialed: nothing was sent, nobody reads an

@@ -378,6 +378,78 @@ TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
     EXPECT_EQ(match_pin(GlobalPolicy{}, run, gh, "GET", "/repos/acme/x", kNow)->id, "repos");
 }
 
+// Rails, Laravel, Symfony, Spring and ASP.NET Core take a POST's method from a `_method` field
+// in its body too: a form key, a multipart part, a top-level JSON key.
+TEST(BodyMethod, AFieldInAPostBodyMustStayWithinThePinsMethods) {
+    const Pin pin = make_pin("p", "api.test", {}, {"GET", "POST"});
+    auto post = [](std::vector<std::string> types) {
+        RequestHead h;
+        h.method = "POST";
+        for (auto& t : types) {
+            h.headers.push_back({"content-type", std::move(t)});
+        }
+        return h;
+    };
+    const RequestHead form = post({"application/x-www-form-urlencoded; charset=utf-8"});
+    const RequestHead json = post({"application/json"});
+    const RequestHead vnd = post({"application/vnd.api+json"});
+    const RequestHead multi = post({"multipart/form-data; boundary=\"XyZ\""});
+    const RequestHead untyped = post({});
+    const RequestHead octets = post({"application/octet-stream"});
+    // which requests are read whole: a POST with such a body to a pin limited to methods
+    EXPECT_TRUE(body_may_override_method(pin, form));
+    EXPECT_TRUE(body_may_override_method(pin, json));
+    EXPECT_TRUE(body_may_override_method(pin, vnd));
+    EXPECT_TRUE(body_may_override_method(pin, multi));
+    EXPECT_TRUE(body_may_override_method(pin, untyped));  // Rack reads it as a form
+    EXPECT_FALSE(body_may_override_method(pin, octets));
+    EXPECT_TRUE(body_may_override_method(pin, post({"application/octet-stream", "text/json"})));
+    RequestHead get = form;
+    get.method = "GET";
+    EXPECT_FALSE(body_may_override_method(pin, get));
+    EXPECT_FALSE(body_may_override_method(make_pin("any", "api.test"), form));
+
+    EXPECT_FALSE(body_method_matches(pin, form, "a=1&_method=DELETE"));
+    EXPECT_FALSE(body_method_matches(pin, form, "_method=delete"));
+    EXPECT_FALSE(body_method_matches(pin, form, "+method=DELETE"));  // PHP: " method", "_method"
+    EXPECT_FALSE(body_method_matches(pin, untyped, "_method=DELETE"));
+    EXPECT_TRUE(body_method_matches(pin, form, "_method=get&a=1"));
+    EXPECT_TRUE(body_method_matches(pin, form, "a=1&b=2"));
+    EXPECT_TRUE(body_method_matches(pin, octets, "_method=DELETE"));  // no server reads it
+
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"a": [1, {"b": 2}], "_method": "DELETE"})"));
+    EXPECT_FALSE(body_method_matches(pin, vnd, R"({"\u005fmethod": "PUT"})"));
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"_method": "GET", "_method": "DELETE"})"));
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"_method": ["DELETE"]})"));
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"_method": "DELETE", /* c */ })"));
+    EXPECT_TRUE(body_method_matches(pin, json, R"({"_method": "post"})"));
+    EXPECT_TRUE(body_method_matches(pin, json, R"({"x": {"_method": "DELETE"}})"));  // nested
+    EXPECT_TRUE(body_method_matches(pin, json, R"([{"_method": "DELETE"}])"));
+    EXPECT_TRUE(body_method_matches(pin, json, R"({"_method": )"));  // no JSON: no field
+    // deeper than any default depth limit, then the field
+    const std::string deep = "{\"a\": " + std::string(5000, '[') + std::string(5000, ']') +
+                             ", \"_method\": \"DELETE\"}";
+    EXPECT_FALSE(body_method_matches(pin, json, deep));
+
+    const std::string part =
+        "--XyZ\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n1\r\n"
+        "--XyZ\r\ncontent-disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n"
+        "--XyZ--\r\n";
+    EXPECT_FALSE(body_method_matches(pin, multi, part));
+    EXPECT_FALSE(body_method_matches(
+        pin, multi, "--XyZ\nContent-Disposition: form-data; name=_method\n\nput\n--XyZ--\n"));
+    EXPECT_TRUE(body_method_matches(
+        pin, multi,
+        "--XyZ\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nGET\r\n--XyZ--\r\n"));
+    EXPECT_TRUE(body_method_matches(
+        pin, multi,
+        "--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"_method\"\r\n"
+        "\r\nDELETE\r\n--XyZ--\r\n"));
+    // a second boundary parameter is checked as well
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"multipart/form-data; boundary=a; boundary=XyZ"}), part));
+}
+
 // S3's CopyObject reads the object x-amz-copy-source names with the pin's key: a pin limited to
 // paths or to one bucket must contain it too.
 TEST(MatchPin, AnS3CopySourceMustStayWithinThePin) {

@@ -1,0 +1,306 @@
+// A `_method` field in a POST's body: the method Rails, Laravel, Symfony, Spring and ASP.NET
+// Core act on instead of the request line's, which a pin limited to methods must also allow
+// (declared in policy/run_policy.h, beside match_pin's query and header overrides).
+#include <algorithm>
+#include <cctype>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <boost/json/basic_parser_impl.hpp>
+
+#include "policy/header_rules.h"
+#include "policy/request_head.h"
+#include "policy/run_policy.h"
+
+namespace egress::policy {
+
+namespace {
+
+enum class BodyKind : uint8_t { None, Form, Multipart, Json };
+
+/// What a content-type makes of a POST body for the servers above. No content-type is a form
+/// to Rack; any multipart type is parsed by one of them; Laravel reads any type naming json.
+BodyKind body_kind(const std::string* content_type) {
+    if (content_type == nullptr) {
+        return BodyKind::Form;
+    }
+    const std::string type = ascii_lower(trim_ows(content_type->substr(0, content_type->find(';'))));
+    if (type == "application/x-www-form-urlencoded") {
+        return BodyKind::Form;
+    }
+    if (type.starts_with("multipart/")) {
+        return BodyKind::Multipart;
+    }
+    if (type.find("json") != std::string::npos) {
+        return BodyKind::Json;
+    }
+    return BodyKind::None;
+}
+
+bool allows(const Pin& pin, std::string method) {
+    std::transform(method.begin(), method.end(), method.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::toupper(c)); });
+    return std::find(pin.methods.begin(), pin.methods.end(), method) != pin.methods.end();
+}
+
+/// The parameters after a media type or disposition type ("; name=value; b=\"q\\\"\""):
+/// lowercase names, values unquoted.
+std::vector<std::pair<std::string, std::string>> parameters(std::string_view s) {
+    std::vector<std::pair<std::string, std::string>> out;
+    size_t i = s.find(';');
+    while (i != std::string_view::npos && i < s.size()) {
+        ++i;  // past ';'
+        const size_t eq = s.find_first_of("=;", i);
+        if (eq == std::string_view::npos || s[eq] == ';') {
+            i = eq;
+            continue;
+        }
+        std::string name = ascii_lower(trim_ows(s.substr(i, eq - i)));
+        size_t j = eq + 1;
+        while (j < s.size() && (s[j] == ' ' || s[j] == '\t')) {
+            ++j;
+        }
+        std::string value;
+        if (j < s.size() && s[j] == '"') {
+            for (++j; j < s.size() && s[j] != '"'; ++j) {
+                if (s[j] == '\\' && j + 1 < s.size()) {
+                    ++j;
+                }
+                value.push_back(s[j]);
+            }
+            i = s.find(';', j);
+        } else {
+            const size_t end = s.find(';', j);
+            value = std::string(trim_ows(s.substr(j, end == std::string_view::npos ? end : end - j)));
+            i = end;
+        }
+        out.emplace_back(std::move(name), std::move(value));
+    }
+    return out;
+}
+
+/// A part name as PHP makes it a key ('.', ' ' and '[' become '_').
+bool names_method(std::string name) {
+    std::replace_if(name.begin(), name.end(),
+                    [](char c) { return c == '.' || c == ' ' || c == '['; }, '_');
+    return name == "_method";
+}
+
+/// The parts of `body` under `boundary` named `_method` name only methods the pin allows.
+/// Delimiter lines may end in CRLF or LF (servers differ); a body without one has no parts.
+bool multipart_matches(const Pin& pin, std::string_view body, std::string_view boundary) {
+    if (boundary.empty()) {
+        return true;
+    }
+    const std::string delimiter = "--" + std::string(boundary);
+    // Where the delimiter starts a line at or after `from`, or npos.
+    auto next_delimiter = [&](size_t from) {
+        for (size_t at = body.find(delimiter, from); at != std::string_view::npos;
+             at = body.find(delimiter, at + 1)) {
+            if (at == 0 || body[at - 1] == '\n') {
+                return at;
+            }
+        }
+        return std::string_view::npos;
+    };
+    size_t at = next_delimiter(0);
+    while (at != std::string_view::npos) {
+        const size_t after = at + delimiter.size();
+        if (body.substr(after, 2) == "--") {
+            break;  // the close delimiter
+        }
+        const size_t line_end = body.find('\n', after);
+        if (line_end == std::string_view::npos) {
+            break;
+        }
+        const size_t headers_at = line_end + 1;
+        size_t headers_end = body.find("\n\r\n", line_end);
+        const size_t lf_end = body.find("\n\n", line_end);
+        size_t content_at = headers_end == std::string_view::npos ? 0 : headers_end + 3;
+        if (lf_end != std::string_view::npos &&
+            (headers_end == std::string_view::npos || lf_end < headers_end)) {
+            headers_end = lf_end;
+            content_at = lf_end + 2;
+        }
+        const size_t next = next_delimiter(headers_at);
+        if (headers_end == std::string_view::npos || (next != std::string_view::npos &&
+                                                      headers_end > next)) {
+            at = next;  // a part without a blank line after its headers
+            continue;
+        }
+        const std::string_view headers = body.substr(headers_at, headers_end + 1 - headers_at);
+        std::string_view content = body.substr(
+            content_at, next == std::string_view::npos ? std::string_view::npos : next - content_at);
+        if (next != std::string_view::npos) {  // the line break before the delimiter is its own
+            if (content.ends_with('\n')) {
+                content.remove_suffix(1);
+            }
+            if (content.ends_with('\r')) {
+                content.remove_suffix(1);
+            }
+        }
+        for (size_t line = 0; line < headers.size();) {
+            size_t end = headers.find('\n', line);
+            end = end == std::string_view::npos ? headers.size() : end;
+            std::string_view field = headers.substr(line, end - line);
+            if (field.ends_with('\r')) {
+                field.remove_suffix(1);
+            }
+            const size_t colon = field.find(':');
+            if (colon != std::string_view::npos &&
+                iequals(trim_ows(field.substr(0, colon)), "content-disposition")) {
+                for (const auto& [name, value] : parameters(field.substr(colon + 1))) {
+                    if ((name == "name" || name == "name*") && names_method(value) &&
+                        !allows(pin, std::string(content))) {
+                        return false;
+                    }
+                }
+            }
+            line = end + 1;
+        }
+        at = next;
+    }
+    return true;
+}
+
+/// Every top-level "_method" of a JSON object, seen by a SAX parser: each duplicate key (a
+/// server may keep the first or the last) and with no tree built (a deep document costs no
+/// recursion). Non-string values are recorded as what allows nothing.
+struct JsonMethods {
+    static constexpr std::size_t max_array_size = -1;
+    static constexpr std::size_t max_object_size = -1;
+    static constexpr std::size_t max_string_size = -1;
+    static constexpr std::size_t max_key_size = -1;
+    static constexpr size_t kLongest = 64;  // longer than any method a pin names
+
+    size_t depth = 0;
+    std::string key;          // the top-level key being read (first kLongest bytes)
+    bool key_is_method = false;  // the value that follows belongs to "_method"
+    std::string value;
+    std::vector<std::string> methods;  // what each "_method" names ("" for a non-string)
+
+    using error_code = boost::json::error_code;
+    using string_view = boost::json::string_view;
+    void scalar() {
+        if (depth == 1 && key_is_method) {
+            methods.emplace_back();
+        }
+        key_is_method = false;
+    }
+    bool on_document_begin(error_code&) { return true; }
+    bool on_document_end(error_code&) { return true; }
+    bool on_array_begin(error_code&) {
+        scalar();
+        ++depth;
+        return true;
+    }
+    bool on_array_end(std::size_t, error_code&) {
+        --depth;
+        return true;
+    }
+    bool on_object_begin(error_code&) {
+        scalar();
+        ++depth;
+        return true;
+    }
+    bool on_object_end(std::size_t, error_code&) {
+        --depth;
+        return true;
+    }
+    bool on_string_part(string_view s, std::size_t, error_code&) {
+        if (depth == 1 && key_is_method && value.size() <= kLongest) {
+            value.append(s.data(), std::min(s.size(), kLongest + 1 - value.size()));
+        }
+        return true;
+    }
+    bool on_string(string_view s, std::size_t n, error_code& ec) {
+        on_string_part(s, n, ec);
+        if (depth == 1 && key_is_method) {
+            methods.push_back(value.size() <= kLongest ? value : std::string());
+        }
+        value.clear();
+        key_is_method = false;
+        return true;
+    }
+    bool on_key_part(string_view s, std::size_t, error_code&) {
+        if (depth == 1 && key.size() <= kLongest) {
+            key.append(s.data(), std::min(s.size(), kLongest + 1 - key.size()));
+        }
+        return true;
+    }
+    bool on_key(string_view s, std::size_t n, error_code& ec) {
+        on_key_part(s, n, ec);
+        key_is_method = depth == 1 && key == "_method";
+        key.clear();
+        return true;
+    }
+    bool on_number_part(string_view, error_code&) { return true; }
+    bool on_int64(int64_t, string_view, error_code&) { return scalar(), true; }
+    bool on_uint64(uint64_t, string_view, error_code&) { return scalar(), true; }
+    bool on_double(double, string_view, error_code&) { return scalar(), true; }
+    bool on_bool(bool, error_code&) { return scalar(), true; }
+    bool on_null(error_code&) { return scalar(), true; }
+    bool on_comment_part(string_view, error_code&) { return true; }
+    bool on_comment(string_view, error_code&) { return true; }
+};
+
+/// A JSON body's top-level "_method" keys name only methods the pin allows. Parsed more
+/// leniently than the servers do (comments, trailing commas, invalid UTF-8, any depth), so
+/// what they read is read here too; a body that still does not parse carries no field.
+bool json_matches(const Pin& pin, std::string_view body) {
+    boost::json::parse_options opt;
+    opt.max_depth = static_cast<std::size_t>(-1);
+    opt.allow_comments = true;
+    opt.allow_trailing_commas = true;
+    opt.allow_invalid_utf8 = true;
+    boost::json::basic_parser<JsonMethods> parser(opt);
+    boost::json::error_code ec;
+    parser.write_some(false, body.data(), body.size(), ec);
+    if (ec) {
+        return true;
+    }
+    return std::all_of(parser.handler().methods.begin(), parser.handler().methods.end(),
+                       [&](const std::string& m) { return !m.empty() && allows(pin, m); });
+}
+
+}  // namespace
+
+bool body_may_override_method(const Pin& pin, const RequestHead& head) {
+    if (pin.methods.empty() || head.method != "POST") {
+        return false;
+    }
+    if (head.find("content-type") == nullptr) {
+        return body_kind(nullptr) != BodyKind::None;
+    }
+    return std::any_of(head.headers.begin(), head.headers.end(), [](const Header& h) {
+        return iequals(h.name, "content-type") && body_kind(&h.value) != BodyKind::None;
+    });
+}
+
+bool body_method_matches(const Pin& pin, const RequestHead& head, std::string_view body) {
+    auto matches = [&](const std::string* content_type) {
+        switch (body_kind(content_type)) {
+            case BodyKind::None: return true;
+            case BodyKind::Form: return form_method_matches(pin, body);
+            case BodyKind::Json: return json_matches(pin, body);
+            case BodyKind::Multipart:
+                for (const auto& [name, value] : parameters(*content_type)) {
+                    if (name == "boundary" && !multipart_matches(pin, body, value)) {
+                        return false;
+                    }
+                }
+                return true;
+        }
+        return true;
+    };
+    if (head.find("content-type") == nullptr) {
+        return matches(nullptr);
+    }
+    return std::all_of(head.headers.begin(), head.headers.end(), [&](const Header& h) {
+        return !iequals(h.name, "content-type") || matches(&h.value);
+    });
+}
+
+}  // namespace egress::policy
