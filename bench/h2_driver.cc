@@ -5,10 +5,12 @@
 // connection and session (one stream each).
 
 #include <algorithm>
+#include <charconv>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <deque>
 #include <exception>
+#include <optional>
 
 #include "bench/driver.h"
 #include "bench/scheduler.h"
@@ -28,6 +30,7 @@ struct H2Request {
   policy::RequestHead head;
   std::string body;
   bool end_stream = true;
+  std::optional<std::uint64_t> content_length;  // sent by open(), not from the head's fields
   std::uint64_t size = 0;  // header field bytes (name + value, uncompressed) + body
 };
 
@@ -46,18 +49,28 @@ H2Request make_request(const BenchOptions& o) {
       continue;
     }
     has_user_agent = has_user_agent || lower == "user-agent";
-    has_content_length = has_content_length || lower == "content-length";
+    if (lower == "content-length") {
+      has_content_length = true;
+      std::uint64_t n = 0;
+      auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
+      if (ec == std::errc() && end == value.data() + value.size()) {
+        r.content_length = n;
+      }
+      r.size += lower.size() + value.size();
+      continue;
+    }
     r.head.headers.push_back({std::move(lower), value});
   }
   if (!has_user_agent) {
     r.head.headers.insert(r.head.headers.begin(), {"user-agent", "egress-bench"});
   }
   if ((o.body_size > 0 || o.method == "POST" || o.method == "PUT") && !has_content_length) {
-    r.head.headers.push_back({"content-length", std::to_string(o.body_size)});
+    r.content_length = o.body_size;
+    r.size += 14 + std::to_string(o.body_size).size();
   }
   r.body.assign(o.body_size, 'x');
   r.end_stream = o.body_size == 0;
-  r.size = 7 + r.head.method.size() + 7 + r.head.scheme.size() + 10 + r.head.authority.size() +
+  r.size += 7 + r.head.method.size() + 7 + r.head.scheme.size() + 10 + r.head.authority.size() +
            5 + r.head.path.size() + r.body.size();
   for (const auto& h : r.head.headers) {
     r.size += h.name.size() + h.value.size();
@@ -144,7 +157,7 @@ net::awaitable<void> Http2Driver::run() {
     }
     if (new_connection) {
       auto stream = session_->open(request_.head, request_.head.scheme, request_.head.authority,
-                                   request_.end_stream);
+                                   request_.end_stream, request_.content_length);
       if (!stream) {
         record_failure(*first, {ErrorKind::kWrite, 0, "cannot open an HTTP/2 stream"});
       } else {
@@ -197,7 +210,7 @@ net::awaitable<void> Http2Driver::worker(std::shared_ptr<H2ClientSession> sessio
       retried = false;
     }
     auto stream = session->open(request_.head, request_.head.scheme, request_.head.authority,
-                                 request_.end_stream);
+                                 request_.end_stream, request_.content_length);
     if (!stream) {
       if (retried) {
         record_failure(*ticket, {ErrorKind::kWrite, 0, "cannot open an HTTP/2 stream"});

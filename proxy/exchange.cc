@@ -43,7 +43,7 @@ public:
     awaitable<bool> send_head(const policy::RequestHead& head, const BodyInfo& body) override {
         // Not a copy of the head with another authority: that was a vector and a string per
         // field each request, the injected credential among them (and never wiped).
-        stream_ = pooled_.session->open(head, "https", authority_, body.none);
+        stream_ = pooled_.session->open(head, "https", authority_, body.none, body.length);
         co_return stream_ != nullptr;
     }
     awaitable<bool> send_body(std::string_view data, bool last, const Headers* trailers) override {

@@ -356,23 +356,30 @@ bool H2ClientSession::has_capacity() const {
 std::unique_ptr<H2ClientStream> H2ClientSession::open(const policy::RequestHead& head,
                                                       std::string_view scheme,
                                                       std::string_view authority,
-                                                      bool end_stream) {
+                                                      bool end_stream,
+                                                      std::optional<uint64_t> content_length) {
     Impl& im = *impl_;
     if (im.io.dead || im.goaway) {
         return nullptr;
     }
     NvList nva;
-    nva.reserve(head.headers.size() + 4);
+    nva.reserve(head.headers.size() + 5);
     nva.push_back(make_nv(":method", head.method));
     nva.push_back(make_nv(":scheme", scheme));
     nva.push_back(make_nv(":authority", authority));
     nva.push_back(make_nv(":path", head.path));
     for (const auto& h : head.headers) {
-        if (!h2_forbidden(h)) {
+        if (!h2_forbidden(h) && h.name != "content-length") {
             const bool secret = head.never_indexed(h.name);
             nva.push_back(make_nv(h.name, h.value,
                                   secret ? NGHTTP2_NV_FLAG_NO_INDEX : NGHTTP2_NV_FLAG_NONE));
         }
+    }
+    char digits[20];  // nghttp2_submit_request copies the fields
+    if (content_length) {
+        auto [end, ec] = std::to_chars(digits, digits + sizeof digits, *content_length);
+        nva.push_back(make_nv("content-length",
+                              std::string_view(digits, static_cast<size_t>(end - digits))));
     }
     auto st = make_stream<H2ClientStreamState>(im.stream->get_executor());
     if (h2_block_bound(nva.data(), nva.size()) > im.max_send_block) {

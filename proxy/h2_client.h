@@ -118,9 +118,12 @@ public:
     /// Opens a stream for `head` (:method and :path from the head, :scheme and :authority as
     /// given, so a caller that sends another authority need not copy the head; headers as
     /// given, lowercase; connection-specific headers must already be gone). With `end_stream`
-    /// the request has no body. nullptr when the session cannot open streams.
+    /// the request has no body. The content-length sent is `content_length`, in its one
+    /// spelling, never the head's fields (a client's "3, 3", two fields or "003" would make
+    /// a strict upstream reset the stream). nullptr when the session cannot open streams.
     std::unique_ptr<H2ClientStream> open(const policy::RequestHead& head, std::string_view scheme,
-                                         std::string_view authority, bool end_stream);
+                                         std::string_view authority, bool end_stream,
+                                         std::optional<uint64_t> content_length = std::nullopt);
 
     /// GOAWAY and close once in-flight streams are done.
     void shutdown();

@@ -457,3 +457,48 @@ def test_a_stream_refused_while_its_body_comes_goes_on_another_with_the_rest(wor
         if c is not None:
             c.close()
         up.close()
+
+
+def test_h1_to_h2_sends_one_canonical_content_length(world, e2, h2up, marker):
+    """The content-length an h2 upstream gets is egressd's own, from the body's length, never
+    the client's field(s): "3, 3", two fields and "003" (which a strict origin resets) each
+    arrive as one "3"; a chunked body arrives with none."""
+    P = h2up.port
+    cases = {"single": "Content-Length: 3\r\n", "dup": "Content-Length: 3\r\nContent-Length: 3\r\n",
+             "list": "Content-Length: 3, 3\r\n", "zeros": "Content-Length: 003\r\n"}
+    for name, cl in cases.items():
+        t = helpers.tunnel(e2.proxy_port, "api.test", P, world.auth(), run_ca(e2, "r1"))
+        try:
+            t.send(f"POST /echo/{marker}-{name} HTTP/1.1\r\nHost: api.test:{P}\r\n{cl}\r\nabc"
+                   .encode())
+            r = helpers.read_response(t)
+        finally:
+            t.close()
+        if r.status == 400:  # refused as the head arrived: nothing went upstream
+            assert h2up.heads(f"{marker}-{name}") == [], name
+            continue
+        assert r.status == 200, (name, r.status, r.egress_reason)
+        [seen] = h2up.find(f"{marker}-{name}")
+        assert seen.header("content-length") == ["3"], (name, seen.header("content-length"))
+    t = helpers.tunnel(e2.proxy_port, "api.test", P, world.auth(), run_ca(e2, "r1"))
+    try:
+        t.send(f"POST /echo/{marker}-chunked HTTP/1.1\r\nHost: api.test:{P}\r\n"
+               f"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n".encode())
+        r = helpers.read_response(t)
+    finally:
+        t.close()
+    assert r.status == 200, (r.status, r.egress_reason)
+    [seen] = h2up.find(f"{marker}-chunked")
+    assert seen.header("content-length") == []
+    assert json.loads(r.body)["body_length"] == 3
+
+
+def test_h2_to_h2_sends_the_content_length_as_egressd_spells_it(world, e2, h2up, marker):
+    c = H2Client(e2, world, "api.test", h2up.port)
+    try:
+        r = c.request(f"/echo/{marker}", "POST", extra=[("content-length", "0003")], body=b"abc")
+    finally:
+        c.close()
+    assert r["status"] == 200, r
+    [seen] = h2up.find(marker)
+    assert seen.header("content-length") == ["3"]
