@@ -187,6 +187,25 @@ def test_a_denied_absolute_form_request_records_its_path_not_its_uri(world, egre
     assert (rec["run"], rec["host"], rec["path"]) == ("r1", "unlisted.test", "/repos/x"), rec
 
 
+def test_a_malformed_absolute_form_request_records_its_path_not_its_uri(world, egressd):
+    """The head's own refusals on the forward port (framing, Host) name the path too."""
+    P = world.plain.port
+    for extra, reason in (("Transfer-Encoding: gzip\r\n", "bad_transfer_encoding"),
+                          (f"Host: plain.test:{P}\r\n", "duplicate_host")):
+        offset = audit_mark(egressd)
+        c = helpers.Conn(socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10))
+        try:
+            c.send((f"POST http://plain.test:{P}/p/x?access_token=abc HTTP/1.1\r\n"
+                    f"Host: plain.test:{P}\r\nProxy-Authorization: {world.auth()}\r\n"
+                    f"{extra}\r\n").encode())
+            r = helpers.read_response(c)
+        finally:
+            c.close()
+        assert (r.status, r.egress_reason) == (400, reason)
+        rec = one_record_since(egressd, offset, 400, reason)
+        assert (rec["host"], rec["port"], rec["path"]) == ("plain.test", P, "/p/x"), rec
+
+
 def test_a_revoked_runs_refusal_names_the_run_and_destination(world, factory):
     from cp_helpers import api_ok, bearer_pin, cp_mutate, create_run, put_secret
     e = factory.start(mutate=cp_mutate(world, ports=[world.U]))
