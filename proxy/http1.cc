@@ -293,7 +293,9 @@ Outcome<policy::RequestHead> to_request_head(H1RequestParser& p, bool tls, bool 
         }
         head.path = std::string(url->encoded_path());
         if (head.path.empty()) {
-            head.path = "/";
+            // RFC 9112 3.2.4: an OPTIONS of a URI with neither path nor query asks about the
+            // server itself; the last proxy sends it as "OPTIONS *".
+            head.path = p.method() == http::verb::options && !url->has_query() ? "*" : "/";
         }
         if (url->has_query()) {
             head.path += "?" + std::string(url->encoded_query());

@@ -206,6 +206,28 @@ def test_a_malformed_absolute_form_request_records_its_path_not_its_uri(world, e
         assert (rec["host"], rec["port"], rec["path"]) == ("plain.test", P, "/p/x"), rec
 
 
+def test_an_absolute_form_options_without_a_path_goes_upstream_as_asterisk(world, egressd,
+                                                                           marker):
+    """RFC 9112 3.2.4: OPTIONS http://host:port (no path, no query) is "OPTIONS *" at the
+    origin; with a query it is "/?query"."""
+    P = world.plain.port
+    c = helpers.Conn(socket.create_connection(("127.0.0.1", egressd.proxy_port), timeout=10))
+    try:
+        for target in (f"http://plain.test:{P}", f"http://plain.test:{P}?{marker}"):
+            c.send((f"OPTIONS {target} HTTP/1.1\r\nHost: plain.test:{P}\r\n"
+                    f"Proxy-Authorization: {world.auth()}\r\nX-Marker: {marker}\r\n\r\n")
+                   .encode())
+            r = helpers.read_response(c)
+            assert r.status < 500, (r.status, r.egress_reason)
+    finally:
+        c.close()
+    def paths():
+        got = [s.path for s in world.plain.requests if s.header("X-Marker") == [marker]]
+        return got if len(got) == 2 else None
+    seen = helpers.poll(paths, 5.0, "both OPTIONS upstream")
+    assert seen == ["*", f"/?{marker}"], seen
+
+
 def test_a_revoked_runs_refusal_names_the_run_and_destination(world, factory):
     from cp_helpers import api_ok, bearer_pin, cp_mutate, create_run, put_secret
     e = factory.start(mutate=cp_mutate(world, ports=[world.U]))
