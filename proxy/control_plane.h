@@ -66,7 +66,10 @@ public:
     /// that cannot be (no such secret yet) is off, with a line in `warnings` when it changed.
     Result<std::shared_ptr<const Runtime>> build_runtime(BuildWarnings* warnings = nullptr);
 
-    /// Replaces the static part (a config reload).
+    /// Replaces the static part (a config reload). Its config is also the one the control
+    /// plane reads from then on: the reload left its restart-only keys (keys.*, state.*...)
+    /// at the values the process started with (Server::reload, keep_restart_keys), which the
+    /// KEK and the store opened at start use.
     void set_statics(std::shared_ptr<const Runtime> statics);
 
     /// Deletes expired runs from the store, in transactions of at most state.etcd.max_txn_ops

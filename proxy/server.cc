@@ -242,6 +242,58 @@ void log_spawn_error(std::exception_ptr e) {
     }
 }
 
+/// The keys fixed when the process starts (listeners, the store and its keys, the per-worker
+/// resolver and pools, the audit mode...): a reload applies every other key. Each one whose
+/// value in `next` (a config file just read) differs from `in_effect` (what the process
+/// started with) is named in the result, joined by ", ", and set back to its value in
+/// `in_effect`, so that what is built from the reloaded config (the control plane's key
+/// rotation and sweep, new runs' leaf caches, ca_bundle_out's roots) uses the values in effect,
+/// never ones that only a restart applies: a `keys rotate` after a reload that changed
+/// keys.master_key_file wrote the new KEK to the file's new path and rewrapped the state under
+/// it, and a restart with the original config then unsealed nothing.
+std::string keep_restart_keys(Config& next, const Config& in_effect) {
+    std::string out;
+    auto keep_if = [&](bool differs, auto& value, const auto& effect, const char* key) {
+        if (differs) {
+            out += (out.empty() ? "" : ", ") + std::string(key);
+            value = effect;
+        }
+    };
+    auto keep = [&](auto& value, const auto& effect, const char* key) {
+        keep_if(!(value == effect), value, effect, key);
+    };
+    auto listen_text = [](const std::optional<ListenAddress>& a) {
+        return a ? a->to_string() : std::string();
+    };
+    keep_if(next.proxy.to_string() != in_effect.proxy.to_string(), next.proxy, in_effect.proxy,
+            "listen.proxy");
+    keep_if(listen_text(next.transparent) != listen_text(in_effect.transparent),
+            next.transparent, in_effect.transparent, "listen.transparent");
+    keep_if(next.admin.to_string() != in_effect.admin.to_string(), next.admin, in_effect.admin,
+            "listen.admin");
+    keep(next.upstream_ca_file, in_effect.upstream_ca_file, "upstream.ca_file");
+    keep(next.state_backend, in_effect.state_backend, "state.backend");
+    keep(next.state_path, in_effect.state_path, "state.path");
+    keep(next.etcd, in_effect.etcd, "state.etcd");
+    keep(next.master_key_file, in_effect.master_key_file, "keys.master_key_file");
+    keep(next.kms_command, in_effect.kms_command, "keys.kms_command");
+    keep(next.resolver_servers, in_effect.resolver_servers, "resolver.servers");
+    keep(next.resolver_overrides, in_effect.resolver_overrides, "resolver.overrides");
+    keep(next.audit.durable, in_effect.audit.durable, "audit.durable");
+    keep(next.log_format, in_effect.log_format, "log.format");
+    Limits& nl = next.limits;
+    const Limits& el = in_effect.limits;
+    keep(nl.dns_timeout, el.dns_timeout, "limits.dns_timeout");
+    keep(nl.max_upstream_idle_per_host, el.max_upstream_idle_per_host,
+         "limits.max_upstream_idle_per_host");
+    keep(nl.upstream_tls_sessions, el.upstream_tls_sessions, "limits.upstream_tls_sessions");
+    keep(nl.worker_threads, el.worker_threads, "limits.worker_threads");
+    // Runs that keep their CA keep their leaf cache (sandboxes keep trusting their leaves).
+    keep(nl.leaf_cache_size, el.leaf_cache_size, "limits.leaf_cache_size");
+    keep(nl.leaf_mints_per_minute, el.leaf_mints_per_minute, "limits.leaf_mints_per_minute");
+    return out;
+}
+
 }  // namespace
 
 std::string start_file_errors(const Config& config) {
@@ -261,6 +313,9 @@ std::string start_file_errors(const Config& config) {
 struct Server::Impl {
     Shared shared;
     std::string config_path;
+    /// The config the process started with: its keep_restart_keys() values stay in effect
+    /// across reloads (every later runtime's config carries them).
+    std::shared_ptr<const Config> started;
     std::unique_ptr<ControlPlane> control;
     // The admin listener (HTTP, probes, /metrics) runs on admin_ioc; everything that may block
     // on the store (API calls, the sweep, SIGHUP reloads) on control_ioc, so neither the data
@@ -359,7 +414,10 @@ struct Server::Impl {
             return;
         }
         auto current = shared.runtime.load();
-        const std::string needs_restart = restart_keys(*current->config, *cfg);
+        // Compared with what the process started with, not with the last reload's config
+        // (which holds those same values): named at every reload until the file is back to
+        // them or egressd restarts.
+        const std::string needs_restart = keep_restart_keys(*cfg, *started);
         auto config = std::make_shared<const Config>(std::move(*cfg));
         BuildWarnings warnings;
         auto statics = build_runtime(config, warnings, current.get());
@@ -393,52 +451,11 @@ struct Server::Impl {
         publish_runtime();
         log_static_cas(**statics);
         if (!needs_restart.empty()) {
-            spdlog::warn("reload: changed, but needs a restart to take effect: {}",
+            spdlog::warn("reload: changed, but needs a restart to take effect (the values "
+                         "egressd started with stay in effect until then): {}",
                          needs_restart);
         }
         spdlog::info("reloaded {}", config_path);
-    }
-
-    /// The keys that differ between `old` and `next` and are fixed at start (listeners, the
-    /// store, per-worker resolver and pools, the audit mode...), joined by ", ". A reload
-    /// applies everything else.
-    std::string restart_keys(const Config& old, const Config& next) const {
-        std::string out;
-        auto changed = [&](bool differs, const char* key) {
-            if (differs) {
-                out += (out.empty() ? "" : ", ") + std::string(key);
-            }
-        };
-        auto listen_text = [](const std::optional<ListenAddress>& a) {
-            return a ? a->to_string() : std::string();
-        };
-        const Limits& ol = old.limits;
-        const Limits& nl = next.limits;
-        changed(old.proxy.to_string() != next.proxy.to_string(), "listen.proxy");
-        changed(listen_text(old.transparent) != listen_text(next.transparent),
-                "listen.transparent");
-        changed(old.admin.to_string() != next.admin.to_string(), "listen.admin");
-        changed(old.upstream_ca_file != next.upstream_ca_file, "upstream.ca_file");
-        changed(old.state_backend != next.state_backend, "state.backend");
-        changed(old.state_path != next.state_path, "state.path");
-        changed(old.etcd != next.etcd, "state.etcd");
-        changed(old.master_key_file != next.master_key_file, "keys.master_key_file");
-        changed(old.kms_command != next.kms_command, "keys.kms_command");
-        changed(old.resolver_servers != next.resolver_servers, "resolver.servers");
-        changed(old.resolver_overrides != next.resolver_overrides, "resolver.overrides");
-        changed(old.audit.durable != next.audit.durable, "audit.durable");
-        changed(old.log_format != next.log_format, "log.format");
-        changed(ol.dns_timeout != nl.dns_timeout, "limits.dns_timeout");
-        changed(ol.max_upstream_idle_per_host != nl.max_upstream_idle_per_host,
-                "limits.max_upstream_idle_per_host");
-        changed(ol.upstream_tls_sessions != nl.upstream_tls_sessions,
-                "limits.upstream_tls_sessions");
-        changed(ol.worker_threads != nl.worker_threads, "limits.worker_threads");
-        // Runs that keep their CA keep their leaf cache (sandboxes keep trusting their leaves).
-        changed(ol.leaf_cache_size != nl.leaf_cache_size, "limits.leaf_cache_size");
-        changed(ol.leaf_mints_per_minute != nl.leaf_mints_per_minute,
-                "limits.leaf_mints_per_minute");
-        return out;
     }
 
     /// Says until when each process-lifetime run's CA is valid (at start and reload).
@@ -666,6 +683,7 @@ struct Server::Impl {
 Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     : impl_(std::make_unique<Impl>()) {
     impl_->config_path = std::move(config_path);
+    impl_->started = runtime->config;
     auto& s = impl_->shared;
     s.publish(runtime);
     const auto& cfg = *runtime->config;

@@ -1310,6 +1310,50 @@ def test_kek_rotation(factory, world):
            "not injected after rotate + restart")
 
 
+def test_keys_rotate_after_a_reload_that_moved_the_master_key_file_keeps_the_key_in_effect(
+        factory, world):
+    """keys.master_key_file needs a restart: a reload that changes it leaves the KEK the
+    process started with in effect, and `keys rotate` writes its successor at that path. It had
+    written the new key to the file's new path (var/other.key) and rewrapped the state under
+    it, leaving var/master.key as it was: a restart with the original config then unsealed no
+    secret and no run."""
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval("kekmv")
+    put_secret(e, "kekmv_tok", v, org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), "kekmv_tok")])
+    mk = master_key_file(e)
+    with open(mk, "rb") as f:
+        old_key = f.read()
+    other = os.path.join(os.path.dirname(mk), "other.key")
+    e.rewrite_config(lambda c: c["keys"].__setitem__("master_key_file", other))
+    e.reload()
+    line = [l for l in e.stderr_text().splitlines() if "needs a restart" in l][-1]
+    assert "keys.master_key_file" in line, line
+
+    ctl_ok(e, "keys", "rotate")  # exit 0: nothing skipped
+    assert not os.path.exists(other) and not os.path.exists(other + ".next")
+    assert not os.path.exists(mk + ".next")
+    with open(mk, "rb") as f:
+        new_key = f.read()
+    assert len(new_key) == 32 and new_key != old_key, "the master key in effect was not rotated"
+    marker = "m-kekmv-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "not injected after rotate")
+
+    # A restart with the original config (var/master.key) unseals the secret and the run.
+    assert e.stop() == 0
+    e.start()
+    assert "not served" not in e.stderr_text()
+    marker = "m-kekmv-restart-" + pysecrets.token_hex(3)
+    c, resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    assert resp.status == 200
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"],
+           "not injected after rotate + restart")
+
+
 def test_a_kms_key_id_that_moved_on_still_unwraps_and_rotates(factory, world):
     """keys.kms_command: after a restart the plugin reports a new key id (its KMS rotated the
     key version) and still unwraps what it wrapped before. Runs and secrets sealed under the

@@ -793,6 +793,61 @@ def test_sighup_reopens_the_audit_file_and_names_keys_that_need_a_restart(world,
     assert records_in(e.audit_path, "moved") == []
 
 
+def restart_warnings(e) -> list[set[str]]:
+    """The keys each "needs a restart" line of the log names, in order."""
+    return [set(l.rsplit(": ", 1)[1].strip().split(", "))
+            for l in e.stderr_text().splitlines() if "needs a restart" in l]
+
+
+def test_keys_that_need_a_restart_keep_their_running_values_and_are_named_at_each_reload(
+        world, factory, marker):
+    """A reload compares the file with what the process started with: the warning names the
+    restart-only keys whose file value differs from the one in effect, at every reload until
+    the file is back to those values, and the running values stay in effect (ca_bundle_out
+    keeps the roots egressd verifies upstreams with). It compared with the last reload's
+    config: a second SIGHUP said nothing of the change still pending, restoring the file
+    warned about values already in effect, and what the reload built (the bundle's roots, the
+    control plane's master key path) used the file's values."""
+    d = world.new_dir("restart-keys-")
+    bundle = os.path.join(d, "r1-bundle.pem")
+    e = factory.start(lambda c: c["runs"][0].__setitem__("ca_bundle_out", bundle))
+    with open(world.pki.ca) as f:
+        roots = f.read()
+    with open(run_ca(e, "r1")) as f:
+        ca1 = f.read()
+    in_bundle = roots.rstrip("\n") + "\n" + ca1
+    other_roots = os.path.join(d, "other-roots.pem")
+    with open(other_roots, "w") as f:  # a valid bundle, not the roots in effect
+        f.write(roots.rstrip("\n") + "\n" + ca1)
+    other_key = os.path.join(d, "other.key")
+
+    def change(c):
+        c["keys"]["master_key_file"] = other_key
+        c["upstream"]["ca_file"] = other_roots
+        c["limits"]["leaf_cache_size"] = 10
+    e.rewrite_config(change)
+    pending = {"keys.master_key_file", "upstream.ca_file", "limits.leaf_cache_size"}
+    e.reload()
+    assert restart_warnings(e) == [pending]
+    e.reload()  # the change is still in the file, still not in effect: named again
+    assert restart_warnings(e) == [pending, pending]
+    with open(bundle) as f:
+        assert f.read() == in_bundle, "ca_bundle_out took roots a restart would apply"
+    assert not os.path.exists(other_key)
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
+
+    # Back to the running value: no longer named; the others still are.
+    e.rewrite_config(lambda c: c["limits"].pop("leaf_cache_size"))
+    e.reload()
+    assert restart_warnings(e)[2:] == [pending - {"limits.leaf_cache_size"}]
+    # The file as egressd started with it: nothing to name.
+    e.write_config()
+    e.reload()
+    assert len(restart_warnings(e)) == 3
+
+
 def test_a_refused_reload_still_reopens_the_audit_file(world, factory):
     """logrotate moves the audit file and sends SIGHUP while the config is being edited (or a
     mounted secret file is briefly missing): the reload is refused, but the audit file is
