@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything egressd needs to build and to run its whole test suite on Debian 12.
-# Debian packages only (see DEVELOPERS.md / README "Dependencies").
+# Debian packages only (README.md: its first lines install, build and test; its "Tests"
+# section names what each suite uses).
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
