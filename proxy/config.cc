@@ -1126,33 +1126,60 @@ public:
     }
 };
 
-/// Discards parse events: used to count documents without building them.
-class DiscardEvents final : public YAML::EventHandler {
+/// Follows parse events without building nodes: counts documents, and notes where the first
+/// anchor (&name) or alias (*name) is.
+class ScanEvents final : public YAML::EventHandler {
 public:
+    std::optional<YAML::Mark> anchor_or_alias;
+
     void OnDocumentStart(const YAML::Mark&) override {}
     void OnDocumentEnd() override {}
-    void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
-    void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
-    void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                  const std::string&) override {}
-    void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                         YAML::EmitterStyle::value) override {}
+    void OnNull(const YAML::Mark& m, YAML::anchor_t a) override { anchored(m, a); }
+    void OnAlias(const YAML::Mark& m, YAML::anchor_t) override { note(m); }
+    void OnScalar(const YAML::Mark& m, const std::string&, YAML::anchor_t a,
+                  const std::string&) override {
+        anchored(m, a);
+    }
+    void OnSequenceStart(const YAML::Mark& m, const std::string&, YAML::anchor_t a,
+                         YAML::EmitterStyle::value) override {
+        anchored(m, a);
+    }
     void OnSequenceEnd() override {}
-    void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                    YAML::EmitterStyle::value) override {}
+    void OnMapStart(const YAML::Mark& m, const std::string&, YAML::anchor_t a,
+                    YAML::EmitterStyle::value) override {
+        anchored(m, a);
+    }
     void OnMapEnd() override {}
+
+private:
+    void anchored(const YAML::Mark& m, YAML::anchor_t a) {
+        if (a != YAML::NullAnchor) {
+            note(m);
+        }
+    }
+    void note(const YAML::Mark& m) {
+        if (!anchor_or_alias) {
+            anchor_or_alias = m;
+        }
+    }
 };
 
-/// Documents in `text`, counting no further than `max`.
-size_t count_documents(const std::string& text, size_t max) {
+struct Scan {
+    size_t documents = 0;                      // counted no further than the `max` asked
+    std::optional<YAML::Mark> anchor_or_alias;  // the first one, in the documents counted
+};
+
+/// Documents in `text` (counting no further than `max`) and the first anchor or alias.
+Scan scan_documents(const std::string& text, size_t max) {
     std::istringstream in(text);
     YAML::Parser parser(in);
-    DiscardEvents events;
-    size_t n = 0;
-    while (n < max && parser.HandleNextDocument(events)) {
-        ++n;
+    ScanEvents events;
+    Scan out;
+    while (out.documents < max && parser.HandleNextDocument(events)) {
+        ++out.documents;
     }
-    return n;
+    out.anchor_or_alias = events.anchor_or_alias;
+    return out;
 }
 
 /// One problem per line. Values and keys echoed from the file may hold newlines, NUL or
@@ -1249,9 +1276,20 @@ Result<Config> parse_config(const std::string& yaml_text, const std::string& sou
         // documents forever (jbeder/yaml-cpp#1040) and LoadAll never returns, taking
         // `--check` or a reload down (found by fuzz_config). Counting at most two documents
         // with a bounded event parse is enough to refuse a multi-document file.
-        const size_t n = count_documents(yaml_text, 2);
+        const Scan scan = scan_documents(yaml_text, 2);
+        const size_t n = scan.documents;
         if (n > 1) {
             return make_error(source + ": expected one YAML document, found more than one");
+        }
+        if (scan.anchor_or_alias) {
+            // Each alias is walked again wherever it is used: nested ones multiply (a 7 KB
+            // file took 31 s to validate, and a reload holds the admin API meanwhile). A
+            // config is small enough to write out.
+            const YAML::Mark& m = *scan.anchor_or_alias;
+            return make_error(source + ": line " + std::to_string(m.line + 1) +
+                              ": YAML anchors and aliases (&name, *name) are not supported; "
+                              "write the value out (column " +
+                              std::to_string(m.column + 1) + ")");
         }
         if (n == 1) {
             docs.push_back(YAML::Load(yaml_text));

@@ -821,12 +821,45 @@ const ErrorRow kErrorRows[] = {
     {"YamlSyntaxError", "listen:\n  proxy: [127.0.0.1:3128\n", "test.yaml: line 3: "},
     {"YamlBadIndent", "listen:\n  proxy: 127.0.0.1:1\n admin: x\n", "test.yaml: line "},
     {"YamlUndefinedAlias", "audit: {path: *nope}\n", "test.yaml: line 1: "},
+    // anchors and aliases are refused at the line of the first one (an alias is walked again
+    // wherever it is used: nested ones multiply)
+    {"YamlAnchor", "log: {level: info}\naudit: {path: &p a.jsonl}\n",
+     "test.yaml: line 2: YAML anchors and aliases (&name, *name) are not supported"},
+    {"YamlAnchorAndAlias", "audit: {path: &p a.jsonl}\nadmin: {token_file: *p}\n",
+     "test.yaml: line 1: YAML anchors and aliases"},
     {"TwoDocuments", "audit: {path: a}\n---\naudit: {path: b}\n",
      "test.yaml: expected one YAML document, found more than one"},
     // fuzz_config regressions: yaml-cpp's endless empty documents are refused, not looped on;
     // echoed values never break a line.
     {"YamlEndlessDocuments", ",", "test.yaml: expected one YAML document, found more than one"},
 };
+
+TEST(ConfigErrorsAliases, AnAliasBombIsRefusedBeforeItIsWalked) {
+    // 50 runs of 50 pins of 50 path prefixes once expanded (125 000 prefixes, each checked),
+    // from a file of about 1.5 KB: refused at its first anchor, before anything is walked.
+    auto repeat = [](const std::string& item, int n) {
+        std::string out;
+        for (int i = 0; i < n; ++i) {
+            out += ", " + item;
+        }
+        return out;
+    };
+    const std::string yaml =
+        "runs: [&r {id: a, token_file: t, pins: [&p {host: a.test, secret_file: s, "
+        "inject: {type: bearer}, path_prefixes: [/a" + repeat("/a", 49) + "]}" +
+        repeat("*p", 49) + "]}" + repeat("*r", 49) + "]\n";
+    const auto start = std::chrono::steady_clock::now();
+    auto r = parse_config(yaml, "bomb.yaml");
+    const auto took = std::chrono::steady_clock::now() - start;
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.error().find('\n'), std::string::npos) << r.error();  // one line
+    EXPECT_EQ(r.error().rfind("bomb.yaml: line 1: YAML anchors and aliases (&name, *name) are "
+                              "not supported; write the value out (column ",
+                              0),
+              0u)
+        << r.error();
+    EXPECT_LT(took, std::chrono::seconds(1));
+}
 
 TEST(ConfigErrorsEcho, ControlBytesInEchoedValuesAreEscaped) {
     auto r = parse_config("listen:\n  proxy: \"127.0.0.1:1\\nruns[0].id: x\\e[2J\"\n", "test.yaml");
