@@ -113,9 +113,9 @@ int main(int argc, char** argv) {
         return 2;
     }
     if (!check) {
-        // A SIGHUP before the reload handler exists (the admin loop installs it once the
-        // runtime, the control plane and the store are up: seconds on etcd) would end the
-        // process: ignored until then. The disposition survives the exec below.
+        // A SIGHUP before the reload handler exists (Server::run installs it, before its
+        // threads start, once the runtime, the control plane and the store are up: seconds on
+        // etcd) would end the process: ignored until then. The disposition survives the exec below.
         std::signal(SIGHUP, SIG_IGN);
         // Once, before anything else (threads, files): see proxy/malloc_tuning.h.
         egress::proxy::reexec_with_malloc_tuning(argv);

@@ -539,8 +539,10 @@ struct Server::Impl {
     /// Run id → the expires_at whose passing closed its connections.
     std::map<std::string, policy::TimePoint> expiries_closed;
 
-    awaitable<void> reload_loop() {
-        net::signal_set hup(control_ioc, SIGHUP);
+    /// `hup` is made by run() before any thread starts: made here, on the control thread's
+    /// first turn, a SIGHUP sent as soon as /readyz answered (the admin thread may answer
+    /// first) met the start's SIG_IGN and was lost.
+    awaitable<void> reload_loop(net::signal_set& hup) {
         for (;;) {
             auto [ec, sig] = co_await hup.async_wait(use_nothrow);
             if (ec) {
@@ -818,7 +820,8 @@ int Server::run() {
         net::co_spawn(impl_->admin_ioc, impl_->admin_loop(*impl_->admin_unix_acceptor), log_spawn_error);
     }
     net::co_spawn(impl_->control_ioc, impl_->sweep_loop(), log_spawn_error);
-    net::co_spawn(impl_->control_ioc, impl_->reload_loop(), log_spawn_error);
+    net::signal_set hup(impl_->control_ioc, SIGHUP);  // before any thread: see reload_loop
+    net::co_spawn(impl_->control_ioc, impl_->reload_loop(hup), log_spawn_error);
 
     net::signal_set signals(ioc0, SIGINT, SIGTERM);
     signals.async_wait([this, &s](error_code ec, int sig) {

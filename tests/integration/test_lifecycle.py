@@ -68,6 +68,19 @@ def test_sigterm_drains_50_inflight_transfers(world, factory, marker, tmp_path):
     assert all(r["status"] == 200 and r["bytes_out"] == n for r in recs)
 
 
+def test_a_sighup_sent_as_soon_as_readyz_answers_is_not_lost(world, factory):
+    """The SIGHUP handler was installed on the control thread's first turn, which the admin
+    thread could beat: a reload sent right after /readyz first said 200 met the start's
+    SIG_IGN and was lost (test_sighup_reload_valid_and_invalid failed about 1 run in 6 on a
+    loaded machine). Now it exists before any thread starts. Five starts, each reloaded at
+    once (a race: a build with the old order can pass some of them, not reliably all)."""
+    for i in range(5):
+        e = factory.start()  # returns as soon as /readyz answers 200
+        e.proc.send_signal(signal.SIGHUP)
+        poll(lambda: "reloaded" in e.stderr_text(), 10, f"start {i}: 'reloaded' after SIGHUP")
+        assert e.stop() == 0
+
+
 def test_sighup_reload_valid_and_invalid(world, factory, marker):
     e = factory.start()
     cfg_path = e.config_path
