@@ -1309,17 +1309,24 @@ Result<Config> parse_config(const std::string& yaml_text, const std::string& sou
         return make_error(source + ": expected one YAML document, found " +
                           std::to_string(docs.size()));
     }
+    if (docs.empty() || docs.front().IsNull()) {
+        // No document, or one with nothing in it: what a SIGHUP reads while an editor has
+        // truncated the file and not yet written it again. As all the defaults it dropped
+        // every static run (clients got 407, and the next reload made them new CAs); an
+        // empty mapping, {}, still asks for all the defaults.
+        return make_error(source + ": config is empty (write {} for all the defaults)");
+    }
     Config config;
     config.source = source_name;
     Parser parser;
     parser.source = source;
     try {
-        if (!docs.empty() && !docs.front().IsNull() && !docs.front().IsMap()) {
+        if (!docs.front().IsMap()) {
             parser.error(source,
                          "expected a mapping of sections (listen, policy, runs, ...) at the "
                          "top level, got " +
                              describe(docs.front()));
-        } else if (!docs.empty()) {
+        } else {
             parser.parse_root(docs.front(), config);
         }
     } catch (const std::exception& e) {

@@ -122,14 +122,35 @@ void expect_default(const Config& c) {
 }
 
 TEST(ConfigDefaults, EmptyDocumentsGiveTheStructDefaults) {
-    for (const char* text : {"", "{}", "# only a comment\n", "---\n", "listen:\nlimits:\nruns:\n",
-                             "policy: {}\nruns: []\n"}) {
+    for (const char* text : {"{}", "{}  # all the defaults\n", "---\n{}\n",
+                             "listen:\nlimits:\nruns:\n", "policy: {}\nruns: []\n"}) {
         SCOPED_TRACE(text);
         auto c = parse_config(text, "t.yaml");
         ASSERT_TRUE(c.ok()) << c.error();
         expect_default(*c);
         EXPECT_EQ(c->source, "t.yaml");
     }
+}
+
+TEST(ConfigDefaults, AnEmptyFileIsRefused) {
+    // What a reload reads while an editor has truncated the file: as all the defaults it
+    // dropped every static run. An explicit {} still means all the defaults (above).
+    for (const char* text : {"", "\n", "  \n\t\n", "# only a comment\n", "# a\n\n# b\n",
+                             "---\n", "--- # x\n...\n", "~\n", "null\n"}) {
+        SCOPED_TRACE(text);
+        auto c = parse_config(text, "t.yaml");
+        ASSERT_FALSE(c.ok());
+        EXPECT_EQ(c.error(), "t.yaml: config is empty (write {} for all the defaults)");
+    }
+}
+
+TEST(ConfigDefaults, AnEmptyFileOnDiskIsRefused) {
+    const std::string path = testing::TempDir() + "/empty-config.yaml";
+    std::ofstream(path) << "# all commented out\n";
+    auto c = load_config_file(path);
+    std::remove(path.c_str());
+    ASSERT_FALSE(c.ok());
+    EXPECT_EQ(c.error(), path + ": config is empty (write {} for all the defaults)");
 }
 
 // --- full round trip --------------------------------------------------------------------

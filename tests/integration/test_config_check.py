@@ -91,3 +91,22 @@ def test_static_pin_with_a_store_secret_and_a_scope_is_valid(factory):
     r = e.check()
     assert r.returncode == 0, r.stderr
     assert "is valid" in r.stdout
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n", "# listen:\n#   proxy: 127.0.0.1:3128\n"])
+def test_an_empty_config_file_is_refused_by_check_and_start(factory, text):
+    """An empty (or comment-only) file is refused, not read as all the defaults: a truncated
+    file would start with no static run. An explicit {} still means all the defaults."""
+    import subprocess
+    e = factory.make()
+    e.write_config()
+    with open(e.config_path, "w") as f:
+        f.write(text)
+    r = subprocess.run([e.binary, "--check", "--config", e.config_path], cwd=e.workdir,
+                       capture_output=True, timeout=30, text=True)
+    assert r.returncode != 0
+    assert "config is empty" in r.stderr, r.stderr
+    r = subprocess.run([e.binary, "--config", e.config_path], cwd=e.workdir,
+                       capture_output=True, timeout=30, text=True)
+    assert r.returncode != 0
+    assert "config is empty" in r.stderr, r.stderr

@@ -227,6 +227,36 @@ def test_refused_reload_leaves_ca_cert_out_naming_the_serving_ca(world, factory,
     c.close()
 
 
+def test_a_reload_of_an_emptied_config_file_is_refused(world, factory, marker):
+    """An editor truncates the file and then writes it again: a SIGHUP in between read the
+    empty file as all the defaults and dropped every static run (its clients got 407, and
+    the reload after made it a new CA). Refused, named in the log; the run keeps serving with
+    its CA, and the file written again reloads with that same CA."""
+    e = factory.start()
+    ca = run_ca(e, "r1")
+    with open(ca) as f:
+        ca_before = f.read()
+    with open(e.config_path) as f:
+        original = f.read()
+    for i, text in enumerate(["", "# being edited\n\n"]):
+        with open(e.config_path, "w") as f:
+            f.write(text)
+        e.reload("reload refused")
+        line = e.stderr_text().splitlines()[-1]
+        assert "config is empty" in line, line
+        c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca)
+        assert helpers.request(c, "GET", f"/echo/{marker}-{i}", f"api.test:{world.U}").status == 200
+        c.close()
+    with open(e.config_path, "w") as f:
+        f.write(original)
+    e.reload()
+    with open(ca) as f:
+        assert f.read() == ca_before, "the run has a new CA"
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca)
+    assert helpers.request(c, "GET", f"/echo/{marker}-after", f"api.test:{world.U}").status == 200
+    c.close()
+
+
 def test_a_reload_refuses_a_broken_file_that_only_a_restart_would_read(world, factory, marker):
     """upstream.ca_file applies at the next start only; a reload naming a file that start
     would refuse is refused now, naming the key (it had said "reloaded", and the next
