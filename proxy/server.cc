@@ -231,6 +231,29 @@ private:
     bool said_ = false;      // a failure line was written since the last "accepting again"
 };
 
+/// listen.admin: unix:PATH: what is at PATH may be removed before the bind only when it is a
+/// socket (one an earlier run left): with `unix:var/master.key` the master key was removed and
+/// every stored secret lost. Empty when the path is free or holds a socket; else the error.
+std::string admin_socket_path_error(const std::string& path) {
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) {
+        if (errno == ENOENT) {
+            return {};
+        }
+        return "listen.admin: " + path + ": " + std::strerror(errno);
+    }
+    if (S_ISSOCK(st.st_mode)) {
+        return {};
+    }
+    const char* what = S_ISREG(st.st_mode)   ? "a regular file"
+                       : S_ISDIR(st.st_mode) ? "a folder"
+                       : S_ISLNK(st.st_mode) ? "a symbolic link"
+                                             : "not a socket";
+    return "listen.admin: " + path + " exists and is " + what +
+           ", not a socket; egressd removes only a socket an earlier run left there: name "
+           "another path";
+}
+
 void log_spawn_error(std::exception_ptr e) {
     if (!e) {
         return;
@@ -305,6 +328,11 @@ std::string start_file_errors(const Config& config) {
     if (config.state_backend == "etcd") {
         if (auto etcd = etcd_tls_context(config.etcd); !etcd) {
             add(etcd.error());
+        }
+    }
+    if (config.admin.is_unix()) {
+        if (auto why = admin_socket_path_error(config.admin.unix_path); !why.empty()) {
+            add(why);
         }
     }
     return errors;
@@ -736,8 +764,13 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
         s.own_listeners.push_back(impl_->transparent_acceptor->local_endpoint());
     }
     if (cfg.admin.is_unix()) {
-        std::error_code fec;
-        std::filesystem::remove(cfg.admin.unix_path, fec);
+        if (auto why = admin_socket_path_error(cfg.admin.unix_path); !why.empty()) {
+            throw std::runtime_error(why);
+        }
+        if (::unlink(cfg.admin.unix_path.c_str()) != 0 && errno != ENOENT) {
+            throw std::runtime_error("listen.admin: cannot remove the old socket " +
+                                     cfg.admin.unix_path + ": " + std::strerror(errno));
+        }
         // Created 0600 (umask 077 while it is bound), not chmod'ed after: a socket that
         // listens from bind() on would take another user's connection in between. (The
         // umask is the process's: a file another thread creates meanwhile is only stricter.)

@@ -8,7 +8,8 @@
 namespace egress::proxy {
 
 /// What a start would refuse in the files fixed at start (the upstream CA bundle, etcd's TLS
-/// files), one error per line naming the key, "" when none. `--check` and a reload ask it
+/// files, anything but a socket at a unix listen.admin path), one error per line naming the
+/// key, "" when none. `--check` and a reload ask it
 /// too: a reload that changes them applies them only at the next start, which must not be
 /// the first to find them broken.
 std::string start_file_errors(const Config& config);

@@ -848,12 +848,104 @@ const ErrorRow kErrorRows[] = {
      "test.yaml: line 2: YAML anchors and aliases (&name, *name) are not supported"},
     {"YamlAnchorAndAlias", "audit: {path: &p a.jsonl}\nadmin: {token_file: *p}\n",
      "test.yaml: line 1: YAML anchors and aliases"},
+    // a file egressd writes never names one it reads (key, token, secret, CA bundle, store,
+    // the config itself) nor one another key writes
+    {"CaCertOutOnMasterKey", "runs: [{id: a, ca_cert_out: var/master.key}]\n",
+     "runs[0].ca_cert_out: names the file of keys.master_key_file (var/master.key), which "
+     "egressd reads: writing runs[0].ca_cert_out would destroy it; give another path"},
+    {"CaBundleOutOnAdminToken", "runs: [{id: a, ca_bundle_out: var/admin.token}]\n",
+     "runs[0].ca_bundle_out: names the file of admin.token_file (var/admin.token)"},
+    {"AdminSocketOnMasterKey", "listen: {admin: 'unix:var/master.key'}\n",
+     "listen.admin: names the file of keys.master_key_file"},
+    {"AuditOnMasterKey", "keys: {master_key_file: /k/m.key}\naudit: {path: /k/m.key}\n",
+     "audit.path: names the file of keys.master_key_file (/k/m.key)"},
+    {"AuditOnRotationsNextKey", "audit: {path: var/master.key.next}\n",
+     "audit.path: names the file of keys.master_key_file (its .next)"},
+    {"CaCertOutOnRunToken", "runs: [{id: a, token_file: /s/a.tok, ca_cert_out: /s/a.tok}]\n",
+     "runs[0].ca_cert_out: names the file of runs[0].token_file"},
+    {"CaCertOutOnOtherRunsToken",
+     "runs: [{id: a, token_file: /s/a.tok}, {id: b, token_file: /s/b.tok, ca_cert_out: "
+     "/s/a.tok}]\n",
+     "runs[1].ca_cert_out: names the file of runs[0].token_file"},
+    {"CaCertOutOnSecretFile",
+     "runs: [{id: a, ca_cert_out: /s/gh, pins: [{host: h.test, secret_file: /s/gh, "
+     "inject: {type: bearer}}]}]\n",
+     "runs[0].ca_cert_out: names the file of runs[0].pins[0].secret_file"},
+    {"CaBundleOutOnUpstreamCa", "upstream: {ca_file: /pki/ca.pem}\n"
+     "runs: [{id: a, ca_bundle_out: /pki/ca.pem}]\n",
+     "runs[0].ca_bundle_out: names the file of upstream.ca_file"},
+    {"CaCertOutOnEtcdKey", "state: {etcd: {cert_file: /e/c.pem, key_file: /e/k.pem}}\n"
+     "runs: [{id: a, ca_cert_out: /e/k.pem}]\n",
+     "runs[0].ca_cert_out: names the file of state.etcd.key_file"},
+    {"CaCertOutOnEtcdCa", "state: {etcd: {ca_file: /e/ca.pem}}\n"
+     "runs: [{id: a, ca_cert_out: /e/ca.pem}]\n",
+     "runs[0].ca_cert_out: names the file of state.etcd.ca_file"},
+    {"CaCertOutOnTheConfigFile", "runs: [{id: a, ca_cert_out: ./test.yaml}]\n",
+     "runs[0].ca_cert_out: names the file of the config file (test.yaml)"},
+    {"CaCertOutOnMasterKeyOtherSpelling",
+     "keys: {master_key_file: /k/m.key}\nruns: [{id: a, ca_cert_out: /k/x/../m.key}]\n",
+     "runs[0].ca_cert_out: names the file of keys.master_key_file"},
+    {"CaCertOutInState", "state: {path: /st/}\nruns: [{id: a, ca_cert_out: /st/state.json}]\n",
+     "runs[0].ca_cert_out: is inside state.path (/st/), egressd's store: give a path outside it"},
+    {"AuditIsTheStateFolder", "audit: {path: var/state}\n", "audit.path: is inside state.path"},
+    {"TwoRunsOneCaCertOut",
+     "runs: [{id: a, token_file: t, ca_cert_out: ca.pem}, {id: b, token_file: u, "
+     "ca_cert_out: ./ca.pem}]\n",
+     "runs[1].ca_cert_out: names the same file as runs[0].ca_cert_out (ca.pem): give each its "
+     "own file"},
+    {"CaBundleOutOnAnotherRunsCaCertOut",
+     "runs: [{id: a, token_file: t}, {id: b, token_file: u, ca_bundle_out: var/run-a-ca.pem}]\n",
+     "runs[1].ca_bundle_out: names the same file as runs[0].ca_cert_out (var/run-a-ca.pem)"},
+    {"CaCertOutOnTheAuditFile", "audit: {path: /l/a.jsonl}\nruns: [{id: a, ca_cert_out: "
+     "/l/a.jsonl}]\n",
+     "runs[0].ca_cert_out: names the same file as audit.path"},
+    {"AuditOnTheAdminSocket", "listen: {admin: 'unix:/run/e.sock'}\naudit: {path: /run/e.sock}\n",
+     "audit.path: names the same file as listen.admin"},
     {"TwoDocuments", "audit: {path: a}\n---\naudit: {path: b}\n",
      "test.yaml: expected one YAML document, found more than one"},
     // fuzz_config regressions: yaml-cpp's endless empty documents are refused, not looped on;
     // echoed values never break a line.
     {"YamlEndlessDocuments", ",", "test.yaml: expected one YAML document, found more than one"},
 };
+
+TEST(ConfigWrittenFiles, DistinctFilesAndTheStdoutAuditAreAccepted) {
+    for (const char* text : {
+             // the defaults: CA files beside the key and token, not on them
+             "runs: [{id: a, token_file: t}, {id: b, token_file: u}]\n",
+             "runs: [{id: a, ca_cert_out: var/a.pem, ca_bundle_out: var/a-bundle.pem}]\n",
+             // standard output is no file
+             "audit: {path: '-'}\nruns: [{id: a}]\n",
+             // a name that only starts like the state folder's is outside it
+             "runs: [{id: a, ca_cert_out: var/state-ca.pem}]\n",
+             // with etcd, state.path is not used
+             "state: {backend: etcd}\nruns: [{id: a, ca_cert_out: var/state/ca.pem}]\n",
+             // the token and secret files a run reads may be one file (nothing writes them)
+             "runs: [{id: a, token_file: /s/x, pins: [{host: h.test, secret_file: /s/x, "
+             "inject: {type: bearer}}]}]\n",
+         }) {
+        SCOPED_TRACE(text);
+        auto c = parse_config(text, "t.yaml");
+        EXPECT_TRUE(c.ok()) << c.error();
+    }
+}
+
+TEST(ConfigWrittenFiles, EveryCollisionIsReportedOnceUnderTheWritingKey) {
+    auto r = parse_config(
+        "listen: {admin: 'unix:var/master.key'}\n"
+        "audit: {path: var/admin.token}\n"
+        "runs: [{id: a, token_file: t, ca_cert_out: c.pem}, {id: b, token_file: u, ca_cert_out: "
+        "c.pem, ca_bundle_out: var/state/b.pem}]\n",
+        "t.yaml");
+    ASSERT_FALSE(r.ok());
+    const auto lines = lines_of(r.error());
+    ASSERT_EQ(lines.size(), 4u) << r.error();
+    EXPECT_EQ(lines[0].rfind("listen.admin: names the file of keys.master_key_file", 0), 0u);
+    EXPECT_EQ(lines[1].rfind("audit.path: names the file of admin.token_file", 0), 0u);
+    EXPECT_EQ(lines[2].rfind("runs[1].ca_cert_out: names the same file as runs[0].ca_cert_out",
+                             0),
+              0u);
+    EXPECT_EQ(lines[3].rfind("runs[1].ca_bundle_out: is inside state.path", 0), 0u);
+}
 
 TEST(ConfigErrorsAliases, AnAliasBombIsRefusedBeforeItIsWalked) {
     // 50 runs of 50 pins of 50 path prefixes once expanded (125 000 prefixes, each checked),

@@ -110,3 +110,134 @@ def test_an_empty_config_file_is_refused_by_check_and_start(factory, text):
                        capture_output=True, timeout=30, text=True)
     assert r.returncode != 0
     assert "config is empty" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Files egressd writes never name one it reads (a key, a token, its store) nor each other
+
+
+def _digest(path: str) -> str:
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _existing_key_and_token(e) -> dict[str, str]:
+    """Writes a master key and an admin token (0600) where e's config names them, as a
+    start would have; returns path -> digest, to show they are left untouched."""
+    import os
+    files = {e.config["keys"]["master_key_file"]: os.urandom(32),
+             e.config["admin"]["token_file"]: os.urandom(16).hex().encode() + b"\n"}
+    for path, data in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, data)
+        os.close(fd)
+    return {path: _digest(path) for path in files}
+
+
+def _start_refused(e, timeout: float = 15.0) -> str:
+    """Starts egressd on e's config: it must exit non-zero (one still running after `timeout`
+    is killed, and the test fails). Returns its stderr."""
+    import subprocess
+    import helpers
+    e.write_config()
+    p = subprocess.Popen([e.binary, "--config", e.config_path], cwd=e.workdir,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, env=helpers.clean_env(), text=True)
+    try:
+        _out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise AssertionError("egressd started on a config it must refuse")
+    assert p.returncode != 0, err
+    return err
+
+
+def _key(c):
+    return c["keys"]["master_key_file"]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # the typo that replaced the master key with a socket (every stored secret lost)
+    (lambda c: c["listen"].__setitem__("admin", "unix:" + _key(c)),
+     "listen.admin: names the file of keys.master_key_file"),
+    # ... and with a certificate, also on a SIGHUP (test below)
+    (lambda c: c["runs"][0].__setitem__("ca_cert_out", _key(c)),
+     "runs[0].ca_cert_out: names the file of keys.master_key_file"),
+    (lambda c: c["runs"][1].__setitem__("ca_bundle_out", _key(c)),
+     "runs[1].ca_bundle_out: names the file of keys.master_key_file"),
+    (lambda c: c["audit"].__setitem__("path", _key(c)),
+     "audit.path: names the file of keys.master_key_file"),
+    (lambda c: c["runs"][0].__setitem__("ca_cert_out", c["admin"]["token_file"]),
+     "runs[0].ca_cert_out: names the file of admin.token_file"),
+    # the same file by another spelling
+    (lambda c: c["runs"][1].__setitem__(
+        "ca_cert_out", c["state"]["path"] + "/../" + _key(c).rsplit("/", 1)[1]),
+     "runs[1].ca_cert_out: names the file of keys.master_key_file"),
+    (lambda c: c["runs"][0].__setitem__("ca_cert_out", c["state"]["path"] + "/state.json"),
+     "runs[0].ca_cert_out: is inside state.path"),
+    # two runs sharing one CA file overwrote each other's CA
+    (lambda c: c["runs"][1].__setitem__("ca_cert_out", c["runs"][0]["ca_cert_out"]),
+     "runs[1].ca_cert_out: names the same file as runs[0].ca_cert_out"),
+], ids=["admin-socket-on-key", "ca-cert-out-on-key", "ca-bundle-out-on-key", "audit-on-key",
+        "ca-cert-out-on-admin-token", "ca-cert-out-on-key-by-dotdot", "ca-cert-out-in-state",
+        "two-runs-one-ca-cert-out"])
+def test_a_written_path_naming_a_file_egressd_reads_is_refused(factory, mutate, message):
+    """--check and the start refuse, naming the key; the key and token are left as they were."""
+    e = factory.make()
+    mutate(e.config)  # after make: the Egressd object reads a TCP listen.admin's port
+    before = _existing_key_and_token(e)
+    r = e.check()
+    assert r.returncode != 0, "--check accepted it"
+    assert message in r.stderr, r.stderr
+    err = _start_refused(e)
+    assert message in err, err
+    assert {p: _digest(p) for p in before} == before, "a key or token file was changed"
+
+
+def test_an_admin_socket_path_holding_a_file_is_refused_not_removed(factory):
+    """listen.admin: unix:PATH removed whatever was at PATH before the bind; only a socket
+    (an earlier run's) is removed now: anything else is refused, by --check too."""
+    import os
+    import socket
+    e = factory.make()
+    victim = os.path.join(e.workdir, "victim.txt")
+    os.makedirs(e.workdir, exist_ok=True)
+    with open(victim, "w") as f:
+        f.write("untouched\n")
+    e.config["listen"]["admin"] = "unix:" + victim
+    r = e.check()
+    assert r.returncode != 0, "--check accepted it"
+    assert "listen.admin: " + victim + " exists and is a regular file, not a socket" in r.stderr, \
+        r.stderr
+    err = _start_refused(e)
+    assert "exists and is a regular file, not a socket" in err, err
+    with open(victim) as f:
+        assert f.read() == "untouched\n"
+    # An earlier run's socket is still removed and bound again.
+    os.unlink(victim)
+    old = socket.socket(socket.AF_UNIX)
+    old.bind(victim)
+    old.close()
+    r = e.check()
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_reload_naming_the_master_key_as_ca_cert_out_is_refused(factory, world, marker):
+    """The reload that would have renamed a CA over the master key is refused, naming the
+    key; the key and the serving CA are unchanged."""
+    import helpers
+    from clients import run_ca
+    e = factory.start()
+    key = e.config["keys"]["master_key_file"]
+    key_before = _digest(key)
+    e.rewrite_config(lambda c: c["runs"][0].__setitem__("ca_cert_out", key))
+    e.reload("reload refused")
+    line = e.stderr_text().splitlines()[-1]
+    assert "runs[0].ca_cert_out: names the file of keys.master_key_file" in line, line
+    assert _digest(key) == key_before, "the master key was changed"
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
+    c.close()
