@@ -271,10 +271,32 @@ void append_audit_json(std::string& out, const AuditRecord& r) {
 
 namespace {
 
+Error cannot_open(const std::string& path, int err) {
+    return make_error("audit.path: cannot open " + path + ": " + std::strerror(err));
+}
+
 /// The audit file at `path`, opened for appending ("-": standard output, not owned).
-Result<FILE*> open_append(const std::string& path) {
+/// `create` false (AuditLog::check): neither the file nor its folders are made, a missing file
+/// gives nullptr, and a FIFO without a reader is not waited for (nullptr too).
+Result<FILE*> open_append(const std::string& path, bool create = true) {
     if (path == "-") {
         return stdout;
+    }
+    if (!create) {
+        const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC | O_NONBLOCK);
+        if (fd < 0) {
+            if (errno == ENOENT || errno == ENXIO) {
+                return nullptr;
+            }
+            return cannot_open(path, errno);
+        }
+        FILE* f = ::fdopen(fd, "a");
+        if (f == nullptr) {
+            const int err = errno;
+            ::close(fd);
+            return cannot_open(path, err);
+        }
+        return f;
     }
     std::error_code ec;
     auto parent = std::filesystem::path(path).parent_path();
@@ -283,7 +305,7 @@ Result<FILE*> open_append(const std::string& path) {
     }
     FILE* f = std::fopen(path.c_str(), "ae");
     if (f == nullptr) {
-        return make_error("audit.path: cannot open " + path + ": " + std::strerror(errno));
+        return cannot_open(path, errno);
     }
     return f;
 }
@@ -305,6 +327,17 @@ Result<std::unique_ptr<AuditLog>> AuditLog::open(const std::string& path, bool d
         log->writer_ = std::thread([l = log.get()] { l->writer_loop(); });
     }
     return log;
+}
+
+Result<bool> AuditLog::check(const std::string& path) {
+    auto f = open_append(path, /*create=*/false);
+    if (!f) {
+        return make_error(f.error());
+    }
+    if (*f != nullptr && *f != stdout) {
+        std::fclose(*f);
+    }
+    return true;
 }
 
 Result<bool> AuditLog::reopen(const std::string& path) {

@@ -55,6 +55,10 @@ class AuditLog {
 public:
     /// "-" writes to standard output (durable mode then only flushes, it cannot fsync a pipe).
     static Result<std::unique_ptr<AuditLog>> open(const std::string& path, bool durable = false);
+    /// egressd --check: whether `open` would fail on `path`, found without a side effect: an
+    /// existing file is opened for appending (nothing written) and closed; a missing one is
+    /// fine (open creates it, and its folders). The error is the one `open` would give.
+    static Result<bool> check(const std::string& path);
     ~AuditLog();  // durable: writes what is queued, then stops the writer
     AuditLog(const AuditLog&) = delete;
     AuditLog& operator=(const AuditLog&) = delete;

@@ -1,6 +1,7 @@
 // egressd: credential-injecting egress forward proxy.
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -11,6 +12,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include "credstore/envelope.h"
+#include "credstore/secret.h"
+#include "proxy/audit.h"
 #include "proxy/config.h"
 #include "proxy/etcd_store.h"
 #include "proxy/logging.h"
@@ -27,10 +31,16 @@ constexpr const char* kUsage =
     "  --check         validate the configuration and exit (non-zero with messages naming\n"
     "                  the bad keys)\n";
 
+/// Whether `path` exists (a dangling symlink does not: the start would find nothing there).
+bool file_exists(const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 || errno != ENOENT;
+}
+
 /// What a start would refuse beyond the parse, checked without side effects (no listener,
 /// no file written, no store opened, so etcd is not contacted): every static run (token and
-/// secret files, CA), the upstream CA bundle, etcd's TLS files. Errors name the key, one per
-/// line.
+/// secret files, CA), the upstream CA bundle, etcd's TLS files, the admin token, the master
+/// key and the audit file. Errors name the key, one per line.
 std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
                          egress::proxy::BuildWarnings& warnings) {
     std::string errors;
@@ -40,6 +50,29 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
     }
     if (auto files = egress::proxy::start_file_errors(*config); !files.empty()) {
         add(files);
+    }
+    // The admin token and the master key (and a rotation's .next) are read by the start
+    // (ControlPlane::open) with these same functions, the key opened as it would be; one that
+    // does not exist yet is made by the start, so it is fine here.
+    if (file_exists(config->admin_token_file)) {
+        if (auto t = egress::credstore::load_owner_only_secret_file("admin.token_file",
+                                                                     config->admin_token_file);
+            !t) {
+            add(t.error());
+        }
+    }
+    if (!config->kms_command) {
+        const std::string& key_file = config->master_key_file;
+        for (const std::string& key : {key_file, key_file + ".next"}) {
+            if (file_exists(key)) {
+                if (auto k = egress::credstore::open_master_key_file(key, false); !k) {
+                    add(k.error());
+                }
+            }
+        }
+    }
+    if (auto a = egress::proxy::AuditLog::check(config->audit.path); !a) {
+        add(a.error());
     }
     return errors;
 }

@@ -241,3 +241,66 @@ def test_a_reload_naming_the_master_key_as_ca_cert_out_is_refused(factory, world
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
     assert helpers.request(c, "GET", f"/echo/{marker}", f"api.test:{world.U}").status == 200
     c.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# --check runs the start's own checks of the admin token, the master key and the audit file
+
+
+def _write(path: str, data: bytes, mode: int) -> None:
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, data)
+    os.close(fd)
+    os.chmod(path, mode)
+
+
+def _token(c):
+    return c["admin"]["token_file"]
+
+
+@pytest.mark.parametrize("files, message", [
+    (lambda c: _write(_token(c), b"t" * 32 + b"\n", 0o644),
+     "admin.token_file: {token} is readable by group or others (mode 0644)"),
+    (lambda c: _write(_token(c), b"", 0o600), "admin.token_file: "),
+    (lambda c: _write(_key(c), b"k" * 32, 0o640),
+     "keys.master_key_file: {key} is readable by group or others (mode 0640)"),
+    (lambda c: _write(_key(c), b"", 0o600),
+     "keys.master_key_file: {key} must hold exactly 32 bytes (has 0)"),
+    (lambda c: _write(_key(c), b"k" * 31, 0o600),
+     "keys.master_key_file: {key} must hold exactly 32 bytes (has 31)"),
+    # a rotation's next key is read by the start too
+    (lambda c: _write(_key(c) + ".next", b"k" * 33, 0o600),
+     "keys.master_key_file: {key}.next must hold exactly 32 bytes (has 33)"),
+    (lambda c: __import__("os").makedirs(c["audit"]["path"]),
+     "audit.path: cannot open {audit}: Is a directory"),
+], ids=["token-mode", "token-empty", "key-mode", "key-empty", "key-short", "key-next-long",
+        "audit-folder"])
+def test_check_refuses_what_the_start_refuses_in_token_key_and_audit_files(factory, files,
+                                                                            message):
+    """--check had passed these and the start then refused them: both refuse now, with the
+    same message (the same functions check them)."""
+    e = factory.make()
+    files(e.config)
+    message = message.format(token=_token(e.config), key=_key(e.config),
+                             audit=e.config["audit"]["path"])
+    r = e.check()
+    assert r.returncode != 0, "--check accepted it"
+    assert message in r.stderr, r.stderr
+    err = _start_refused(e)
+    assert message in err, err
+
+
+def test_check_accepts_the_files_a_start_made(factory):
+    """Token, key and audit file as a start leaves them (and none yet: test_check_writes_no_file)
+    pass --check; the audit file is not written by it."""
+    import os
+    e = factory.start()
+    assert e.stop() == 0
+    audit = e.config["audit"]["path"]
+    before = os.stat(audit)
+    r = e.check()
+    assert r.returncode == 0, r.stderr
+    after = os.stat(audit)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
