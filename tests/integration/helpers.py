@@ -122,8 +122,18 @@ class Egressd:
         with open(self.config_path, "w") as f:
             yaml.safe_dump(cfg, f, sort_keys=False)
 
+    def sighup_caught(self) -> bool:
+        """Whether egressd catches SIGHUP yet: it ignores it until its reload loop has started,
+        which can be after /readyz first answers 200 (a SIGHUP sent then was lost)."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
+        return False
+
     def reload(self, expect: str = "reloaded"):
-        """SIGHUP, then waits for one more `expect` line in the log."""
+        """SIGHUP (once egressd catches it), then waits for one more `expect` line in the log."""
+        poll(self.sighup_caught, 10, "egressd catching SIGHUP")
         before = self.stderr_text().count(expect)
         self.proc.send_signal(signal.SIGHUP)
         poll(lambda: self.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
