@@ -258,6 +258,101 @@ bool same_or_inside(const std::filesystem::path& inner, const std::filesystem::p
     return true;
 }
 
+/// A file egressd writes (a run's CA files, the audit file, the admin socket) must not be
+/// one it reads as a key, token, secret, CA bundle or state, nor one another key writes:
+/// `ca_cert_out: var/master.key` replaced the master key with a certificate (every stored
+/// secret lost), `listen.admin: unix:var/master.key` with a socket, and two runs sharing a
+/// ca_cert_out overwrote each other's CA. Checked here, so --check, a start and a reload
+/// all refuse it, naming the key.
+template <class OnClash>
+void for_each_written_file_clash(const Config& c, OnClash&& error) {
+    struct Named {
+        std::string key;
+        std::string path;
+        std::filesystem::path id;
+    };
+    auto named = [](std::string key, const std::string& path) {
+        return Named{std::move(key), path, file_identity(path)};
+    };
+    std::vector<Named> written;
+    if (c.admin.is_unix()) {
+        written.push_back(named("listen.admin", c.admin.unix_path));
+    }
+    if (c.audit.path != "-") {
+        written.push_back(named("audit.path", c.audit.path));
+    }
+    for (const auto& run : c.runs) {
+        if (!run.ca_cert_out.empty()) {
+            written.push_back(named(run.yaml_path + ".ca_cert_out", run.ca_cert_out));
+        }
+        if (!run.ca_bundle_out.empty()) {
+            written.push_back(named(run.yaml_path + ".ca_bundle_out", run.ca_bundle_out));
+        }
+    }
+    std::vector<Named> read;
+    if (!c.source.empty()) {
+        read.push_back(named("the config file", c.source));
+    }
+    read.push_back(named("admin.token_file", c.admin_token_file));
+    read.push_back(named("keys.master_key_file", c.master_key_file));
+    // Where `egressctl keys rotate` puts the next key (control_plane.cc).
+    read.push_back(named("keys.master_key_file (its .next)", c.master_key_file + ".next"));
+    if (c.upstream_ca_file != "system") {
+        read.push_back(named("upstream.ca_file", c.upstream_ca_file));
+    }
+    if (c.etcd.ca_file != "system") {
+        read.push_back(named("state.etcd.ca_file", c.etcd.ca_file));
+    }
+    if (c.etcd.cert_file) {
+        read.push_back(named("state.etcd.cert_file", *c.etcd.cert_file));
+    }
+    if (c.etcd.key_file) {
+        read.push_back(named("state.etcd.key_file", *c.etcd.key_file));
+    }
+    for (const auto& run : c.runs) {
+        if (run.token_file && !run.token_file->empty()) {
+            read.push_back(named(run.yaml_path + ".token_file", *run.token_file));
+        }
+        for (const auto& pin : run.pins) {
+            if (!pin.secret_file.empty()) {
+                read.push_back(named(pin.yaml_path + ".secret_file", pin.secret_file));
+            }
+        }
+    }
+    std::optional<Named> state;
+    if (c.state_backend == "file") {
+        state = named("state.path", c.state_path);
+    }
+    for (size_t i = 0; i < written.size(); ++i) {
+        const Named& w = written[i];
+        if (state && same_or_inside(w.id, state->id)) {
+            error(w.key, "is inside state.path (" + state->path +
+                             "), egressd's store: give a path outside it");
+            continue;
+        }
+        auto read_hit = std::find_if(read.begin(), read.end(),
+                                     [&](const Named& r) { return r.id == w.id; });
+        if (read_hit != read.end()) {
+            error(w.key, "names the file of " + read_hit->key + " (" + read_hit->path +
+                             "), which egressd reads: writing " + w.key +
+                             " would destroy it; give another path");
+            continue;
+        }
+        // (One run's ca_cert_out and ca_bundle_out: refused by parse_run, which leaves
+        // such a run out of c.runs.)
+        for (size_t j = 0; j < i; ++j) {
+            const Named& o = written[j];
+            if (o.id == w.id) {
+                error(w.key, "names the same file as " + o.key + " (" + o.path +
+                                 "): give each its own file");
+                break;
+            }
+        }
+    }
+}
+
+
+
 using Handler = std::function<void(const YAML::Node& value, const std::string& path)>;
 
 struct Field {
@@ -1142,96 +1237,9 @@ public:
         }
     }
 
-    /// A file egressd writes (a run's CA files, the audit file, the admin socket) must not be
-    /// one it reads as a key, token, secret, CA bundle or state, nor one another key writes:
-    /// `ca_cert_out: var/master.key` replaced the master key with a certificate (every stored
-    /// secret lost), `listen.admin: unix:var/master.key` with a socket, and two runs sharing a
-    /// ca_cert_out overwrote each other's CA. Checked here, so --check, a start and a reload
-    /// all refuse it, naming the key.
     void check_written_files(const Config& c) {
-        struct Named {
-            std::string key;
-            std::string path;
-            std::filesystem::path id;
-        };
-        auto named = [](std::string key, const std::string& path) {
-            return Named{std::move(key), path, file_identity(path)};
-        };
-        std::vector<Named> written;
-        if (c.admin.is_unix()) {
-            written.push_back(named("listen.admin", c.admin.unix_path));
-        }
-        if (c.audit.path != "-") {
-            written.push_back(named("audit.path", c.audit.path));
-        }
-        for (const auto& run : c.runs) {
-            if (!run.ca_cert_out.empty()) {
-                written.push_back(named(run.yaml_path + ".ca_cert_out", run.ca_cert_out));
-            }
-            if (!run.ca_bundle_out.empty()) {
-                written.push_back(named(run.yaml_path + ".ca_bundle_out", run.ca_bundle_out));
-            }
-        }
-        std::vector<Named> read;
-        if (!c.source.empty()) {
-            read.push_back(named("the config file", c.source));
-        }
-        read.push_back(named("admin.token_file", c.admin_token_file));
-        read.push_back(named("keys.master_key_file", c.master_key_file));
-        // Where `egressctl keys rotate` puts the next key (control_plane.cc).
-        read.push_back(named("keys.master_key_file (its .next)", c.master_key_file + ".next"));
-        if (c.upstream_ca_file != "system") {
-            read.push_back(named("upstream.ca_file", c.upstream_ca_file));
-        }
-        if (c.etcd.ca_file != "system") {
-            read.push_back(named("state.etcd.ca_file", c.etcd.ca_file));
-        }
-        if (c.etcd.cert_file) {
-            read.push_back(named("state.etcd.cert_file", *c.etcd.cert_file));
-        }
-        if (c.etcd.key_file) {
-            read.push_back(named("state.etcd.key_file", *c.etcd.key_file));
-        }
-        for (const auto& run : c.runs) {
-            if (run.token_file && !run.token_file->empty()) {
-                read.push_back(named(run.yaml_path + ".token_file", *run.token_file));
-            }
-            for (const auto& pin : run.pins) {
-                if (!pin.secret_file.empty()) {
-                    read.push_back(named(pin.yaml_path + ".secret_file", pin.secret_file));
-                }
-            }
-        }
-        std::optional<Named> state;
-        if (c.state_backend == "file") {
-            state = named("state.path", c.state_path);
-        }
-        for (size_t i = 0; i < written.size(); ++i) {
-            const Named& w = written[i];
-            if (state && same_or_inside(w.id, state->id)) {
-                error(w.key, "is inside state.path (" + state->path +
-                                 "), egressd's store: give a path outside it");
-                continue;
-            }
-            auto read_hit = std::find_if(read.begin(), read.end(),
-                                         [&](const Named& r) { return r.id == w.id; });
-            if (read_hit != read.end()) {
-                error(w.key, "names the file of " + read_hit->key + " (" + read_hit->path +
-                                 "), which egressd reads: writing " + w.key +
-                                 " would destroy it; give another path");
-                continue;
-            }
-            // (One run's ca_cert_out and ca_bundle_out: refused by parse_run, which leaves
-            // such a run out of c.runs.)
-            for (size_t j = 0; j < i; ++j) {
-                const Named& o = written[j];
-                if (o.id == w.id) {
-                    error(w.key, "names the same file as " + o.key + " (" + o.path +
-                                     "): give each its own file");
-                    break;
-                }
-            }
-        }
+        for_each_written_file_clash(
+            c, [this](const std::string& key, const std::string& msg) { error(key, msg); });
     }
 
     /// Two listeners on one TCP address would fail at bind time with a less helpful message.
@@ -1394,6 +1402,14 @@ Result<std::chrono::milliseconds> parse_duration(const std::string& text) {
         return make_error("duration " + quote_value(text) + " is over the longest allowed, 87600h");
     }
     return std::chrono::milliseconds(ms);
+}
+
+std::vector<std::string> written_file_clashes(const Config& c) {
+    std::vector<std::string> out;
+    for_each_written_file_clash(c, [&](const std::string& key, const std::string& msg) {
+        out.push_back(key + ": " + msg);
+    });
+    return out;
 }
 
 Result<Config> parse_config(const std::string& yaml_text, const std::string& source_name) {

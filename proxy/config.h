@@ -216,6 +216,12 @@ struct Config {
     std::string source;               // file path, for messages
 };
 
+/// The files `c` would write that are a file it reads (a key, token, secret, CA bundle or the
+/// config), inside its file state, or written by two keys: one "key: problem" line each
+/// (parse_config refuses them; a reload checks them again once the restart-only keys are back
+/// at the values in effect).
+std::vector<std::string> written_file_clashes(const Config& c);
+
 /// Parses and validates YAML text. Unknown keys, wrong types and bad values are errors; all
 /// of them are collected and returned joined by '\n', each "path: problem".
 Result<Config> parse_config(const std::string& yaml_text, const std::string& source_name);

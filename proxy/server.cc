@@ -446,6 +446,16 @@ struct Server::Impl {
         // (which holds those same values): named at every reload until the file is back to
         // them or egressd restarts.
         const std::string needs_restart = keep_restart_keys(*cfg, *started);
+        // The file was checked as written; with the restart-only keys back at the values in
+        // effect (keys.master_key_file …), a path it writes may now name one of those files.
+        if (auto clashes = written_file_clashes(*cfg); !clashes.empty()) {
+            std::string text;
+            for (const auto& c : clashes) {
+                text += (text.empty() ? "" : "; ") + c;
+            }
+            spdlog::error("reload refused, keeping the running configuration: {}", text);
+            return;
+        }
         auto config = std::make_shared<const Config>(std::move(*cfg));
         BuildWarnings warnings;
         auto statics = build_runtime(config, warnings, current.get());

@@ -842,6 +842,27 @@ def restart_warnings(e) -> list[set[str]]:
             for l in e.stderr_text().splitlines() if "needs a restart" in l]
 
 
+def test_a_reload_may_not_write_over_the_master_key_in_effect(world, factory):
+    """A reload whose file moves keys.master_key_file (restart-only: the old path stays in
+    effect) and points ca_cert_out at the old path passes the file's own checks (the two paths
+    differ in the file), but would write the CA over the key in effect. The reload is checked
+    again with the values in effect: refused, naming the key, and the key is untouched."""
+    e = factory.start()
+    key = e.config["keys"]["master_key_file"]
+    with open(key, "rb") as f:
+        key_bytes = f.read()
+
+    def change(c):
+        c["keys"]["master_key_file"] = os.path.join(os.path.dirname(key), "moved.key")
+        c["runs"][0]["ca_cert_out"] = key
+    e.rewrite_config(change)
+    e.reload("reload refused")
+    line = [ln for ln in e.stderr_text().splitlines() if "reload refused" in ln][-1]
+    assert "runs[0].ca_cert_out: names the file of keys.master_key_file" in line, line
+    with open(key, "rb") as f:
+        assert f.read() == key_bytes
+
+
 def test_keys_that_need_a_restart_keep_their_running_values_and_are_named_at_each_reload(
         world, factory, marker):
     """A reload compares the file with what the process started with: the warning names the
