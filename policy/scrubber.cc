@@ -20,75 +20,51 @@ struct ScanState {
     size_t replacements = 0;
 };
 
-/// Where the next needle occurrence can begin at or after `i`, outside a match (`size` if
-/// none). Below `bulk_end` every needle fits before the end of the buffer, so only full
-/// occurrences matter and they are found with memmem (glibc's skips ahead on a miss; a
-/// first-byte filter stopped at every byte that starts a needle: text dense in those bytes
-/// scrubbed at ~0.3 GB/s). Only the kernels are searched ("Bearer tok" holds "tok"): an
-/// occurrence of a needle at q puts one of its kernels at most `back` bytes after q, so the
-/// kernel found first, minus `back`, is never past q; the caller checks byte by byte from there.
-/// From `bulk_end` a needle may be cut off by the end: every byte that starts one is a candidate.
-size_t next_start(const ScrubPlan& plan, const char* buf, size_t i, size_t size,
-                  size_t bulk_end) {
-    const ScrubPlan::Search& search = plan.search();
-    if (i < bulk_end) {
-        size_t next = bulk_end;
-        for (const auto& k : search.kernels) {
-            const std::string_view n = plan.needles()[k.needle];
-            const size_t hay_end = std::min(size, next + k.back + n.size() - 1);
-            if (hay_end <= i || hay_end - i < n.size()) {
-                continue;
-            }
-            if (const void* p = ::memmem(buf + i, hay_end - i, n.data(), n.size())) {
-                const auto at = static_cast<size_t>(static_cast<const char*>(p) - buf);
-                next = std::min(next, at - std::min(at - i, k.back));
-            }
+/// Where the next needle occurrence can begin at or after `i` and before `end`, outside a
+/// match (`end` if none). Every needle starting before `end` fits before `size` (the caller
+/// holds back the last longest-needle - 1 bytes of a piece that is not final, whatever they
+/// are), so only full occurrences matter and they are found with memmem (glibc's skips ahead
+/// on a miss; a first-byte filter stopped at every byte that starts a needle: text dense in
+/// those bytes scrubbed at ~0.3 GB/s). Only the kernels are searched ("Bearer tok" holds
+/// "tok"): an occurrence of a needle at q puts one of its kernels at most `back` bytes after
+/// q, so the kernel found first, minus `back`, is never past q; the caller checks byte by byte
+/// from there.
+size_t next_start(const ScrubPlan& plan, const char* buf, size_t i, size_t size, size_t end) {
+    size_t next = end;
+    for (const auto& k : plan.search().kernels) {
+        const std::string_view n = plan.needles()[k.needle];
+        const size_t hay_end = std::min(size, next + k.back + n.size() - 1);
+        if (hay_end <= i || hay_end - i < n.size()) {
+            continue;
         }
-        if (next < bulk_end) {
-            return next;
-        }
-        i = bulk_end;
-    }
-    size_t next = size;
-    for (char c : search.firsts) {
-        if (i >= next) {
-            break;
-        }
-        if (const void* p = std::memchr(buf + i, static_cast<unsigned char>(c), next - i)) {
-            next = static_cast<size_t>(static_cast<const char*>(p) - buf);
+        if (const void* p = ::memmem(buf + i, hay_end - i, n.data(), n.size())) {
+            const auto at = static_cast<size_t>(static_cast<const char*>(p) - buf);
+            next = std::min(next, at - std::min(at - i, k.back));
         }
     }
     return next;
 }
 
-/// Scrubs `buf` left to right, replacing every byte covered by some needle occurrence
-/// (occurrences may overlap; the longest at a position is taken, so overlaps only extend the
-/// covered run). Returns how many leading bytes are final. Unless `final`, it stops at the
-/// first position where a needle could still begin but the buffer ends first; the caller
-/// holds those bytes back. Replacement text is "[REDACTED]" cut or padded with '*', so the
-/// length never changes and a byte's replacement depends only on its offset in the run.
-size_t scan(const ScrubPlan& plan, char* buf, size_t size, bool final, ScanState& st) {
-    const size_t max_len = plan.max_len();
+/// Scrubs the first `end` bytes of `buf` left to right, replacing every byte covered by some
+/// needle occurrence (occurrences may overlap; the longest at a position is taken, so overlaps
+/// only extend the covered run). A needle is looked for at every position before `end`, and
+/// may cover bytes up to `size`; the bytes from `end` on are left as they are (the caller
+/// holds them back and scans them again in front of the next piece, `st` carrying a run that
+/// covers them). Replacement text is "[REDACTED]" cut or padded with '*', so the length never
+/// changes and a byte's replacement depends only on its offset in the run. WARNING: where
+/// `end` lies must never depend on the bytes (see Scrubber::feed): which bytes go out when is
+/// what the client sees.
+void scan(const ScrubPlan& plan, char* buf, size_t size, size_t end, ScanState& st) {
     const ScrubPlan::Search& search = plan.search();
-    // From bulk_end on, a needle could be cut off by the end of the buffer (unless final).
-    const size_t bulk_end = final ? size : size - std::min(size, max_len - 1);
-    for (size_t i = 0; i < size; ++i) {
+    for (size_t i = 0; i < end; ++i) {
         if (st.covered_left == 0) {
-            i = next_start(plan, buf, i, size, bulk_end);
-            if (i == size) {
+            i = next_start(plan, buf, i, size, end);
+            if (i == end) {
                 break;
             }
         }
         const size_t left = size - i;
-        const bool candidate = search.first[static_cast<unsigned char>(buf[i])];
-        if (candidate && !final && left < max_len) {
-            for (const std::string_view n : plan.needles()) {
-                if (n.size() > left && std::memcmp(n.data(), buf + i, left) == 0) {
-                    return i;  // a longer needle may still complete here
-                }
-            }
-        }
-        if (candidate) {
+        if (search.first[static_cast<unsigned char>(buf[i])]) {
             for (const std::string_view n : plan.needles()) {  // longest first
                 if (n.size() <= left && std::memcmp(n.data(), buf + i, n.size()) == 0) {
                     if (st.covered_left == 0) {
@@ -106,7 +82,6 @@ size_t scan(const ScrubPlan& plan, char* buf, size_t size, bool final, ScanState
             --st.covered_left;
         }
     }
-    return size;
 }
 
 /// Kernels and first bytes of `needles` (distinct, non-empty).
@@ -131,10 +106,7 @@ ScrubPlan::Search plan_search(const std::vector<std::string_view>& needles) {
     }
     for (const std::string_view n : needles) {
         auto c = static_cast<unsigned char>(n.front());
-        if (!s.first[c]) {
-            s.first[c] = true;
-            s.firsts.push_back(static_cast<char>(c));
-        }
+        s.first[c] = true;
     }
     return s;
 }
@@ -175,7 +147,6 @@ ScrubPlan::ScrubPlan(std::vector<std::string> needles) {
 }
 
 ScrubPlan::~ScrubPlan() {
-    egress::secure_zero(search_.firsts.data(), search_.firsts.size());
     egress::secure_zero(search_.first.data(), search_.first.size());
 }
 
@@ -203,12 +174,17 @@ void Scrubber::feed(std::string_view in, std::string& out) {
 }
 
 size_t Scrubber::scan_and_hold(char* data, size_t size, bool final) {
+    // Not final: the last (longest needle - 1) bytes wait, whatever they are. Holding only
+    // bytes that begin a needle told the client, by how much of a piece it got, whether text
+    // it had an upstream reflect was a prefix of the secret (byte by byte, the whole secret).
+    const size_t safe = final ? size : size - std::min(size, plan_->max_len() - 1);
     ScanState st{covered_left_, run_pos_, 0};
-    const size_t safe = scan(*plan_, data, size, final, st);
+    scan(*plan_, data, size, safe, st);
     covered_left_ = st.covered_left;
     run_pos_ = st.run_pos;
     replacements_ += st.replacements;
-    // Hold back the unfinished bytes (shorter than the longest needle) and wipe them there.
+    // Hold back the rest, as it came (it is scanned again in front of the next piece), and
+    // wipe it there.
     tail_.assign(data + safe, size - safe);
     egress::secure_zero(data + safe, size - safe);
     return safe;
@@ -217,7 +193,7 @@ size_t Scrubber::scan_and_hold(char* data, size_t size, bool final) {
 void Scrubber::finish(std::string& out) {
     if (active()) {
         ScanState st{covered_left_, run_pos_, 0};
-        scan(*plan_, tail_.data(), tail_.size(), true, st);
+        scan(*plan_, tail_.data(), tail_.size(), tail_.size(), st);
         replacements_ += st.replacements;
     }
     out.append(tail_);
@@ -257,7 +233,7 @@ void Scrubber::scrub_in_place(std::string& value) {
         return;
     }
     ScanState st;
-    scan(*plan_, value.data(), value.size(), true, st);
+    scan(*plan_, value.data(), value.size(), value.size(), st);
     replacements_ += st.replacements;
 }
 

@@ -37,7 +37,6 @@ public:
         };
         std::vector<Kernel> kernels;  // every needle contains at least one kernel
         std::array<bool, 256> first{};  // bytes that start some needle
-        std::string firsts;             // the same bytes, for memchr
     };
 
     const std::vector<std::string_view>& needles() const { return needles_; }  // longest first
@@ -63,17 +62,24 @@ public:
 
     bool active() const { return plan_ != nullptr && !plan_->needles().empty(); }
 
-    /// Appends scrubbed bytes of `in` to `out`. Holds back at most (longest needle - 1) bytes
-    /// that could begin a match; they are emitted by a later feed or by finish().
+    /// Appends scrubbed bytes of `in` to `out`. Holds back exactly min(longest needle - 1,
+    /// bytes held before + `in`), whatever the bytes are: how much of a piece goes out never
+    /// depends on its content (holding only what could begin a needle told the client, by the
+    /// sizes it received, whether text it chose was a prefix of the secret). The held bytes
+    /// are emitted by a later feed or by finish().
     void feed(std::string_view in, std::string& out);
-    /// Emits whatever is held back (scrubbed).
+    /// Emits whatever is held back (scrubbed as far as its bytes show). At the end of the
+    /// stream, or in the middle of it (the stream paused: limits.scrub_hold_timeout); the
+    /// stream then goes on as a new one, so a needle split across this point is not found.
     void finish(std::string& out);
+    /// How many bytes are held back (0 after finish() or a last piece).
+    size_t held() const { return tail_.size(); }
     /// The same stream, scrubbed where the piece lies (no copy of the body): returns the bytes
     /// to send now, a prefix of `piece` whose replaced bytes were rewritten in place (the
-    /// length never changes). Bytes that may begin a needle at the end of `piece` are held
-    /// back (and wiped in `piece`), as feed() holds them. Only when bytes are held back from
-    /// the previous piece does it fall back to feed() into `spill` and return `spill`.
-    /// `last` also does what finish() does.
+    /// length never changes). The last bytes of `piece` are held back (and wiped in `piece`),
+    /// as feed() holds them. When bytes are held back from the previous piece (every piece
+    /// after the first, unless finish() emitted them) it falls back to feed() into `spill`
+    /// and returns `spill`. `last` also does what finish() does.
     std::string_view feed_in_place(std::span<char> piece, bool last, std::string& spill);
 
     /// Scrubs one complete value (a header value).
@@ -93,7 +99,8 @@ public:
 
 private:
     /// Scrubs `data` in place from the stream's state, holds back (into tail_, wiped in
-    /// `data`) what may begin a needle unless `final`; returns how many bytes are final.
+    /// `data`) its last (longest needle - 1) bytes unless `final`; returns how many bytes are
+    /// final.
     size_t scan_and_hold(char* data, size_t size, bool final);
 
     std::shared_ptr<const ScrubPlan> plan_;

@@ -49,9 +49,12 @@ public:
     WsServerScrubber(const WsServerScrubber&) = delete;
     WsServerScrubber& operator=(const WsServerScrubber&) = delete;
 
-    /// Appends to `out` the bytes of `in` that can go now (a payload tail that may begin a
-    /// needle waits for the rest of its frame). Returns false, and appends nothing more, on a
-    /// frame it cannot scrub (error() says why); every later call also returns false.
+    /// Appends to `out` the bytes of `in` that can go now: the last (longest needle - 1)
+    /// payload bytes of a frame not yet whole wait for the rest of it, whatever they are (how
+    /// much goes out never depends on the bytes). No timer releases them: a client cannot
+    /// act on a frame before its last byte, which comes with the upstream's next bytes.
+    /// Returns false, and appends nothing more, on a frame it cannot scrub (error() says
+    /// why); every later call also returns false.
     bool feed(std::string_view in, std::string& out);
     /// "" while the stream is good; else "upstream_masked_frame", "upstream_reserved_bits",
     /// "upstream_bad_frame_length" (a 64-bit length with its top bit set) or

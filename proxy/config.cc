@@ -713,6 +713,18 @@ public:
                        {"linger_timeout", set_timeout(l.linger_timeout)},
                        {"refusal_timeout", set_timeout(l.refusal_timeout)},
                        {"upstream_idle_timeout", set_timeout(l.upstream_idle_timeout)},
+                       {"scrub_hold_timeout",
+                        [this, &l](const YAML::Node& v, const std::string& p) {
+                            if (v.IsScalar()) {  // 0 too: held until the next piece or the end
+                                if (auto z = parse_duration(v.Scalar()); z && z->count() == 0) {
+                                    l.scrub_hold_timeout = *z;
+                                    return;
+                                }
+                            }
+                            if (auto d = duration(v, p)) {
+                                l.scrub_hold_timeout = *d;
+                            }
+                        }},
                        {"connections_per_run", set_count(l.connections_per_run, 1, kMaxCount)},
                        {"h2_max_concurrent_streams",
                         set_count(l.h2_max_concurrent_streams, 1, kMaxCount)},

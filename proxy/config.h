@@ -49,6 +49,11 @@ struct Limits {
     // with no open stream) is closed after this long unused: below common servers' own idle
     // closes (nginx 75 s), so a reused connection is rarely one the server is closing.
     std::chrono::milliseconds upstream_idle_timeout{30'000};
+    // The response scrubber holds back the last (longest needle - 1) bytes of every body
+    // piece; when the upstream sends nothing more for this long, they go out as they are (a
+    // paused stream does not keep its tail until its next event). 0: held until the next
+    // piece or the end.
+    std::chrono::milliseconds scrub_hold_timeout{200};
     size_t connections_per_run = 512;
     size_t h2_max_concurrent_streams = 100;
     // HTTP/2 defences (both legs use the same values where they apply).

@@ -425,6 +425,114 @@ awaitable<const char*> relay_switched(RawBytes& client, RawBytes& origin,
     co_return why;
 }
 
+/// What the response scrubber holds back of a body (the last longest-needle - 1 bytes of each
+/// piece, whatever they are: policy/scrubber.h) goes out in front of the next piece, or, when
+/// the upstream sends nothing more for `after` (limits.scrub_hold_timeout; 0: never), on its
+/// own: a stream that pauses (a watch, an event stream waiting for its next event) does not
+/// keep its last bytes until the next event. The release depends on the time alone, never on
+/// the bytes, so neither its size nor its moment tells the client anything about them; a
+/// credential echo split across such a pause goes out in two parts, the first unscrubbed.
+/// One watcher coroutine per exchange, started by the first piece that leaves bytes held (a
+/// body in one piece holds none and costs nothing here, no coroutine frame per piece either);
+/// the exchange's relay calls before_read() and after_read() around each upstream read, and
+/// stop() before it returns.
+/// WARNING: the watcher writes to the client while the relay waits on the upstream: the two
+/// never write at once (after_read waits for a release under way).
+class HeldRelease {
+public:
+    HeldRelease(net::any_io_executor ex, Downstream& down, policy::Scrubber& scrubber,
+                std::chrono::milliseconds after)
+        : ex_(std::move(ex)), down_(down), scrubber_(scrubber), after_(after) {}
+    HeldRelease(const HeldRelease&) = delete;
+    HeldRelease& operator=(const HeldRelease&) = delete;
+
+    /// The relay is about to wait for the next upstream piece: the clock starts if bytes are
+    /// held.
+    void before_read() {
+        if (after_.count() == 0 || scrubber_.held() == 0) {
+            return;
+        }
+        deadline_ = Clock::now() + after_;
+        reading_ = true;
+        if (!running_) {
+            timer_.emplace(ex_, deadline_);
+            ended_.emplace(ex_, net::steady_timer::time_point::max());
+            running_ = true;
+            net::co_spawn(ex_, watch(), [this](std::exception_ptr) {
+                running_ = false;
+                ended_->cancel();
+            });
+        } else if (idle_) {
+            timer_->expires_at(deadline_);  // wakes the watcher (a later deadline: it sleeps on)
+        }
+    }
+    /// The read returned: no release starts until the next before_read(). False while one is
+    /// being written: the relay awaits settle() before it writes.
+    bool after_read() {
+        reading_ = false;
+        return !releasing_;
+    }
+    awaitable<void> settle() {
+        while (releasing_) {
+            co_await ended_->async_wait(use_nothrow);
+        }
+    }
+    /// A release's write failed: the client is gone.
+    bool failed() const { return failed_; }
+    bool running() const { return running_; }
+    /// Ends the watcher; the relay awaits it (when running()) before its locals go.
+    awaitable<void> stop() {
+        stopping_ = true;
+        reading_ = false;
+        if (running_) {
+            timer_->cancel();
+            while (running_) {
+                co_await ended_->async_wait(use_nothrow);
+            }
+        }
+    }
+
+private:
+    awaitable<void> watch() {
+        while (!stopping_) {
+            if (reading_ && Clock::now() >= deadline_) {
+                reading_ = false;  // one release per pause
+                releasing_ = true;
+                out_.clear();
+                scrubber_.finish(out_);  // the stream goes on as a new one
+                bool ok = true;
+                if (!out_.empty()) {
+                    ok = co_await down_.send_body(out_, false, nullptr);
+                }
+                egress::secure_wipe(out_);
+                releasing_ = false;
+                failed_ = failed_ || !ok;
+                ended_->cancel();  // wakes after_read
+                continue;
+            }
+            idle_ = !reading_;
+            timer_->expires_at(reading_ ? deadline_ : net::steady_timer::time_point::max());
+            co_await timer_->async_wait(use_nothrow);
+            idle_ = false;
+        }
+    }
+
+    net::any_io_executor ex_;
+    Downstream& down_;
+    policy::Scrubber& scrubber_;
+    std::chrono::milliseconds after_;
+    Clock::time_point deadline_{};
+    std::optional<net::steady_timer> timer_;  // the watcher's deadline
+    std::optional<net::steady_timer> ended_;  // cancelled when a release or the watcher ends
+    std::string out_;  // the released bytes (wiped once sent)
+    bool running_ = false;
+    bool reading_ = false;    // the relay waits for the upstream; deadline_ is set
+    bool idle_ = false;       // the watcher sleeps until before_read wakes it
+    bool releasing_ = false;  // the watcher writes to the client
+    bool failed_ = false;
+    bool stopping_ = false;
+};
+
 }  // namespace
 
 void Worker::cut_all() {
@@ -1189,8 +1297,20 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     response_started = true;
     if (!resp->body.none) {
         std::string spill;  // only when the scrubber held bytes back from the previous piece
+        auto ex = co_await net::this_coro::executor;
+        HeldRelease release(std::move(ex), down, scrubber, limits.scrub_hold_timeout);
+        const char* failed = nullptr;  // the body failed: the record's reason (after stop())
+        const char* failed_kind = "";
         for (;;) {
+            release.before_read();
             auto chunk = co_await up->read_body();
+            if (!release.after_read()) {
+                co_await release.settle();  // the held bytes go first
+            }
+            if (release.failed()) {
+                failed = "client_aborted";
+                break;
+            }
             if (!chunk.ok) {
                 if (duplex && chunk.failure == BodyFailure::Timeout && cut_reason == nullptr) {
                     if (!request_done && rec.bytes_in != in_seen) {
@@ -1199,17 +1319,27 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     }
                     cut_reason = "idle_timeout";  // nothing moved either way
                 }
-                // Tell the client the body is incomplete (h1: close without last-chunk; h2:
-                // reset).
-                if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
-                    finish(resp->status, cut_reason, "");
-                } else {
-                    finish(resp->status, "upstream_aborted", "response_body");
+                // The bytes that came go out, the held ones too (as after a pause: the
+                // upstream is gone), unless held bytes wait for more (scrub_hold_timeout: 0).
+                // Then the client is told the body is incomplete (h1: close without
+                // last-chunk; h2: reset).
+                if (scrubber.held() > 0 && limits.scrub_hold_timeout.count() != 0) {
+                    spill.clear();
+                    scrubber.finish(spill);
+                    co_await down.send_body(spill, false, nullptr);  // it fails anyway
+                    egress::secure_wipe(spill);
                 }
-                goto done;
+                if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
+                    failed = cut_reason;
+                } else {
+                    failed = "upstream_aborted";
+                    failed_kind = "response_body";
+                }
+                break;
             }
             rec.bytes_out += chunk.data.size();
-            // Scrubbed where it lies, in the upstream's buffer: no copy, no allocation.
+            // Scrubbed where it lies, in the upstream's buffer (no copy, no allocation), but
+            // after the bytes held from the previous piece: with them, in `spill`.
             const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
             if (out.empty() && !chunk.last) {
                 continue;
@@ -1220,12 +1350,19 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 scrubber.scrub_fields(trailers);
             }
             if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
-                finish(resp->status, "client_aborted", "");
-                goto done;
+                failed = "client_aborted";
+                break;
             }
             if (chunk.last) {
                 break;
             }
+        }
+        if (release.running()) {
+            co_await release.stop();
+        }
+        if (failed != nullptr) {
+            finish(resp->status, failed, failed_kind);
+            goto done;
         }
     }
     // An early answer is the upstream's own, but the request never reached it whole: the

@@ -90,6 +90,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(2'000));
     EXPECT_EQ(c.limits.refusal_timeout, milliseconds(5'000));
     EXPECT_EQ(c.limits.upstream_idle_timeout, milliseconds(30'000));
+    EXPECT_EQ(c.limits.scrub_hold_timeout, milliseconds(200));
     EXPECT_EQ(c.limits.h2_connection_window, 0u);  // derived: 4 × h2_stream_window
     EXPECT_EQ(c.limits.connection_window(), 4 * c.limits.h2_stream_window);
     EXPECT_EQ(c.limits.connections_per_run, d.limits.connections_per_run);
@@ -202,6 +203,7 @@ limits:
   linger_timeout: 750ms
   refusal_timeout: 1500ms
   upstream_idle_timeout: 4s
+  scrub_hold_timeout: 50ms
   connections_per_run: 64
   h2_max_concurrent_streams: 50
   h2_max_header_list_bytes: 16384
@@ -335,6 +337,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.linger_timeout, milliseconds(750));
     EXPECT_EQ(c.limits.refusal_timeout, milliseconds(1'500));
     EXPECT_EQ(c.limits.upstream_idle_timeout, milliseconds(4'000));
+    EXPECT_EQ(c.limits.scrub_hold_timeout, milliseconds(50));
     EXPECT_EQ(c.limits.connection_window(), 131072u);
     EXPECT_EQ(c.limits.connections_per_run, 64u);
     EXPECT_EQ(c.limits.h2_max_concurrent_streams, 50u);
@@ -423,6 +426,15 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(b.ca_bundle_out, "/tmp/other-bundle.pem");
     EXPECT_TRUE(c.runs[0].ca_bundle_out.empty());  // not written unless asked for
     EXPECT_TRUE(b.pins.empty());
+}
+
+// limits.scrub_hold_timeout may be 0 (the strict mode: held bytes wait for the next piece).
+TEST(ConfigParse, ScrubHoldTimeoutMayBeZero) {
+    for (const char* zero : {"0", "0ms", "0s"}) {
+        auto r = parse_config(std::string("limits: {scrub_hold_timeout: ") + zero + "}\n", "t");
+        ASSERT_TRUE(r.ok()) << zero << ": " << r.error();
+        EXPECT_EQ(r.value().limits.scrub_hold_timeout, milliseconds(0));
+    }
 }
 
 TEST(ConfigParse, CaBundleOutIsNotTheCaFile) {
@@ -703,6 +715,8 @@ const ErrorRow kErrorRows[] = {
     {"BadDuration", "limits:\n  header_timeout: 10 parsecs\n",
      "limits.header_timeout: bad duration '10 parsecs' (expected e.g. 500ms, 10s, 2m, 1h)"},
     {"ZeroTimeout", "limits: {idle_timeout: 0s}\n", "limits.idle_timeout: must be greater than 0"},
+    {"BadScrubHoldTimeout", "limits: {scrub_hold_timeout: -1s}\n",
+     "limits.scrub_hold_timeout: bad duration '-1s'"},
     {"StaticCaValidityUnderASecond", "limits: {static_ca_validity: 500ms}\n",
      "limits.static_ca_validity: must be at least 1s"},
     {"TtlNotWholeSeconds", "runs: [{id: a, ttl: 1500ms}]\n",

@@ -9,6 +9,8 @@
 //     position extends the covered run; the replacement text restarts with each run);
 //   * feeding the body in pieces (cut where the input's bytes say) gives the same output, through
 //     feed() and through feed_in_place() (each piece scrubbed in a buffer of its own);
+//   * each piece releases all but (longest needle - 1) of the bytes held and given, whatever
+//     they are (what goes out when must not tell the client anything about the bytes);
 //   * the output has the body's length. (Not "holds no needle": the replacement text next to
 //     kept bytes can spell a needle such as "ab[", which is no leak of the input.)
 #include <algorithm>
@@ -48,12 +50,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(got == want, "scrub_value differs from the definition");
 
     // Streamed: cut after every byte whose low bits are zero (input-driven piece sizes).
+    // How much each piece releases depends on sizes alone: all but (longest needle - 1) bytes.
+    size_t hold = 0;
+    for (const std::string& n : needles) {
+        hold = std::max(hold, n.empty() ? 0 : n.size() - 1);
+    }
     Scrubber streamed(needles);
     std::string out;
     size_t prev = 0;
     for (size_t i = 0; i < body.size(); ++i) {
         if ((static_cast<unsigned char>(body[i]) & 7) == 0) {
+            const size_t had = streamed.held() + (i + 1 - prev);
+            const size_t before = out.size();
             streamed.feed(body.substr(prev, i + 1 - prev), out);
+            if (streamed.active()) {
+                FUZZ_CHECK(out.size() - before == had - std::min(hold, had),
+                           "a piece's release depends on its bytes");
+            }
             prev = i + 1;
         }
     }

@@ -128,17 +128,19 @@ TEST(Scrubber, FieldsNamedAfterTheSecretAreDroppedAndValuesScrubbed) {
     EXPECT_EQ(kept.size(), 1U);
 }
 
-TEST(Scrubber, HoldsBackAtMostLongestMinusOne) {
+// Every piece but the last leaves exactly (longest needle - 1) bytes, or all it has when that
+// is less, whatever they are; a match found before them still covers them when they go out.
+TEST(Scrubber, HoldsBackExactlyLongestMinusOne) {
     Scrubber s({"abcdef"});
     std::string out;
     s.feed("xxabcde", out);
     EXPECT_EQ(out, "xx");
     s.feed("f", out);
-    EXPECT_EQ(out, "xx[REDAC");
+    EXPECT_EQ(out, "xx[");
     s.feed("abc", out);
-    EXPECT_EQ(out, "xx[REDAC");
+    EXPECT_EQ(out, "xx[RED");
     s.feed("x", out);
-    EXPECT_EQ(out, "xx[REDACabcx");
+    EXPECT_EQ(out, "xx[REDA");
     s.finish(out);
     EXPECT_EQ(out, "xx[REDACabcx");
     EXPECT_EQ(s.replacements(), 1U);
@@ -148,9 +150,63 @@ TEST(Scrubber, FinishFlushesPartialMatch) {
     Scrubber s({"secret"});
     std::string out;
     s.feed("data secr", out);
-    EXPECT_EQ(out, "data ");
+    EXPECT_EQ(out, "data");
+    EXPECT_EQ(s.held(), 5U);
     s.finish(out);
     EXPECT_EQ(out, "data secr");
+    EXPECT_EQ(s.held(), 0U);
+}
+
+// The oracle this closes: a sandbox has a pinned upstream reflect text it chose at the end of
+// a piece, and reads how much of the piece egressd sent at once (h1 chunk sizes, h2 DATA
+// sizes). Holding back only bytes that begin a needle told it whether its guess was a prefix
+// of the secret, byte by byte. Pieces of the same length must release the same bytes.
+TEST(Scrubber, PiecesOfOneLengthReleaseTheSameWhateverTheirTail) {
+    const std::vector<std::string> needles = {"sk-live-9f3a", "Bearer sk-live-9f3a"};
+    const std::string lead = "data: you said ";
+    // A needle's prefix of each length, and text of the same length that begins none.
+    for (size_t k = 1; k < needles[1].size(); ++k) {
+        const std::string right = lead + needles[1].substr(0, k);
+        const std::string wrong = lead + std::string(k, 'q');
+        std::vector<size_t> sizes[2];
+        for (int which = 0; which < 2; ++which) {
+            const std::string& piece = which == 0 ? right : wrong;
+            Scrubber fed(needles);
+            Scrubber in_place(needles);
+            std::string spill;
+            for (int round = 0; round < 3; ++round) {  // the first piece and later ones
+                std::string out;
+                fed.feed(piece, out);
+                std::string copy = piece;
+                const size_t n = in_place.feed_in_place(copy, false, spill).size();
+                EXPECT_EQ(n, out.size()) << "k=" << k;
+                sizes[which].push_back(out.size());
+            }
+            std::string rest;
+            fed.finish(rest);
+            sizes[which].push_back(rest.size());
+        }
+        EXPECT_EQ(sizes[0], sizes[1]) << "prefix of length " << k;
+        // exactly: all but the longest needle's length - 1 (or nothing, when shorter)
+        const size_t hold = needles[1].size() - 1;
+        EXPECT_EQ(sizes[0][0], right.size() - std::min(hold, right.size())) << k;
+    }
+}
+
+// The bytes held when a paused stream is released (finish() mid-stream) are scrubbed as far
+// as they show, and the stream goes on as a new one.
+TEST(Scrubber, AReleaseInTheMiddleGoesOnAsANewStream) {
+    Scrubber s({"tok", "Bearer tok"});
+    std::string out;
+    s.feed("a tok b tok", out);  // all but 9 bytes go
+    EXPECT_EQ(out, "a ");
+    s.finish(out);  // the two "tok" in the held bytes are whole
+    EXPECT_EQ(out, "a [RE b [RE");
+    s.feed(" Bearer tok end", out);
+    EXPECT_EQ(out, "a [RE b [RE [REDA");
+    s.finish(out);  // a match found before the held bytes covers them
+    EXPECT_EQ(out, "a [RE b [RE [REDACTED] end");
+    EXPECT_EQ(s.replacements(), 4U);  // "Bearer tok" and the "tok" inside it
 }
 
 // Property: for every split position (and every pair of split positions), the streamed output
@@ -282,12 +338,12 @@ TEST(Scrubber, FeedInPlaceRewritesThePieceAndHoldsBackAPrefix) {
     std::string a = "data secret more secr";
     const std::string_view out_a = s.feed_in_place(a, false, spill);
     EXPECT_EQ(out_a.data(), a.data());  // the piece itself, scrubbed where it lies
-    EXPECT_EQ(out_a, "data [REDAC more ");  // the replacement keeps the length
-    EXPECT_EQ(a.substr(out_a.size()), std::string(4, '\0'));  // "secr" held back, wiped here
+    EXPECT_EQ(out_a, "data [REDAC more");  // the replacement keeps the length
+    EXPECT_EQ(a.substr(out_a.size()), std::string(5, '\0'));  // " secr" held back, wiped here
     std::string b = "et end";
     const std::string_view out_b = s.feed_in_place(b, true, spill);
     EXPECT_EQ(out_b.data(), spill.data());  // held bytes go first: the spill path
-    EXPECT_EQ(out_b, "[REDAC end");
+    EXPECT_EQ(out_b, " [REDAC end");
     EXPECT_EQ(s.replacements(), 2U);
     std::string c = "plain";
     Scrubber inactive;
