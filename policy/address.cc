@@ -52,6 +52,7 @@ bool all_zero(const Bytes& a, size_t from, size_t to) {
 
 AddressClass classify_v4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
     if ((a == 169 && b == 254 && c == 169 && d == 254) ||
+        (a == 169 && b == 254 && c == 170 && (d == 2 || d == 23)) ||  // ECS task, EKS Pod Identity
         (a == 100 && b == 100 && c == 100 && d == 200) ||
         (a == 168 && b == 63 && c == 129 && d == 16)) {  // Azure WireServer
         return AddressClass::Metadata;
@@ -138,11 +139,14 @@ Embedded embedded_v4(const Bytes& x) {
 AddressClass classify_v6_outer(const Bytes& x) {
     static const Bytes kEc2Metadata = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0,    0,
                                        0,    0,    0,    0,    0, 0, 0x02, 0x54};
+    // The EKS Pod Identity agent's IPv6 address (its IPv4 one is 169.254.170.23).
+    static const Bytes kEksPodIdentity = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0, 0,
+                                          0,    0,    0,    0,    0, 0, 0, 0x23};
     // OpenStack's IPv6 metadata service: link-local too, but metadata whatever an fe80::/10
     // exception says (metadata needs an exception naming it exactly).
     static const Bytes kOpenStackMetadata = {0xfe, 0x80, 0, 0, 0,    0,    0,    0,
                                              0,    0,    0, 0, 0xa9, 0xfe, 0xa9, 0xfe};
-    if (x == kEc2Metadata || x == kOpenStackMetadata) {
+    if (x == kEc2Metadata || x == kEksPodIdentity || x == kOpenStackMetadata) {
         return AddressClass::Metadata;
     }
     if (all_zero(x, 0, 16)) {

@@ -47,7 +47,9 @@ enum class AddressClass : uint8_t {
     Multicast,     // 224/4, ff00::/8
     Reserved,      // 240/4, 255.255.255.255, 192.0.0/24, 192.0.2/24, 198.18/15, 198.51.100/24,
                    // 203.0.113/24, 2001:db8::/32, 100::/64, other IETF special-purpose blocks
-    Metadata,      // 169.254.169.254, fd00:ec2::254, 100.100.100.200
+    Metadata,      // 169.254.169.254, fd00:ec2::254, fe80::a9fe:a9fe, 100.100.100.200,
+                   // 168.63.129.16, and AWS container credentials: 169.254.170.2 (ECS task),
+                   // 169.254.170.23 and fd00:ec2::23 (EKS Pod Identity agent)
 };
 
 std::string_view to_string(AddressClass c);

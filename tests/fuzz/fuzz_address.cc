@@ -86,8 +86,12 @@ bool is_metadata(const IpAddress& ip) {
     static const auto a = *IpAddress::parse("169.254.169.254");
     static const auto b = *IpAddress::parse("100.100.100.200");
     static const auto c = *IpAddress::parse("fd00:ec2::254");
+    static const auto ecs = *IpAddress::parse("169.254.170.2");
+    static const auto eks = *IpAddress::parse("169.254.170.23");
+    static const auto eks6 = *IpAddress::parse("fd00:ec2::23");
     auto inner = ip.is_v4() ? std::optional<IpAddress>(ip) : embedded(ip);
-    return ip == c || (inner && (*inner == a || *inner == b));
+    return ip == c || ip == eks6 ||
+           (inner && (*inner == a || *inner == b || *inner == ecs || *inner == eks));
 }
 
 bool bit(const IpAddress& ip, int i) {

@@ -100,6 +100,9 @@ const ClassCase kV4Cases[] = {
     {"169.254.0.1", AddressClass::LinkLocal},
     {"169.254.169.254", AddressClass::Metadata},
     {"100.100.100.200", AddressClass::Metadata},
+    {"169.254.170.2", AddressClass::Metadata},   // ECS task credentials
+    {"169.254.170.23", AddressClass::Metadata},  // EKS Pod Identity agent
+    {"169.254.170.3", AddressClass::LinkLocal},
     {"224.0.0.1", AddressClass::Multicast},
     {"239.255.255.255", AddressClass::Multicast},
     {"240.0.0.1", AddressClass::Reserved},
@@ -127,6 +130,8 @@ INSTANTIATE_TEST_SUITE_P(
         ClassCase{"fc00::1", AddressClass::UniqueLocal},
         ClassCase{"fdff:ffff::1", AddressClass::UniqueLocal},
         ClassCase{"fd00:ec2::254", AddressClass::Metadata},
+        ClassCase{"fd00:ec2::23", AddressClass::Metadata},  // EKS Pod Identity agent
+        ClassCase{"fd00:ec2::24", AddressClass::UniqueLocal},
         ClassCase{"fe80::a9fe:a9fe", AddressClass::Metadata},  // OpenStack's IPv6 metadata
         ClassCase{"fe80::a9fe:a9ff", AddressClass::LinkLocal},
         ClassCase{"ff02::1", AddressClass::Multicast},
@@ -264,6 +269,13 @@ INSTANTIATE_TEST_SUITE_P(
         VetCase{{"169.254.169.254/32"}, "::ffff:169.254.169.254", true, ""},
         VetCase{{"fd00::/8"}, "fd00:ec2::254", false, "denied_address:metadata"},
         VetCase{{"fd00:ec2::254/128"}, "fd00:ec2::254", true, ""},
+        // AWS container credential endpoints (ECS task role, EKS Pod Identity) are metadata.
+        VetCase{{"169.254.0.0/16"}, "169.254.170.2", false, "denied_address:metadata"},
+        VetCase{{"169.254.0.0/16"}, "169.254.170.23", false, "denied_address:metadata"},
+        VetCase{{"169.254.0.0/16"}, "::ffff:169.254.170.2", false, "denied_address:metadata"},
+        VetCase{{"fd00::/8"}, "fd00:ec2::23", false, "denied_address:metadata"},
+        VetCase{{"169.254.170.2/32"}, "169.254.170.2", true, ""},
+        VetCase{{"fd00:ec2::23/128"}, "fd00:ec2::23", true, ""},
         VetCase{{"fe80::/10"}, "fe80::a9fe:a9fe", false, "denied_address:metadata"},
         VetCase{{"fe80::/10"}, "fe80::1", true, ""},
         VetCase{{"fd00::/8"}, "fd00::1", true, ""},
