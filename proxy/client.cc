@@ -112,7 +112,7 @@ class TunnelPolicy {
 public:
     TunnelPolicy(Worker& w, std::string run_id, policy::HostPort target, tcp::endpoint peer)
         : w_(w), run_id_(std::move(run_id)), target_(std::move(target)),
-          peer_(to_policy_address(peer.address())) {}
+          peer_(dialled_address(peer.address())) {}
     bool still_allowed() {
         const uint64_t gen = w_.shared.runtime_gen.load(std::memory_order_acquire);
         if (gen == gen_ || ended_) {

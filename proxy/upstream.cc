@@ -26,9 +26,10 @@ tcp::endpoint to_endpoint(const policy::IpAddress& ip, uint16_t port) {
 }  // namespace
 
 policy::IpAddress to_policy_address(const net::ip::address& a) {
-    if (a.is_v6() && a.to_v6().is_v4_mapped()) {
-        return to_policy_address(unmapped(a));
-    }
+    return dialled_address(unmapped(a));
+}
+
+policy::IpAddress dialled_address(const net::ip::address& a) {
     policy::IpAddress ip;
     if (a.is_v4()) {
         auto b = a.to_v4().to_bytes();
@@ -228,7 +229,7 @@ std::unique_ptr<TlsConn> UpstreamPool::acquire(const std::string& key, bool retr
         // came in behind the last response) mean the connection is not idle and clean.
         if (now - conn->idle_since > max_idle || conn->buffer.size() != 0 ||
             SSL_has_pending(conn->stream->native_handle()) == 1 ||
-            !addresses.vet(to_policy_address(conn->peer.address())).allowed) {
+            !addresses.vet(dialled_address(conn->peer.address())).allowed) {
             continue;
         }
         if (retryable && now - conn->idle_since < kFreshIdle) {
@@ -274,7 +275,7 @@ std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key,
     }
     auto& v = it->second;
     std::erase_if(v, [&](const H2Pooled& p) {
-        return !p.session->alive() || !addresses.vet(to_policy_address(p.peer.address())).allowed;
+        return !p.session->alive() || !addresses.vet(dialled_address(p.peer.address())).allowed;
     });
     for (auto& p : v) {
         if (p.session->has_capacity()) {

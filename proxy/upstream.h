@@ -41,8 +41,16 @@ struct Dialed {
 awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt, const policy::HostPort& dest,
                                          DialCut* dial = nullptr);
 
-/// The policy's form of an address (an IPv4-mapped IPv6 address as the IPv4 one).
+/// The policy's form of a client's address (an IPv4-mapped IPv6 address, what a dual-stack
+/// listener reports for an IPv4 client, as the IPv4 one).
 policy::IpAddress to_policy_address(const net::ip::address& a);
+
+/// The address dial_upstream vetted for a peer it dialled: it connects to the resolved
+/// address in the form it was resolved, so this is the exact inverse (an IPv4-mapped answer
+/// stays mapped). Every later check of a dialled connection (a pooled connection's reuse, a
+/// blind tunnel's policy) vets this form, so it decides as the dial did: an allow_networks
+/// exception written as ::ffff:127.0.0.1/128 admitted the dial and admits the checks too.
+policy::IpAddress dialled_address(const net::ip::address& a);
 
 /// What a dial its client left ends with (DialCut): nobody reads an answer.
 inline Refusal client_gone_refusal() { return Refusal{0, "client_aborted", ""}; }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 
 import helpers
@@ -229,3 +230,42 @@ def test_a_reload_that_narrows_allow_networks_ends_the_reuse_of_what_it_denies(
         r = get(port, f"after-{port}")
         assert (r.status, r.egress_reason) == (403, "denied_address:loopback"), port
         assert not up.find(f"{marker}-after-{port}"), port
+
+
+def test_an_allow_networks_exception_in_ipv4_mapped_form_carries_tunnels_and_is_reused(
+        world, factory, marker):
+    """An allow_networks exception written in IPv4-mapped form (::ffff:127.0.0.1/128) admits a
+    name that resolves to that form; the checks made after the dial (a pooled connection's
+    reuse, a blind tunnel's bytes) see the address as the dial vetted it. (They saw it as
+    127.0.0.1, which the mapped exception does not contain: every tunnel was cut at its first
+    byte as policy_changed, and no pooled connection was ever reused.)"""
+    def mutate(cfg):
+        for host in ("api.test", "tunnel.test"):
+            cfg["resolver"]["overrides"][host] = ["::ffff:127.0.0.1"]
+        cfg["policy"]["allow_networks"] = ["::ffff:127.0.0.1/128"]
+        cfg["limits"]["worker_threads"] = 1  # one worker: one pool
+    e = factory.start(mutate)
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        def get(tag):
+            before = world.upstream.server.connections
+            r = helpers.request(c, "GET", f"/echo/{marker}-{tag}", f"api.test:{world.U}")
+            assert r.status == 200, (r.status, r.egress_reason)
+            return world.upstream.server.connections - before
+        assert get("first") == 1
+        assert get("again") == 0, "the pooled connection was not reused"
+    finally:
+        c.close()
+    t, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    assert r.status == 200, (r.status, r.egress_reason)
+    ctx = ssl.create_default_context(cafile=world.pki.ca)
+    ctx.check_hostname = False
+    tc = helpers.Conn(ctx.wrap_socket(t.sock, server_hostname="tunnel.test"))
+    try:
+        r = helpers.request(tc, "GET", f"/echo/{marker}-tunnel", f"tunnel.test:{world.U}")
+        assert r.status == 200
+    finally:
+        tc.close()
+    assert world.upstream.find(f"{marker}-tunnel")
+    time.sleep(0.2)
+    assert not [x for x in e.audit_records() if x.get("reason") == "policy_changed"]
