@@ -385,6 +385,57 @@ void audit_left_before_established(Scope& scope, AuditRecord rec, Clock::time_po
     w.metrics.request("allow", scope.proto_in, rec.duration_ms / 1000.0);
 }
 
+/// A tunnel's client, watched while its upstream is dialed as Downstream::abort_with watches
+/// a request's: a client that leaves (its FIN with nothing unread, or a reset) cuts the dial
+/// (DialCut::cut), which ends with client_aborted instead of holding the connection slot
+/// until the connects time out. Bytes the client sends meanwhile end the watch, left unread
+/// for the relay (a first flight sent ahead of the 200; on the transparent listener the
+/// peeked first flight is there already, so the watch ends at once).
+class TunnelDialWatch {
+public:
+    TunnelDialWatch(tcp::socket& socket, DialCut& dial)
+        : socket_(socket), state_(std::make_shared<State>(State{&dial})) {
+        arm();
+    }
+    ~TunnelDialWatch() {
+        if (state_->dial != nullptr) {
+            state_->dial = nullptr;
+            error_code ignored;
+            socket_.cancel(ignored);  // the wait below is the socket's only operation
+        }
+    }
+    TunnelDialWatch(const TunnelDialWatch&) = delete;
+    TunnelDialWatch& operator=(const TunnelDialWatch&) = delete;
+
+private:
+    struct State {
+        DialCut* dial;  // null once the watch ended
+    };
+    void arm() {
+        socket_.async_wait(tcp::socket::wait_read, [this, st = state_](error_code ec) {
+            if (st->dial != nullptr && !ec) {
+                readable(*st);
+            }
+        });
+    }
+    void readable(State& st) {
+        char byte = 0;
+        const ssize_t n =
+            ::recv(socket_.native_handle(), &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (n > 0) {
+            st.dial = nullptr;  // the client's bytes, for the relay
+            return;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            arm();
+            return;
+        }
+        DialCut::cut(std::exchange(st.dial, nullptr));
+    }
+    tcp::socket& socket_;
+    std::shared_ptr<State> state_;
+};
+
 /// Blind relay for allowed, unpinned hosts under `unpinned: tunnel`. `announce`: answer the
 /// CONNECT with 200 first (false on the transparent listener, where there is no CONNECT).
 awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
@@ -392,7 +443,17 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     Worker& w = *scope.worker;
     InflightGuard inflight(w);
     const Runtime& rt = *scope.runtime;
-    auto dialed = co_await dial_upstream(w, rt, scope.target);
+    DialCut dial;
+    std::optional<TunnelDialWatch> watch;
+    watch.emplace(client.socket(), dial);
+    auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
+    watch.reset();
+    if (dial.abandoned) {
+        // The client left while the upstream was dialed: no 200, nothing relayed (an upstream
+        // reached in the same turn is closed unused).
+        audit_left_before_established(scope, allowed_connection_record(scope), started);
+        co_return;
+    }
     if (auto* r = std::get_if<Refusal>(&dialed)) {
         if (!r->kind.empty()) {
             w.shared.metrics.upstream_error(r->kind);

@@ -707,6 +707,7 @@ public:
                        {"header_timeout", set_timeout(l.header_timeout)},
                        {"idle_timeout", set_timeout(l.idle_timeout)},
                        {"connect_timeout", set_timeout(l.connect_timeout)},
+                       {"max_dial_addresses", set_count(l.max_dial_addresses, 1, 64)},
                        {"tls_timeout", set_timeout(l.tls_timeout)},
                        {"dns_timeout", set_timeout(l.dns_timeout)},
                        {"drain_timeout", set_timeout(l.drain_timeout)},

@@ -32,6 +32,9 @@ struct Limits {
     std::chrono::milliseconds header_timeout{10'000};
     std::chrono::milliseconds idle_timeout{60'000};
     std::chrono::milliseconds connect_timeout{5'000};
+    // Addresses one upstream dial tries, each for connect_timeout at most: a name with dozens
+    // of answers holds its client's connection slot for this many connect_timeouts at most.
+    size_t max_dial_addresses = 8;
     std::chrono::milliseconds tls_timeout{5'000};
     std::chrono::milliseconds dns_timeout{5'000};
     std::chrono::milliseconds drain_timeout{30'000};

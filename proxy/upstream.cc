@@ -92,6 +92,14 @@ awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt,
         }
         endpoints.push_back(ep);
     }
+    // Every answer was vetted (a denied one refuses the name); only the first
+    // limits.max_dial_addresses are tried, so a name with dozens of answers that do not
+    // answer holds the dial for that many connect_timeouts, not one per answer.
+    if (endpoints.size() > limits.max_dial_addresses) {
+        spdlog::debug("dial {}: trying {} of its {} addresses (limits.max_dial_addresses)",
+                      dest.host, limits.max_dial_addresses, endpoints.size());
+        endpoints.resize(limits.max_dial_addresses);
+    }
     bool timed_out = false;
     for (const auto& ep : endpoints) {
         auto stream = std::make_unique<TcpStream>(w.ioc);

@@ -36,8 +36,9 @@ struct Dialed {
 
 /// Resolves dest.host (overrides first), refuses the whole name if any answer is denied
 /// (fail closed: a mix of allowed and denied answers is a rebinding signal), refuses
-/// egressd's own listeners, and connects to the vetted addresses in order. With `dial`, a
-/// client that goes away ends it (DialCut): Refusal{0, "client_aborted"}.
+/// egressd's own listeners, and connects to the vetted addresses in order, the first
+/// limits.max_dial_addresses of them at most. With `dial`, a client that goes away ends it
+/// (DialCut): Refusal{0, "client_aborted"}.
 awaitable<Outcome<Dialed>> dial_upstream(Worker& w, const Runtime& rt, const policy::HostPort& dest,
                                          DialCut* dial = nullptr);
 

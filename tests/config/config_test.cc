@@ -84,6 +84,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.header_timeout, milliseconds(10'000));
     EXPECT_EQ(c.limits.idle_timeout, d.limits.idle_timeout);
     EXPECT_EQ(c.limits.connect_timeout, d.limits.connect_timeout);
+    EXPECT_EQ(c.limits.max_dial_addresses, 8u);
     EXPECT_EQ(c.limits.tls_timeout, d.limits.tls_timeout);
     EXPECT_EQ(c.limits.dns_timeout, d.limits.dns_timeout);
     EXPECT_EQ(c.limits.drain_timeout, d.limits.drain_timeout);
@@ -197,6 +198,7 @@ limits:
   header_timeout: 500ms
   idle_timeout: 2m
   connect_timeout: 3
+  max_dial_addresses: 3
   tls_timeout: 4s
   dns_timeout: 1s
   drain_timeout: 1h
@@ -331,6 +333,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.header_timeout, milliseconds(500));
     EXPECT_EQ(c.limits.idle_timeout, milliseconds(120'000));
     EXPECT_EQ(c.limits.connect_timeout, milliseconds(3'000));
+    EXPECT_EQ(c.limits.max_dial_addresses, 3u);
     EXPECT_EQ(c.limits.tls_timeout, milliseconds(4'000));
     EXPECT_EQ(c.limits.dns_timeout, milliseconds(1'000));
     EXPECT_EQ(c.limits.drain_timeout, milliseconds(3'600'000));
@@ -684,6 +687,10 @@ const ErrorRow kErrorRows[] = {
      "limits.drain_timeout: duration '3000000h' is over the longest allowed, 87600h"},
     {"IntegerOutOfRange", "limits: {connections_per_run: 0}\n",
      "limits.connections_per_run: expected an integer in 1.."},
+    {"NoDialAddresses", "limits: {max_dial_addresses: 0}\n",
+     "limits.max_dial_addresses: expected an integer in 1..64"},
+    {"TooManyDialAddresses", "limits: {max_dial_addresses: 65}\n",
+     "limits.max_dial_addresses: expected an integer in 1..64"},
     {"TooManyWorkers", "limits: {worker_threads: 1000}\n",
      "limits.worker_threads: expected an integer in 0..256"},
     {"RetryBodyTooLarge", "limits: {retry_body_bytes: 99999999}\n",

@@ -133,10 +133,10 @@ def test_client_leaving_during_the_upstream_tls_handshake_ends_it(world, factory
          "egressd closing the abandoned upstream handshake")
 
 
-def test_client_leaving_during_the_upstream_tcp_connect_ends_it(world, factory, marker):
-    """An upstream whose listen queue is full drops egressd's SYNs: the connect hangs until
-    connect_timeout (20 s). The client gives up after 1 s; the record says client_aborted then,
-    and the next request on another client is served meanwhile."""
+@contextlib.contextmanager
+def _listener_dropping_syns():
+    """The port of a loopback listener whose listen queue is full: the kernel drops further
+    SYNs to it, so a connect there waits until its own timeout."""
     full = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     fillers = []
     try:
@@ -149,7 +149,18 @@ def test_client_leaving_during_the_upstream_tcp_connect_ends_it(world, factory, 
             f.connect_ex(("127.0.0.1", port))
             fillers.append(f)
         time.sleep(0.2)
+        yield port
+    finally:
+        for f in fillers:
+            f.close()
+        full.close()
 
+
+def test_client_leaving_during_the_upstream_tcp_connect_ends_it(world, factory, marker):
+    """An upstream whose listen queue is full drops egressd's SYNs: the connect hangs until
+    connect_timeout (20 s). The client gives up after 1 s; the record says client_aborted then,
+    and the next request on another client is served meanwhile."""
+    with _listener_dropping_syns() as port:
         def mutate(c):
             c["limits"].update(connect_timeout="20s")
             helpers.pin_bearer(c, "slow.test", port)
@@ -167,10 +178,6 @@ def test_client_leaving_during_the_upstream_tcp_connect_ends_it(world, factory, 
              "-o", "/dev/null", "-w", "%{http_code}", f"https://api.test:{world.U}/echo/{marker}"],
             env=proxy_env(e, "r1", world.tokens["r1"]), capture_output=True, timeout=30)
         assert ok.stdout == b"200", (ok.stdout, ok.stderr)
-    finally:
-        for f in fillers:
-            f.close()
-        full.close()
 
 
 def test_h2_stream_reset_during_the_upstream_dial_ends_it(world, factory, marker):
@@ -329,8 +336,11 @@ class _SlowDns(DnsServer):
 @pytest.mark.parametrize("durable", [False, True])
 def test_connect_whose_client_leaves_during_the_dial_is_audited(world, factory, durable):
     """A blind tunnel's client that resets while egressd resolves and dials gets no 200, and
-    its CONNECT still ends in one record (status 0, client_aborted); under audit.durable it
-    closes the decision record written before the dial's bytes could flow (same req_id)."""
+    its CONNECT still ends in one record (status 0, client_aborted). The reset is noticed
+    while the lookup waits (the tunnel's client is watched during its dial), so the dial
+    stops after the lookup: nothing connects upstream, and under audit.durable no decision
+    record is written (it is written before a tunnel's first byte flows, as a request's is
+    before it is sent; a request whose client leaves during its dial has none either)."""
     dns = _SlowDns()
     dns.set("slowdns.test", fixed("127.0.0.1"))
     try:
@@ -339,6 +349,7 @@ def test_connect_whose_client_leaves_during_the_dial_is_audited(world, factory, 
             c["policy"]["allow_hosts"].append("slowdns.test")
             c["audit"]["durable"] = durable
         e = factory.start(mutate=mutate)
+        before = world.upstream.server.connections
         s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=5)
         s.sendall(f"CONNECT slowdns.test:{world.U} HTTP/1.1\r\nHost: slowdns.test:{world.U}\r\n"
                   f"Proxy-Authorization: {world.auth()}\r\n\r\n".encode())
@@ -352,9 +363,35 @@ def test_connect_whose_client_leaves_during_the_dial_is_audited(world, factory, 
         rec = recs[0]
         assert (rec["status"], rec["reason"], rec["method"]) == (0, "client_aborted", "CONNECT"), rec
         assert rec["run"] == "r1", rec
+        assert world.upstream.server.connections == before, "the left CONNECT was dialled"
         if durable:
             decisions = [r for r in e.audit_records()
                          if r.get("host") == "slowdns.test" and r.get("event") == "decision"]
-            assert [d["req_id"] for d in decisions] == [rec["req_id"]], (decisions, rec)
+            assert decisions == [], (decisions, rec)
     finally:
         dns.close()
+
+
+def test_connect_whose_client_leaves_during_the_tcp_connect_ends_it(world, factory):
+    """A blind tunnel's upstream drops egressd's SYNs (its listen queue is full): the connect
+    would wait for connect_timeout (20 s). The CONNECT's client closes after half a second:
+    the dial ends then, recorded client_aborted (status 0), not 504 connect_timeout at 20 s."""
+    with _listener_dropping_syns() as port:
+        def mutate(c):
+            c["limits"].update(connect_timeout="20s")
+            c["policy"]["allow_hosts"].append("tunnel.test")
+            c["policy"]["allowed_ports"].append(port)
+        e = factory.start(mutate=mutate)
+        s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=5)
+        s.sendall(f"CONNECT tunnel.test:{port} HTTP/1.1\r\nHost: tunnel.test:{port}\r\n"
+                  f"Proxy-Authorization: {world.auth()}\r\n\r\n".encode())
+        time.sleep(0.5)  # the connect is on its way (it cannot complete)
+        t0 = time.monotonic()
+        s.close()
+        recs = poll(lambda: [r for r in e.audit_records()
+                             if r.get("host") == "tunnel.test" and r.get("port") == port], 10,
+                    "the left CONNECT's record")
+        assert time.monotonic() - t0 < 5, "recorded at connect_timeout, not when the client left"
+        assert len(recs) == 1, recs
+        assert (recs[0]["status"], recs[0]["reason"]) == (0, "client_aborted"), recs
+        assert recs[0]["duration_ms"] < 5000, recs

@@ -268,3 +268,28 @@ def test_max_unidentified_connections_ends_the_oldest_silent_connection(world, f
     assert "limits.max_unidentified_connections (4) reached" in e.stderr_text()
     for c in silent:
         c.close()
+
+
+@pytest.mark.parametrize("limit", [None, 3])
+def test_max_dial_addresses_bounds_the_addresses_one_dial_tries(world, factory, limit):
+    """A name with 12 answers, none of which accepts (nothing listens on closed_port at any of
+    127.0.0.1-12): one dial tries the first limits.max_dial_addresses of them (default 8),
+    each a connect of its own, and the CONNECT is 502 connect_failed. (Every answer was tried,
+    each for up to connect_timeout: a name with dozens of answers held its client that long.)"""
+    port = world.closed_port
+    answers = [f"127.0.0.{i}" for i in range(1, 13)]
+
+    def mutate(c):
+        c["resolver"]["overrides"]["many.test"] = answers
+        c["policy"]["allow_hosts"].append("many.test")
+        c["policy"]["allow_networks"] = ["127.0.0.0/28"]
+        if limit is not None:
+            c["limits"]["max_dial_addresses"] = limit
+    e = factory.start(mutate=mutate)
+    c, r = helpers.proxy_connect(e.proxy_port, f"many.test:{port}", world.auth())
+    c.close()
+    assert (r.status, r.egress_reason) == (502, "connect_failed")
+    tried = [line for line in e.stderr_text().splitlines() if f"connect many.test:{port} (" in line]
+    want = 8 if limit is None else limit
+    assert len(tried) == want, tried
+    assert all(f"({a})" in line for a, line in zip(answers, tried)), tried  # in answer order
