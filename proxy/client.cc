@@ -1047,10 +1047,13 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
         auto dd = policy::decide_destination(scope.runtime->config->policy, scope.run->policy,
                                              scope.target, policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
+            // As on the forward port: a pinned host whose secret is missing says so.
+            const std::string reason(
+                destination_refusal_reason(*scope.run, scope.target, dd.reason));
             bool ka = parser.keep_alive() && parser.is_done();
-            co_await write_refusal(stream, limits.refusal_timeout, 403, dd.reason, ka,
+            co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
                                    parser.method() == http::verb::head);
-            audit_refusal(scope, method, std::string(parser.target()), 403, dd.reason, started);
+            audit_refusal(scope, method, std::string(parser.target()), 403, reason, started);
             if (!ka) {
                 co_return;
             }

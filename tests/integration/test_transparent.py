@@ -304,3 +304,31 @@ def test_a_revoked_runs_sandbox_is_refused_not_given_to_a_broader_run(world, fac
         assert api(e, "GET", f"/v1/runs/{ids['b']}").status == 200
     finally:
         sb.down()
+
+
+def test_cleartext_to_a_pinned_host_whose_secret_is_missing_says_so(world, factory, marker):
+    """A cleartext request on the transparent listener to a host pinned with a secret that
+    could not be loaded is refused 403 secret_unavailable, as on the forward port (it was
+    host_not_allowed, as if the host had no pin)."""
+    require_netns()
+    tp = free_port()
+    P = world.plain.port
+    sb = Sandbox(f"egt{uuid.uuid4().hex[:4]}m", "10.250.35.0", tp, [P], ["missing.test"])
+    try:
+        def mutate(cfg):
+            cfg["listen"]["transparent"] = f"0.0.0.0:{tp}"
+            cfg["runs"][0]["sources"] = [f"{sb.address}/32"]
+            cfg["runs"][0]["pins"].append({
+                "host": f"missing.test:{P}", "inject": {"type": "bearer"},
+                "secret_file": os.path.join(world.tmp, "no-such-secret-file")})
+        e = factory.start(mutate)
+        r = sb.curl("-i", f"http://missing.test:{P}/echo?{marker}")
+        assert r.returncode == 0, r.stderr
+        head = r.stdout.split("\r\n\r\n", 1)[0].lower()
+        assert head.startswith("http/1.1 403"), head
+        assert "x-egress-reason: secret_unavailable" in head, head
+        rec = e.wait_audit(lambda x: x.get("host") == "missing.test" and x.get("status") == 403)
+        assert rec[-1]["reason"] == "secret_unavailable", rec[-1]
+        assert world.plain.find(marker) == []
+    finally:
+        sb.down()
