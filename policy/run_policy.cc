@@ -57,18 +57,6 @@ bool pin_live(const Pin& pin, TimePoint now) {
     return now < pin.expires_at;
 }
 
-// The port rule: a pattern naming a port allows that port, otherwise `allowed_ports`.
-bool pattern_allows(const HostPattern& p, const HostPort& dest, const GlobalPolicy& global) {
-    if (!p.matches_host(dest.host)) {
-        return false;
-    }
-    if (p.port()) {
-        return *p.port() == dest.port;
-    }
-    return std::find(global.allowed_ports.begin(), global.allowed_ports.end(), dest.port) !=
-           global.allowed_ports.end();
-}
-
 // A path that could climb out of a prefix once the upstream normalizes it.
 bool dangerous_path(std::string_view path) {
     if (path.empty() || path.front() != '/') {
@@ -615,6 +603,17 @@ DestinationDecision decide_destination(const GlobalPolicy& global, const RunPoli
         }) != nullptr;
     d.reason = named ? "port_not_allowed" : "host_not_allowed";
     return d;
+}
+
+bool pattern_allows(const HostPattern& p, const HostPort& dest, const GlobalPolicy& global) {
+    if (!p.matches_host(dest.host)) {
+        return false;
+    }
+    if (p.port()) {
+        return *p.port() == dest.port;
+    }
+    return std::find(global.allowed_ports.begin(), global.allowed_ports.end(), dest.port) !=
+           global.allowed_ports.end();
 }
 
 bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest) {

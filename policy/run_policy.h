@@ -182,6 +182,10 @@ void index_pins(RunPolicy& run);
 DestinationDecision decide_destination(const GlobalPolicy& global, const RunPolicy& run,
                                        const HostPort& dest, TimePoint now);
 
+/// The port rule above for one pattern: its host matches, and its own port if it names one,
+/// else one of `global.allowed_ports`.
+bool pattern_allows(const HostPattern& p, const HostPort& dest, const GlobalPolicy& global);
+
 /// True if any allow pattern (run or global) matches dest under the port rule above.
 bool host_allowed(const GlobalPolicy& global, const RunPolicy& run, const HostPort& dest);
 

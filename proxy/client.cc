@@ -828,7 +828,8 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
         auto dd = policy::decide_destination(rt->config->policy, scope.run->policy, scope.target,
                                              policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
-            std::string reason(destination_refusal_reason(*scope.run, scope.target, dd.reason));
+            std::string reason(destination_refusal_reason(*scope.run, rt->config->policy,
+                                                          scope.target, dd.reason));
             bool ka = !is_connect && parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
                                    parser.method() == http::verb::head);
@@ -1048,8 +1049,8 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
                                              scope.target, policy::Clock::now());
         if (dd.carry == policy::Carry::Deny) {
             // As on the forward port: a pinned host whose secret is missing says so.
-            const std::string reason(
-                destination_refusal_reason(*scope.run, scope.target, dd.reason));
+            const std::string reason(destination_refusal_reason(
+                *scope.run, scope.runtime->config->policy, scope.target, dd.reason));
             bool ka = parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
                                    parser.method() == http::verb::head);
@@ -1163,7 +1164,8 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
     auto dd = policy::decide_destination(rt.config->policy, scope.run->policy, scope.target,
                                          policy::Clock::now());
     if (dd.carry == policy::Carry::Deny) {
-        std::string reason(destination_refusal_reason(*scope.run, scope.target, dd.reason));
+        std::string reason(
+            destination_refusal_reason(*scope.run, rt.config->policy, scope.target, dd.reason));
         spdlog::info("conn={} transparent {}:{} (dialled {}) refused: {}", scope.conn_id, host,
                      original->port(), original->address().to_string(), reason);
         audit_refusal(scope, "", "", 403, reason, started);

@@ -1464,9 +1464,9 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
         // The proxy's own reason for this refusal (destination_refusal_reason): a host whose
         // pin's secret is missing is secret_unavailable, naming that pin and its secret.
         out["decision"] = "deny";
-        out["reason"] = destination_refusal_reason(*run, *dest, dd.reason);
+        out["reason"] = destination_refusal_reason(*run, config->policy, *dest, dd.reason);
         if (dd.reason == "host_not_allowed") {
-            if (const UnavailablePin* up = find_unavailable_pin(*run, *dest)) {
+            if (const UnavailablePin* up = find_unavailable_pin(*run, config->policy, *dest)) {
                 json::object pj;
                 pj["id"] = up->pin_id;
                 pj["host"] = up->host.text();

@@ -39,21 +39,30 @@ std::string one_per_line(const std::vector<std::string>& errors) {
 
 }  // namespace
 
-const UnavailablePin* find_unavailable_pin(const Run& run, const policy::HostPort& dest) {
+const UnavailablePin* find_unavailable_pin(const Run& run, const policy::GlobalPolicy& global,
+                                           const policy::HostPort& dest) {
     for (const auto& p : run.unavailable_pins) {
-        if (p.matches(dest)) {
+        if (p.matches(dest, global)) {
             return &p;
         }
     }
     return nullptr;
 }
 
-std::string_view destination_refusal_reason(const Run& run, const policy::HostPort& dest,
+std::string_view destination_refusal_reason(const Run& run, const policy::GlobalPolicy& global,
+                                            const policy::HostPort& dest,
                                             std::string_view reason) {
-    if (reason == "host_not_allowed" && find_unavailable_pin(run, dest) != nullptr) {
+    if (reason != "host_not_allowed") {
+        return reason;
+    }
+    if (find_unavailable_pin(run, global, dest) != nullptr) {
         return "secret_unavailable";
     }
-    return reason;
+    // As decide_destination tells a wrong port apart from a host nobody named.
+    const bool named = std::any_of(
+        run.unavailable_pins.begin(), run.unavailable_pins.end(),
+        [&](const UnavailablePin& p) { return p.host.matches_host(dest.host); });
+    return named ? "port_not_allowed" : reason;
 }
 
 std::shared_ptr<Run> Runtime::find(const std::string& id) const {

@@ -28,7 +28,11 @@ struct UnavailablePin {
     std::string pin_id;
     std::string secret_name;  // the store secret's name, or the secret file's name
     std::string secret_file;  // the path of a secret_file pin; empty for a store secret
-    bool matches(const policy::HostPort& dest) const { return host.matches(dest); }
+    /// Under decide_destination's port rule (its own port, else policy.allowed_ports): the
+    /// destinations the pin would cover if its secret were there.
+    bool matches(const policy::HostPort& dest, const policy::GlobalPolicy& global) const {
+        return policy::pattern_allows(host, dest, global);
+    }
 };
 
 struct Run {
@@ -69,15 +73,19 @@ std::shared_ptr<Run> with_store_secrets(const Run& statics,
                                         const std::vector<credstore::SecretPtr>& values,
                                         policy::InjectionCache& injections);
 
-/// The first of `run`'s unavailable pins whose host matches `dest`, or null.
-const UnavailablePin* find_unavailable_pin(const Run& run, const policy::HostPort& dest);
+/// The first of `run`'s unavailable pins that matches `dest` (UnavailablePin::matches: host,
+/// and port under `global`'s rule), or null.
+const UnavailablePin* find_unavailable_pin(const Run& run, const policy::GlobalPolicy& global,
+                                           const policy::HostPort& dest);
 
 /// The reason a destination refusal of `dest` is given with, by the proxy listeners (the
 /// X-Egress-Reason and the audit record) and by run explain alike: decide_destination's
-/// `reason`, except that host_not_allowed becomes secret_unavailable when one of the run's
-/// unavailable pins names the host (the grant exists; its secret does not, yet). Returns
-/// `reason` itself or a static string.
-std::string_view destination_refusal_reason(const Run& run, const policy::HostPort& dest,
+/// `reason`, except for host_not_allowed, which is what the refusal would be with the run's
+/// unavailable pins' secrets there: secret_unavailable when one of them matches `dest` (the
+/// grant exists; its secret does not, yet), port_not_allowed when one names the host but
+/// not this port. Returns `reason` itself or a static string.
+std::string_view destination_refusal_reason(const Run& run, const policy::GlobalPolicy& global,
+                                            const policy::HostPort& dest,
                                             std::string_view reason);
 
 struct Runtime {

@@ -2321,6 +2321,42 @@ def test_explain_says_secret_unavailable_as_the_proxy_does(factory, world):
     assert proxy_reason(run.auth, "unlisted.test") == (403, "host_not_allowed")
 
 
+def test_a_missing_secret_is_reported_only_for_the_ports_its_pin_covers(factory, world):
+    """A pin without a port covers policy.allowed_ports only (decide_destination's port rule):
+    with its secret missing, the proxy and run explain say secret_unavailable on those ports
+    and port_not_allowed on another (as with the secret there: the present.test pin beside
+    it), not secret_unavailable on every port."""
+    U = world.U
+    other = 22  # not in allowed_ports
+
+    def mutate(cfg):
+        r1 = cfg["runs"][0]
+        assert other not in cfg["policy"]["allowed_ports"]
+        r1["pins"] += [
+            {"host": "missing.test", "inject": {"type": "bearer"},
+             "secret_file": os.path.join(os.path.dirname(cfg["admin"]["token_file"]),
+                                         "missing.token")},
+            {"host": "present.test", "inject": {"type": "bearer"},
+             "secret_file": r1["pins"][0]["secret_file"]},
+        ]
+    e = factory.start(mutate=mutate)
+
+    def proxy_reason(host, port):
+        c, r = helpers.proxy_connect(e.proxy_port, f"{host}:{port}", world.auth("r1"))
+        c.close()
+        return r.status, r.egress_reason
+
+    def explain(host, port):
+        url = urllib.parse.quote(f"https://{host}:{port}/", safe="")
+        ex = api_ok(e, "GET", f"/v1/runs/r1/explain?url={url}")
+        return ex["decision"], ex["reason"]
+    assert proxy_reason("present.test", other) == (403, "port_not_allowed")
+    assert proxy_reason("missing.test", other) == (403, "port_not_allowed")
+    assert explain("missing.test", other) == ("deny", "port_not_allowed")
+    assert proxy_reason("missing.test", U) == (403, "secret_unavailable")
+    assert explain("missing.test", U) == ("deny", "secret_unavailable")
+
+
 def test_egressctl_env_ca_bundle_reaches_intercepted_and_tunnelled_hosts(cp, world, api_secret,
                                                                          tmp_path):
     """The variables that replace a client's trust store (SSL_CERT_FILE, REQUESTS_CA_BUNDLE,

@@ -76,5 +76,44 @@ TEST(FindBySource, AnEndedRunsRangeRefusesRatherThanFallsBack) {
     EXPECT_EQ(rt.find_by_source(ip("10.1.2.3")).ended, "run_revoked");
 }
 
+// A pin whose secret is missing refuses what the pin would cover, under the allow decision's
+// port rule (its own port, else policy.allowed_ports), as secret_unavailable; the host on
+// another port is port_not_allowed, as it is with the secret there.
+TEST(DestinationRefusalReason, UnavailablePinsFollowThePortRule) {
+    proxy::Run run;
+    run.unavailable_pins.push_back({policy::HostPattern::parse("missing.test").value(), "p0",
+                                    "missing.token", "/nowhere/missing.token"});
+    run.unavailable_pins.push_back(
+        {policy::HostPattern::parse("ported.test:8443").value(), "p1", "s", ""});
+    policy::GlobalPolicy global;
+    global.allowed_ports = {443};
+    struct Case {
+        policy::HostPort dest;
+        std::string_view want;
+        const char* pin;  // find_unavailable_pin's answer
+    };
+    for (const Case& c : {
+             Case{{"missing.test", 443}, "secret_unavailable", "p0"},
+             Case{{"missing.test", 22}, "port_not_allowed", nullptr},
+             Case{{"ported.test", 8443}, "secret_unavailable", "p1"},
+             Case{{"ported.test", 443}, "port_not_allowed", nullptr},
+             Case{{"other.test", 443}, "host_not_allowed", nullptr},
+         }) {
+        const std::string what = c.dest.host + ":" + std::to_string(c.dest.port);
+        EXPECT_EQ(destination_refusal_reason(run, global, c.dest, "host_not_allowed"), c.want)
+            << what;
+        const UnavailablePin* up = find_unavailable_pin(run, global, c.dest);
+        if (c.pin == nullptr) {
+            EXPECT_EQ(up, nullptr) << what;
+        } else {
+            ASSERT_NE(up, nullptr) << what;
+            EXPECT_EQ(up->pin_id, c.pin) << what;
+        }
+        // Other reasons are the decision's own.
+        EXPECT_EQ(destination_refusal_reason(run, global, c.dest, "host_denied"), "host_denied")
+            << what;
+    }
+}
+
 }  // namespace
 }  // namespace egress::proxy
