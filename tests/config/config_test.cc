@@ -116,6 +116,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.limits.upstream_tls_sessions, 1024u);
     EXPECT_EQ(c.limits.retry_body_bytes, 65536u);
     EXPECT_EQ(c.limits.sign_body_bytes, 1u << 20);
+    EXPECT_EQ(c.limits.method_body_bytes, 1u << 20);
     EXPECT_EQ(c.limits.worker_threads, 0u);  // one per usable CPU
     EXPECT_EQ(c.audit.path, "var/audit.jsonl");
     EXPECT_FALSE(c.audit.durable);
@@ -229,6 +230,7 @@ limits:
   upstream_tls_sessions: 0
   retry_body_bytes: 0
   sign_body_bytes: 4096
+  method_body_bytes: 2048
   worker_threads: 3
 audit:
   path: "-"
@@ -364,6 +366,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.limits.upstream_tls_sessions, 0u);
     EXPECT_EQ(c.limits.retry_body_bytes, 0u);
     EXPECT_EQ(c.limits.sign_body_bytes, 4096u);
+    EXPECT_EQ(c.limits.method_body_bytes, 2048u);
     EXPECT_EQ(c.limits.worker_threads, 3u);
     EXPECT_EQ(c.audit.path, "-");
     EXPECT_TRUE(c.audit.durable);
@@ -697,6 +700,8 @@ const ErrorRow kErrorRows[] = {
      "limits.retry_body_bytes: expected an integer in 0..16777216"},
     {"SignBodyTooLarge", "limits: {sign_body_bytes: 99999999}\n",
      "limits.sign_body_bytes: expected an integer in 0..67108864"},
+    {"MethodBodyTooLarge", "limits: {method_body_bytes: 99999999}\n",
+     "limits.method_body_bytes: expected an integer in 0..67108864"},
     {"NegativeInteger", "limits: {h2_max_concurrent_streams: -1}\n",
      "limits.h2_max_concurrent_streams: expected an integer"},
     {"StringGotMapping", "audit: {path: {a: b}}\n", "audit.path: expected a string, got a mapping"},
