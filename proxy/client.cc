@@ -445,7 +445,12 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     const Runtime& rt = *scope.runtime;
     DialCut dial;
     std::optional<TunnelDialWatch> watch;
-    watch.emplace(client.socket(), dial);
+    if (buf.size() == 0) {
+        // A first flight read with the CONNECT head is in `buf`, not in the socket, where the
+        // watch would take the client's half-close after it for a client gone: such a client
+        // is talking, and its bytes go to the upstream once dialed.
+        watch.emplace(client.socket(), dial);
+    }
     auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
     watch.reset();
     if (dial.abandoned) {

@@ -440,9 +440,9 @@ awaitable<const char*> relay_switched(RawBytes& client, RawBytes& origin,
 /// never write at once (after_read waits for a release under way).
 class HeldRelease {
 public:
-    HeldRelease(net::any_io_executor ex, Downstream& down, policy::Scrubber& scrubber,
-                std::chrono::milliseconds after)
-        : ex_(std::move(ex)), down_(down), scrubber_(scrubber), after_(after) {}
+    HeldRelease(net::any_io_executor ex, Downstream& down, Upstream& up,
+                policy::Scrubber& scrubber, std::chrono::milliseconds after)
+        : ex_(std::move(ex)), down_(down), up_(up), scrubber_(scrubber), after_(after) {}
     HeldRelease(const HeldRelease&) = delete;
     HeldRelease& operator=(const HeldRelease&) = delete;
 
@@ -506,7 +506,12 @@ private:
                 }
                 egress::secure_wipe(out_);
                 releasing_ = false;
-                failed_ = failed_ || !ok;
+                if (!ok && !failed_) {
+                    // The client is gone: the relay's wait on a paused upstream ends now, not
+                    // when the upstream speaks again or idle_timeout passes.
+                    failed_ = true;
+                    up_.abort();
+                }
                 ended_->cancel();  // wakes after_read
                 continue;
             }
@@ -519,6 +524,7 @@ private:
 
     net::any_io_executor ex_;
     Downstream& down_;
+    Upstream& up_;
     policy::Scrubber& scrubber_;
     std::chrono::milliseconds after_;
     Clock::time_point deadline_{};
@@ -1298,67 +1304,79 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     if (!resp->body.none) {
         std::string spill;  // only when the scrubber held bytes back from the previous piece
         auto ex = co_await net::this_coro::executor;
-        HeldRelease release(std::move(ex), down, scrubber, limits.scrub_hold_timeout);
+        HeldRelease release(std::move(ex), down, *up, scrubber, limits.scrub_hold_timeout);
         const char* failed = nullptr;  // the body failed: the record's reason (after stop())
         const char* failed_kind = "";
-        for (;;) {
-            release.before_read();
-            auto chunk = co_await up->read_body();
-            if (!release.after_read()) {
-                co_await release.settle();  // the held bytes go first
-            }
-            if (release.failed()) {
-                failed = "client_aborted";
-                break;
-            }
-            if (!chunk.ok) {
-                if (duplex && chunk.failure == BodyFailure::Timeout && cut_reason == nullptr) {
-                    if (!request_done && rec.bytes_in != in_seen) {
-                        in_seen = rec.bytes_in;  // the upload moves: a quiet response is not idle
-                        continue;
+        // Whatever ends the loop, an exception too (bad_alloc), the watcher is stopped
+        // before `release`, `scrubber` and `spill` go: it refers to them.
+        std::exception_ptr thrown;
+        try {
+            for (;;) {
+                release.before_read();
+                auto chunk = co_await up->read_body();
+                if (!release.after_read()) {
+                    co_await release.settle();  // the held bytes go first
+                }
+                if (release.failed()) {
+                    failed = "client_aborted";
+                    break;
+                }
+                if (!chunk.ok) {
+                    if (duplex && chunk.failure == BodyFailure::Timeout && cut_reason == nullptr) {
+                        if (!request_done && rec.bytes_in != in_seen) {
+                            // The upload moves: a quiet response is not idle.
+                            in_seen = rec.bytes_in;
+                            continue;
+                        }
+                        cut_reason = "idle_timeout";  // nothing moved either way
                     }
-                    cut_reason = "idle_timeout";  // nothing moved either way
+                    // The bytes that came go out, the held ones too (as after a pause: the
+                    // upstream is gone), unless held bytes wait for more (scrub_hold_timeout: 0).
+                    // Then the client is told the body is incomplete (h1: close without
+                    // last-chunk; h2: reset).
+                    if (scrubber.held() > 0 && limits.scrub_hold_timeout.count() != 0) {
+                        spill.clear();
+                        scrubber.finish(spill);
+                        co_await down.send_body(spill, false, nullptr);  // it fails anyway
+                        egress::secure_wipe(spill);
+                    }
+                    if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
+                        failed = cut_reason;
+                    } else {
+                        failed = "upstream_aborted";
+                        failed_kind = "response_body";
+                    }
+                    break;
                 }
-                // The bytes that came go out, the held ones too (as after a pause: the
-                // upstream is gone), unless held bytes wait for more (scrub_hold_timeout: 0).
-                // Then the client is told the body is incomplete (h1: close without
-                // last-chunk; h2: reset).
-                if (scrubber.held() > 0 && limits.scrub_hold_timeout.count() != 0) {
-                    spill.clear();
-                    scrubber.finish(spill);
-                    co_await down.send_body(spill, false, nullptr);  // it fails anyway
-                    egress::secure_wipe(spill);
+                rec.bytes_out += chunk.data.size();
+                // Scrubbed where it lies, in the upstream's buffer (no copy, no allocation), but
+                // after the bytes held from the previous piece: with them, in `spill`.
+                const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
+                if (out.empty() && !chunk.last) {
+                    continue;
                 }
-                if (cut_reason != nullptr) {  // the duplex exchange cut the upstream part
-                    failed = cut_reason;
-                } else {
-                    failed = "upstream_aborted";
-                    failed_kind = "response_body";
+                Headers trailers;
+                if (chunk.last) {
+                    trailers = up->response_trailers();
+                    scrubber.scrub_fields(trailers);
                 }
-                break;
+                if (!co_await down.send_body(out, chunk.last,
+                                             trailers.empty() ? nullptr : &trailers)) {
+                    failed = "client_aborted";
+                    break;
+                }
+                if (chunk.last) {
+                    break;
+                }
             }
-            rec.bytes_out += chunk.data.size();
-            // Scrubbed where it lies, in the upstream's buffer (no copy, no allocation), but
-            // after the bytes held from the previous piece: with them, in `spill`.
-            const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
-            if (out.empty() && !chunk.last) {
-                continue;
-            }
-            Headers trailers;
-            if (chunk.last) {
-                trailers = up->response_trailers();
-                scrubber.scrub_fields(trailers);
-            }
-            if (!co_await down.send_body(out, chunk.last, trailers.empty() ? nullptr : &trailers)) {
-                failed = "client_aborted";
-                break;
-            }
-            if (chunk.last) {
-                break;
-            }
+        } catch (...) {
+            thrown = std::current_exception();
         }
         if (release.running()) {
             co_await release.stop();
+        }
+        if (thrown) {
+            std::rethrow_exception(thrown);
         }
         if (failed != nullptr) {
             finish(resp->status, failed, failed_kind);

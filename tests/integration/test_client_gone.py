@@ -372,6 +372,41 @@ def test_connect_whose_client_leaves_during_the_dial_is_audited(world, factory, 
         dns.close()
 
 
+def test_a_first_flight_sent_with_the_connect_then_a_half_close_is_relayed(world, factory,
+                                                                             marker):
+    """A client that sends its first flight in the CONNECT's own packet and then half-closes
+    (shutdown(SHUT_WR)) is talking, not gone: egressd read those bytes with the CONNECT head, so
+    the dial's client watch, which sees only the socket, took the FIN after them for a client
+    that left and cut the dial (client_aborted, nothing relayed). The flight is relayed and the
+    answer comes back."""
+    dns = _SlowDns()  # the dial lasts a second: the FIN arrives while it waits
+    dns.set("slowdns.test", fixed("127.0.0.1"))
+    try:
+        def mutate(c):
+            c["resolver"]["servers"] = [dns.address]
+            c["policy"]["allow_hosts"].append("slowdns.test")
+        e = factory.start(mutate=mutate)
+        P = world.plain.port
+        s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10)
+        s.sendall(f"CONNECT slowdns.test:{P} HTTP/1.1\r\nHost: slowdns.test:{P}\r\n"
+                  f"Proxy-Authorization: {world.auth()}\r\n\r\n"
+                  f"GET /echo/{marker} HTTP/1.1\r\nHost: slowdns.test:{P}\r\n"
+                  f"Connection: close\r\n\r\n".encode())
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            got += b
+        s.close()
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        assert b"\r\n\r\nHTTP/1.1 200" in got, got[:400]  # the upstream's own answer
+        assert world.plain.find(marker), "the first flight did not reach the upstream"
+    finally:
+        dns.close()
+
+
 def test_connect_whose_client_leaves_during_the_tcp_connect_ends_it(world, factory):
     """A blind tunnel's upstream drops egressd's SYNs (its listen queue is full): the connect
     would wait for connect_timeout (20 s). The CONNECT's client closes after half a second:

@@ -14,6 +14,7 @@ import http.server
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 import urllib.parse
@@ -240,5 +241,32 @@ def test_h2_data_sizes_are_the_same_for_a_right_and_a_wrong_guess(factory, world
         [sizes] = seen["right"]
         assert len(sizes) == 2, sizes  # the piece less its tail, then the tail on its own
         c.close()
+    finally:
+        upstream.close()
+
+
+def test_a_client_gone_during_a_held_release_ends_the_exchange_at_once(factory, world):
+    """The timed release is the only write while a paused upstream is awaited: when it finds
+    the client gone, the upstream part is aborted then, not when the upstream speaks again
+    (here after WAIT_S) or idle_timeout passes, and the record says client_aborted."""
+    upstream = _Upstream(world)
+    try:
+        e = _start(factory, world, upstream)
+        ca = e.config["runs"][0]["ca_cert_out"]
+        c = helpers.tunnel(e.proxy_port, "api.test", upstream.port, world.auth("r1"), ca)
+        c.sock.settimeout(5)
+        rid = upstream.next_id()
+        guess = _guesses()["other"]
+        c.send(f"GET /stream?id={rid}&g={guess} HTTP/1.1\r\n"
+               f"Host: api.test:{upstream.port}\r\n\r\n".encode())
+        c.read_until(b"\r\n\r\n")
+        _chunk(c)  # the piece less its held tail: the release is due in scrub_hold_timeout
+        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()  # a reset: the release's write fails
+        t0 = time.monotonic()
+        [rec] = e.wait_audit(lambda a: a.get("path") == "/stream", timeout=8)
+        took = time.monotonic() - t0
+        assert rec["reason"] == "client_aborted", rec
+        assert took < WAIT_S / 2, f"the record came {took:.1f} s after the client left"
     finally:
         upstream.close()
