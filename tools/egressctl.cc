@@ -505,25 +505,28 @@ public:
             req.body() = *body;
         }
         req.prepare_payload();
-        Reply r;
+        // `req` holds copies of the body (a secret's value, for `secret put`) and of the
+        // token (the Authorization field): wiped on every way out of here, the timeout's
+        // Failure and any other exception included, not only on success and system_error.
+        struct WipeOnExit {
+            http::request<http::string_body>& req;
+            ~WipeOnExit() { wipe(req); }
+        } wipe_on_exit{req};
         try {
-            if (ep_.is_unix) {
-                r = exchange<net::local::stream_protocol>(req);
-            } else {
-                r = exchange<net::ip::tcp>(req);
-            }
+            if (ep_.is_unix) return exchange<net::local::stream_protocol>(req);
+            return exchange<net::ip::tcp>(req);
         } catch (const boost::system::system_error& ex) {
-            wipe(req);
             throw Failure("cannot reach the admin API at " + ep_.display + ": " +
                           ex.code().message());
         }
-        wipe(req);
-        return r;
     }
 
 private:
     static void wipe(http::request<http::string_body>& req) {
         if (!req.body().empty()) egress::secure_zero(req.body().data(), req.body().size());
+        // The field's value lives in the request's own (non-const) storage.
+        const auto auth = req[http::field::authorization];
+        if (!auth.empty()) egress::secure_zero(const_cast<char*>(auth.data()), auth.size());
     }
 
     /// The exchange runs as asynchronous operations under one deadline (`timeout_`) that
