@@ -64,6 +64,11 @@ constexpr std::chrono::seconds kDefaultTimeout{30};
 struct Failure : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
+/// A request that may have reached the admin API, whose answer never came (a timeout or a
+/// broken connection once sending had begun): what it asked for may have been done.
+struct NoAnswer : Failure {
+    using Failure::Failure;
+};
 /// Bad command line: one line on stderr (plus a hint), exit 2.
 struct Usage : std::runtime_error {
     using std::runtime_error::runtime_error;
@@ -505,6 +510,7 @@ public:
             req.body() = *body;
         }
         req.prepare_payload();
+        sending_begun_ = false;
         // `req` holds copies of the body (a secret's value, for `secret put`) and of the
         // token (the Authorization field): wiped on every way out of here, the timeout's
         // Failure and any other exception included, not only on success and system_error.
@@ -516,8 +522,10 @@ public:
             if (ep_.is_unix) return exchange<net::local::stream_protocol>(req);
             return exchange<net::ip::tcp>(req);
         } catch (const boost::system::system_error& ex) {
-            throw Failure("cannot reach the admin API at " + ep_.display + ": " +
-                          ex.code().message());
+            std::string what = "cannot reach the admin API at " + ep_.display + ": " +
+                               ex.code().message();
+            if (sending_begun_) throw NoAnswer(what);
+            throw Failure(what);
         }
     }
 
@@ -559,6 +567,7 @@ private:
                 return;
             }
             phase = "sending a request to";
+            sending_begun_ = true;
             http::async_write(sock, req, on_write);
         };
         if constexpr (std::is_same_v<Protocol, net::ip::tcp>) {
@@ -578,9 +587,11 @@ private:
             // Pending handlers are destroyed with the io_context, never run.
             error_code ignored;
             sock.close(ignored);
-            throw Failure(std::string("timed out after ") + duration_text(timeout_) + " " +
-                          phase + " the admin API at " + ep_.display + " (--timeout " +
-                          duration_text(timeout_) + ")");
+            std::string what = std::string("timed out after ") + duration_text(timeout_) +
+                               " " + phase + " the admin API at " + ep_.display +
+                               " (--timeout " + duration_text(timeout_) + ")";
+            if (sending_begun_) throw NoAnswer(what);
+            throw Failure(what);
         }
         if (*result) throw boost::system::system_error(*result);
         auto& res = parser.get();
@@ -593,6 +604,7 @@ private:
     Endpoint ep_;
     Wiped token_;
     std::chrono::seconds timeout_;
+    bool sending_begun_ = false;  // of the current call: some of its request may be there
 };
 
 /// The API's error as one line: "400 invalid_request: pins[0].secret: unknown secret ...".
@@ -1038,7 +1050,16 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
 
     std::string body = json::serialize(req);
     Client client = ctx.client();
-    auto r = client.call(http::verb::post, "/v1/runs", &body);
+    Reply r;
+    try {
+        r = client.call(http::verb::post, "/v1/runs", &body);
+    } catch (const NoAnswer& f) {
+        // egressd may have read the whole request and made the run; its answer, the only
+        // place egressctl learns the id, never came.
+        throw Failure(std::string(f.what()) +
+                      ": the run may have been created; its id is unknown (no answer named "
+                      "it: it would be in egressd's state store, and ends at its ttl)");
+    }
     expect(r, {200, 201});
     auto v = parse_reply(r);
     if (!v.is_object()) throw Failure("the admin API answered with an unexpected body");

@@ -1176,6 +1176,112 @@ def test_egressctl_run_create_leaves_no_run_when_its_files_cannot_be_written(cp,
     assert os.listdir(tmp_path) == ["a-folder"] and os.listdir(folder) == []
 
 
+class _FakeAdmin:
+    """A loopback admin API for what egressd will not do on demand: `answer(method, target)`
+    returns the raw response bytes after the request was read whole, or None for no answer
+    (the connection is held), or b"" to close without one."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.seen: list[tuple[str, str]] = []
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(8)
+        self.ls.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.ls.getsockname()[1]}"
+        self.stop = threading.Event()
+        self.held: list[socket.socket] = []
+        self.t = threading.Thread(target=self._serve, daemon=True)
+        self.t.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                c, _ = self.ls.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.held.append(c)
+            c.settimeout(5)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    chunk = c.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                length = 0
+                for line in lines[1:]:
+                    k, _, v = line.partition(":")
+                    if k.strip().lower() == "content-length":
+                        length = int(v.strip())
+                while len(body) < length:
+                    chunk = c.recv(65536)
+                    if not chunk:
+                        break
+                    body += chunk
+            except OSError:
+                continue
+            method, target = (lines[0].split(" ") + ["", ""])[:2]
+            self.seen.append((method, target))
+            out = self.answer(method, target)
+            if out is None:
+                continue
+            try:
+                c.sendall(out)
+            except OSError:
+                pass
+            c.close()
+
+    def close(self):
+        self.stop.set()
+        self.t.join(5)
+        for s in self.held + [self.ls]:
+            s.close()
+
+
+def _ctl_at(admin: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([egressctl_bin(), "--admin", admin, *args], capture_output=True,
+                          timeout=30, env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="not-a-real-token"))
+
+
+def test_egressctl_run_create_says_a_run_may_exist_when_its_answer_never_came():
+    """--timeout ran out (or the connection broke) after the POST was sent: egressd may have
+    made the run, and its id, which only the answer carries, is unknown. The message said only
+    that the call timed out; it now says the run may have been created. A call that never got
+    to send its request says nothing of the kind."""
+    for mode in ("hold", "close"):
+        fake = _FakeAdmin(lambda m, t: None if mode == "hold" else b"")
+        try:
+            r = _ctl_at(fake.url, "--timeout", "1s", "run", "create", "--scope", "org=acme")
+        finally:
+            fake.close()
+        err = r.stderr.decode()
+        assert r.returncode == 1 and r.stdout == b"", (mode, r.returncode, err)
+        assert fake.seen == [("POST", "/v1/runs")], (mode, fake.seen)
+        if mode == "hold":
+            assert err.startswith(f"egressctl: timed out after 1s waiting for an answer from the "
+                                  f"admin API at {fake.url} (--timeout 1s): "), err
+        else:
+            assert err.startswith(f"egressctl: cannot reach the admin API at {fake.url}: "), err
+        assert err.endswith(": the run may have been created; its id is unknown (no answer "
+                            "named it: it would be in egressd's state store, and ends at its "
+                            "ttl)\n"), (mode, err)
+        assert err.count("\n") == 1, err
+    # nothing listening: the request was never sent, so no run can exist
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    r = _ctl_at(f"http://127.0.0.1:{port}", "--timeout", "1s", "run", "create", "--scope",
+                "org=acme")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "may have been created" not in err, err
+
+
 def test_egressctl_env_output_is_shell_safe(cp, world, api_secret, tmp_path):
     ca = tmp_path / "it's a dir" / "ca.pem"
     ca.parent.mkdir()
