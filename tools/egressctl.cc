@@ -12,6 +12,7 @@
 #include <openssl/crypto.h>
 #include <openssl/x509.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -910,6 +911,22 @@ private:
     std::string tmp_;
 };
 
+/// An output path that exists must be a file egressctl can replace: a regular file or a symlink
+/// (rename(2) replaces the link, never follows it). A folder, a FIFO, a device ... is refused
+/// before the run is made: found only at the rename, after the run, it left a run to revoke
+/// and, for --ca-bundle-out, a --ca-out already replaced by that revoked run's CA.
+void check_output_path(const std::string& path, const char* flag) {
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) return;  // missing (or unreachable: staging says why)
+    if (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) return;
+    const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "a device";
+    throw Usage(std::string(flag) + " " + path + ": is " + what +
+                ", not a file (give a file's path)");
+}
+
 /// The bundle's default name: beside the run CA file, "-bundle" before its ".pem"
 /// (./egress-run-ca.pem -> ./egress-run-ca-bundle.pem).
 std::string default_bundle_path(const std::string& ca_out) {
@@ -1043,6 +1060,8 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
     // output file that cannot be created, fails the command without leaving a run behind.
     std::string roots;
     if (bundle_out) roots = system_roots(a.one("system-ca-file"));
+    if (ca_out) check_output_path(*ca_out, "--ca-out");
+    if (bundle_out) check_output_path(*bundle_out, "--ca-bundle-out");
     std::optional<CaOutput> ca_file;
     std::optional<CaOutput> bundle_file;
     if (ca_out) ca_file.emplace(*ca_out, "--ca-out");
@@ -1082,8 +1101,10 @@ int cmd_run_create(const Ctx& ctx, const std::vector<std::string>& rest) {
             if (bundle.back() != '\n') bundle += '\n';
             bundle_file->write(bundle);
         }
-        if (ca_file) ca_path = ca_file->commit();
+        // The bundle first: if its rename fails the run is revoked, and --ca-out must still
+        // hold the CA it held, not the revoked run's.
         if (bundle_file) bundle_path = bundle_file->commit();
+        if (ca_file) ca_path = ca_file->commit();
     } catch (const Failure& f) {
         // The run exists, but its id and proxy token were never printed: nobody could use
         // or find it, and it would count toward admin.max_runs until it expired.

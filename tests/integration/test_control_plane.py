@@ -1163,17 +1163,51 @@ def test_egressctl_run_create_leaves_no_run_when_its_files_cannot_be_written(cp,
         assert r.err.count("\n") == 1, r.err
         assert runs() == before, (args, "a run was made")
     assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+    # A path that is a folder is now refused before the run is made (a usage error); a file
+    # that fails after the run exists has the run revoked: see
+    # test_egressctl_run_create_revokes_the_run_and_keeps_the_ca_file_when_the_bundle_fails.
     folder = tmp_path / "a-folder"
     folder.mkdir()
     r = ctl(cp, "run", "create", "--scope", "org=acme", "--pin", pin, "--ca-out", str(folder))
-    assert r.returncode == 1 and r.out == "", (r.returncode, r.out, r.err)
-    after = runs()
-    made = set(after) - set(before)
-    assert len(made) == 1, made
-    (rid,) = made
-    assert after[rid] is True, "the run egressctl could not hand over was not revoked"
-    assert r.err == f"egressctl: --ca-out {folder}: Is a directory; run {rid} revoked\n", r.err
+    assert r.returncode == 2 and r.out == "", (r.returncode, r.out, r.err)
+    assert r.err.startswith(f"egressctl: --ca-out {folder}: is a directory"), r.err
+    assert runs() == before, "a run was made"
     assert os.listdir(tmp_path) == ["a-folder"] and os.listdir(folder) == []
+
+
+def test_egressctl_run_create_refuses_an_output_path_that_is_no_file(cp, world, api_secret,
+                                                                     tmp_path):
+    """--ca-bundle-out naming a folder was found only at its rename, after the run was made
+    and after --ca-out had been renamed into place: ca.pem then held the CA of a run egressctl
+    revoked. An output path that exists and is not a regular file or a symlink (a folder, a
+    FIFO) is now a usage error before any run is made, and leaves --ca-out as it was."""
+    def runs():
+        return {r["id"]: r.get("revoked", False) for r in _read_state(cp)["runs"]}
+
+    before = runs()
+    pin = f"{api_host(world)}=api_tok:bearer"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("the CA file as it was\n")
+    folder = tmp_path / "bundle-dir"
+    folder.mkdir()
+    fifo = tmp_path / "a-fifo"
+    os.mkfifo(fifo)
+    for args, flag, what in (
+            (["--ca-out", str(ca), "--ca-bundle-out", str(folder)], "--ca-bundle-out",
+             "a directory"),
+            (["--env", "--ca-out", str(ca), "--ca-bundle-out", str(folder),
+              "--system-ca-file", str(world.pki.ca)], "--ca-bundle-out", "a directory"),
+            (["--ca-out", str(fifo)], "--ca-out", "a FIFO")):
+        r = ctl(cp, "run", "create", "--scope", "org=acme", "--pin", pin, *args)
+        assert r.returncode == 2 and r.out == "", (args, r.returncode, r.out, r.err)
+        target = folder if flag == "--ca-bundle-out" else fifo
+        assert r.err.startswith(f"egressctl: {flag} {target}: is {what}, not a file"), r.err
+        assert r.err.count("\n") == 1, r.err
+        assert runs() == before, (args, "a run was made")
+        assert ca.read_text() == "the CA file as it was\n", args
+        assert sorted(os.listdir(tmp_path)) == ["a-fifo", "bundle-dir", "ca.pem"], args
+        assert os.listdir(folder) == []
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
 class _FakeAdmin:
@@ -1246,6 +1280,46 @@ class _FakeAdmin:
 def _ctl_at(admin: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([egressctl_bin(), "--admin", admin, *args], capture_output=True,
                           timeout=30, env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="not-a-real-token"))
+
+
+def test_egressctl_run_create_revokes_the_run_and_keeps_the_ca_file_when_the_bundle_fails(
+        world, tmp_path):
+    """The bundle is renamed into place before the CA file: when its rename fails after the run
+    was made (here the path turns into a folder while the run is being created), the run is
+    revoked and --ca-out still holds what it held. The CA file was renamed first, so it held
+    the CA of the run egressctl then revoked."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("the CA file as it was\n")
+    bundle = tmp_path / "bundle.pem"
+    run = {"id": "run_fake", "proxy_url": "http://run_fake:x@127.0.0.1:9",
+           "expires_at": "2099-01-01T00:00:00Z",
+           "ca_pem": "-----BEGIN CERTIFICATE-----\nZmFrZQ==\n-----END CERTIFICATE-----\n"}
+
+    def answer(method, target):
+        if method == "POST" and target == "/v1/runs":
+            bundle.mkdir()  # after egressctl checked its paths, before it renames
+            body = json.dumps(run).encode()
+            return (b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                    b"Connection: close\r\nContent-Length: " + str(len(body)).encode() +
+                    b"\r\n\r\n" + body)
+        if method == "DELETE" and target == "/v1/runs/run_fake":
+            return b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n"
+        return b"HTTP/1.1 404 Not Found\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+
+    fake = _FakeAdmin(answer)
+    try:
+        r = _ctl_at(fake.url, "run", "create", "--scope", "org=acme", "--ca-out", str(ca),
+                    "--ca-bundle-out", str(bundle), "--system-ca-file", str(world.pki.ca))
+    finally:
+        fake.close()
+    err = r.stderr.decode()
+    assert r.returncode == 1 and r.stdout == b"", (r.returncode, r.stdout, err)
+    assert err == (f"egressctl: --ca-bundle-out {bundle}: Is a directory; "
+                   f"run run_fake revoked\n"), err
+    assert fake.seen == [("POST", "/v1/runs"), ("DELETE", "/v1/runs/run_fake")], fake.seen
+    assert ca.read_text() == "the CA file as it was\n", "--ca-out holds a revoked run's CA"
+    assert sorted(os.listdir(tmp_path)) == ["bundle.pem", "ca.pem"], os.listdir(tmp_path)
+    assert os.listdir(bundle) == []
 
 
 def test_egressctl_run_create_says_a_run_may_exist_when_its_answer_never_came():
