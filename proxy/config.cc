@@ -24,6 +24,7 @@
 #include <string_view>
 #include <utility>
 
+#include "common/trust_roots.h"
 #include "credstore/state_store.h"
 
 namespace egress::proxy {
@@ -225,8 +226,10 @@ Result<bool> check_dns_server(std::string_view text) {
 
 /// `path` as egressd's file calls reach it, to compare two paths: absolute (against the
 /// working directory), "." and ".." resolved, and its folder's symlinks followed where they
-/// exist. The last component is not followed: a rename or an unlink acts on a link itself.
-std::filesystem::path file_identity(const std::string& path) {
+/// exist. The last component is followed with `follow_last` (a file opened, read or appended
+/// to: the link's target is what is reached), not without (a rename or an unlink acts on a
+/// link itself).
+std::filesystem::path file_identity(const std::string& path, bool follow_last = false) {
     namespace fs = std::filesystem;
     std::error_code ec;
     fs::path p = fs::absolute(path, ec);
@@ -236,6 +239,12 @@ std::filesystem::path file_identity(const std::string& path) {
     p = p.lexically_normal();
     if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) {
         p = p.parent_path();  // "var/state/": the folder itself
+    }
+    if (follow_last) {
+        fs::path whole = fs::weakly_canonical(p, ec);
+        if (!ec) {
+            return whole.lexically_normal();
+        }
     }
     if (p.has_filename()) {
         fs::path dir = fs::weakly_canonical(p.parent_path(), ec);
@@ -271,15 +280,21 @@ void for_each_written_file_clash(const Config& c, OnClash&& error) {
         std::string path;
         std::filesystem::path id;
     };
+    // Files written by a rename (the CA files) or unlinked first (the socket) are compared
+    // as named; files opened (read, appended to: the audit file, the state) as reached
+    // through a symlink at their name.
     auto named = [](std::string key, const std::string& path) {
         return Named{std::move(key), path, file_identity(path)};
+    };
+    auto opened = [](std::string key, const std::string& path) {
+        return Named{std::move(key), path, file_identity(path, true)};
     };
     std::vector<Named> written;
     if (c.admin.is_unix()) {
         written.push_back(named("listen.admin", c.admin.unix_path));
     }
     if (c.audit.path != "-") {
-        written.push_back(named("audit.path", c.audit.path));
+        written.push_back(opened("audit.path", c.audit.path));
     }
     for (const auto& run : c.runs) {
         if (!run.ca_cert_out.empty()) {
@@ -291,37 +306,43 @@ void for_each_written_file_clash(const Config& c, OnClash&& error) {
     }
     std::vector<Named> read;
     if (!c.source.empty()) {
-        read.push_back(named("the config file", c.source));
+        read.push_back(opened("the config file", c.source));
     }
-    read.push_back(named("admin.token_file", c.admin_token_file));
-    read.push_back(named("keys.master_key_file", c.master_key_file));
+    read.push_back(opened("admin.token_file", c.admin_token_file));
+    read.push_back(opened("keys.master_key_file", c.master_key_file));
     // Where `egressctl keys rotate` puts the next key (control_plane.cc).
-    read.push_back(named("keys.master_key_file (its .next)", c.master_key_file + ".next"));
+    read.push_back(opened("keys.master_key_file (its .next)", c.master_key_file + ".next"));
     if (c.upstream_ca_file != "system") {
-        read.push_back(named("upstream.ca_file", c.upstream_ca_file));
+        read.push_back(opened("upstream.ca_file", c.upstream_ca_file));
+    } else {
+        // A bundle written over the system roots it starts from would grow by a CA at each
+        // start and reload.
+        for (const auto& f : default_root_files()) {
+            read.push_back(opened("the system trust store (upstream.ca_file: system)", f));
+        }
     }
     if (c.etcd.ca_file != "system") {
-        read.push_back(named("state.etcd.ca_file", c.etcd.ca_file));
+        read.push_back(opened("state.etcd.ca_file", c.etcd.ca_file));
     }
     if (c.etcd.cert_file) {
-        read.push_back(named("state.etcd.cert_file", *c.etcd.cert_file));
+        read.push_back(opened("state.etcd.cert_file", *c.etcd.cert_file));
     }
     if (c.etcd.key_file) {
-        read.push_back(named("state.etcd.key_file", *c.etcd.key_file));
+        read.push_back(opened("state.etcd.key_file", *c.etcd.key_file));
     }
     for (const auto& run : c.runs) {
         if (run.token_file && !run.token_file->empty()) {
-            read.push_back(named(run.yaml_path + ".token_file", *run.token_file));
+            read.push_back(opened(run.yaml_path + ".token_file", *run.token_file));
         }
         for (const auto& pin : run.pins) {
             if (!pin.secret_file.empty()) {
-                read.push_back(named(pin.yaml_path + ".secret_file", pin.secret_file));
+                read.push_back(opened(pin.yaml_path + ".secret_file", pin.secret_file));
             }
         }
     }
     std::optional<Named> state;
     if (c.state_backend == "file") {
-        state = named("state.path", c.state_path);
+        state = opened("state.path", c.state_path);
     }
     for (size_t i = 0; i < written.size(); ++i) {
         const Named& w = written[i];

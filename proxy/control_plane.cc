@@ -635,11 +635,13 @@ Result<std::unique_ptr<ControlPlane>> ControlPlane::open(std::shared_ptr<const R
         bool create = !std::filesystem::exists(cfg.master_key_file, fec);
         if (create) {
             if (auto sealed = sealed_kek_ids(*cp->store_->snapshot()); !sealed.empty()) {
-                return make_error("keys.master_key_file: " + cfg.master_key_file +
-                                  " does not exist, but the state holds records sealed under " +
-                                  sealed +
-                                  ": restore that key file (a new key would unseal none of "
-                                  "them), or point the key at it");
+                const bool kms_only = sealed.find("file:") == std::string::npos;
+                return make_error(
+                    "keys.master_key_file: " + cfg.master_key_file +
+                    " does not exist, but the state holds records sealed under " + sealed +
+                    (kms_only ? ": set keys.kms_command to the KMS that sealed them"
+                              : ": restore that key file, or point keys.master_key_file at it") +
+                    " (a new key would unseal none of them)");
             }
         }
         auto p = credstore::open_master_key_file(cfg.master_key_file, create);
@@ -1364,9 +1366,12 @@ ApiResponse ControlPlane::explain(const std::string& id, std::string_view query)
     auto params = query_params(query, {"url", "method"});
     if (!params) return error(400, "invalid_request", params.error());
     std::string url_text = (*params)["url"];
-    std::string method = (*params)["method"];
-    if (method.empty()) {
-        method = "GET";
+    std::string method = "GET";
+    if (auto it = params->find("method"); it != params->end()) {
+        if (it->second.empty()) {
+            return error(400, "invalid_request", "method: empty (omit it for GET)");
+        }
+        method = it->second;
     }
     std::transform(method.begin(), method.end(), method.begin(), ::toupper);
     auto url = boost::urls::parse_absolute_uri(url_text);

@@ -33,8 +33,10 @@ constexpr const char* kUsage =
 
 /// Whether `path` exists (a dangling symlink does not: the start would find nothing there).
 bool file_exists(const std::string& path) {
+    // lstat: a dangling symlink is there (a start's O_EXCL create fails on it), and reading
+    // it gives the error a start gives.
     struct stat st {};
-    return ::stat(path.c_str(), &st) == 0 || errno != ENOENT;
+    return ::lstat(path.c_str(), &st) == 0 || errno != ENOENT;
 }
 
 /// What a start would refuse beyond the parse, checked without side effects (no listener,

@@ -326,17 +326,47 @@ Result<std::string> bundle_roots(const Config& config, BuildWarnings* warnings) 
     return text;
 }
 
-/// Whether `path` holds exactly `content` (a bundle that would not change is not rewritten).
+/// Whether `path` is a regular file holding exactly `content` (a bundle that would not change
+/// is not rewritten). Anything else (missing, a folder, a FIFO, unreadable) reads as "no".
 bool holds(const std::string& path, const std::string& content) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) {
         return false;
     }
-    std::string have((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    return have == content;
+    struct stat st {};
+    bool same = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
+                static_cast<uint64_t>(st.st_size) == content.size();
+    size_t at = 0;
+    char buf[16384];
+    while (same && at < content.size()) {
+        const ssize_t n = ::read(fd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+        if (n <= 0 || content.compare(at, static_cast<size_t>(n), buf, static_cast<size_t>(n))) {
+            same = false;
+            break;
+        }
+        at += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    return same && at == content.size();
 }
 
 }  // namespace
+
+/// A CA file's target must be absent, a regular file or a symlink (replaced by the rename):
+/// a folder there failed only at the rename, after other runs' files were already in place.
+std::string unfit_ca_target(const std::string& path) {
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) {
+        return errno == ENOENT ? std::string() : std::string(std::strerror(errno));
+    }
+    if (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) {
+        return {};
+    }
+    return path + (S_ISDIR(st.st_mode) ? " is a folder" : " is not a regular file");
+}
 
 Result<bool> write_ca_files(const Runtime& next, const Runtime* previous,
                             BuildWarnings* warnings) {
@@ -351,6 +381,10 @@ Result<bool> write_ca_files(const Runtime& next, const Runtime* previous,
     std::optional<std::string> roots;  // read once, for the first run that wants a bundle
     auto stage = [&](const RunConfig& rc, const char* key, const std::string& path,
                      const std::string& content) {
+        if (auto why = unfit_ca_target(path); !why.empty()) {
+            errors.push_back(rc.yaml_path + "." + key + ": " + why);
+            return;
+        }
         auto w = stage_file(path, content, 0644);
         if (!w) {
             errors.push_back(rc.yaml_path + "." + key + ": " + w.error());

@@ -136,6 +136,11 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
                                                BuildWarnings& warnings,
                                                const Runtime* previous = nullptr);
 
+/// Why `path` cannot take a CA file (a folder, a FIFO …: it must be absent, a regular file or
+/// a symlink, which the rename replaces), or "". write_ca_files and start_file_errors (so
+/// --check and a reload too) refuse such a target.
+std::string unfit_ca_target(const std::string& path);
+
 /// Writes each static run's CA certificate to its ca_cert_out, and its CA bundle (the roots
 /// egressd trusts upstream, then the run CA) to its ca_bundle_out: call it only for a runtime
 /// that will serve (a start, or a reload that is applied). With `previous`, a run that keeps

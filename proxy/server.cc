@@ -335,6 +335,18 @@ std::string start_file_errors(const Config& config) {
             add(why);
         }
     }
+    for (const auto& rc : config.runs) {
+        for (const auto& [key, path] : {std::pair<const char*, const std::string*>{
+                                            "ca_cert_out", &rc.ca_cert_out},
+                                        {"ca_bundle_out", &rc.ca_bundle_out}}) {
+            if (path->empty()) {
+                continue;
+            }
+            if (auto why = unfit_ca_target(*path); !why.empty()) {
+                add(rc.yaml_path + "." + key + ": " + why);
+            }
+        }
+    }
     return errors;
 }
 
@@ -586,7 +598,13 @@ struct Server::Impl {
             if (ec) {
                 co_return;
             }
-            reload();
+            // Whatever a reload throws ends that reload, not this loop: later SIGHUPs (the
+            // audit file's reopen after logrotate) must still be heard.
+            try {
+                reload();
+            } catch (const std::exception& e) {
+                spdlog::error("reload refused, keeping the running configuration: {}", e.what());
+            }
         }
     }
 

@@ -159,6 +159,18 @@ def _key(c):
     return c["keys"]["master_key_file"]
 
 
+def _linkpath(c, name: str) -> str:
+    import os
+    return os.path.join(os.path.dirname(_key(c)), name)
+
+
+def _link(c, name: str, target: str) -> None:
+    """A symlink `name` beside the master key, to `target` (which may not exist yet)."""
+    import os
+    os.makedirs(os.path.dirname(_key(c)), exist_ok=True)
+    os.symlink(target, _linkpath(c, name))
+
+
 @pytest.mark.parametrize("mutate, message", [
     # the typo that replaced the master key with a socket (every stored secret lost)
     (lambda c: c["listen"].__setitem__("admin", "unix:" + _key(c)),
@@ -181,9 +193,17 @@ def _key(c):
     # two runs sharing one CA file overwrote each other's CA
     (lambda c: c["runs"][1].__setitem__("ca_cert_out", c["runs"][0]["ca_cert_out"]),
      "runs[1].ca_cert_out: names the same file as runs[0].ca_cert_out"),
+    # audit.path is appended to through a symlink at its name: the link's target counts
+    (lambda c: (_link(c, "audit.link", _key(c)), c["audit"].__setitem__(
+        "path", _linkpath(c, "audit.link"))),
+     "audit.path: names the file of keys.master_key_file"),
+    # a bundle written over the system roots it starts from grew by a CA at every start
+    (lambda c: (c["upstream"].__setitem__("ca_file", "system"), c["runs"][0].__setitem__(
+        "ca_bundle_out", "/etc/ssl/certs/ca-certificates.crt")),
+     "runs[0].ca_bundle_out: names the file of the system trust store"),
 ], ids=["admin-socket-on-key", "ca-cert-out-on-key", "ca-bundle-out-on-key", "audit-on-key",
         "ca-cert-out-on-admin-token", "ca-cert-out-on-key-by-dotdot", "ca-cert-out-in-state",
-        "two-runs-one-ca-cert-out"])
+        "two-runs-one-ca-cert-out", "audit-via-symlink-on-key", "bundle-on-system-roots"])
 def test_a_written_path_naming_a_file_egressd_reads_is_refused(factory, mutate, message):
     """--check and the start refuse, naming the key; the key and token are left as they were."""
     e = factory.make()
@@ -195,6 +215,64 @@ def test_a_written_path_naming_a_file_egressd_reads_is_refused(factory, mutate, 
     err = _start_refused(e)
     assert message in err, err
     assert {p: _digest(p) for p in before} == before, "a key or token file was changed"
+
+
+def test_a_master_key_named_through_a_symlink_is_still_protected(factory):
+    """keys.master_key_file names a symlink to the key; ca_cert_out names the key itself. The
+    key is read through the link, so that CA file would replace it: refused (the check
+    compared the link's own name)."""
+    import os
+    e = factory.make()
+    real = _key(e.config)
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    before = _digest(real)
+    _link(e.config, "link.key", real)
+    e.config["keys"]["master_key_file"] = _linkpath(e.config, "link.key")
+    e.config["runs"][0]["ca_cert_out"] = real
+    r = e.check()
+    assert r.returncode != 0, "--check accepted it"
+    assert "runs[0].ca_cert_out: names the file of keys.master_key_file" in r.stderr, r.stderr
+    assert "runs[0].ca_cert_out: names the file of keys.master_key_file" in _start_refused(e)
+    assert _digest(real) == before
+
+
+def test_a_folder_where_a_ca_file_goes_is_refused_and_reloads_go_on(factory, world):
+    """A folder at ca_bundle_out: a start ended in std::terminate (the bundle comparison read
+    it as a file and threw), --check passed, and on a reload the exception ended the SIGHUP
+    loop: no later reload (nor the audit file's reopen) happened. Now --check, the start and
+    the reload refuse it, naming the key, and the next SIGHUP reloads."""
+    import os
+    e = factory.make()
+    folder = os.path.join(e.workdir, "bundle-dir")
+    os.makedirs(folder)
+    e.config["runs"][0]["ca_bundle_out"] = folder
+    r = e.check()
+    assert r.returncode == 1, r.stderr
+    assert f"runs[0].ca_bundle_out: {folder} is a folder" in r.stderr, r.stderr
+    err = _start_refused(e)
+    assert f"runs[0].ca_bundle_out: {folder} is a folder" in err, err
+    e = factory.start()
+    e.rewrite_config(lambda c: c["runs"][0].__setitem__("ca_bundle_out", folder))
+    e.reload("reload refused")
+    assert f"{folder} is a folder" in e.stderr_text()
+    e.rewrite_config(lambda c: c["runs"][0].pop("ca_bundle_out"))
+    e.reload("reloaded")
+
+
+def test_check_refuses_a_dangling_symlink_where_the_admin_token_goes(factory):
+    """A start cannot create the admin token through a dangling symlink (O_EXCL): --check took
+    the link for a missing file and passed."""
+    import os
+    e = factory.make()
+    tok = e.config["admin"]["token_file"]
+    os.makedirs(os.path.dirname(tok), exist_ok=True)
+    os.symlink(os.path.join(e.workdir, "nowhere", "token"), tok)
+    r = e.check()
+    assert r.returncode != 0 and "admin.token_file" in r.stderr, r.stderr
+    assert "admin.token_file" in _start_refused(e)
 
 
 def test_an_admin_socket_path_holding_a_file_is_refused_not_removed(factory):

@@ -380,6 +380,8 @@ def test_a_secret_delete_with_a_scope_it_cannot_read_deletes_nothing(cp, query, 
     # The explain route refuses unknown parameters the same way.
     r = api(cp, "GET", "/v1/runs/run_x/explain?url=https%3A%2F%2Fa.test%2F&methd=GET")
     assert r.status == 400 and "unknown parameter 'methd'" in r.json["detail"], r.json
+    r = api(cp, "GET", "/v1/runs/run_x/explain?url=https%3A%2F%2Fa.test%2F&method=")
+    assert r.status == 400 and "method: empty" in r.json["detail"], r.json
     # A scope that parses deletes that scope alone.
     assert api(cp, "DELETE", f"/v1/secrets/{name}?scope=org%3Dacme").status == 204
     left = [s["scope"] for s in api_ok(cp, "GET", "/v1/secrets")["secrets"] if s["name"] == name]
