@@ -18,25 +18,35 @@ namespace egress::policy {
 
 namespace {
 
-enum class BodyKind : uint8_t { None, Form, Multipart, Json };
+/// What a content-type makes of a POST body for the servers above, as a set: a body is checked
+/// as each kind some server may read it as.
+enum BodyKind : unsigned { kNone = 0, kForm = 1, kMultipart = 2, kJson = 4 };
 
-/// What a content-type makes of a POST body for the servers above. No content-type is a form
-/// to Rack; any multipart type is parsed by one of them; Laravel reads any type naming json.
-BodyKind body_kind(const std::string* content_type) {
-    if (content_type == nullptr) {
-        return BodyKind::Form;
+/// No content-type, or an empty one, is a form to Rack. The media type ends at ';', ',' or
+/// whitespace (Rack cuts at ';' or ',', PHP also at a space). Laravel reads JSON when "/json"
+/// or "+json" is anywhere in the field, so any "json" is checked as JSON; any "form" or
+/// "multipart" elsewhere than in the media type is checked as both a form and multipart.
+unsigned body_kind(const std::string* content_type) {
+    if (content_type == nullptr || trim_ows(*content_type).empty()) {
+        return kForm;
     }
-    const std::string type = ascii_lower(trim_ows(content_type->substr(0, content_type->find(';'))));
-    if (type == "application/x-www-form-urlencoded") {
-        return BodyKind::Form;
+    const std::string lower = ascii_lower(trim_ows(*content_type));
+    const std::string type = lower.substr(0, lower.find_first_of(";, \t\r\n\v\f"));
+    unsigned kind = kNone;
+    if (type == "application/x-www-form-urlencoded" ||
+        lower.find("urlencoded") != std::string::npos) {
+        kind |= kForm;
     }
     if (type.starts_with("multipart/")) {
-        return BodyKind::Multipart;
+        kind |= kMultipart;
+    } else if (lower.find("form") != std::string::npos ||
+               lower.find("multipart") != std::string::npos) {
+        kind |= kForm | kMultipart;
     }
-    if (type.find("json") != std::string::npos) {
-        return BodyKind::Json;
+    if (lower.find("json") != std::string::npos) {
+        kind |= kJson;
     }
-    return BodyKind::None;
+    return kind;
 }
 
 bool allows(const Pin& pin, std::string method) {
@@ -81,11 +91,56 @@ std::vector<std::pair<std::string, std::string>> parameters(std::string_view s) 
     return out;
 }
 
-/// A part name as PHP makes it a key ('.', ' ' and '[' become '_').
-bool names_method(std::string name) {
-    std::replace_if(name.begin(), name.end(),
-                    [](char c) { return c == '.' || c == ' ' || c == '['; }, '_');
-    return name == "_method";
+constexpr size_t kMostBoundaries = 16;
+
+/// Every boundary a server may split a multipart body under: for each "boundary" in the field
+/// (any case, also inside a longer parameter name), the value after the first '=' that follows
+/// it, as PHP takes it (up to ',' or ';', spaces kept, or up to the next '"'), trimmed, and
+/// unquoted with escapes as parameters() reads it; with Rack's reading after the last
+/// "boundary=" and each parameter whose name has "boundary". More than kMostBoundaries: refused.
+std::vector<std::string> boundaries(std::string_view content_type) {
+    std::vector<std::string> out;
+    auto add = [&](std::string_view b) {
+        if (!b.empty() && std::find(out.begin(), out.end(), b) == out.end()) {
+            out.emplace_back(b);
+        }
+    };
+    const std::string lower = ascii_lower(content_type);
+    for (size_t at = lower.find("boundary"); at != std::string::npos;
+         at = lower.find("boundary", at + 1)) {
+        const size_t eq = content_type.find('=', at + 8);
+        if (eq == std::string_view::npos) {
+            break;
+        }
+        std::string_view raw = content_type.substr(eq + 1);
+        std::string_view value = raw.substr(0, raw.find_first_of(",;"));
+        add(value);
+        add(trim_ows(value));
+        const std::string_view ows = trim_ows(raw);
+        if (ows.starts_with('"')) {
+            add(ows.substr(1, ows.find('"', 1) == std::string_view::npos ? std::string_view::npos
+                                                                         : ows.find('"', 1) - 1));
+            std::string unquoted;  // with backslash escapes
+            for (size_t j = 1; j < ows.size() && ows[j] != '"'; ++j) {
+                if (ows[j] == '\\' && j + 1 < ows.size()) {
+                    ++j;
+                }
+                unquoted.push_back(ows[j]);
+            }
+            add(unquoted);
+        }
+        // Rack: boundary="?([^";,]+)"? right after "boundary="
+        if (raw.starts_with('"')) {
+            raw.remove_prefix(1);
+        }
+        add(raw.substr(0, raw.find_first_of("\";,")));
+    }
+    for (const auto& [name, value] : parameters(content_type)) {
+        if (name.find("boundary") != std::string::npos) {
+            add(value);
+        }
+    }
+    return out;
 }
 
 /// The parts of `body` under `boundary` named `_method` name only methods the pin allows.
@@ -152,7 +207,7 @@ bool multipart_matches(const Pin& pin, std::string_view body, std::string_view b
             if (colon != std::string_view::npos &&
                 iequals(trim_ows(field.substr(0, colon)), "content-disposition")) {
                 for (const auto& [name, value] : parameters(field.substr(colon + 1))) {
-                    if ((name == "name" || name == "name*") && names_method(value) &&
+                    if ((name == "name" || name == "name*") && key_names_method(value) &&
                         !allows(pin, std::string(content))) {
                         return false;
                     }
@@ -272,26 +327,32 @@ bool body_may_override_method(const Pin& pin, const RequestHead& head) {
         return false;
     }
     if (head.find("content-type") == nullptr) {
-        return body_kind(nullptr) != BodyKind::None;
+        return body_kind(nullptr) != kNone;
     }
     return std::any_of(head.headers.begin(), head.headers.end(), [](const Header& h) {
-        return iequals(h.name, "content-type") && body_kind(&h.value) != BodyKind::None;
+        return iequals(h.name, "content-type") && body_kind(&h.value) != kNone;
     });
 }
 
 bool body_method_matches(const Pin& pin, const RequestHead& head, std::string_view body) {
     auto matches = [&](const std::string* content_type) {
-        switch (body_kind(content_type)) {
-            case BodyKind::None: return true;
-            case BodyKind::Form: return form_method_matches(pin, body);
-            case BodyKind::Json: return json_matches(pin, body);
-            case BodyKind::Multipart:
-                for (const auto& [name, value] : parameters(*content_type)) {
-                    if (name == "boundary" && !multipart_matches(pin, body, value)) {
-                        return false;
-                    }
+        const unsigned kind = body_kind(content_type);
+        if ((kind & kForm) != 0 && !form_method_matches(pin, body)) {
+            return false;
+        }
+        if ((kind & kJson) != 0 && !json_matches(pin, body)) {
+            return false;
+        }
+        if ((kind & kMultipart) != 0) {
+            const std::vector<std::string> each = boundaries(*content_type);
+            if (each.size() > kMostBoundaries) {
+                return false;  // each is a pass over the body: refused rather than read
+            }
+            for (const std::string& boundary : each) {
+                if (!multipart_matches(pin, body, boundary)) {
+                    return false;
                 }
-                return true;
+            }
         }
         return true;
     };

@@ -128,6 +128,32 @@ bool query_method_matches(const Pin& pin, std::string_view path) {
 
 }  // namespace
 
+bool key_names_method(std::string_view key) {
+    auto is_method = [](std::string_view k) { return iequals(k, "_method"); };
+    if (is_method(key)) {
+        return true;  // as Rack 3, Spring and ASP.NET Core (whose form keys ignore case) read it
+    }
+    // PHP: the name ends at a NUL (php_register_variable_ex takes it as a C string), leading
+    // spaces are skipped, then ' ', '.' and '[' become '_'. Also checked without the skip.
+    std::string php(key.substr(0, key.find('\0')));
+    std::replace_if(php.begin(), php.end(),
+                    [](char c) { return c == '.' || c == ' ' || c == '['; }, '_');
+    const size_t spaces = key.substr(0, key.find('\0')).find_first_not_of(' ');
+    if (is_method(php) ||
+        (spaces != std::string_view::npos && is_method(std::string_view(php).substr(spaces)))) {
+        return true;
+    }
+    // Rack 2 (normalize_params): leading '[' and ']' skipped, the name up to the next bracket,
+    // then only ']' to the end is the plain key ("[_method]", "]_method]").
+    const size_t from = key.find_first_not_of("[]");
+    if (from == std::string_view::npos) {
+        return false;
+    }
+    const size_t to = std::min(key.find_first_of("[]", from), key.size());
+    return key.find_first_not_of(']', to) == std::string_view::npos &&
+           is_method(key.substr(from, to - from));
+}
+
 bool form_method_matches(const Pin& pin, std::string_view query) {
     const std::string lower = ascii_lower(query);
     if (lower.find('%') == std::string::npos && lower.find("method") == std::string::npos) {
@@ -138,13 +164,9 @@ bool form_method_matches(const Pin& pin, std::string_view query) {
         return false;
     }
     for (const auto& p : *params) {
-        // PHP reads "_%6Dethod" as "_method", '+' as ' ', and makes '.', ' ' and '[' in a
-        // key '_'.
-        std::string key = p.key.decode();
-        std::replace_if(key.begin(), key.end(),
-                        [](char c) { return c == '.' || c == ' ' || c == '[' || c == '+'; },
-                        '_');
-        if (key != "_method") {
+        // '+' is a space in a key (PHP, Rack, servlets); "_%6Dethod" is "_method"; each
+        // server's spelling of the key is key_names_method's.
+        if (!key_names_method(p.key.decode(boost::urls::encoding_opts(true, false, false)))) {
             continue;
         }
         std::string method = p.has_value ? p.value.decode() : std::string();

@@ -204,6 +204,12 @@ const Pin* match_pin(const GlobalPolicy& global, const RunPolicy& run, const Hos
                      std::string_view method, std::string_view path, TimePoint now,
                      const RequestHead* head = nullptr);
 
+/// Whether a decoded form key or multipart part name is `_method` to some server, ignoring
+/// case (ASP.NET Core's forms do): as is, as PHP makes it a variable name (cut at a NUL,
+/// leading spaces skipped, ' ', '.', '[' made '_'; also without the skip), or as Rack 2 reads
+/// a plain key ("[_method]").
+bool key_names_method(std::string_view key);
+
 /// Whether every `_method` parameter of a query or form body ("a=1&_method=DELETE", keys as
 /// PHP reads them) names a method `pin` allows, uppercased. Fails closed: a query that may
 /// name `_method` and does not parse allows nothing.

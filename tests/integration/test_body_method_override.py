@@ -123,3 +123,32 @@ def test_a_pin_without_a_methods_limit_is_untouched(world, e, marker):
     r = h1_post(e, world, "api.test", f"/echo/{marker}", ctype, big)
     assert r.status == 200, (r.status, r.egress_reason)
     assert json.loads(r.body)["body_sha256"] == hashlib.sha256(big).hexdigest()
+
+
+BYPASS_PART = (b"Content-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n")
+# Each as a server reads it: the media type ends at ',' (Rack, PHP); an empty Content-Type is
+# none (Rack: a form); "/json" anywhere is JSON (Laravel); PHP skips a key's leading spaces
+# (Rack the spaces after '&'); PHP splits under the first "boundary" then '=' ("xboundary=")
+# and keeps a space after the '='.
+READINGS = [
+    ("comma", "application/x-www-form-urlencoded, text/plain", b"title=x&_method=DELETE"),
+    ("empty", "", b"title=x&_method=DELETE"),
+    ("json_param", "text/plain; x=/json", b'{"title": "x", "_method": "DELETE"}'),
+    ("lead_plus", "application/x-www-form-urlencoded", b"title=x&+_method=DELETE"),
+    ("lead_pct20", "application/x-www-form-urlencoded", b"title=x&%20_method=DELETE"),
+    ("lead_spaces", "application/x-www-form-urlencoded", b"title=x&  _method=DELETE"),
+    ("mp_xboundary", "multipart/form-data; xboundary=foo; boundary=bar",
+     b"--foo\r\n" + BYPASS_PART + b"--foo--\r\n"),
+    ("mp_space", "multipart/form-data; boundary= foo",
+     b"-- foo\r\n" + BYPASS_PART + b"-- foo--\r\n"),
+    ("mp_name_space", "multipart/form-data; boundary=foo",
+     b"--foo\r\n" + BYPASS_PART.replace(b"\"_method\"", b"\" _method\"") + b"--foo--\r\n"),
+]
+
+
+@pytest.mark.parametrize("name,ctype,body", READINGS, ids=[c[0] for c in READINGS])
+def test_h1_each_servers_reading_of_the_body_is_checked(world, e, marker, name, ctype, body):
+    r = h1_post(e, world, "other.test", f"/echo/{marker}", ctype, body)
+    assert (r.status, r.egress_reason) == (403, "no_matching_pin"), (name, r.status)
+    assert world.upstream.find(marker) == []
+    denied(e, marker, 403, "no_matching_pin")

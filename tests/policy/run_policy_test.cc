@@ -411,7 +411,7 @@ TEST(BodyMethod, AFieldInAPostBodyMustStayWithinThePinsMethods) {
 
     EXPECT_FALSE(body_method_matches(pin, form, "a=1&_method=DELETE"));
     EXPECT_FALSE(body_method_matches(pin, form, "_method=delete"));
-    EXPECT_FALSE(body_method_matches(pin, form, "+method=DELETE"));  // PHP: " method", "_method"
+    EXPECT_FALSE(body_method_matches(pin, form, "+method=DELETE"));  // " method" mapped unskipped
     EXPECT_FALSE(body_method_matches(pin, untyped, "_method=DELETE"));
     EXPECT_TRUE(body_method_matches(pin, form, "_method=get&a=1"));
     EXPECT_TRUE(body_method_matches(pin, form, "a=1&b=2"));
@@ -448,6 +448,77 @@ TEST(BodyMethod, AFieldInAPostBodyMustStayWithinThePinsMethods) {
     // a second boundary parameter is checked as well
     EXPECT_FALSE(body_method_matches(
         pin, post({"multipart/form-data; boundary=a; boundary=XyZ"}), part));
+}
+
+// The content-type as each server reads it, form keys with PHP's leading spaces skipped and
+// Rack 2's brackets, and every boundary a server may split a multipart body under.
+TEST(BodyMethod, EachServersReadingOfTheBodyIsChecked) {
+    const Pin pin = make_pin("p", "api.test", {}, {"GET", "POST"});
+    auto post = [](std::vector<std::string> types) {
+        RequestHead h;
+        h.method = "POST";
+        for (auto& t : types) {
+            h.headers.push_back({"content-type", std::move(t)});
+        }
+        return h;
+    };
+    const std::string field = "title=x&_method=DELETE";
+    // the media type ends at ',' (Rack, PHP) or a space (PHP); an empty field is none (Rack)
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"application/x-www-form-urlencoded, text/plain"}), field));
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"application/x-www-form-urlencoded text/plain"}), field));
+    EXPECT_FALSE(body_method_matches(pin, post({""}), field));
+    EXPECT_FALSE(body_method_matches(pin, post({"  "}), field));
+    EXPECT_TRUE(body_may_override_method(pin, post({""})));
+    // Laravel: "/json" anywhere in the field
+    EXPECT_TRUE(body_may_override_method(pin, post({"text/plain; x=/json"})));
+    EXPECT_FALSE(body_method_matches(pin, post({"text/plain; x=/json"}), R"({"_method":"PUT"})"));
+    EXPECT_FALSE(body_method_matches(pin, post({"text/plain; x=form"}), field));
+    EXPECT_TRUE(body_method_matches(pin, post({"text/plain"}), field));  // no server reads it
+
+    // PHP skips a key's leading spaces, Rack the spaces after '&'
+    const RequestHead form = post({"application/x-www-form-urlencoded"});
+    EXPECT_FALSE(body_method_matches(pin, form, "title=x&+_method=DELETE"));
+    EXPECT_FALSE(body_method_matches(pin, form, "title=x&%20_method=DELETE"));
+    EXPECT_FALSE(body_method_matches(pin, form, "title=x&++%20_method=DELETE"));
+    EXPECT_FALSE(body_method_matches(pin, form, "title=x&_method%00x=DELETE"));  // PHP: a C string
+    EXPECT_FALSE(body_method_matches(pin, form, "title=x&%5B_method%5D=DELETE"));  // Rack 2
+    EXPECT_FALSE(body_method_matches(pin, form, "title=x&_METHOD=DELETE"));  // ASP.NET Core
+    EXPECT_TRUE(body_method_matches(pin, form, "title=x&+_method=GET"));
+    EXPECT_TRUE(body_method_matches(pin, form, "title=x&%2B_method=DELETE"));  // "+_method"
+    EXPECT_TRUE(body_method_matches(pin, form, "title=x&_method%5Ba%5D=DELETE"));  // an array
+    // the same key check serves the query string
+    EXPECT_FALSE(form_method_matches(pin, "a=1&+_method=DELETE"));
+    EXPECT_FALSE(form_method_matches(pin, "a=1&%20%20_method=PUT"));
+
+    const std::string spaced =
+        "--foo\r\nContent-Disposition: form-data; name=\" _method\"\r\n\r\nDELETE\r\n--foo--\r\n";
+    EXPECT_FALSE(body_method_matches(pin, post({"multipart/form-data; boundary=foo"}), spaced));
+
+    // PHP splits under the value after the first "boundary" and '=' (also inside another
+    // parameter's name), a space after '=' kept; Rack after the last "boundary="
+    const std::string under_foo =
+        "--foo\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n--foo--\r\n";
+    const std::string under_space_foo =
+        "-- foo\r\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n-- foo--\r\n";
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"multipart/form-data; xboundary=foo; boundary=bar"}), under_foo));
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"multipart/form-data; boundaryx; a=foo; boundary=bar"}), under_foo));
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"multipart/form-data; boundary= foo"}), under_space_foo));
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"multipart/form-data; boundary=\"foo\"; Boundary=bar"}), under_foo));
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"multipart/form-data, boundary=foo"}), under_foo));
+    EXPECT_TRUE(body_method_matches(
+        pin, post({"multipart/form-data; boundary=bar"}), under_foo));  // no part under bar
+    std::string many = "multipart/form-data";
+    for (int i = 0; i < 17; ++i) {
+        many += "; boundary=b" + std::to_string(i);
+    }
+    EXPECT_FALSE(body_method_matches(pin, post({many}), "a"));  // each boundary is a pass
 }
 
 // S3's CopyObject reads the object x-amz-copy-source names with the pin's key: a pin limited to
