@@ -393,8 +393,11 @@ void audit_left_before_established(Scope& scope, AuditRecord rec, Clock::time_po
 /// peeked first flight is there already, so the watch ends at once).
 class TunnelDialWatch {
 public:
-    TunnelDialWatch(tcp::socket& socket, DialCut& dial)
-        : socket_(socket), state_(std::make_shared<State>(State{&dial})) {
+    /// `talking`: the client's first flight came with its CONNECT head (it is in the relay's
+    /// buffer, not in the socket): a FIN after it is a half-close, which ends the watch; a
+    /// reset still cuts the dial.
+    TunnelDialWatch(tcp::socket& socket, DialCut& dial, bool talking)
+        : socket_(socket), state_(std::make_shared<State>(State{&dial})), talking_(talking) {
         arm();
     }
     ~TunnelDialWatch() {
@@ -430,10 +433,15 @@ private:
             arm();
             return;
         }
+        if (n == 0 && talking_) {
+            st.dial = nullptr;  // a half-close after bytes already read: the relay sends them
+            return;
+        }
         DialCut::cut(std::exchange(st.dial, nullptr));
     }
     tcp::socket& socket_;
     std::shared_ptr<State> state_;
+    bool talking_;
 };
 
 /// Blind relay for allowed, unpinned hosts under `unpinned: tunnel`. `announce`: answer the
@@ -444,13 +452,11 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
     InflightGuard inflight(w);
     const Runtime& rt = *scope.runtime;
     DialCut dial;
+    // A first flight read with the CONNECT head is in `buf`, not in the socket: the watch
+    // must not take the client's half-close after it for a client gone (its bytes go to the
+    // upstream once dialed), only a reset.
     std::optional<TunnelDialWatch> watch;
-    if (buf.size() == 0) {
-        // A first flight read with the CONNECT head is in `buf`, not in the socket, where the
-        // watch would take the client's half-close after it for a client gone: such a client
-        // is talking, and its bytes go to the upstream once dialed.
-        watch.emplace(client.socket(), dial);
-    }
+    watch.emplace(client.socket(), dial, buf.size() > 0);
     auto dialed = co_await dial_upstream(w, rt, scope.target, &dial);
     watch.reset();
     if (dial.abandoned) {

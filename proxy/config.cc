@@ -275,84 +275,94 @@ bool same_or_inside(const std::filesystem::path& inner, const std::filesystem::p
 /// all refuse it, naming the key.
 template <class OnClash>
 void for_each_written_file_clash(const Config& c, OnClash&& error) {
+    // Each path by its name (a symlink at it not followed) and by what a symlink at it
+    // reaches: files written by a rename (the CA files) or unlinked first (the socket) act on
+    // the name, files opened (read, appended to: the audit file, the state) on what it
+    // reaches. Two paths clash when any form of one is any form of the other: one symlink
+    // named as both the master key and a CA file, or a link to the key named as the key and
+    // the key as a CA file, are both refused.
     struct Named {
         std::string key;
         std::string path;
-        std::filesystem::path id;
+        std::filesystem::path name;
+        std::filesystem::path reached;
     };
-    // Files written by a rename (the CA files) or unlinked first (the socket) are compared
-    // as named; files opened (read, appended to: the audit file, the state) as reached
-    // through a symlink at their name.
-    auto named = [](std::string key, const std::string& path) {
-        return Named{std::move(key), path, file_identity(path)};
+    auto forms = [](std::string key, const std::string& path) {
+        return Named{std::move(key), path, file_identity(path), file_identity(path, true)};
     };
-    auto opened = [](std::string key, const std::string& path) {
-        return Named{std::move(key), path, file_identity(path, true)};
+    auto same = [](const Named& a, const Named& b) {
+        return a.name == b.name || a.name == b.reached || a.reached == b.name ||
+               a.reached == b.reached;
+    };
+    auto inside = [](const Named& a, const Named& folder) {
+        return same_or_inside(a.name, folder.name) || same_or_inside(a.name, folder.reached) ||
+               same_or_inside(a.reached, folder.name) ||
+               same_or_inside(a.reached, folder.reached);
     };
     std::vector<Named> written;
     if (c.admin.is_unix()) {
-        written.push_back(named("listen.admin", c.admin.unix_path));
+        written.push_back(forms("listen.admin", c.admin.unix_path));
     }
     if (c.audit.path != "-") {
-        written.push_back(opened("audit.path", c.audit.path));
+        written.push_back(forms("audit.path", c.audit.path));
     }
     for (const auto& run : c.runs) {
         if (!run.ca_cert_out.empty()) {
-            written.push_back(named(run.yaml_path + ".ca_cert_out", run.ca_cert_out));
+            written.push_back(forms(run.yaml_path + ".ca_cert_out", run.ca_cert_out));
         }
         if (!run.ca_bundle_out.empty()) {
-            written.push_back(named(run.yaml_path + ".ca_bundle_out", run.ca_bundle_out));
+            written.push_back(forms(run.yaml_path + ".ca_bundle_out", run.ca_bundle_out));
         }
     }
     std::vector<Named> read;
     if (!c.source.empty()) {
-        read.push_back(opened("the config file", c.source));
+        read.push_back(forms("the config file", c.source));
     }
-    read.push_back(opened("admin.token_file", c.admin_token_file));
-    read.push_back(opened("keys.master_key_file", c.master_key_file));
+    read.push_back(forms("admin.token_file", c.admin_token_file));
+    read.push_back(forms("keys.master_key_file", c.master_key_file));
     // Where `egressctl keys rotate` puts the next key (control_plane.cc).
-    read.push_back(opened("keys.master_key_file (its .next)", c.master_key_file + ".next"));
+    read.push_back(forms("keys.master_key_file (its .next)", c.master_key_file + ".next"));
     if (c.upstream_ca_file != "system") {
-        read.push_back(opened("upstream.ca_file", c.upstream_ca_file));
+        read.push_back(forms("upstream.ca_file", c.upstream_ca_file));
     } else {
         // A bundle written over the system roots it starts from would grow by a CA at each
         // start and reload.
         for (const auto& f : default_root_files()) {
-            read.push_back(opened("the system trust store (upstream.ca_file: system)", f));
+            read.push_back(forms("the system trust store (upstream.ca_file: system)", f));
         }
     }
     if (c.etcd.ca_file != "system") {
-        read.push_back(opened("state.etcd.ca_file", c.etcd.ca_file));
+        read.push_back(forms("state.etcd.ca_file", c.etcd.ca_file));
     }
     if (c.etcd.cert_file) {
-        read.push_back(opened("state.etcd.cert_file", *c.etcd.cert_file));
+        read.push_back(forms("state.etcd.cert_file", *c.etcd.cert_file));
     }
     if (c.etcd.key_file) {
-        read.push_back(opened("state.etcd.key_file", *c.etcd.key_file));
+        read.push_back(forms("state.etcd.key_file", *c.etcd.key_file));
     }
     for (const auto& run : c.runs) {
         if (run.token_file && !run.token_file->empty()) {
-            read.push_back(opened(run.yaml_path + ".token_file", *run.token_file));
+            read.push_back(forms(run.yaml_path + ".token_file", *run.token_file));
         }
         for (const auto& pin : run.pins) {
             if (!pin.secret_file.empty()) {
-                read.push_back(opened(pin.yaml_path + ".secret_file", pin.secret_file));
+                read.push_back(forms(pin.yaml_path + ".secret_file", pin.secret_file));
             }
         }
     }
     std::optional<Named> state;
     if (c.state_backend == "file") {
-        state = opened("state.path", c.state_path);
+        state = forms("state.path", c.state_path);
     }
     for (size_t i = 0; i < written.size(); ++i) {
         const Named& w = written[i];
-        if (state && same_or_inside(w.id, state->id)) {
+        if (state && inside(w, *state)) {
             error(w.key, "is inside state.path (" + state->path +
                              "), egressd's store: give a path outside it");
             continue;
         }
         auto read_hit = std::find_if(read.begin(), read.end(),
-                                     [&](const Named& r) { return r.id == w.id; });
+                                     [&](const Named& r) { return same(r, w); });
         if (read_hit != read.end()) {
             error(w.key, "names the file of " + read_hit->key + " (" + read_hit->path +
                              "), which egressd reads: writing " + w.key +
@@ -363,7 +373,7 @@ void for_each_written_file_clash(const Config& c, OnClash&& error) {
         // such a run out of c.runs.)
         for (size_t j = 0; j < i; ++j) {
             const Named& o = written[j];
-            if (o.id == w.id) {
+            if (same(o, w)) {
                 error(w.key, "names the same file as " + o.key + " (" + o.path +
                                  "): give each its own file");
                 break;

@@ -31,12 +31,14 @@ constexpr const char* kUsage =
     "  --check         validate the configuration and exit (non-zero with messages naming\n"
     "                  the bad keys)\n";
 
-/// Whether `path` exists (a dangling symlink does not: the start would find nothing there).
-bool file_exists(const std::string& path) {
-    // lstat: a dangling symlink is there (a start's O_EXCL create fails on it), and reading
-    // it gives the error a start gives.
+/// Whether something is at `path`. `as_start_creates`: a dangling symlink counts (the admin
+/// token and the master key: a start creates them with O_EXCL, which fails on it, and reading
+/// it gives the error a start gives); else it does not (a rotation's .next: a start looks
+/// through the link and finds nothing).
+bool file_exists(const std::string& path, bool as_start_creates) {
     struct stat st {};
-    return ::lstat(path.c_str(), &st) == 0 || errno != ENOENT;
+    const int r = as_start_creates ? ::lstat(path.c_str(), &st) : ::stat(path.c_str(), &st);
+    return r == 0 || errno != ENOENT;
 }
 
 /// What a start would refuse beyond the parse, checked without side effects (no listener,
@@ -56,7 +58,7 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
     // The admin token and the master key (and a rotation's .next) are read by the start
     // (ControlPlane::open) with these same functions, the key opened as it would be; one that
     // does not exist yet is made by the start, so it is fine here.
-    if (file_exists(config->admin_token_file)) {
+    if (file_exists(config->admin_token_file, true)) {
         if (auto t = egress::credstore::load_owner_only_secret_file("admin.token_file",
                                                                      config->admin_token_file);
             !t) {
@@ -66,7 +68,7 @@ std::string start_errors(std::shared_ptr<const egress::proxy::Config> config,
     if (!config->kms_command) {
         const std::string& key_file = config->master_key_file;
         for (const std::string& key : {key_file, key_file + ".next"}) {
-            if (file_exists(key)) {
+            if (file_exists(key, key == key_file)) {
                 if (auto k = egress::credstore::open_master_key_file(key, false); !k) {
                     add(k.error());
                 }

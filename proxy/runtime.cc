@@ -360,7 +360,7 @@ bool holds(const std::string& path, const std::string& content) {
 std::string unfit_ca_target(const std::string& path) {
     struct stat st {};
     if (::lstat(path.c_str(), &st) != 0) {
-        return errno == ENOENT ? std::string() : std::string(std::strerror(errno));
+        return errno == ENOENT ? std::string() : path + ": " + std::strerror(errno);
     }
     if (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) {
         return {};

@@ -407,6 +407,38 @@ def test_a_first_flight_sent_with_the_connect_then_a_half_close_is_relayed(world
         dns.close()
 
 
+def test_a_first_flight_sent_with_the_connect_then_a_reset_ends_the_dial(world, factory,
+                                                                         marker):
+    """The same client resets instead: it is gone, and the dial's watch (kept for a tunnel
+    whose first flight came with its CONNECT, where a FIN alone ends the watch) cuts the dial:
+    client_aborted, and nothing reaches the upstream."""
+    dns = _SlowDns()
+    dns.set("slowdns.test", fixed("127.0.0.1"))
+    try:
+        def mutate(c):
+            c["resolver"]["servers"] = [dns.address]
+            c["policy"]["allow_hosts"].append("slowdns.test")
+        e = factory.start(mutate=mutate)
+        P = world.plain.port
+        before = world.plain.server.connections
+        s = socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10)
+        s.sendall(f"CONNECT slowdns.test:{P} HTTP/1.1\r\nHost: slowdns.test:{P}\r\n"
+                  f"Proxy-Authorization: {world.auth()}\r\n\r\n"
+                  f"GET /echo/{marker} HTTP/1.1\r\nHost: slowdns.test:{P}\r\n\r\n".encode())
+        poll(lambda: dns.queries("slowdns.test"), 5, "the CONNECT's lookup")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # a reset while the lookup waits
+        recs = poll(lambda: [r for r in e.audit_records()
+                             if r.get("host") == "slowdns.test" and "event" not in r], 10,
+                    "the left CONNECT's record")
+        assert (recs[0]["status"], recs[0]["reason"]) == (0, "client_aborted"), recs
+        time.sleep(0.5)
+        assert world.plain.server.connections == before, "the gone client's CONNECT was dialled"
+        assert not world.plain.find(marker), "the first flight of a client gone was relayed"
+    finally:
+        dns.close()
+
+
 def test_connect_whose_client_leaves_during_the_tcp_connect_ends_it(world, factory):
     """A blind tunnel's upstream drops egressd's SYNs (its listen queue is full): the connect
     would wait for connect_timeout (20 s). The CONNECT's client closes after half a second:

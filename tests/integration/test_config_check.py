@@ -239,6 +239,38 @@ def test_a_master_key_named_through_a_symlink_is_still_protected(factory):
     assert _digest(real) == before
 
 
+def test_one_symlink_named_as_the_master_key_and_as_a_ca_file_is_refused(factory):
+    """keys.master_key_file and ca_cert_out both name one symlink to the key: the key is read
+    through it, and the CA's rename would replace it (the config's key path then holds a
+    certificate). The check compared the followed form of one with the name of the other."""
+    import os
+    e = factory.make()
+    real = _key(e.config)
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    _link(e.config, "link.key", real)
+    link = _linkpath(e.config, "link.key")
+    e.config["keys"]["master_key_file"] = link
+    e.config["runs"][0]["ca_cert_out"] = link
+    r = e.check()
+    assert r.returncode != 0, "--check accepted it"
+    assert "runs[0].ca_cert_out: names the file of keys.master_key_file" in r.stderr, r.stderr
+    assert os.path.islink(link)
+
+
+def test_check_passes_a_dangling_symlink_at_the_next_key_as_a_start_does(factory):
+    """A rotation's .next is looked for through a symlink at its name: a dangling one is no
+    .next to a start, and --check (which had read it as a broken key file) agrees."""
+    import os
+    e = factory.make()
+    _link(e.config, os.path.basename(_key(e.config)) + ".next",
+          os.path.join(e.workdir, "nowhere.key"))
+    r = e.check()
+    assert r.returncode == 0, r.stderr
+
+
 def test_a_folder_where_a_ca_file_goes_is_refused_and_reloads_go_on(factory, world):
     """A folder at ca_bundle_out: a start ended in std::terminate (the bundle comparison read
     it as a file and threw), --check passed, and on a reload the exception ended the SIGHUP
