@@ -202,9 +202,20 @@ void Scrubber::finish(std::string& out) {
     run_pos_ = 0;
 }
 
-std::string_view Scrubber::feed_in_place(std::span<char> piece, bool last, std::string& spill) {
+std::string_view Scrubber::feed_in_place(std::span<char> piece, size_t headroom, bool last,
+                                         std::string& spill) {
     if (!active()) {
         return {piece.data(), piece.size()};
+    }
+    if (!tail_.empty() && tail_.size() <= headroom) {
+        // The held bytes go in front of the piece, in the reader's headroom: one span, and
+        // only the held bytes are copied (a 64 KiB piece copied behind them into `spill` cost
+        // ~1.8 us). The scan goes on from where the held bytes start, as feed()'s does.
+        char* start = piece.data() - tail_.size();
+        std::memcpy(start, tail_.data(), tail_.size());
+        piece = std::span<char>(start, tail_.size() + piece.size());
+        egress::secure_zero(tail_.data(), tail_.size());
+        tail_.clear();
     }
     if (!tail_.empty()) {
         spill.clear();

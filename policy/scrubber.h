@@ -75,12 +75,19 @@ public:
     /// How many bytes are held back (0 after finish() or a last piece).
     size_t held() const { return tail_.size(); }
     /// The same stream, scrubbed where the piece lies (no copy of the body): returns the bytes
-    /// to send now, a prefix of `piece` whose replaced bytes were rewritten in place (the
-    /// length never changes). The last bytes of `piece` are held back (and wiped in `piece`),
-    /// as feed() holds them. When bytes are held back from the previous piece (every piece
-    /// after the first, unless finish() emitted them) it falls back to feed() into `spill`
-    /// and returns `spill`. `last` also does what finish() does.
-    std::string_view feed_in_place(std::span<char> piece, bool last, std::string& spill);
+    /// to send now, rewritten in place where a needle was (the length never changes). The
+    /// last bytes are held back (and wiped where they lay), as feed() holds them. Bytes held
+    /// back from the previous piece (every piece after the first, unless finish() emitted
+    /// them) go in front of `piece`: into its `headroom` (that many bytes before
+    /// piece.data() that the caller owns and lets the scrubber overwrite), when they fit, so
+    /// the result is the held bytes and a prefix of `piece`, one span and no copy of the
+    /// piece; otherwise it falls back to feed() into `spill` and returns `spill`. `last` also
+    /// does what finish() does.
+    std::string_view feed_in_place(std::span<char> piece, size_t headroom, bool last,
+                                   std::string& spill);
+    std::string_view feed_in_place(std::span<char> piece, bool last, std::string& spill) {
+        return feed_in_place(piece, 0, last, spill);
+    }
 
     /// Scrubs one complete value (a header value).
     std::string scrub_value(std::string_view value);

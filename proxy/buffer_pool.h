@@ -11,6 +11,11 @@
 namespace egress::proxy {
 
 inline constexpr size_t kRelayBufferBytes = 64 * 1024;
+/// Kept free in front of an upstream response's body pieces (HTTP/1.1) in their relay buffer:
+/// the response scrubber puts the bytes it held back from one piece in front of the next there,
+/// instead of copying the next piece behind them (BodyChunk::headroom). Longer than the longest
+/// needle of usual credentials (their forms included); longer ones take the copy.
+inline constexpr size_t kScrubHeadroom = 512;
 
 struct RelayBufferReturn {
     void operator()(char* p) const noexcept;

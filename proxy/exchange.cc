@@ -783,9 +783,11 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                                 ? BodyFailure::TooLargeToSign
                                 : BodyFailure::AwsChunk;
             chunk.data = {};
+            chunk.headroom = 0;
             return;
         }
         chunk.data = signer.output();
+        chunk.headroom = 0;  // the signer's buffer
     };
     // An h2 upstream that refused the stream unprocessed (REFUSED_STREAM, or a GOAWAY below
     // it: nginx sends one after keepalive_requests streams) did nothing with the request,
@@ -1360,9 +1362,11 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                     break;
                 }
                 rec.bytes_out += chunk.data.size();
-                // Scrubbed where it lies, in the upstream's buffer (no copy, no allocation), but
-                // after the bytes held from the previous piece: with them, in `spill`.
-                const std::string_view out = scrubber.feed_in_place(chunk.data, chunk.last, spill);
+                // Scrubbed where it lies, in the upstream's buffer (no copy, no allocation),
+                // behind the bytes held from the previous piece (put in the buffer's headroom,
+                // or, where there is none, copied with the piece into `spill`).
+                const std::string_view out =
+                    scrubber.feed_in_place(chunk.data, chunk.headroom, chunk.last, spill);
                 if (out.empty() && !chunk.last) {
                     continue;
                 }

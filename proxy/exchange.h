@@ -65,6 +65,9 @@ struct BodyChunk {
     bool last = false;   // the body (and its trailers) is complete
     bool ok = true;      // false: see `failure`
     BodyFailure failure = BodyFailure::Aborted;
+    /// Bytes in front of data.data() that the reader owns and the reader's user may overwrite
+    /// (the response scrubber puts the bytes it held back there: policy::Scrubber::feed_in_place).
+    size_t headroom = 0;
     std::string_view view() const { return {data.data(), data.size()}; }
 };
 

@@ -163,21 +163,21 @@ private:
     size_t saved_;
 };
 
-/// Reads the next body piece of a Beast parser into `buf` (64 KiB): nothing is buffered
+/// Reads the next body piece of a Beast parser into `buf` (`cap` bytes): nothing is buffered
 /// whole. Returns an empty non-last chunk when only framing was parsed. A chunk-size line
 /// with its extensions, or a trailer section, longer than `framing_limit`
 /// (limits.max_header_bytes) fails as Framing.
 template <bool isRequest, class Stream>
 awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser<isRequest>& p,
                                   char* buf, std::chrono::milliseconds timeout,
-                                  size_t framing_limit) {
+                                  size_t framing_limit, size_t cap = kRelayBufferBytes) {
     if (p.is_done()) {
         co_return BodyChunk{{}, true, true};
     }
     if (auto left = p.direct_body_left()) {
         // Content-Length: the body goes straight into the relay buffer, not through the
         // parser, and never past its end (a pipelined next message stays for its own parse).
-        const auto room = static_cast<size_t>(std::min<uint64_t>(*left, kRelayBufferBytes));
+        const auto room = static_cast<size_t>(std::min<uint64_t>(*left, cap));
         size_t n = 0;
         if (inbuf.size() > 0) {  // bytes that came in with the head
             n = std::min(inbuf.size(), room);
@@ -197,7 +197,7 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
         co_return BodyChunk{std::span<char>(buf, n), p.is_done(), true};
     }
     // Chunked, or delimited by the connection's close: Beast's parser takes the framing.
-    p.body_buffer(buf, kRelayBufferBytes);
+    p.body_buffer(buf, cap);
     // Unparsed framing plus one read: chunk data goes to `buf` as it is parsed, so the buffer
     // holds at most one read's worth of it besides an unfinished chunk line or trailers.
     GrowthCap cap(inbuf, framing_limit + kBodyReadBytes);
@@ -225,7 +225,7 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
         }
         co_return BodyChunk{{}, false, false, failure};
     }
-    size_t got = kRelayBufferBytes - p.body_room();
+    size_t got = cap - p.body_room();
     co_return BodyChunk{std::span<char>(buf, got), p.is_done(), true};
 }
 
@@ -775,8 +775,12 @@ public:
         if (!rbuf_) {
             rbuf_ = acquire_relay_buffer();
         }
-        co_return co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get(), timeout_,
-                                        max_header_bytes_);
+        // The body goes behind kScrubHeadroom bytes the response scrubber may fill.
+        auto chunk = co_await h1_read_body(stream(), buffer(), *rp_, rbuf_.get() + kScrubHeadroom,
+                                           timeout_, max_header_bytes_,
+                                           kRelayBufferBytes - kScrubHeadroom);
+        chunk.headroom = kScrubHeadroom;
+        co_return chunk;
     }
     Headers response_trailers() override { return std::move(rp_->trailers()); }
     void abort() override {

@@ -33,20 +33,48 @@ std::string split_feed(const std::vector<std::string>& needles, std::string_view
 }
 
 // The same pieces through feed_in_place, each in its own buffer (as the proxy's relay buffer
-// or HTTP/2 piece): what it returns is what would be sent.
-std::string split_feed_in_place(const std::vector<std::string>& needles, std::string_view body,
-                                const std::vector<size_t>& cuts) {
+// or HTTP/2 piece) behind `headroom` bytes of junk the scrubber may overwrite: what it returns
+// is what would be sent. Where the held bytes fit the headroom, what it returns must lie in the
+// piece's own buffer (no copy into `spill`).
+std::string split_feed_in_place_with(const std::vector<std::string>& needles,
+                                     std::string_view body, const std::vector<size_t>& cuts,
+                                     size_t headroom) {
     Scrubber s(needles);
     std::string out;
     std::string spill;
     size_t prev = 0;
     for (size_t i = 0; i <= cuts.size(); ++i) {
         const size_t cut = i < cuts.size() ? cuts[i] : body.size();
-        std::string piece(body.substr(prev, cut - prev));
-        out.append(s.feed_in_place(piece, i == cuts.size(), spill));
+        std::string buf(headroom, '#');
+        buf.append(body.substr(prev, cut - prev));
+        const std::span<char> piece(buf.data() + headroom, buf.size() - headroom);
+        const size_t held = s.held();
+        const std::string_view sent = s.feed_in_place(piece, headroom, i == cuts.size(), spill);
+        if (held <= headroom && s.active()) {
+            const bool in_buffer = sent.empty() || (sent.data() == piece.data() - held &&
+                                                    sent.size() <= held + piece.size());
+            if (!in_buffer) {
+                return "<copied although " + std::to_string(held) + " held bytes fit>";
+            }
+        }
+        out.append(sent);
         prev = cut;
     }
     return out;
+}
+
+// Without headroom (the copy into `spill`), with one that some held tails fit and with one
+// they all fit: the three must send the same bytes.
+std::string split_feed_in_place(const std::vector<std::string>& needles, std::string_view body,
+                                const std::vector<size_t>& cuts) {
+    const std::string none = split_feed_in_place_with(needles, body, cuts, 0);
+    for (size_t headroom : {size_t{5}, size_t{64}}) {
+        const std::string with = split_feed_in_place_with(needles, body, cuts, headroom);
+        if (with != none) {
+            return "<headroom " + std::to_string(headroom) + " sent: " + with + ">";
+        }
+    }
+    return none;
 }
 
 TEST(Scrubber, InactiveIsIdentity) {
@@ -345,6 +373,25 @@ TEST(Scrubber, FeedInPlaceRewritesThePieceAndHoldsBackAPrefix) {
     EXPECT_EQ(out_b.data(), spill.data());  // held bytes go first: the spill path
     EXPECT_EQ(out_b, " [REDAC end");
     EXPECT_EQ(s.replacements(), 2U);
+    // With headroom in front of the next piece, the held bytes go there: no copy of the piece.
+    Scrubber h({"secret"});
+    std::string buf_a = "data secret more secr";
+    EXPECT_EQ(h.feed_in_place(buf_a, false, spill), "data [REDAC more");
+    std::string buf_b = std::string(8, '#') + "et end";
+    const std::span<char> piece_b(buf_b.data() + 8, buf_b.size() - 8);
+    const std::string_view sent_b = h.feed_in_place(piece_b, 8, true, spill);
+    EXPECT_EQ(sent_b.data(), buf_b.data() + 3);  // the 5 held bytes just before the piece
+    EXPECT_EQ(sent_b, " [REDAC end");
+    EXPECT_EQ(h.held(), 0U);
+    // Too little headroom for what is held: the copy, as without.
+    Scrubber small({"secret"});
+    std::string buf_c = "more secr";
+    EXPECT_EQ(small.feed_in_place(buf_c, false, spill), "more");
+    std::string buf_d = std::string(4, '#') + "et";
+    const std::string_view sent_d =
+        small.feed_in_place(std::span<char>(buf_d.data() + 4, 2), 4, true, spill);
+    EXPECT_EQ(sent_d.data(), spill.data());
+    EXPECT_EQ(sent_d, " [REDAC");
     std::string c = "plain";
     Scrubber inactive;
     EXPECT_EQ(inactive.feed_in_place(c, true, spill).data(), c.data());
