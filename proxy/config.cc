@@ -225,10 +225,12 @@ Result<bool> check_dns_server(std::string_view text) {
 }
 
 /// `path` as egressd's file calls reach it, to compare two paths: absolute (against the
-/// working directory), "." and ".." resolved, and its folder's symlinks followed where they
-/// exist. The last component is followed with `follow_last` (a file opened, read or appended
-/// to: the link's target is what is reached), not without (a rename or an unlink acts on a
-/// link itself).
+/// working directory), its folder's symlinks followed where they exist and "." and ".."
+/// resolved as the kernel resolves them: after the link before them is followed
+/// (`dir/link/..` is the folder holding the link's target, not `dir`; normalising the path
+/// first took `keylink/../master.key` for a file beside the link). The last component is
+/// followed with `follow_last` (a file opened, read or appended to: the link's target is
+/// what is reached), not without (a rename or an unlink acts on a link itself).
 std::filesystem::path file_identity(const std::string& path, bool follow_last = false) {
     namespace fs = std::filesystem;
     std::error_code ec;
@@ -236,23 +238,22 @@ std::filesystem::path file_identity(const std::string& path, bool follow_last = 
     if (ec) {
         p = path;
     }
-    p = p.lexically_normal();
     if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) {
         p = p.parent_path();  // "var/state/": the folder itself
     }
-    if (follow_last) {
+    const fs::path name = p.filename();
+    if (follow_last || name == "." || name == "..") {  // ".": no link of its own to act on
         fs::path whole = fs::weakly_canonical(p, ec);
         if (!ec) {
             return whole.lexically_normal();
         }
+        return p.lexically_normal();
     }
-    if (p.has_filename()) {
-        fs::path dir = fs::weakly_canonical(p.parent_path(), ec);
-        if (!ec) {
-            p = (dir / p.filename()).lexically_normal();
-        }
+    fs::path dir = fs::weakly_canonical(p.parent_path(), ec);
+    if (!ec) {
+        return (dir / name).lexically_normal();
     }
-    return p;
+    return p.lexically_normal();
 }
 
 /// Whether `inner` is `outer` or inside it (both from file_identity).

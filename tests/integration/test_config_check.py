@@ -1,6 +1,8 @@
 """`egressd --check`: exit 0 on a good config; non-zero with "yaml.path: problem" on stderr."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -188,6 +190,13 @@ def _link(c, name: str, target: str) -> None:
     (lambda c: c["runs"][1].__setitem__(
         "ca_cert_out", c["state"]["path"] + "/../" + _key(c).rsplit("/", 1)[1]),
      "runs[1].ca_cert_out: names the file of keys.master_key_file"),
+    # ".." after a symlinked folder is the parent of the link's target, as the kernel
+    # resolves it (the check normalised "link/.." away first: the key was replaced)
+    (lambda c: (os.makedirs(os.path.dirname(_key(c)) + "/sub", exist_ok=True),
+                _link(c, "../dirlink", os.path.dirname(_key(c)) + "/sub"),
+                c["runs"][0].__setitem__("ca_cert_out", os.path.dirname(
+                    os.path.dirname(_key(c))) + "/dirlink/../" + os.path.basename(_key(c)))),
+     "runs[0].ca_cert_out: names the file of keys.master_key_file"),
     (lambda c: c["runs"][0].__setitem__("ca_cert_out", c["state"]["path"] + "/state.json"),
      "runs[0].ca_cert_out: is inside state.path"),
     # two runs sharing one CA file overwrote each other's CA
@@ -202,7 +211,8 @@ def _link(c, name: str, target: str) -> None:
         "ca_bundle_out", "/etc/ssl/certs/ca-certificates.crt")),
      "runs[0].ca_bundle_out: names the file of the system trust store"),
 ], ids=["admin-socket-on-key", "ca-cert-out-on-key", "ca-bundle-out-on-key", "audit-on-key",
-        "ca-cert-out-on-admin-token", "ca-cert-out-on-key-by-dotdot", "ca-cert-out-in-state",
+        "ca-cert-out-on-admin-token", "ca-cert-out-on-key-by-dotdot",
+        "ca-cert-out-on-key-by-dotdot-after-a-symlink", "ca-cert-out-in-state",
         "two-runs-one-ca-cert-out", "audit-via-symlink-on-key", "bundle-on-system-roots"])
 def test_a_written_path_naming_a_file_egressd_reads_is_refused(factory, mutate, message):
     """--check and the start refuse, naming the key; the key and token are left as they were."""
