@@ -25,6 +25,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -525,6 +526,9 @@ public:
         } catch (const boost::system::system_error& ex) {
             std::string what = "cannot reach the admin API at " + ep_.display + ": " +
                                ex.code().message();
+            if (resolving) {
+                (void)ioc_owner.release();  // not joined: the process ends after the error
+            }
             if (sending_begun_) throw NoAnswer(what);
             throw Failure(what);
         }
@@ -545,7 +549,13 @@ private:
     template <class Protocol>
     Reply exchange(http::request<http::string_body>& req) {
         using error_code = boost::system::error_code;
-        net::io_context ioc;
+        // Owned by a pointer so that a timeout during the name lookup can leave it behind: the
+        // lookup is getaddrinfo on Asio's resolver thread, which the io_context's destructor
+        // joins (a stalled DNS server held the command for resolv.conf's whole retry time,
+        // past --timeout). Its handlers never run: nothing runs that io_context again.
+        auto ioc_owner = std::make_unique<net::io_context>();
+        net::io_context& ioc = *ioc_owner;
+        bool resolving = false;
         typename Protocol::socket sock(ioc);
         net::ip::tcp::resolver resolver(ioc);
         beast::flat_buffer buf;
@@ -572,8 +582,12 @@ private:
             http::async_write(sock, req, on_write);
         };
         if constexpr (std::is_same_v<Protocol, net::ip::tcp>) {
+            resolving = true;
+            phase = "looking up";
             resolver.async_resolve(ep_.host, ep_.port,
                                    [&](error_code ec, net::ip::tcp::resolver::results_type rs) {
+                                       resolving = false;
+                                       phase = "connecting to";
                                        if (ec) {
                                            result = ec;
                                            return;
@@ -591,6 +605,9 @@ private:
             std::string what = std::string("timed out after ") + duration_text(timeout_) +
                                " " + phase + " the admin API at " + ep_.display +
                                " (--timeout " + duration_text(timeout_) + ")";
+            if (resolving) {
+                (void)ioc_owner.release();  // not joined: the process ends after the error
+            }
             if (sending_begun_) throw NoAnswer(what);
             throw Failure(what);
         }

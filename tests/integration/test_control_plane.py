@@ -1023,6 +1023,66 @@ def test_egressctl_gives_up_on_an_admin_api_that_never_answers():
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_egressctl_timeout_bounds_a_stalled_name_lookup():
+    """The admin host's name lookup is getaddrinfo on Asio's resolver thread, which the
+    io_context's destructor joined: with a DNS server that never answers, --timeout 1s ended
+    only when resolv.conf's retries did (5 s x 2 attempts, for A and AAAA). egressctl runs in
+    a mount namespace of its own whose /etc/resolv.conf names a UDP socket of the test's on
+    127.0.0.153:53 that reads the queries and answers none (root and unshare needed)."""
+    import shutil
+    import tempfile
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a mount namespace for /etc/resolv.conf)")
+    dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        dns.bind(("127.0.0.153", 53))
+    except OSError as e:
+        dns.close()
+        pytest.skip(f"cannot bind 127.0.0.153:53: {e}")
+    d = tempfile.mkdtemp(prefix="ectl-dns-", dir="/tmp")
+    conf = os.path.join(d, "resolv.conf")
+    with open(conf, "w") as f:
+        f.write("nameserver 127.0.0.153\noptions timeout:5 attempts:2\n")
+    queries = []
+    stop = threading.Event()
+
+    def swallow():  # read every query, answer none
+        dns.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                queries.append(dns.recv(512))
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+
+    t = threading.Thread(target=swallow, daemon=True)
+    t.start()
+    try:
+        admin = "http://egressd-admin.stall.invalid:9901"
+        script = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+        t0 = time.monotonic()
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                            conf, egressctl_bin(), "--admin", admin, "--timeout", "1s",
+                            "secret", "list"],
+                           capture_output=True, timeout=40,
+                           env=helpers.clean_env(EGRESSD_ADMIN_TOKEN="not-a-real-token"))
+        took = time.monotonic() - t0
+        err = r.stderr.decode()
+        if r.returncode != 1 and "mount" in err:
+            pytest.skip(f"cannot bind-mount /etc/resolv.conf here: {err.strip()}")
+        assert queries, "egressctl's lookup never reached the test's DNS socket"
+        assert r.returncode == 1, (r.returncode, err)
+        assert err == (f"egressctl: timed out after 1s looking up the admin API at {admin} "
+                       f"(--timeout 1s)\n"), err
+        assert took < 5, took
+    finally:
+        stop.set()
+        t.join(5)
+        dns.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_egressctl_sends_an_indented_credentials_document_compact(cp, world):
     """`aws sts assume-role --query Credentials` prints its document indented over several
     lines, and a secret holds no line break: egressctl sends a JSON object compact (one
