@@ -4,7 +4,7 @@
 # Fails if any target crashes (sanitizer report, broken invariant, timeout, OOM).
 #
 #   FUZZ_SECONDS=60        seconds per target (-max_total_time)
-#   FUZZ_TARGETS="..."     subset of: host address config scrubber ws_frames aws_chunks http1 h2_server
+#   FUZZ_TARGETS="..."     subset of: host address config scrubber ws_frames aws_chunks body_method http1 h2_server
 #   FUZZ_JOBS=2            ninja -j
 #   FUZZ_NICE=10           nice level of the build and the runs
 #   FUZZ_BUILD_DIR=build-fuzz
@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 SECONDS_PER_TARGET="${FUZZ_SECONDS:-60}"
-TARGETS="${FUZZ_TARGETS:-host address config scrubber ws_frames aws_chunks http1 h2_server}"
+TARGETS="${FUZZ_TARGETS:-host address config scrubber ws_frames aws_chunks body_method http1 h2_server}"
 JOBS="${FUZZ_JOBS:-2}"
 NICE="${FUZZ_NICE:-10}"
 BUILD="${FUZZ_BUILD_DIR:-build-fuzz}"

@@ -143,8 +143,118 @@ std::vector<std::string> boundaries(std::string_view content_type) {
     return out;
 }
 
+/// Lowercase, backslashes removed and %XX decoded: where "method" is looked for in a part's header
+/// block that is not read precisely (part_matches).
+std::string loose_form(std::string_view s) {
+    std::string out;
+    out.reserve(s.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+        if (s[i] == '\\') {
+            continue;
+        }
+        if (s[i] == '%' && i + 2 < s.size() && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
+            std::isxdigit(static_cast<unsigned char>(s[i + 2]))) {
+            out.push_back(static_cast<char>(std::stoi(std::string(s.substr(i + 1, 2)), nullptr, 16)));
+            i += 2;
+            continue;
+        }
+        out.push_back(s[i]);
+    }
+    return ascii_lower(out);
+}
+
+/// One part: its header block (every line with its line break) and its content. The name is
+/// read from Content-Disposition's name or name* parameter (folded lines unfolded, as PHP and
+/// Rack 3 read them) and from a Content-ID field (Rack takes it when there is no
+/// Content-Disposition). Servers read part headers in more ways than this (Rack 2's unanchored
+/// regex, PHP's single quotes and unquoted words, ASP.NET Core's encoded words), so a block
+/// that is not the plain form browsers and HTTP libraries send (each line "Name: value" ending
+/// in CRLF, one Content-Disposition with one name, no Content-ID, no folding, quote, backslash
+/// or "=?") and that holds "method" (any case, %-decoded) or an encoded word must have content
+/// the pin allows, whatever its name reads as.
+bool part_matches(const Pin& pin, std::string_view headers, std::string_view content) {
+    const std::string value(content);
+    bool plain = headers.find("=?") == std::string_view::npos &&
+                 headers.find('\'') == std::string_view::npos &&
+                 headers.find('\\') == std::string_view::npos;
+    size_t dispositions = 0;
+    size_t names = 0;
+    std::vector<std::string> fields;  // unfolded
+    for (size_t line = 0; line < headers.size();) {
+        size_t end = headers.find('\n', line);
+        end = end == std::string_view::npos ? headers.size() : end;
+        std::string_view field = headers.substr(line, end - line);
+        if (field.ends_with('\r')) {
+            field.remove_suffix(1);
+        } else {
+            plain = false;  // a bare LF
+        }
+        if (!field.empty() && (field.front() == ' ' || field.front() == '\t')) {
+            plain = false;  // a folded line: part of the field before it
+            if (!fields.empty()) {
+                fields.back() += field;
+            }
+        } else if (!field.empty()) {
+            fields.emplace_back(field);
+        }
+        line = end + 1;
+    }
+    for (const std::string& f : fields) {
+        const size_t colon = f.find(':');
+        if (colon == std::string::npos) {
+            plain = false;
+            continue;
+        }
+        const std::string_view name = trim_ows(std::string_view(f).substr(0, colon));
+        const std::string_view rest = std::string_view(f).substr(colon + 1);
+        if (iequals(name, "content-disposition")) {
+            ++dispositions;
+            // Rack 2 takes the last " name=" of the line, also one the parameters do not
+            // reach (after a quoted value without ';'): more than one name is not plain.
+            const std::string loose = loose_form(rest);
+            for (size_t n = loose.find("name"); n != std::string::npos;
+                 n = loose.find("name", n + 1)) {
+                const bool word_start =
+                    n == 0 || !(std::isalnum(static_cast<unsigned char>(loose[n - 1])) ||
+                                loose[n - 1] == '_' || loose[n - 1] == '-');
+                const size_t after = loose.find_first_not_of(" \t", n + 4);
+                if (word_start && after != std::string::npos &&
+                    (loose[after] == '=' || loose[after] == '*')) {
+                    ++names;
+                }
+            }
+            for (const auto& [param, v] : parameters(rest)) {
+                if (param == "name" || param == "name*") {
+                    // PHP ends an unquoted value at whitespace ("name=_method x")
+                    const std::string_view word =
+                        std::string_view(v).substr(0, v.find_first_of(" \t"));
+                    if ((key_names_method(v) || key_names_method(word)) && !allows(pin, value)) {
+                        return false;
+                    }
+                }
+            }
+        } else if (iequals(name, "content-id")) {
+            plain = false;
+            if (key_names_method(trim_ows(rest)) && !allows(pin, value)) {
+                return false;
+            }
+        } else if (loose_form(name).find("name") != std::string::npos ||
+                   loose_form(rest).find("name") != std::string::npos) {
+            plain = false;  // another field that names something (Rack 2 reads "name=" in it)
+        }
+    }
+    plain = plain && dispositions <= 1 && names <= 1;
+    if (!plain && (loose_form(headers).find("method") != std::string::npos ||
+                   headers.find("=?") != std::string_view::npos)) {
+        return allows(pin, value);
+    }
+    return true;
+}
+
 /// The parts of `body` under `boundary` named `_method` name only methods the pin allows.
-/// Delimiter lines may end in CRLF or LF (servers differ); a body without one has no parts.
+/// Delimiter lines may end in CRLF or LF (servers differ); a body without one has no parts. A
+/// part's header block ends at its first blank line (LF LF or LF CRLF, as PHP reads it) and
+/// also, when that differs, at CRLFCRLF (as Rack reads it): both readings are checked.
 bool multipart_matches(const Pin& pin, std::string_view body, std::string_view boundary) {
     if (boundary.empty()) {
         return true;
@@ -171,49 +281,48 @@ bool multipart_matches(const Pin& pin, std::string_view body, std::string_view b
             break;
         }
         const size_t headers_at = line_end + 1;
-        size_t headers_end = body.find("\n\r\n", line_end);
-        const size_t lf_end = body.find("\n\n", line_end);
-        size_t content_at = headers_end == std::string_view::npos ? 0 : headers_end + 3;
-        if (lf_end != std::string_view::npos &&
-            (headers_end == std::string_view::npos || lf_end < headers_end)) {
-            headers_end = lf_end;
-            content_at = lf_end + 2;
-        }
         const size_t next = next_delimiter(headers_at);
-        if (headers_end == std::string_view::npos || (next != std::string_view::npos &&
-                                                      headers_end > next)) {
-            at = next;  // a part without a blank line after its headers
-            continue;
-        }
-        const std::string_view headers = body.substr(headers_at, headers_end + 1 - headers_at);
-        std::string_view content = body.substr(
-            content_at, next == std::string_view::npos ? std::string_view::npos : next - content_at);
-        if (next != std::string_view::npos) {  // the line break before the delimiter is its own
-            if (content.ends_with('\n')) {
-                content.remove_suffix(1);
+        // One reading of the part: its headers end at `blank` (the blank line's first byte,
+        // after the last header's line break), its content starts at `content_at`.
+        auto reading_matches = [&](size_t blank, size_t content_at) {
+            if (blank == std::string_view::npos ||
+                (next != std::string_view::npos && content_at > next)) {
+                return true;  // a part without a blank line after its headers
             }
-            if (content.ends_with('\r')) {
-                content.remove_suffix(1);
-            }
-        }
-        for (size_t line = 0; line < headers.size();) {
-            size_t end = headers.find('\n', line);
-            end = end == std::string_view::npos ? headers.size() : end;
-            std::string_view field = headers.substr(line, end - line);
-            if (field.ends_with('\r')) {
-                field.remove_suffix(1);
-            }
-            const size_t colon = field.find(':');
-            if (colon != std::string_view::npos &&
-                iequals(trim_ows(field.substr(0, colon)), "content-disposition")) {
-                for (const auto& [name, value] : parameters(field.substr(colon + 1))) {
-                    if ((name == "name" || name == "name*") && key_names_method(value) &&
-                        !allows(pin, std::string(content))) {
-                        return false;
-                    }
+            std::string_view content = body.substr(
+                content_at,
+                next == std::string_view::npos ? std::string_view::npos : next - content_at);
+            if (next != std::string_view::npos) {  // the line break before the delimiter
+                if (content.ends_with('\n')) {
+                    content.remove_suffix(1);
+                }
+                if (content.ends_with('\r')) {
+                    content.remove_suffix(1);
                 }
             }
-            line = end + 1;
+            return part_matches(pin, body.substr(headers_at, blank - headers_at), content);
+        };
+        // PHP: the first line that is empty (LF LF, or LF CR LF).
+        size_t php_blank = std::string_view::npos;
+        size_t php_content = 0;
+        const size_t crlf_blank = body.find("\n\r\n", line_end);
+        const size_t lf_blank = body.find("\n\n", line_end);
+        if (crlf_blank != std::string_view::npos &&
+            (lf_blank == std::string_view::npos || crlf_blank < lf_blank)) {
+            php_blank = crlf_blank + 1;
+            php_content = crlf_blank + 3;
+        } else if (lf_blank != std::string_view::npos) {
+            php_blank = lf_blank + 1;
+            php_content = lf_blank + 2;
+        }
+        if (!reading_matches(php_blank, php_content)) {
+            return false;
+        }
+        // Rack: CRLFCRLF (the delimiter line's own CRLF may be its first half).
+        const size_t rack = body.find("\r\n\r\n", line_end > 0 ? line_end - 1 : 0);
+        if (rack != std::string_view::npos && rack + 2 != php_blank &&
+            !reading_matches(rack + 2, rack + 4)) {
+            return false;
         }
         at = next;
     }
@@ -303,7 +412,9 @@ struct JsonMethods {
 
 /// A JSON body's top-level "_method" keys name only methods the pin allows. Parsed more
 /// leniently than the servers do (comments, trailing commas, invalid UTF-8, any depth), so
-/// what they read is read here too; a body that still does not parse carries no field.
+/// what they read is read here too. A body that still does not parse may parse for a server
+/// (PHP's json_decode takes 1e9999999999 as INF, where Boost fails): it is refused when it
+/// holds "method" (any case) or a \u escape, and carries no field otherwise.
 bool json_matches(const Pin& pin, std::string_view body) {
     boost::json::parse_options opt;
     opt.max_depth = static_cast<std::size_t>(-1);
@@ -314,10 +425,50 @@ bool json_matches(const Pin& pin, std::string_view body) {
     boost::json::error_code ec;
     parser.write_some(false, body.data(), body.size(), ec);
     if (ec) {
-        return true;
+        return ascii_lower(body).find("method") == std::string::npos &&
+               body.find("\\u") == std::string_view::npos &&
+               body.find("\\U") == std::string_view::npos;
     }
     return std::all_of(parser.handler().methods.begin(), parser.handler().methods.end(),
                        [&](const std::string& m) { return !m.empty() && allows(pin, m); });
+}
+
+/// The Content-Type fields as servers read them: each one, and when there are several, their
+/// join with ", " (Apache, which PHP sees, and Puma, which Rails sees, merge them).
+std::vector<std::string> content_types(const RequestHead& head) {
+    std::vector<std::string> out;
+    for (const Header& h : head.headers) {
+        if (iequals(h.name, "content-type")) {
+            out.push_back(h.value);
+        }
+    }
+    if (out.size() > 1) {
+        std::string joined;
+        for (const std::string& t : out) {
+            joined += joined.empty() ? t : ", " + t;
+        }
+        out.push_back(std::move(joined));
+    }
+    return out;
+}
+
+/// A form's charset, where one is named, is one in which "_method=" is its ASCII bytes (ASP.NET
+/// Core decodes a form in the charset it names: "_method=DELETE" in UTF-16 holds neither).
+bool ascii_compatible_charset(const std::string& content_type) {
+    for (const auto& [name, value] : parameters(content_type)) {
+        if (name != "charset") {
+            continue;
+        }
+        const std::string c = ascii_lower(trim_ows(value));
+        const bool ok = c == "utf-8" || c == "utf8" || c == "us-ascii" || c == "ascii" ||
+                        c.starts_with("iso-8859-") || c.starts_with("iso8859-") ||
+                        c.starts_with("latin") || c.starts_with("windows-125") ||
+                        c.starts_with("cp125");
+        if (!ok) {
+            return false;
+        }
+    }
+    return true;
 }
 
 }  // namespace
@@ -326,19 +477,21 @@ bool body_may_override_method(const Pin& pin, const RequestHead& head) {
     if (pin.methods.empty() || head.method != "POST") {
         return false;
     }
-    if (head.find("content-type") == nullptr) {
+    const std::vector<std::string> types = content_types(head);
+    if (types.empty()) {
         return body_kind(nullptr) != kNone;
     }
-    return std::any_of(head.headers.begin(), head.headers.end(), [](const Header& h) {
-        return iequals(h.name, "content-type") && body_kind(&h.value) != kNone;
-    });
+    return std::any_of(types.begin(), types.end(),
+                       [](const std::string& t) { return body_kind(&t) != kNone; });
 }
 
 bool body_method_matches(const Pin& pin, const RequestHead& head, std::string_view body) {
     auto matches = [&](const std::string* content_type) {
         const unsigned kind = body_kind(content_type);
-        if ((kind & kForm) != 0 && !form_method_matches(pin, body)) {
-            return false;
+        if ((kind & kForm) != 0 && (!form_method_matches(pin, body) ||
+                                    (content_type != nullptr &&
+                                     !ascii_compatible_charset(*content_type)))) {
+            return false;  // a form in another charset is refused rather than decoded
         }
         if ((kind & kJson) != 0 && !json_matches(pin, body)) {
             return false;
@@ -356,12 +509,11 @@ bool body_method_matches(const Pin& pin, const RequestHead& head, std::string_vi
         }
         return true;
     };
-    if (head.find("content-type") == nullptr) {
+    const std::vector<std::string> types = content_types(head);
+    if (types.empty()) {
         return matches(nullptr);
     }
-    return std::all_of(head.headers.begin(), head.headers.end(), [&](const Header& h) {
-        return !iequals(h.name, "content-type") || matches(&h.value);
-    });
+    return std::all_of(types.begin(), types.end(), [&](const std::string& t) { return matches(&t); });
 }
 
 }  // namespace egress::policy

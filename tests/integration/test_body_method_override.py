@@ -143,6 +143,21 @@ READINGS = [
      b"-- foo\r\n" + BYPASS_PART + b"-- foo--\r\n"),
     ("mp_name_space", "multipart/form-data; boundary=foo",
      b"--foo\r\n" + BYPASS_PART.replace(b"\"_method\"", b"\" _method\"") + b"--foo--\r\n"),
+    # part headers as PHP, Rack and ASP.NET Core read them (folded, single-quoted, Content-ID,
+    # an encoded word); JSON PHP parses and Boost does not; a form in UTF-16
+    ("mp_folded", "multipart/form-data; boundary=foo",
+     b"--foo\r\nContent-Disposition: form-data;\r\n name=\"_method\"\r\n\r\nDELETE\r\n"
+     b"--foo--\r\n"),
+    ("mp_single_quote", "multipart/form-data; boundary=foo",
+     b"--foo\r\nContent-Disposition: form-data; name='_method'\r\n\r\nDELETE\r\n--foo--\r\n"),
+    ("mp_content_id", "multipart/form-data; boundary=foo",
+     b"--foo\r\nContent-ID: _method\r\n\r\nDELETE\r\n--foo--\r\n"),
+    ("mp_encoded_word", "multipart/form-data; boundary=foo",
+     b"--foo\r\nContent-Disposition: form-data; name=\"=?utf-8?B?X21ldGhvZA==?=\"\r\n\r\n"
+     b"DELETE\r\n--foo--\r\n"),
+    ("json_inf", "application/json", b'{"n": 1e9999999999, "_method": "DELETE"}'),
+    ("form_utf16", "application/x-www-form-urlencoded; charset=utf-16le",
+     "_method=DELETE".encode("utf-16-le")),
 ]
 
 

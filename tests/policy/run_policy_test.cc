@@ -425,7 +425,8 @@ TEST(BodyMethod, AFieldInAPostBodyMustStayWithinThePinsMethods) {
     EXPECT_TRUE(body_method_matches(pin, json, R"({"_method": "post"})"));
     EXPECT_TRUE(body_method_matches(pin, json, R"({"x": {"_method": "DELETE"}})"));  // nested
     EXPECT_TRUE(body_method_matches(pin, json, R"([{"_method": "DELETE"}])"));
-    EXPECT_TRUE(body_method_matches(pin, json, R"({"_method": )"));  // no JSON: no field
+    EXPECT_TRUE(body_method_matches(pin, json, R"({"title": )"));  // no JSON: no field,
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"_method": )"));  // unless it says method
     // deeper than any default depth limit, then the field
     const std::string deep = "{\"a\": " + std::string(5000, '[') + std::string(5000, ']') +
                              ", \"_method\": \"DELETE\"}";
@@ -519,6 +520,83 @@ TEST(BodyMethod, EachServersReadingOfTheBodyIsChecked) {
         many += "; boundary=b" + std::to_string(i);
     }
     EXPECT_FALSE(body_method_matches(pin, post({many}), "a"));  // each boundary is a pass
+}
+
+// Part headers read as PHP, Rack 2, Rack 3 and ASP.NET Core read them; Content-Type fields
+// merged as Apache and Puma merge them; JSON that Boost refuses but PHP reads; a form in a
+// charset where "_method=" is not its ASCII bytes. Each was a bypass (the part or field read
+// as DELETE by some server reached the upstream with the credential).
+TEST(BodyMethod, PartHeadersFieldsAndEncodingsAsServersReadThem) {
+    const Pin pin = make_pin("p", "api.test", {}, {"GET", "POST"});
+    auto post = [](std::vector<std::string> types) {
+        RequestHead h;
+        h.method = "POST";
+        for (auto& t : types) {
+            h.headers.push_back({"content-type", std::move(t)});
+        }
+        return h;
+    };
+    const RequestHead multi = post({"multipart/form-data; boundary=B"});
+    auto one_part = [](const std::string& headers, const std::string& content) {
+        return "--B\r\n" + headers + "\r\n" + content + "\r\n--B--\r\n";
+    };
+    const std::vector<std::string> bypasses = {
+        // folded (PHP, Rack 3 unfold)
+        "Content-Disposition: form-data;\r\n name=\"_method\"\r\n",
+        // single quotes, an unquoted word (PHP)
+        "Content-Disposition: form-data; name='_method'\r\n",
+        "Content-Disposition: form-data; name=_method x\r\n",
+        // Content-ID names the part (Rack)
+        "Content-ID: _method\r\n",
+        // Rack 2's unanchored regex
+        "X-Content-Disposition: x; name=_method\r\nContent-Disposition: form-data; name=\"t\"\r\n",
+        "Content-Disposition: form-data; name=\"t\" name=_method\r\n",
+        // an encoded word (ASP.NET Core)
+        "Content-Disposition: form-data; name=\"=?utf-8?B?X21ldGhvZA==?=\"\r\n",
+    };
+    for (const std::string& h : bypasses) {
+        EXPECT_FALSE(body_method_matches(pin, multi, one_part(h, "DELETE"))) << h;
+        EXPECT_TRUE(body_method_matches(pin, multi, one_part(h, "GET"))) << h;
+    }
+    // headers that end at a bare LF for PHP's reading and at CRLFCRLF for Rack's
+    EXPECT_FALSE(body_method_matches(
+        pin, multi,
+        "--B\r\nX-A: 1\n\nContent-Disposition: form-data; name=\"_method\"\r\n\r\nDELETE\r\n"
+        "--B--\r\n"));
+    // the plain form with a name that merely holds "method" is not refused
+    EXPECT_TRUE(body_method_matches(
+        pin, multi, one_part("Content-Disposition: form-data; name=\"payment_method\"\r\n",
+                             "pm_card_visa")));
+    EXPECT_TRUE(body_method_matches(
+        pin, multi,
+        one_part("Content-Disposition: form-data; name=\"f\"; filename=\"method.txt\"\r\n"
+                 "Content-Type: text/plain\r\n",
+                 "DELETE")));
+
+    // two Content-Type fields, merged: "multipart/form-data, text/plain; boundary=B"
+    const RequestHead two = post({"multipart/form-data", "text/plain; boundary=B"});
+    EXPECT_TRUE(body_may_override_method(pin, two));
+    EXPECT_FALSE(body_method_matches(
+        pin, two, one_part("Content-Disposition: form-data; name=\"_method\"\r\n", "DELETE")));
+
+    // JSON Boost cannot parse but PHP can (an exponent PHP takes as INF)
+    const RequestHead json = post({"application/json"});
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"n":1e9999999999,"_method":"DELETE"})"));
+    EXPECT_FALSE(body_method_matches(pin, json, R"({"n":1e9999999999,"\u005f\u006d\u0065thod":"DELETE"})"));
+    EXPECT_TRUE(body_method_matches(pin, json, R"({"n":1e9999999999,"title":"x"})"));
+
+    // a form in UTF-16 (ASP.NET Core decodes the charset it names)
+    std::string utf16;
+    for (char c : std::string("_method=DELETE")) {
+        utf16.push_back(c);
+        utf16.push_back('\0');
+    }
+    EXPECT_FALSE(body_method_matches(
+        pin, post({"application/x-www-form-urlencoded; charset=utf-16le"}), utf16));
+    EXPECT_TRUE(body_method_matches(
+        pin, post({"application/x-www-form-urlencoded; charset=UTF-8"}), "title=x"));
+    EXPECT_TRUE(body_method_matches(
+        pin, post({"application/x-www-form-urlencoded; charset=iso-8859-1"}), "title=x"));
 }
 
 // S3's CopyObject reads the object x-amz-copy-source names with the pin's key: a pin limited to
