@@ -344,10 +344,10 @@ net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2Clien
       x.failure = failure(ErrorKind::kRead, "during the response body");
       co_return x;
     }
+    x.body_bytes += piece.data.size();  // the last bytes may come with eof
     if (piece.eof) {
       break;
     }
-    x.body_bytes += piece.data.size();
   }
   x.bytes += x.body_bytes;
   co_return x;

@@ -502,7 +502,10 @@ awaitable<H2ClientStream::Piece> H2ClientStream::read() {
     for (;;) {
         if (!st.in.empty()) {
             st.front_out = true;
-            co_return Piece{st.in.front(), false, true};
+            // The end already came (an END_STREAM DATA frame, often empty, behind this one;
+            // or trailers): said with the last bytes, so the relay sends them as the end
+            // instead of holding the scrubber's tail for one more read.
+            co_return Piece{st.in.front(), st.eof && st.in.size() == 1, true};
         }
         if (st.eof) {
             co_return Piece{{}, true, true};

@@ -69,8 +69,9 @@ public:
     /// False: reset (after no head), closed or timed out. `wait` replaces io_timeout.
     awaitable<bool> response(H2ClientResponse& out,
                              std::optional<std::chrono::milliseconds> wait = std::nullopt);
-    /// Next response body piece (valid until the next call; empty with eof=true at the end).
-    /// Bytes returned by the previous call are consumed (window update) first.
+    /// Next response body piece (valid until the next call). eof=true at the end: with the
+    /// last bytes when the end had come by then, else with none. Bytes returned by the
+    /// previous call are consumed (window update) first.
     struct Piece {
         std::span<char> data;  // the stream's buffer until the next read(); may be rewritten
         bool eof = false;
