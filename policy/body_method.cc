@@ -173,7 +173,7 @@ std::string loose_form(std::string_view s) {
 /// or "=?") and that holds "method" (any case, %-decoded) or an encoded word must have content
 /// the pin allows, whatever its name reads as.
 bool part_matches(const Pin& pin, std::string_view headers, std::string_view content) {
-    const std::string value(content);
+    auto content_allowed = [&] { return allows(pin, std::string(content)); };
     bool plain = headers.find("=?") == std::string_view::npos &&
                  headers.find('\'') == std::string_view::npos &&
                  headers.find('\\') == std::string_view::npos;
@@ -228,14 +228,14 @@ bool part_matches(const Pin& pin, std::string_view headers, std::string_view con
                     // PHP ends an unquoted value at whitespace ("name=_method x")
                     const std::string_view word =
                         std::string_view(v).substr(0, v.find_first_of(" \t"));
-                    if ((key_names_method(v) || key_names_method(word)) && !allows(pin, value)) {
+                    if ((key_names_method(v) || key_names_method(word)) && !content_allowed()) {
                         return false;
                     }
                 }
             }
         } else if (iequals(name, "content-id")) {
             plain = false;
-            if (key_names_method(trim_ows(rest)) && !allows(pin, value)) {
+            if (key_names_method(trim_ows(rest)) && !content_allowed()) {
                 return false;
             }
         } else if (loose_form(name).find("name") != std::string::npos ||
@@ -246,7 +246,7 @@ bool part_matches(const Pin& pin, std::string_view headers, std::string_view con
     plain = plain && dispositions <= 1 && names <= 1;
     if (!plain && (loose_form(headers).find("method") != std::string::npos ||
                    headers.find("=?") != std::string_view::npos)) {
-        return allows(pin, value);
+        return content_allowed();
     }
     return true;
 }
@@ -302,11 +302,16 @@ bool multipart_matches(const Pin& pin, std::string_view body, std::string_view b
             }
             return part_matches(pin, body.substr(headers_at, blank - headers_at), content);
         };
+        // Searched only up to the next delimiter: a blank line past it is not this part's,
+        // and a search to the end of the body for each part made a body of many parts
+        // without blank lines cost (parts x body size).
+        const std::string_view upto =
+            body.substr(0, next == std::string_view::npos ? body.size() : next);
         // PHP: the first line that is empty (LF LF, or LF CR LF).
         size_t php_blank = std::string_view::npos;
         size_t php_content = 0;
-        const size_t crlf_blank = body.find("\n\r\n", line_end);
-        const size_t lf_blank = body.find("\n\n", line_end);
+        const size_t crlf_blank = upto.find("\n\r\n", line_end);
+        const size_t lf_blank = upto.find("\n\n", line_end);
         if (crlf_blank != std::string_view::npos &&
             (lf_blank == std::string_view::npos || crlf_blank < lf_blank)) {
             php_blank = crlf_blank + 1;
@@ -319,7 +324,7 @@ bool multipart_matches(const Pin& pin, std::string_view body, std::string_view b
             return false;
         }
         // Rack: CRLFCRLF (the delimiter line's own CRLF may be its first half).
-        const size_t rack = body.find("\r\n\r\n", line_end > 0 ? line_end - 1 : 0);
+        const size_t rack = upto.find("\r\n\r\n", line_end > 0 ? line_end - 1 : 0);
         if (rack != std::string_view::npos && rack + 2 != php_blank &&
             !reading_matches(rack + 2, rack + 4)) {
             return false;
