@@ -200,7 +200,7 @@ awaitable<BodyChunk> h1_read_body(Stream& s, beast::flat_buffer& inbuf, H1Parser
     p.body_buffer(buf, cap);
     // Unparsed framing plus one read: chunk data goes to `buf` as it is parsed, so the buffer
     // holds at most one read's worth of it besides an unfinished chunk line or trailers.
-    GrowthCap cap(inbuf, framing_limit + kBodyReadBytes);
+    GrowthCap growth(inbuf, framing_limit + kBodyReadBytes);
     // Beast reads max(512, free capacity) bytes per call: without room for a whole TLS record
     // a body would be relayed (and re-encrypted, and sent) in 512-byte pieces.
     if (inbuf.capacity() - inbuf.size() < kBodyReadBytes) {

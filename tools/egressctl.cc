@@ -526,9 +526,6 @@ public:
         } catch (const boost::system::system_error& ex) {
             std::string what = "cannot reach the admin API at " + ep_.display + ": " +
                                ex.code().message();
-            if (resolving) {
-                (void)ioc_owner.release();  // not joined: the process ends after the error
-            }
             if (sending_begun_) throw NoAnswer(what);
             throw Failure(what);
         }
