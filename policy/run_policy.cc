@@ -159,7 +159,12 @@ bool form_method_matches(const Pin& pin, std::string_view query) {
     if (lower.find('%') == std::string::npos && lower.find("method") == std::string::npos) {
         return true;  // the common case: no key can decode to _method
     }
-    auto params = boost::urls::parse_query(query);
+    // Boost 1.81's parse_query builds its view from query.data() read as a C string (its
+    // detail::query_ref is made from a char const*, so strlen): a view that does not end at a
+    // NUL was read past its end (found by fuzz_body_method), and only its checks before that
+    // (no raw NUL passes the query grammar) kept the result right. It gets a string of its own.
+    const std::string terminated(query);
+    auto params = boost::urls::parse_query(terminated);
     if (!params) {
         return false;
     }
