@@ -163,22 +163,50 @@ std::string loose_form(std::string_view s) {
     return ascii_lower(out);
 }
 
+/// A form's charset, where one is named, is one in which "_method=" is its ASCII bytes (ASP.NET
+/// Core decodes a form in the charset it names: "_method=DELETE" in UTF-16 holds neither).
+bool ascii_compatible_charset(const std::string& content_type) {
+    for (const auto& [name, value] : parameters(content_type)) {
+        if (name != "charset") {
+            continue;
+        }
+        const std::string c = ascii_lower(trim_ows(value));
+        const bool ok = c == "utf-8" || c == "utf8" || c == "us-ascii" || c == "ascii" ||
+                        c.starts_with("iso-8859-") || c.starts_with("iso8859-") ||
+                        c.starts_with("latin") || c.starts_with("windows-125") ||
+                        c.starts_with("cp125");
+        if (!ok) {
+            return false;
+        }
+    }
+    return true;
+}
+
+/// Whether `s` holds a character some server reads differently from egressd's
+/// parameters(): a single quote (PHP quotes with it), a backslash, or an encoded word ("=?",
+/// ASP.NET Core and Tomcat decode it).
+bool odd_text(std::string_view s) {
+    return s.find_first_of("'\\") != std::string_view::npos ||
+           s.find("=?") != std::string_view::npos;
+}
+
 /// One part: its header block (every line with its line break) and its content. The name is
 /// read from Content-Disposition's name or name* parameter (folded lines unfolded, as PHP and
-/// Rack 3 read them) and from a Content-ID field (Rack takes it when there is no
-/// Content-Disposition). Servers read part headers in more ways than this (Rack 2's unanchored
-/// regex, PHP's single quotes and unquoted words, ASP.NET Core's encoded words), so a block
-/// that is not the plain form browsers and HTTP libraries send (each line "Name: value" ending
-/// in CRLF, one Content-Disposition with one name, no Content-ID, no folding, quote, backslash
-/// or "=?") and that holds "method" (any case, %-decoded) or an encoded word must have content
-/// the pin allows, whatever its name reads as.
+/// Rack 3 read them; an unquoted value also up to whitespace, as PHP) and from a Content-ID
+/// field (Rack takes it when there is no Content-Disposition name). Servers read part headers
+/// in more ways than this (Rack 2's unanchored regexes, PHP's single quotes, encoded words in
+/// ASP.NET Core and Tomcat, RFC 2231 values in any charset in Tomcat), so a block that is not
+/// the plain form clients send (lines ending in CRLF, only Content-Disposition and
+/// Content-Type fields, one Content-Disposition with at most one name, which the parameters
+/// read where a regex would, no folding, and no quote, backslash or encoded word outside a
+/// file name) and that holds "method" (any case, %-decoded) or an encoded word must have
+/// content the pin allows, whatever its name reads as. File names are left out of the plain
+/// test (.NET's HttpClient sends filename* and encoded words there, which no server reads as
+/// a name); they still count for "method".
 bool part_matches(const Pin& pin, std::string_view headers, std::string_view content) {
     auto content_allowed = [&] { return allows(pin, std::string(content)); };
-    bool plain = headers.find("=?") == std::string_view::npos &&
-                 headers.find('\'') == std::string_view::npos &&
-                 headers.find('\\') == std::string_view::npos;
+    bool plain = true;
     size_t dispositions = 0;
-    size_t names = 0;
     std::vector<std::string> fields;  // unfolded
     for (size_t line = 0; line < headers.size();) {
         size_t end = headers.find('\n', line);
@@ -209,8 +237,10 @@ bool part_matches(const Pin& pin, std::string_view headers, std::string_view con
         const std::string_view rest = std::string_view(f).substr(colon + 1);
         if (iequals(name, "content-disposition")) {
             ++dispositions;
-            // Rack 2 takes the last " name=" of the line, also one the parameters do not
-            // reach (after a quoted value without ';'): more than one name is not plain.
+            // Rack 2 takes the last " name=" of the line wherever it stands (also past a
+            // quoted value without ';', or before the first ';'): the names a regex would
+            // see must be the ones the parameters read.
+            size_t seen = 0;
             const std::string loose = loose_form(rest);
             for (size_t n = loose.find("name"); n != std::string::npos;
                  n = loose.find("name", n + 1)) {
@@ -220,30 +250,57 @@ bool part_matches(const Pin& pin, std::string_view headers, std::string_view con
                 const size_t after = loose.find_first_not_of(" \t", n + 4);
                 if (word_start && after != std::string::npos &&
                     (loose[after] == '=' || loose[after] == '*')) {
-                    ++names;
+                    ++seen;
                 }
             }
+            size_t read = 0;
+            if (odd_text(rest.substr(0, rest.find(';')))) {
+                plain = false;
+            }
             for (const auto& [param, v] : parameters(rest)) {
-                if (param == "name" || param == "name*") {
-                    // PHP ends an unquoted value at whitespace ("name=_method x")
-                    const std::string_view word =
-                        std::string_view(v).substr(0, v.find_first_of(" \t"));
-                    if ((key_names_method(v) || key_names_method(word)) && !content_allowed()) {
-                        return false;
-                    }
+                if (param == "filename" || param == "filename*") {
+                    continue;
                 }
+                if (odd_text(v) && param != "name*") {
+                    plain = false;
+                }
+                if (param != "name" && param != "name*") {
+                    continue;
+                }
+                ++read;
+                // PHP ends an unquoted value at whitespace ("name=_method x")
+                const std::string_view word =
+                    std::string_view(v).substr(0, v.find_first_of(" \t"));
+                if ((key_names_method(v) || key_names_method(word)) && !content_allowed()) {
+                    return false;
+                }
+                if (param == "name*") {
+                    // RFC 2231: charset'language'%XX. Tomcat decodes it in any charset (a
+                    // UTF-16 "_method" holds no "method" to find): only an ASCII one is plain.
+                    const std::string charset = v.substr(0, v.find('\''));
+                    if (!ascii_compatible_charset("x; charset=" + charset)) {
+                        return content_allowed();
+                    }
+                    plain = false;
+                }
+            }
+            if (seen != read || read > 1) {
+                plain = false;
             }
         } else if (iequals(name, "content-id")) {
             plain = false;
             if (key_names_method(trim_ows(rest)) && !content_allowed()) {
                 return false;
             }
-        } else if (loose_form(name).find("name") != std::string::npos ||
-                   loose_form(rest).find("name") != std::string::npos) {
-            plain = false;  // another field that names something (Rack 2 reads "name=" in it)
+        } else if (iequals(name, "content-type")) {
+            if (odd_text(rest)) {
+                plain = false;
+            }
+        } else {
+            plain = false;  // any other field (Rack 2 reads "Content-ID:" inside "X-Content-ID:")
         }
     }
-    plain = plain && dispositions <= 1 && names <= 1;
+    plain = plain && dispositions <= 1;
     if (!plain && (loose_form(headers).find("method") != std::string::npos ||
                    headers.find("=?") != std::string_view::npos)) {
         return content_allowed();
@@ -287,7 +344,14 @@ bool multipart_matches(const Pin& pin, std::string_view body, std::string_view b
         auto reading_matches = [&](size_t blank, size_t content_at) {
             if (blank == std::string_view::npos ||
                 (next != std::string_view::npos && content_at > next)) {
-                return true;  // a part without a blank line after its headers
+                // No blank line before the next delimiter: PHP and Rack read the headers on
+                // past it (PHP takes a "--B" line into the field before it), with content
+                // this walk does not see. Refused when they mention a method.
+                const std::string_view region = body.substr(
+                    headers_at,
+                    next == std::string_view::npos ? std::string_view::npos : next - headers_at);
+                return loose_form(region).find("method") == std::string::npos &&
+                       region.find("=?") == std::string_view::npos;
             }
             std::string_view content = body.substr(
                 content_at,
@@ -325,8 +389,9 @@ bool multipart_matches(const Pin& pin, std::string_view body, std::string_view b
         }
         // Rack: CRLFCRLF (the delimiter line's own CRLF may be its first half).
         const size_t rack = upto.find("\r\n\r\n", line_end > 0 ? line_end - 1 : 0);
-        if (rack != std::string_view::npos && rack + 2 != php_blank &&
-            !reading_matches(rack + 2, rack + 4)) {
+        const size_t rack_blank = rack == std::string_view::npos ? rack : rack + 2;
+        if (rack_blank != php_blank &&
+            !reading_matches(rack_blank, rack == std::string_view::npos ? 0 : rack + 4)) {
             return false;
         }
         at = next;
@@ -455,25 +520,6 @@ std::vector<std::string> content_types(const RequestHead& head) {
         out.push_back(std::move(joined));
     }
     return out;
-}
-
-/// A form's charset, where one is named, is one in which "_method=" is its ASCII bytes (ASP.NET
-/// Core decodes a form in the charset it names: "_method=DELETE" in UTF-16 holds neither).
-bool ascii_compatible_charset(const std::string& content_type) {
-    for (const auto& [name, value] : parameters(content_type)) {
-        if (name != "charset") {
-            continue;
-        }
-        const std::string c = ascii_lower(trim_ows(value));
-        const bool ok = c == "utf-8" || c == "utf8" || c == "us-ascii" || c == "ascii" ||
-                        c.starts_with("iso-8859-") || c.starts_with("iso8859-") ||
-                        c.starts_with("latin") || c.starts_with("windows-125") ||
-                        c.starts_with("cp125");
-        if (!ok) {
-            return false;
-        }
-    }
-    return true;
 }
 
 }  // namespace
