@@ -1,5 +1,7 @@
 #include "proxy/control_plane.h"
 
+#include "common/burn_stack.h"
+
 #include <fcntl.h>
 #include <openssl/err.h>
 #include <openssl/rand.h>
@@ -744,7 +746,11 @@ ApiResponse ControlPlane::handle(std::string_view method, std::string_view targe
         if (method == "GET") return explain(seg[2], query);
         allow = "GET";
     } else if (v1 && n == 3 && seg[1] == "keys" && seg[2] == "rotate") {
-        if (method == "POST") return rotate_keys();
+        if (method == "POST") {
+            ApiResponse r = rotate_keys();
+            egress::burn_stack();  // the retired and the new key went through its callees
+            return r;
+        }
         allow = "POST";
     }
     const std::string route = std::string(method) + " " + std::string(url->encoded_path());

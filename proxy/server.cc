@@ -1,5 +1,7 @@
 #include "proxy/server.h"
 
+#include "common/burn_stack.h"
+
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -837,6 +839,8 @@ Server::Server(std::shared_ptr<const Runtime> runtime, std::string config_path)
     }
 
     auto control = ControlPlane::open(runtime);
+    // The master key, data keys and run CA keys went through the frames below this one.
+    egress::burn_stack();
     if (!control) {
         throw std::runtime_error(control.error());
     }
