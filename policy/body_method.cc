@@ -190,6 +190,41 @@ bool odd_text(std::string_view s) {
            s.find("=?") != std::string_view::npos;
 }
 
+/// Whether `s` holds a control byte other than a tab: Tomcat trims every byte Java's
+/// Character.isWhitespace takes (\v, \f, 0x1C-0x1F) around parameter names and values, where
+/// egressd trims spaces and tabs ("name=\v_method" is _method to Spring).
+bool has_control(std::string_view s) {
+    return std::any_of(s.begin(), s.end(), [](char c) {
+        const auto u = static_cast<unsigned char>(c);
+        return (u < 0x20 && u != '\t') || u == 0x7f;
+    });
+}
+
+/// Whether a field's value names another field a regex could take for a part's name (Rack 2
+/// finds "Content-Disposition: ... name=" and "Content-ID:" anywhere in the header block).
+bool names_a_field(std::string_view value) {
+    const std::string loose = loose_form(value);
+    return loose.find("content-") != std::string::npos ||
+           loose.find("method") != std::string::npos;
+}
+
+/// A field a plain part may have besides Content-Disposition and Content-Type, as common
+/// clients send it: Content-Length (OkHttp) with digits only, Content-Transfer-Encoding
+/// (Apache httpmime) with one token.
+bool plain_extra_field(std::string_view name, std::string_view value) {
+    const std::string_view v = trim_ows(value);
+    if (iequals(name, "content-length")) {
+        return !v.empty() && v.find_first_not_of("0123456789") == std::string_view::npos;
+    }
+    if (iequals(name, "content-transfer-encoding")) {
+        return !v.empty() &&
+               std::all_of(v.begin(), v.end(), [](char c) {
+                   return std::isalnum(static_cast<unsigned char>(c)) || c == '-';
+               });
+    }
+    return false;
+}
+
 /// One part: its header block (every line with its line break) and its content. The name is
 /// read from Content-Disposition's name or name* parameter (folded lines unfolded, as PHP and
 /// Rack 3 read them; an unquoted value also up to whitespace, as PHP) and from a Content-ID
@@ -197,9 +232,10 @@ bool odd_text(std::string_view s) {
 /// in more ways than this (Rack 2's unanchored regexes, PHP's single quotes, encoded words in
 /// ASP.NET Core and Tomcat, RFC 2231 values in any charset in Tomcat), so a block that is not
 /// the plain form clients send (lines ending in CRLF, only Content-Disposition and
-/// Content-Type fields, one Content-Disposition with at most one name, which the parameters
-/// read where a regex would, no folding, and no quote, backslash or encoded word outside a
-/// file name) and that holds "method" (any case, %-decoded) or an encoded word must have
+/// Content-Type fields, and a digits-only Content-Length or a one-token
+/// Content-Transfer-Encoding, one Content-Disposition with at most one name, which the
+/// parameters read where a regex would, no folding, no control byte but tab, no Content-Type
+/// naming a field or "method", and no quote, backslash or encoded word outside a file name) and that holds "method" (any case, %-decoded) or an encoded word must have
 /// content the pin allows, whatever its name reads as. File names are left out of the plain
 /// test (.NET's HttpClient sends filename* and encoded words there, which no server reads as
 /// a name); they still count for "method".
@@ -235,6 +271,9 @@ bool part_matches(const Pin& pin, std::string_view headers, std::string_view con
         }
         const std::string_view name = trim_ows(std::string_view(f).substr(0, colon));
         const std::string_view rest = std::string_view(f).substr(colon + 1);
+        if (has_control(f)) {
+            plain = false;
+        }
         if (iequals(name, "content-disposition")) {
             ++dispositions;
             // Rack 2 takes the last " name=" of the line wherever it stands (also past a
@@ -293,10 +332,10 @@ bool part_matches(const Pin& pin, std::string_view headers, std::string_view con
                 return false;
             }
         } else if (iequals(name, "content-type")) {
-            if (odd_text(rest)) {
-                plain = false;
+            if (odd_text(rest) || names_a_field(rest)) {
+                plain = false;  // "text/plain; x=Content-ID:_method" is a name to Rack 2
             }
-        } else {
+        } else if (!plain_extra_field(name, rest)) {
             plain = false;  // any other field (Rack 2 reads "Content-ID:" inside "X-Content-ID:")
         }
     }

@@ -559,6 +559,13 @@ TEST(BodyMethod, PartHeadersFieldsAndEncodingsAsServersReadThem) {
         "X-Content-ID: _method\r\n",
         "Content-Disposition: form-data\r\nX-Content-ID: _method\r\n",
         "Content-Disposition: form-data name=_method\r\n",
+        // Rack 2's regexes also match inside a part's Content-Type
+        "Content-Type: text/plain; x=Content-ID:_method\r\n",
+        "Content-Type: a; x=Content-Disposition: name=_method\r\n"
+        "Content-Disposition: form-data; name=\"a\"\r\n",
+        // Tomcat trims \v, \f and 0x1C-0x1F around names (Java's isWhitespace)
+        "Content-Disposition: form-data; name=\x0b_method\r\n",
+        "Content-Disposition: form-data; name=x; name\x0b=_method\r\n",
         // RFC 2231 in UTF-16 (Tomcat decodes name* in any charset): no "method" to see
         "Content-Disposition: form-data; name*=UTF-16LE''%5F%00%6D%00%65%00%74%00%68%00%6F%00%64%00\r\n",
     };
@@ -594,6 +601,17 @@ TEST(BodyMethod, PartHeadersFieldsAndEncodingsAsServersReadThem) {
         one_part("Content-Disposition: form-data; name=file; filename=methods.csv; "
                  "filename*=utf-8''methods.csv\r\nContent-Type: text/csv\r\n",
                  "PUT")));
+    // OkHttp's Content-Length and httpmime's Content-Transfer-Encoding in a part are plain
+    EXPECT_TRUE(body_method_matches(
+        pin, multi,
+        one_part("Content-Disposition: form-data; name=\"payment_method\"\r\n"
+                 "Content-Length: 4\r\n",
+                 "card")));
+    EXPECT_TRUE(body_method_matches(
+        pin, multi,
+        one_part("Content-Disposition: form-data; name=\"shipping_method\"\r\n"
+                 "Content-Type: text/plain; charset=UTF-8\r\nContent-Transfer-Encoding: 8bit\r\n",
+                 "ups")));
     // the plain form with a name that merely holds "method" is not refused
     EXPECT_TRUE(body_method_matches(
         pin, multi, one_part("Content-Disposition: form-data; name=\"payment_method\"\r\n",
