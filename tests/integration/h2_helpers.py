@@ -252,15 +252,22 @@ class RawH2:
                 if isinstance(f, DataFrame) and st is not None:
                     st["body"] = st.get("body", b"") + f.data  # callers may add streams
                 if isinstance(f, DataFrame) and f.flow_controlled_length:
-                    self.c.send_raw(WindowUpdateFrame(0, window_increment=f.flow_controlled_length)
-                                    .serialize())
+                    self.reply(WindowUpdateFrame(0, window_increment=f.flow_controlled_length))
                 if isinstance(f, RstStreamFrame) and st is not None:
                     st["reset"] = f.error_code
                 if isinstance(f, GoAwayFrame):
                     self.goaway = f.error_code
                 if isinstance(f, PingFrame) and "ACK" not in f.flags:
-                    self.c.send_raw(PingFrame(0, opaque_data=f.opaque_data, flags=["ACK"])
-                                    .serialize())
+                    self.reply(PingFrame(0, opaque_data=f.opaque_data, flags=["ACK"]))
+
+    def reply(self, frame) -> None:
+        """Sends a frame the client owes the peer (a window update, a PING ACK). A peer that
+        has sent everything and closed (a draining egressd after its last stream) may be gone
+        before the reply to its last DATA frame: the frames already read still count."""
+        try:
+            self.c.send_raw(frame.serialize())
+        except (ssl.SSLError, OSError):
+            self.closed = True
 
     def refused(self, sid) -> bool:
         st = self.streams[sid]
