@@ -173,6 +173,16 @@ def _link(c, name: str, target: str) -> None:
     os.symlink(target, _linkpath(c, name))
 
 
+def _write_key(c) -> str:
+    """Writes a master key (32 random bytes, owner-only) at keys.master_key_file; its path."""
+    real = _key(c)
+    os.makedirs(os.path.dirname(real), exist_ok=True)
+    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32))
+    os.close(fd)
+    return real
+
+
 @pytest.mark.parametrize("mutate, message", [
     # the typo that replaced the master key with a socket (every stored secret lost)
     (lambda c: c["listen"].__setitem__("admin", "unix:" + _key(c)),
@@ -231,13 +241,8 @@ def test_a_master_key_named_through_a_symlink_is_still_protected(factory):
     """keys.master_key_file names a symlink to the key; ca_cert_out names the key itself. The
     key is read through the link, so that CA file would replace it: refused (the check
     compared the link's own name)."""
-    import os
     e = factory.make()
-    real = _key(e.config)
-    os.makedirs(os.path.dirname(real), exist_ok=True)
-    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32))
-    os.close(fd)
+    real = _write_key(e.config)
     before = _digest(real)
     _link(e.config, "link.key", real)
     e.config["keys"]["master_key_file"] = _linkpath(e.config, "link.key")
@@ -255,11 +260,7 @@ def test_one_symlink_named_as_the_master_key_and_as_a_ca_file_is_refused(factory
     certificate). The check compared the followed form of one with the name of the other."""
     import os
     e = factory.make()
-    real = _key(e.config)
-    os.makedirs(os.path.dirname(real), exist_ok=True)
-    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32))
-    os.close(fd)
+    real = _write_key(e.config)
     _link(e.config, "link.key", real)
     link = _linkpath(e.config, "link.key")
     e.config["keys"]["master_key_file"] = link

@@ -134,13 +134,19 @@ def _h1_probe(c: helpers.Conn, port: int, upstream: _Upstream, guess: str):
     return len(first), whole_after, body
 
 
+def _tunnel(e, world, upstream):
+    """An intercepted tunnel of run r1 to the test upstream, reads bounded at 5 s."""
+    c = helpers.tunnel(e.proxy_port, "api.test", upstream.port, world.auth("r1"),
+                       e.config["runs"][0]["ca_cert_out"])
+    c.sock.settimeout(5)
+    return c
+
+
 def test_h1_first_chunk_is_the_same_for_a_right_and_a_wrong_guess(factory, world):
     upstream = _Upstream(world)
     try:
         e = _start(factory, world, upstream)
-        ca = e.config["runs"][0]["ca_cert_out"]
-        c = helpers.tunnel(e.proxy_port, "api.test", upstream.port, world.auth("r1"), ca)
-        c.sock.settimeout(5)
+        c = _tunnel(e, world, upstream)
         sizes = {}
         for name, guess in list(_guesses().items()) * 2:
             first, whole_after, body = _h1_probe(c, upstream.port, upstream, guess)
@@ -164,9 +170,7 @@ def test_h1_strict_mode_holds_the_tail_until_the_next_piece(factory, world):
     upstream = _Upstream(world)
     try:
         e = _start(factory, world, upstream, {"scrub_hold_timeout": "0"})
-        ca = e.config["runs"][0]["ca_cert_out"]
-        c = helpers.tunnel(e.proxy_port, "api.test", upstream.port, world.auth("r1"), ca)
-        c.sock.settimeout(5)
+        c = _tunnel(e, world, upstream)
         guess = _guesses()["other"]
         rid = upstream.next_id()
         c.send(f"GET /stream?id={rid}&g={guess} HTTP/1.1\r\n"
@@ -252,9 +256,7 @@ def test_a_client_gone_during_a_held_release_ends_the_exchange_at_once(factory, 
     upstream = _Upstream(world)
     try:
         e = _start(factory, world, upstream)
-        ca = e.config["runs"][0]["ca_cert_out"]
-        c = helpers.tunnel(e.proxy_port, "api.test", upstream.port, world.auth("r1"), ca)
-        c.sock.settimeout(5)
+        c = _tunnel(e, world, upstream)
         rid = upstream.next_id()
         guess = _guesses()["other"]
         c.send(f"GET /stream?id={rid}&g={guess} HTTP/1.1\r\n"

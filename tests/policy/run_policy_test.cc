@@ -380,18 +380,20 @@ TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
     EXPECT_EQ(match_pin(GlobalPolicy{}, run, gh, "GET", "/repos/acme/x", kNow)->id, "repos");
 }
 
+/// A POST head with one content-type field per entry (none for an empty list).
+RequestHead post(std::vector<std::string> types) {
+    RequestHead h;
+    h.method = "POST";
+    for (auto& t : types) {
+        h.headers.push_back({"content-type", std::move(t)});
+    }
+    return h;
+}
+
 // Rails, Laravel, Symfony, Spring and ASP.NET Core take a POST's method from a `_method` field
 // in its body too: a form key, a multipart part, a top-level JSON key.
 TEST(BodyMethod, AFieldInAPostBodyMustStayWithinThePinsMethods) {
     const Pin pin = make_pin("p", "api.test", {}, {"GET", "POST"});
-    auto post = [](std::vector<std::string> types) {
-        RequestHead h;
-        h.method = "POST";
-        for (auto& t : types) {
-            h.headers.push_back({"content-type", std::move(t)});
-        }
-        return h;
-    };
     const RequestHead form = post({"application/x-www-form-urlencoded; charset=utf-8"});
     const RequestHead json = post({"application/json"});
     const RequestHead vnd = post({"application/vnd.api+json"});
@@ -457,14 +459,6 @@ TEST(BodyMethod, AFieldInAPostBodyMustStayWithinThePinsMethods) {
 // Rack 2's brackets, and every boundary a server may split a multipart body under.
 TEST(BodyMethod, EachServersReadingOfTheBodyIsChecked) {
     const Pin pin = make_pin("p", "api.test", {}, {"GET", "POST"});
-    auto post = [](std::vector<std::string> types) {
-        RequestHead h;
-        h.method = "POST";
-        for (auto& t : types) {
-            h.headers.push_back({"content-type", std::move(t)});
-        }
-        return h;
-    };
     const std::string field = "title=x&_method=DELETE";
     // the media type ends at ',' (Rack, PHP) or a space (PHP); an empty field is none (Rack)
     EXPECT_FALSE(body_method_matches(
@@ -530,14 +524,6 @@ TEST(BodyMethod, EachServersReadingOfTheBodyIsChecked) {
 // as DELETE by some server reached the upstream with the credential).
 TEST(BodyMethod, PartHeadersFieldsAndEncodingsAsServersReadThem) {
     const Pin pin = make_pin("p", "api.test", {}, {"GET", "POST"});
-    auto post = [](std::vector<std::string> types) {
-        RequestHead h;
-        h.method = "POST";
-        for (auto& t : types) {
-            h.headers.push_back({"content-type", std::move(t)});
-        }
-        return h;
-    };
     const RequestHead multi = post({"multipart/form-data; boundary=B"});
     auto one_part = [](const std::string& headers, const std::string& content) {
         return "--B\r\n" + headers + "\r\n" + content + "\r\n--B--\r\n";
