@@ -102,6 +102,7 @@ public:
     }
     Headers response_trailers() override { return stream_->trailers(); }
     void finish() override {}
+    void wipe_reads() override { pooled_.session->wipe_reads(); }
     void abort() override {
         if (stream_) {
             stream_->reset();
@@ -1401,6 +1402,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
     // An early answer is the upstream's own, but the request never reached it whole: the
     // record says so (its bytes_in counts what the client sent up to then).
     finish(resp->status, early || !request_done ? "upstream_early_response" : "", "");
+    if (scrubber.replacements() > 0) {
+        up->wipe_reads();  // before a pooled connection goes back with what it read
+    }
     up->finish();
     held.released = true;
     keep = down.client_keep_alive();  // as the response head said (a drain may have begun)
@@ -1425,6 +1429,9 @@ done:
                 deny_body(status, cut_reason);
             }
         }
+    }
+    if (!held.released && up && scrubber.replacements() > 0) {
+        up->wipe_reads();  // the exchange failed after the scrubber found an echo
     }
     co_return keep;
 }

@@ -183,6 +183,10 @@ public:
     virtual void abort() = 0;
     /// After a 101: the connection's raw bytes (never pooled again); nullptr on HTTP/2.
     virtual RawBytes* switched() = 0;
+    /// The response echoed a credential (the scrubber replaced it where the relay reads it):
+    /// the other copies of what was read are wiped (the read buffers' consumed bytes,
+    /// OpenSSL's decrypted records), and this connection's reads are wiped from now on.
+    virtual void wipe_reads() = 0;
 };
 
 inline void Downstream::abort_with(Upstream* up) {

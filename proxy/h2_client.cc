@@ -6,6 +6,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "common/secure_zero.h"
 #include "proxy/h2_common.h"
 #include "proxy/h2_pool.h"
 
@@ -68,6 +69,9 @@ struct H2ClientSession::Impl {
     StreamMap<H2ClientStreamState> streams;
     bool goaway = false;
     net::steady_timer watchdog;
+    std::unique_ptr<uint8_t[]> read_buf = std::make_unique<uint8_t[]>(kReadBytes);
+    bool wipe_reads = false;  // a response echoed a credential: reads are wiped once parsed
+    static constexpr size_t kReadBytes = 16 * 1024;
 
     H2ClientStreamState* find(int32_t id) {
         auto it = streams.find(id);
@@ -229,16 +233,19 @@ int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, vo
 }
 
 awaitable<void> read_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
-    auto buf = std::make_unique<uint8_t[]>(16 * 1024);
+    uint8_t* const buf = im.read_buf.get();
     Arrival next = Arrival::Maybe;
     while (!im.io.dead) {
-        auto [ec, n] = co_await read_some(*im.stream, net::buffer(buf.get(), 16 * 1024), next);
+        auto [ec, n] = co_await read_some(*im.stream, net::buffer(buf, Impl::kReadBytes), next);
         if (ec) {
             break;
         }
-        next = arrival_after(n, 16 * 1024);
+        next = arrival_after(n, Impl::kReadBytes);
         im.io.last_activity = Clock::now();
-        ssize_t rv = nghttp2_session_mem_recv(im.session.get(), buf.get(), n);
+        ssize_t rv = nghttp2_session_mem_recv(im.session.get(), buf, n);
+        if (im.wipe_reads) {
+            egress::secure_zero(buf, n);  // nghttp2 copied what it keeps
+        }
         if (rv < 0) {
             spdlog::debug("h2 upstream: {}", nghttp2_strerror(static_cast<int>(rv)));
             break;
@@ -414,6 +421,14 @@ void H2ClientSession::shutdown() {
         nghttp2_session_terminate_session(impl_->session.get(), NGHTTP2_NO_ERROR);
         impl_->io.wsig.notify();
     }
+}
+
+void H2ClientSession::wipe_reads() {
+    impl_->wipe_reads = true;
+    // What the last reads left: the reader waits on this buffer, and writes to it only when
+    // its read completes, on this thread.
+    egress::secure_zero(impl_->read_buf.get(), Impl::kReadBytes);
+    impl_->stream->cleanse_plaintext();
 }
 
 // --- stream ------------------------------------------------------------------------------

@@ -128,6 +128,9 @@ public:
 
     /// GOAWAY and close once in-flight streams are done.
     void shutdown();
+    /// A stream's response echoed a credential: the session's read buffer and OpenSSL's
+    /// records are wiped now and after every read from now on (Upstream::wipe_reads).
+    void wipe_reads();
 
     struct Impl;
 

@@ -144,6 +144,25 @@ private:
     TlsStream& s_;
 };
 
+/// Zeroes a connection buffer's whole storage but its unread bytes, which stay: a consumed
+/// byte stays where it was read (Beast's consume() only moves a pointer) until a later read
+/// overwrites it, or in the freed block when the buffer goes.
+void wipe_buffer(beast::flat_buffer& b) {
+    std::string unread(static_cast<const char*>(b.data().data()), b.size());
+    b.clear();  // the readable region starts at the storage's start again
+    const size_t all = std::min(b.capacity(), b.max_size());
+    if (all > 0) {
+        auto region = b.prepare(all);
+        egress::secure_zero(region.data(), region.size());
+    }
+    if (!unread.empty()) {
+        auto region = b.prepare(unread.size());
+        std::memcpy(region.data(), unread.data(), unread.size());
+        b.commit(unread.size());
+        egress::secure_wipe(unread);
+    }
+}
+
 /// Caps a connection buffer's growth for one parse. Beast keeps reading while a chunk-size
 /// line, its extensions or the trailer section have no end yet, and limits none of them
 /// (the parser's header limit is the head's): without a cap a client could fill memory
@@ -783,6 +802,21 @@ public:
         co_return chunk;
     }
     Headers response_trailers() override { return std::move(rp_->trailers()); }
+    void wipe_reads() override {
+        wipe_buffer(buffer());
+        if constexpr (std::is_same_v<Stream, TlsStream>) {
+            if (tls_) {
+                tls_->stream->cleanse_plaintext();
+            }
+        }
+        // A connection handed back to the pool keeps its buffer: wiped again at the end.
+        wipe_at_end_ = true;
+    }
+    ~H1Upstream() override {
+        if (wipe_at_end_) {
+            wipe_buffer(buffer());
+        }
+    }
     void abort() override {
         // Pending waits end with operation_aborted; the connection is never pooled again
         // (finish() is not called after a failed exchange).
@@ -830,6 +864,7 @@ private:
     std::optional<H1ResponseParser> rp_;
     RelayBuffer rbuf_;
     std::optional<StreamBytes<Stream>> raw_;  // after a 101
+    bool wipe_at_end_ = false;  // wipe_reads() was called
 
 public:
     size_t max_header_bytes_ = 65536;

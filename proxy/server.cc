@@ -391,6 +391,9 @@ struct Server::Impl {
         std::lock_guard lock(publish_mu);
         BuildWarnings warnings;
         auto next = control->build_runtime(&warnings);
+        // It unsealed secrets and CA keys (the control thread, or a replica's watch thread):
+        // their bytes are left in the dead frames of its callees.
+        egress::burn_stack();
         for (const auto& w : warnings.lines) {
             spdlog::warn("{}", w);
         }

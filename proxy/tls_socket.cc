@@ -278,6 +278,11 @@ void TlsSocket::fire_by(const std::shared_ptr<Core>& core, Clock::time_point at)
     core->timer.async_wait([core, generation](error_code) { on_timer(core, generation); });
 }
 
+void TlsSocket::cleanse_plaintext() {
+    SSL_set_options(core_->ssl, SSL_OP_CLEANSE_PLAINTEXT);
+    SSL_free_buffers(core_->ssl);  // refused (0) while a record is half read or written
+}
+
 void TlsSocket::start_keeping_buffers(const std::shared_ptr<Core>& core) {
     SSL_clear_mode(core->ssl, SSL_MODE_RELEASE_BUFFERS);
     SSL_set_default_read_buffer_len(core->ssl, kBusyReadBufferBytes);

@@ -108,6 +108,12 @@ public:
     static constexpr size_t kBusyReadBufferBytes = 4 * SSL3_RT_MAX_PACKET_SIZE;
     /// Whether the stream keeps its record buffers between OpenSSL calls (it is busy).
     bool keeps_buffers() const { return core_->keep_buffers; }
+    /// From now on OpenSSL wipes the plaintext of each record once it is read out, and its
+    /// record buffers when it gives them back (SSL_OP_CLEANSE_PLAINTEXT: by default a record
+    /// is decrypted where it lies and stays there, in the buffer or in the heap block that
+    /// held it, until overwritten); the buffers it holds now are given back (wiped) unless a
+    /// record is half read or half written. For a connection whose peer echoed a credential.
+    void cleanse_plaintext();
 
     template <class Token>
     auto async_handshake(handshake_type type, Token&& token) {

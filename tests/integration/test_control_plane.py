@@ -1552,6 +1552,33 @@ def test_kek_rotation(factory, world):
            "not injected after rotate + restart")
 
 
+def test_a_deleted_secret_leaves_no_copy_in_memory(factory, world):
+    """Once the run that used a secret is revoked and the secret deleted, its value is nowhere
+    in egressd's writable memory (heap, arenas, every thread's stack): not in the pin's
+    injection, the scrubber's needles, the request's buffers, the dead frames of the threads
+    that unsealed it, nor what was read of a response that echoed it (/echo reflects the
+    request's headers: the scrubber redacts the copy it relays, and the upstream connection's
+    read buffer and OpenSSL's decrypted record, which kept the echo, are wiped)."""
+    e = factory.start(mutate=cp_mutate(world))
+    v = sval("wipe")
+    put_secret(e, "wipe_tok", v, org="acme")
+    run = create_run(e, world, {"org": "acme"}, [bearer_pin(api_host(world), "wipe_tok")])
+    marker = "m-wipe-" + pysecrets.token_hex(3)
+    c, _resp = get_via(run, "api.test", world.U, f"/echo/{marker}")
+    c.close()
+    expect(seen_auth(world.upstream, marker) == [f"Bearer {v}"], "not injected")
+    needle = v[-32:].encode()  # a freed block's first 16 bytes are malloc's: the random tail
+    assert helpers.occurrences_in_memory(e.proc.pid, needle) >= 1  # the scan finds a live one
+    api_ok(e, "DELETE", f"/v1/runs/{run.id}")
+    api_ok(e, "DELETE", "/v1/secrets/wipe_tok")
+    left = helpers.occurrences_in_memory(e.proc.pid, needle)
+    deadline = time.monotonic() + 5
+    while left and time.monotonic() < deadline:  # an idle worker lets go of the old runtime
+        time.sleep(0.1)
+        left = helpers.occurrences_in_memory(e.proc.pid, needle)
+    assert left == 0, f"{left} cop(ies) of a deleted secret left in egressd's memory"
+
+
 def test_keys_rotate_after_a_reload_that_moved_the_master_key_file_keeps_the_key_in_effect(
         factory, world):
     """keys.master_key_file needs a restart: a reload that changes it leaves the KEK the

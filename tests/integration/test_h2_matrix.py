@@ -134,6 +134,39 @@ def test_injected_credential_is_wiped_when_the_request_is_done(factory, world, h
     assert after == before, f"secret tails in egressd's memory: {before} before, {after} after"
 
 
+def test_an_echoed_credential_is_wiped_once_relayed(factory, world, h2up):
+    """An upstream that echoes the injected credential (/echo reflects the request's fields)
+    puts it in what egressd reads: the scrubber redacts the copy it relays, and the other copies
+    of the response (the HTTP/1.1 connection's read buffer, past its consumed bytes; the HTTP/2
+    session's read buffer; OpenSSL's record, decrypted where it lay) are wiped, on all four
+    protocol paths, so the pooled connections keep nothing of it. Before, each exchange left
+    copies that lived until later reads happened to overwrite them."""
+    e = factory.start(add_h2_pins(world, h2up))
+    pid = e.proc.pid
+    secret = world.secrets["api_token"]
+    tail = secret[-32:].encode()
+    before = helpers.occurrences_in_memory(pid, tail)
+    assert before >= 1  # the secret's own buffer: the scan finds what is there
+    tag = "echo-wipe-" + os.urandom(3).hex()
+    for down, up in (split(case) for case in MATRIX):
+        P = upstream_port(world, h2up, up)
+        for i in range(3):
+            r = curl(world, e, f"https://api.test:{P}/echo/{tag}-{down}{up}-{i}", down == "h2",
+                     "-f")
+            assert r.returncode == 0, r.stderr
+            assert tag.encode() in r.stdout and secret.encode() not in r.stdout
+    sent = world.upstream.find(tag) + h2up.find(tag)
+    assert len(sent) == 12
+    assert all(r.header("Authorization") == [f"Bearer {secret}"] for r in sent)
+    deadline = time.monotonic() + 5
+    while True:
+        after = helpers.occurrences_in_memory(pid, tail)
+        if after == before or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert after == before, f"secret tail in egressd's memory: {before} before, {after} after"
+
+
 @pytest.mark.parametrize("case", MATRIX)
 def test_host_agreement(world, e2, h2up, marker, case):
     """A Host / :authority naming another host than the CONNECT target: 421, nothing sent."""
