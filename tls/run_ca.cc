@@ -148,12 +148,19 @@ bool add_san(X509* cert, std::string_view host, ASN1_OCTET_STRING* ip, bool crit
 
 namespace {
 
+/// The one host name a CA made for addresses only permits: every name outside it is refused.
+constexpr std::string_view kNoHostNames = "invalid";
+
 /// "permitted;DNS:a.test,permitted;IP:1.2.3.4/255.255.255.255,...", from validated names only
 /// (no ',' ';' ':' beyond IPv6 colons can reach the conf string). A name type with no subtree
 /// is not constrained at all (RFC 5280 4.2.1.10): without a permitted address of a family,
-/// every address of it is excluded, so a CA made for host names cannot certify an address.
+/// every address of it is excluded, so a CA made for host names cannot certify an address;
+/// without a permitted host name, the only one permitted is kNoHostNames (RFC 6761's
+/// `invalid`, which never resolves), so one made for addresses cannot certify a name. (An
+/// excluded empty dNSName would say it too, but OpenSSL's conf syntax cannot spell it.)
 Result<std::string> name_constraints_conf(const std::vector<std::string>& names) {
     std::string conf = "critical";
+    bool dns = false;
     bool v4 = false;
     bool v6 = false;
     for (const auto& n : names) {
@@ -179,6 +186,10 @@ Result<std::string> name_constraints_conf(const std::vector<std::string>& names)
             }
         }
         conf += ",permitted;DNS:" + n;
+        dns = true;
+    }
+    if (!dns) {
+        conf += ",permitted;DNS:" + std::string(kNoHostNames);
     }
     if (!v4) {
         conf += ",excluded;IP:0.0.0.0/0.0.0.0";
@@ -284,7 +295,10 @@ std::optional<std::vector<std::string>> RunCa::permitted_names(const std::string
         const GENERAL_NAME* base = sk_GENERAL_SUBTREE_value(nc->permittedSubtrees, i)->base;
         if (base->type == GEN_DNS) {
             const ASN1_IA5STRING* d = base->d.dNSName;
-            out.emplace_back(reinterpret_cast<const char*>(d->data), static_cast<size_t>(d->length));
+            std::string name(reinterpret_cast<const char*>(d->data), static_cast<size_t>(d->length));
+            if (name != kNoHostNames) {  // the stand-in of a CA that permits no host name
+                out.push_back(std::move(name));
+            }
         } else if (base->type == GEN_IPADD) {
             // Address then mask: 8 bytes (IPv4) or 32 (IPv6); ours are single addresses.
             const ASN1_OCTET_STRING* ip = base->d.iPAddress;

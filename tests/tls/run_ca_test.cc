@@ -264,6 +264,24 @@ TEST(RunCaTest, NameConstraintsOfHostNamesExcludeEveryAddress) {
     EXPECT_EQ(RunCa::permitted_names("junk"), std::nullopt);
 }
 
+TEST(RunCaTest, NameConstraintsOfAddressesExcludeEveryHostName) {
+    // A CA made for addresses only: no DNS subtree permitted would leave host names
+    // unconstrained (RFC 5280 4.2.1.10), so a leaked CA could certify any of them, and egressd
+    // itself would mint them (an unpinned intercepted host). Every host name is excluded.
+    auto ca = RunCa::create("run-ip", hours(1), {"127.0.0.1"});
+    ASSERT_TRUE(ca.ok()) << ca.error();
+    auto ip = must_mint(**ca, "127.0.0.1");
+    EXPECT_EQ(verify_error(ip->cert.get(), (*ca)->cert(), "127.0.0.1"), X509_V_OK);
+    auto name = forge_leaf(**ca, "evil.test");
+    EXPECT_EQ(verify_error(name.get(), (*ca)->cert(), "evil.test"),
+              X509_V_ERR_PERMITTED_VIOLATION);
+    auto minted = (*ca)->mint("evil.test");
+    ASSERT_FALSE(minted.ok());
+    EXPECT_EQ(minted.error(), kOutsideRunCa);
+    EXPECT_EQ(RunCa::permitted_names((*ca)->cert_pem()),
+              (std::vector<std::string>{"127.0.0.1"}));
+}
+
 TEST(RunCaTest, LeafHasServerFieldsAndAkid) {
     auto ca = make_ca();
     auto leaf = must_mint(*ca, "api.example.test");
