@@ -691,8 +691,11 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
         co_return;
     }
     tls.expires_never();
-    if (const char* sni = SSL_get_servername(tls.native_handle(), TLSEXT_NAMETYPE_host_name)) {
-        auto norm = policy::normalize_host(sni);
+    // This ClientHello's name, also on a resumed TLS 1.2 session (SSL_get_servername gives
+    // the session's there, or none): a sandbox could otherwise resume a session and send
+    // another name unchecked.
+    if (auto sni = tls::client_hello_sni(tls.native_handle())) {
+        auto norm = policy::normalize_host(*sni);
         scope.sni = norm ? *norm : std::string("<invalid>");
     }
     scope.tls = true;

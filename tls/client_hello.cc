@@ -56,37 +56,47 @@ ClientHelloPeek parse_body(std::span<const uint8_t> body) {
     }
     Reader e(exts);
     std::optional<std::string> sni;
+    bool seen_sni = false;
     while (e.left() > 0) {
         uint32_t type = 0;
         uint32_t len = 0;
         std::span<const uint8_t> data;
         if (!e.u16(type) || !e.u16(len) || !e.sub(len, data)) return {Status::Malformed, {}};
         if (type != 0) continue;  // server_name (RFC 6066 §3)
-        if (sni) return {Status::Malformed, {}};  // the extension twice
-        Reader s(data);
-        uint32_t list_len = 0;
-        std::span<const uint8_t> list;
-        if (!s.u16(list_len) || !s.sub(list_len, list) || s.left() != 0) {
-            return {Status::Malformed, {}};
-        }
-        Reader l(list);
-        while (l.left() > 0) {
-            uint32_t name_type = 0;
-            uint32_t name_len = 0;
-            std::span<const uint8_t> name;
-            if (!l.u8(name_type) || !l.u16(name_len) || !l.sub(name_len, name)) {
-                return {Status::Malformed, {}};
-            }
-            if (name_type == 0) {  // host_name; at most one per RFC 6066
-                if (sni || name.empty()) return {Status::Malformed, {}};
-                sni = std::string(name.begin(), name.end());
-            }
-        }
+        if (seen_sni) return {Status::Malformed, {}};  // the extension twice
+        seen_sni = true;
+        auto ext = parse_server_name(data);
+        if (ext.malformed) return {Status::Malformed, {}};
+        sni = std::move(ext.host);
     }
     return {Status::Complete, std::move(sni)};
 }
 
 }  // namespace
+
+ServerNameExtension parse_server_name(std::span<const uint8_t> ext) {
+    Reader s(ext);
+    uint32_t list_len = 0;
+    std::span<const uint8_t> list;
+    if (!s.u16(list_len) || !s.sub(list_len, list) || s.left() != 0) {
+        return {true, {}};
+    }
+    ServerNameExtension out;
+    Reader l(list);
+    while (l.left() > 0) {
+        uint32_t name_type = 0;
+        uint32_t name_len = 0;
+        std::span<const uint8_t> name;
+        if (!l.u8(name_type) || !l.u16(name_len) || !l.sub(name_len, name)) {
+            return {true, {}};
+        }
+        if (name_type == 0) {  // host_name; at most one per RFC 6066
+            if (out.host || name.empty()) return {true, {}};
+            out.host = std::string(name.begin(), name.end());
+        }
+    }
+    return out;
+}
 
 ClientHelloPeek peek_client_hello(std::span<const uint8_t> bytes) {
     if (bytes.empty()) return {Status::NeedMore, {}};

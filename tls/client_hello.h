@@ -27,4 +27,12 @@ inline constexpr size_t kMaxClientHello = 16384;
 
 ClientHelloPeek peek_client_hello(std::span<const uint8_t> bytes);
 
+/// A server_name extension's body (RFC 6066 3): its host_name as sent, if it has one;
+/// `malformed` when the list's lengths do not add up or it has two host_names or an empty one.
+struct ServerNameExtension {
+    bool malformed = false;
+    std::optional<std::string> host;
+};
+ServerNameExtension parse_server_name(std::span<const uint8_t> ext);
+
 }  // namespace egress::tls

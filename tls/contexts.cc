@@ -3,6 +3,7 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 
+#include "tls/client_hello.h"
 #include "tls/session_cache.h"
 #include "tls/trust_store.h"
 
@@ -14,6 +15,38 @@ constexpr const char* kGroups = "X25519:P-256:P-384";
 constexpr unsigned char kSessionIdContext[] = "egressd";
 
 Error ssl_error(const std::string& what) { return make_error(what + ": " + last_ssl_error()); }
+
+void free_sni(void*, void* ptr, CRYPTO_EX_DATA*, int, long, void*) {
+    delete static_cast<std::string*>(ptr);
+}
+
+/// The SSL ex_data slot of client_hello_sni(): a std::string of the connection's own.
+int sni_ex_index() {
+    static const int index = SSL_get_ex_new_index(0, nullptr, nullptr, nullptr, free_sni);
+    return index;
+}
+
+/// SSL_CTX_set_client_hello_cb: keeps this ClientHello's server name for client_hello_sni().
+int record_sni(SSL* ssl, int*, void*) {
+    const int index = sni_ex_index();
+    if (index < 0) {
+        return SSL_CLIENT_HELLO_ERROR;
+    }
+    delete static_cast<std::string*>(SSL_get_ex_data(ssl, index));  // an earlier ClientHello's
+    SSL_set_ex_data(ssl, index, nullptr);
+    const unsigned char* data = nullptr;
+    size_t len = 0;
+    if (SSL_client_hello_get0_ext(ssl, TLSEXT_TYPE_server_name, &data, &len) != 1) {
+        return SSL_CLIENT_HELLO_SUCCESS;
+    }
+    auto ext = parse_server_name(std::span<const uint8_t>(data, len));
+    auto* name = new std::string(ext.malformed || !ext.host ? std::string() : std::move(*ext.host));
+    if (SSL_set_ex_data(ssl, index, name) != 1) {
+        delete name;
+        return SSL_CLIENT_HELLO_ERROR;
+    }
+    return SSL_CLIENT_HELLO_SUCCESS;
+}
 
 /// ALPN protocols in wire format (length-prefixed), or an error for an empty/oversized name.
 Result<std::string> alpn_wire(const std::vector<std::string>& protos) {
@@ -93,6 +126,10 @@ Result<SslCtxPtr> make_server_context(std::vector<std::string> alpn) {
                                        SSL_OP_NO_COMPRESSION);
     SSL_CTX_clear_options(ctx.get(), SSL_OP_NO_TICKET);
     SSL_CTX_set_session_cache_mode(ctx.get(), SSL_SESS_CACHE_SERVER);
+    if (sni_ex_index() < 0) {
+        return ssl_error("SSL_get_ex_new_index failed");
+    }
+    SSL_CTX_set_client_hello_cb(ctx.get(), record_sni, nullptr);
     if (SSL_CTX_set_session_id_context(ctx.get(), kSessionIdContext,
                                        sizeof(kSessionIdContext) - 1) != 1 ||
         SSL_CTX_set_cipher_list(ctx.get(), kServerCiphers12) != 1 ||
@@ -112,6 +149,14 @@ Result<SslCtxPtr> make_server_context(std::vector<std::string> alpn) {
         SSL_CTX_set_alpn_select_cb(ctx.get(), select_alpn, list);
     }
     return ctx;
+}
+
+std::optional<std::string> client_hello_sni(const SSL* ssl) {
+    const auto* name = static_cast<const std::string*>(SSL_get_ex_data(ssl, sni_ex_index()));
+    if (name == nullptr) {
+        return std::nullopt;
+    }
+    return *name;
 }
 
 Result<bool> use_leaf(SSL* ssl, const Leaf& leaf) {

@@ -1,6 +1,7 @@
 #pragma once
 // Server (client-facing, intercepted) and client (upstream) TLS contexts. Create each
 // SSL_CTX once; per-connection state goes on the SSL object.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,13 @@ namespace egress::tls {
 /// client then speaks HTTP/1.1). No certificate is set on the context: use_leaf() sets one
 /// per connection.
 Result<SslCtxPtr> make_server_context(std::vector<std::string> alpn);
+
+/// The server name the client's ClientHello carried (the last one: a second after a TLS 1.3
+/// HelloRetryRequest), as sent; "" when its server_name extension was malformed; nullopt
+/// without one. A connection of make_server_context's records it for every handshake,
+/// resumed ones too: SSL_get_servername reports a resumed TLS 1.2 session's name, not the
+/// name this ClientHello asked for (and none at all without a servername callback).
+std::optional<std::string> client_hello_sni(const SSL* ssl);
 
 /// Puts the leaf (and its key) on one connection before the handshake.
 Result<bool> use_leaf(SSL* ssl, const Leaf& leaf);

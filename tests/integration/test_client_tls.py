@@ -59,6 +59,36 @@ def test_a_session_resumes_only_under_the_leaf_that_made_it(world, e, version):
     assert not resumed, "a session of tunnel.test resumed for api.test"
 
 
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3])
+def test_a_resumed_session_with_another_sni_is_refused(world, e, version):
+    """The SNI check holds on a resumed handshake: a TLS 1.2 session of tunnel.test offered
+    again on a CONNECT to tunnel.test with SNI other.test resumes (same CA and host), and
+    OpenSSL then reports no server name (a TLS 1.2 name belongs to the session): the request
+    was served. egressd reads each ClientHello's own name: 421 sni_mismatch, audited."""
+    ctx = ssl.create_default_context(cafile=run_ca(e, "r1"))
+    ctx.check_hostname = False  # the SNI names another host than the certificate
+    ctx.minimum_version = version
+    ctx.maximum_version = version
+    ctx.set_alpn_protocols(["http/1.1"])
+    resumed, first = _handshake(e, world, "r1", "tunnel.test", ctx)
+    assert not resumed and first is not None
+    c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth("r1"))
+    assert r.status == 200, (r.status, r.egress_reason)
+    s = ctx.wrap_socket(c.sock, server_hostname="other.test", session=first)
+    s.settimeout(10)
+    marker = f"sni-resume-{version.name}"
+    try:
+        if version == ssl.TLSVersion.TLSv1_2:
+            assert s.session_reused, "the session did not resume: the test shows nothing"
+        resp = helpers.request(helpers.Conn(s), "GET", f"/echo/{marker}", f"tunnel.test:{world.U}")
+    finally:
+        s.close()
+    assert (resp.status, resp.egress_reason) == (421, "sni_mismatch"), resp.status
+    rec = e.wait_audit(lambda a: a.get("reason") == "sni_mismatch" and
+                       marker in (a.get("path") or ""))[-1]
+    assert rec["status"] == 421 and rec["decision"] == "deny", rec
+
+
 def test_a_host_outside_the_run_cas_constraints_is_refused_not_intercepted(world, factory):
     """An API run's CA is name-constrained to the hosts known at its creation (its pins and
     allow list; the global allow list only when unpinned hosts are intercepted). A reload to
