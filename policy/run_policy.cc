@@ -64,7 +64,9 @@ bool dangerous_path(std::string_view path) {
     }
     for (char ch : path) {
         const auto c = static_cast<unsigned char>(ch);
-        if (ch == '\\' || c < 0x20 || c == 0x7f) {
+        // '#' has no place in a request target, and a server that takes it for a fragment
+        // cuts the path there: nginx resolves "/repos/acme/..#" to "/repos/".
+        if (ch == '\\' || ch == '#' || c < 0x20 || c == 0x7f) {
             return true;
         }
     }
@@ -118,6 +120,27 @@ bool method_matches(const Pin& pin, std::string_view method) {
 constexpr std::string_view kMethodOverrides[] = {"x-http-method-override", "x-http-method",
                                                  "x-method-override"};
 constexpr std::string_view kPathOverrides[] = {"x-original-url", "x-rewrite-url"};
+
+/// A field name as a CGI-style server reads it: without case, '-' and '_' alike (Puma, which
+/// Rack::MethodOverride reads behind, gunicorn before 22 and FastCGI front ends make both
+/// HTTP_X_HTTP_METHOD_OVERRIDE: "X_HTTP_METHOD_OVERRIDE" overrides the method there).
+bool cgi_name_equals(std::string_view name, std::string_view lower_dashed) {
+    if (name.size() != lower_dashed.size()) {
+        return false;
+    }
+    for (size_t i = 0; i < name.size(); ++i) {
+        char c = name[i];
+        if (c >= 'A' && c <= 'Z') {
+            c = static_cast<char>(c - 'A' + 'a');
+        } else if (c == '_') {
+            c = '-';
+        }
+        if (c != lower_dashed[i]) {
+            return false;
+        }
+    }
+    return true;
+}
 
 /// The `_method` query parameters a method-limited pin must also allow (Symfony and Laravel
 /// take a POST's method from it, uppercased).
@@ -237,7 +260,7 @@ bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view p
         return false;
     }
     for (const Header& h : head->headers) {
-        const auto named = [&](std::string_view n) { return iequals(h.name, n); };
+        const auto named = [&](std::string_view n) { return cgi_name_equals(h.name, n); };
         if (s3 && named("x-amz-copy-source") && !copy_source_matches(pin, host, h.value)) {
             return false;
         }
@@ -260,7 +283,7 @@ bool overrides_match(const Pin& pin, const RequestHead* head, std::string_view p
 }  // namespace
 
 bool is_override_header(std::string_view name) {
-    const auto named = [&](std::string_view n) { return iequals(name, n); };
+    const auto named = [&](std::string_view n) { return cgi_name_equals(name, n); };
     return std::any_of(std::begin(kMethodOverrides), std::end(kMethodOverrides), named) ||
            std::any_of(std::begin(kPathOverrides), std::end(kPathOverrides), named) ||
            named("x-amz-copy-source");

@@ -15,6 +15,13 @@ namespace egress::proxy {
 /// first two slots inline (a small response's one DATA piece costs no slot allocation, only
 /// the piece's own bytes). Popped slots are reclaimed when the queue empties, or compacted
 /// when most of it is consumed (a queue that never empties).
+///
+/// A piece's bytes stay where they are while later pieces are queued: the reader holds a view
+/// of the front piece across waits (a response piece waits for the client's window while the
+/// upstream's reader queues more), and the slots move when the queue grows. A moved string
+/// keeps its heap block, but a short one (15 bytes or less) keeps its bytes in the string
+/// object itself, and they moved with the slot: the view then read a zeroed first byte, or a
+/// freed block. So every piece's bytes are on the heap.
 class PieceQueue {
 public:
     static constexpr size_t kInlineSlots = 2;
@@ -23,7 +30,10 @@ public:
     std::string& front() { return items_[head_]; }
     template <class... Args>
     void emplace_back(Args&&... args) {
-        items_.emplace_back(std::forward<Args>(args)...);
+        std::string& piece = items_.emplace_back(std::forward<Args>(args)...);
+        if (piece.capacity() < kHeapBytes) {
+            piece.reserve(kHeapBytes);  // out of the string object's own buffer
+        }
     }
     void pop_front() {
         items_[head_] = std::string();  // give the piece's memory back now
@@ -57,6 +67,8 @@ public:
     }
 
 private:
+    /// A capacity past std::string's inline buffer (15 bytes in libstdc++).
+    static constexpr size_t kHeapBytes = sizeof(std::string);
     boost::container::small_vector<std::string, kInlineSlots> items_;
     size_t head_ = 0;
 };

@@ -311,6 +311,10 @@ INSTANTIATE_TEST_SUITE_P(
         PinCase{"dot", "api.github.com", 443, "GET", "/repos/acme/./x", ""},
         PinCase{"trailing_dotdot", "api.github.com", 443, "GET", "/repos/acme/x/..", ""},
         PinCase{"dotdot_param", "api.github.com", 443, "GET", "/repos/acme/..;/evil", ""},
+        PinCase{"dotdot_fragment", "api.github.com", 443, "GET", "/repos/acme/..#", ""},
+        PinCase{"dotdot_fragment_more", "api.github.com", 443, "GET", "/repos/acme/..#/x", ""},
+        PinCase{"fragment", "api.github.com", 443, "GET", "/repos/acme/x#y", ""},
+        PinCase{"encoded_hash", "api.github.com", 443, "GET", "/repos/acme/x%23y", "repos"},
         PinCase{"encoded_dot", "api.github.com", 443, "GET", "/repos/acme/%2e%2e/evil", ""},
         PinCase{"encoded_dot_upper", "api.github.com", 443, "GET", "/repos/acme/%2E%2E/e", ""},
         PinCase{"encoded_slash", "api.github.com", 443, "GET", "/repos/acme/..%2fevil", ""},
@@ -352,6 +356,15 @@ TEST(MatchPin, OverrideHeadersMustStayWithinThePinsLimits) {
     EXPECT_EQ(match(gh, "GET", with("X-Rewrite-URL", "/repos/acme/../evil")), "");
     EXPECT_EQ(match(gh, "GET", with("X-Rewrite-URL", "https://evil.test/repos/acme/")), "");
     EXPECT_EQ(match(gh, "GET", with("X-Other", "DELETE")), "repos");
+    // CGI-style servers (Puma under Rack::MethodOverride) read '_' as '-'.
+    EXPECT_EQ(match(gh, "POST", with("X_HTTP_METHOD_OVERRIDE", "DELETE")), "");
+    EXPECT_EQ(match(gh, "POST", with("x-http-method_override", "DELETE")), "");
+    EXPECT_EQ(match(gh, "POST", with("X_HTTP_METHOD_OVERRIDE", "GET")), "repos");
+    EXPECT_EQ(match(gh, "GET", with("X_ORIGINAL_URL", "/admin/delete")), "");
+    EXPECT_EQ(match(gh, "GET", with("X-Original-URL", "/repos/acme/..#")), "");
+    EXPECT_TRUE(is_override_header("X_HTTP_METHOD_OVERRIDE"));
+    EXPECT_TRUE(is_override_header("x_original_url"));
+    EXPECT_FALSE(is_override_header("x_http_method_overrides"));
     // Symfony and Laravel take a POST's method from a `_method` query parameter too.
     auto query = [&](std::string_view method, std::string_view path) {
         RequestHead h;

@@ -54,6 +54,23 @@ TEST(PieceQueue, ClearAfterFrontKeepsThePieceInHand) {
 
 // A stream's usual queue (one or two pieces) allocates no slots, and keeps first-in-first-out
 // order when it outgrows them.
+TEST(PieceQueue, APieceInHandStaysPutWhileMoreAreQueued) {
+    // The reader holds a view of the front piece across waits while the producer queues more:
+    // a short piece (its bytes inside the string object) moved with its slot when the queue
+    // grew, and the view read a zeroed first byte or a freed block.
+    for (const std::string& first : std::vector<std::string>{"ab", "", std::string(15, 's'),
+                                                             std::string(100, 'h')}) {
+        PieceQueue q;
+        q.emplace_back(first);
+        const char* in_hand = q.front().data();
+        for (int i = 0; i < 40; ++i) {
+            q.emplace_back("cd");
+        }
+        EXPECT_EQ(q.front().data(), in_hand) << first.size();
+        EXPECT_EQ(std::string_view(in_hand, first.size()), first);
+    }
+}
+
 TEST(PieceQueue, FirstPiecesUseInlineSlots) {
     PieceQueue q;
     EXPECT_TRUE(q.slots_inline());
