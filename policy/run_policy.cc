@@ -8,6 +8,7 @@
 
 #include <boost/url/encode.hpp>
 #include <boost/url/encoding_opts.hpp>
+#include <boost/url/grammar/alnum_chars.hpp>
 #include <boost/url/grammar/lut_chars.hpp>
 #include <boost/url/parse_query.hpp>
 #include <boost/url/pct_string_view.hpp>
@@ -399,10 +400,11 @@ std::string percent_form(std::string_view s, const char* keep, bool lower, bool 
 /// `s` as a JSON string's content: '"' and '\' escaped, control characters as \b \f \n
 /// \r \t or \u00XX; with `slash`, '/' as "\/" (PHP); with `html`, '&' '<' '>' as \u0026
 /// \u003c \u003e (Go's encoding/json); with `ascii`, every non-ASCII character as \uXXXX
-/// (surrogate pairs above U+FFFF: Python's json.dumps, PHP). Bytes that are not UTF-8 are
-/// left as they are.
-std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
-    static constexpr char kHex[] = "0123456789abcdef";
+/// (surrogate pairs above U+FFFF: Python's json.dumps, PHP); with `dotnet`, as .NET's
+/// System.Text.Json writes by default: also '"' '+' '\'' '`' as \u00XX, hex in uppercase
+/// ("\u002B"). Bytes that are not UTF-8 are left as they are.
+std::string json_form(std::string_view s, bool slash, bool html, bool ascii, bool dotnet = false) {
+    const char* const kHex = dotnet ? "0123456789ABCDEF" : "0123456789abcdef";
     std::string out;
     out.reserve(s.size() * 6 + 8);  // at most \u00XX per byte: it never grows (unwiped copies)
     auto u_escape = [&](uint32_t cp) {
@@ -413,7 +415,9 @@ std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
     };
     for (size_t i = 0; i < s.size(); ++i) {
         const auto c = static_cast<unsigned char>(s[i]);
-        if (c == '"' || c == '\\' || (slash && c == '/')) {
+        if (dotnet && (c == '"' || c == '+' || c == '\'' || c == '`')) {
+            u_escape(c);
+        } else if (c == '"' || c == '\\' || (slash && c == '/')) {
             out.push_back('\\');
             out.push_back(static_cast<char>(c));
         } else if (c < 0x20 || (ascii && c == 0x7f)) {  // Python escapes DEL as \u007f
@@ -462,8 +466,10 @@ std::string json_form(std::string_view s, bool slash, bool html, bool ascii) {
 /// encodeURIComponent), "$&+:=@" (Go's PathEscape), "$&+,/:;=@" (Go's URL.EscapedPath), a
 /// space as '+' (form fields). JSON
 /// string content as JavaScript, PHP ("\/", \uXXXX), Go (\u0026 for '&' '<' '>') and
-/// Python (\uXXXX for non-ASCII) write it. A token of letters, digits, '-', '.', '_' and '~'
-/// has none. At most 17 forms.
+/// Python (\uXXXX for non-ASCII) write it, and as .NET's System.Text.Json does ("\u002B"
+/// for '+', frequent in base64 tokens). PHP's urlencode and Java's URLEncoder also encode '~'
+/// (as %7E, a space as '+'; Java leaves '*'). A token of letters, digits, '-', '.' and '_' has
+/// none. At most 20 forms.
 void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
     for (const bool lower : {false, true}) {
         for (const char* keep : {"", "/", "!'()*", "$&+:=@", "$&+,/:;=@"}) {
@@ -471,6 +477,11 @@ void add_echo_forms(std::string_view s, std::vector<std::string>& needles) {
         }
         add_form(s, percent_form(s, "", lower, true), needles);
     }
+    for (const char* keep : {"-._", "-._*"}) {  // PHP's urlencode, Java's URLEncoder
+        const auto raw = boost::urls::grammar::alnum_chars + boost::urls::grammar::lut_chars(keep);
+        add_form(s, boost::urls::encode(s, raw, boost::urls::encoding_opts(true, false)), needles);
+    }
+    add_form(s, json_form(s, false, true, true, true), needles);
     for (const auto [slash, html, ascii] : {std::array<bool, 3>{false, false, false},
                                             std::array<bool, 3>{true, false, false},
                                             std::array<bool, 3>{true, false, true},

@@ -48,8 +48,10 @@ TEST(MakeInjection, SearchesTheEchoFormsOfASecret) {
         EXPECT_EQ(out.size(), body.size()) << "form " << i;
         EXPECT_TRUE(out.find("[REDACTED") != std::string::npos) << "form " << i;
     }
-    auto plain = make_injection(InjectSpec{}, credstore::SecretValue("ghp_abc-DEF.1~2"));
+    auto plain = make_injection(InjectSpec{}, credstore::SecretValue("ghp_abc-DEF.1_2"));
     EXPECT_EQ(plain->scrub->needles().size(), 2U);  // the secret and "Bearer <secret>"
+    auto tilde = make_injection(InjectSpec{}, credstore::SecretValue("ghp_abc-DEF.1~2"));
+    EXPECT_EQ(tilde->scrub->needles().size(), 3U);  // and "%7E" as PHP and Java encode '~'
 }
 
 // The encoders upstreams echo with do not all encode the same bytes: Python's quote keeps '/',
@@ -71,6 +73,7 @@ TEST(MakeInjection, SearchesWhatTheCommonEncodersMakeOfASecret) {
         "a/b+c=d\\u0026e!f(g) h\xc3\xa9i\xf0\x9f\x98\x80j",          // Go encoding/json
         "a/b+c=d&e!f(g) h\\u00e9i\\ud83d\\ude00j",                   // Python json.dumps
         "a\\/b+c=d&e!f(g) h\\u00e9i\\ud83d\\ude00j",               // PHP json_encode
+        "a/b\\u002Bc=d\\u0026e!f(g) h\\u00E9i\\uD83D\\uDE00j",       // .NET System.Text.Json
     };
     for (size_t i = 0; i < std::size(forms); ++i) {  // (failures name the form's index only)
         const std::string body = "{\"seen\": \"" + forms[i] + "\"}";
@@ -78,7 +81,15 @@ TEST(MakeInjection, SearchesWhatTheCommonEncodersMakeOfASecret) {
         EXPECT_TRUE(out.find(forms[i]) == std::string::npos) << "form " << i;
         EXPECT_EQ(out.size(), body.size()) << "form " << i;
     }
-    EXPECT_LE(inj->scrub->needles().size(), 2U + 17U);
+    EXPECT_LE(inj->scrub->needles().size(), 2U + 20U);
+    // '~' as PHP's urlencode and Java's URLEncoder write it (Java leaves '*').
+    for (const auto& [token, echoed] : {std::pair<std::string, std::string>{"abc~def", "abc%7Edef"},
+                                        {"a*b~c d", "a*b%7Ec+d"},
+                                        {"a*b~c d", "a%2Ab%7Ec+d"}}) {
+        auto t = make_injection(InjectSpec{}, credstore::SecretValue(token));
+        Scrubber st(t->scrub);
+        EXPECT_EQ(st.scrub_value("/x?t=" + echoed).find(echoed), std::string::npos) << echoed;
+    }
     // DEL as Python's json.dumps writes it.
     auto del = make_injection(InjectSpec{}, credstore::SecretValue("del\x7fsecret"));
     Scrubber sd(del->scrub);
