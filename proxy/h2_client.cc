@@ -186,7 +186,7 @@ int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const ui
         nghttp2_session_consume_stream(session, stream_id, len);  // nobody will forward it
         return 0;
     }
-    st->in.emplace_back(reinterpret_cast<const char*>(data), len);
+    st->in.append(std::string_view(reinterpret_cast<const char*>(data), len));
     st->signal.notify();
     return 0;
 }

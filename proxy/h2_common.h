@@ -379,7 +379,7 @@ awaitable<bool> h2_send_body(H2Io& io, Stream& st, std::string_view data, bool l
             }
             take = std::min(take, kH2FramePiece);
         }
-        st.out.emplace_back(data.substr(0, take));
+        st.out.append(data.substr(0, take));
         st.out_bytes += take;
         io.queued += take;
         data.remove_prefix(take);

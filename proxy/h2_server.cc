@@ -59,6 +59,7 @@ struct ServerStream {
                                   // INTERNAL_ERROR, for the client's fault (not an upstream's)
     bool body_stopped = false;  // the core wants no more of the request body (stop_reading)
     bool handled = false;       // a handler owns it
+    bool head_complete = false;  // its request head arrived whole (it is a request)
     bool handler_gone = false;  // its handler finished: late DATA is consumed at once
     void (*abort_fn)(void*) = nullptr;  // the wait on the upstream (Downstream::abort_with)
     void* abort_arg = nullptr;
@@ -228,9 +229,12 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
     const bool within = within_header_budget(st, namelen, valuelen, c->limits.h2_max_header_fields,
                                              c->limits.h2_max_header_list_bytes);
     if (!within && st->in_trailers) {
-        st->refusal = "header_too_large";
-        st->header_refused = true;
-        return NGHTTP2_ERR_TEMPORAL_CALLBACK_FAILURE;  // the head went out: RST this stream only
+        // The head went out already: the rest of the block is decoded (HPACK state stays in
+        // sync) but not kept, and the body fails as malformed once the stream ends: 400
+        // bad_framing and a deny record, as on HTTP/1.1 (a reset here, INTERNAL_ERROR, had
+        // answered nothing and been recorded as the client's abort).
+        st->refusal = "bad_framing";
+        return 0;
     }
     if (!within || st->refusal == "header_too_large") {
         // A request head over the budget: the rest of the block is decoded (HPACK state must
@@ -317,6 +321,7 @@ int on_frame_recv(nghttp2_session* session, const nghttp2_frame* frame, void* us
         if (frame->headers.cat == NGHTTP2_HCAT_REQUEST) {
             st->end_on_headers = end;
             st->req_end = end;
+            st->head_complete = true;
             c->ready.push_back(st->id);
         } else if (end) {
             st->req_end = true;
@@ -394,7 +399,7 @@ int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const ui
         return 0;
     }
     st->received += len;
-    st->in.emplace_back(reinterpret_cast<const char*>(data), len);
+    st->in.append(std::string_view(reinterpret_cast<const char*>(data), len));
     st->signal.notify();
     return 0;
 }
@@ -450,6 +455,10 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
                      : st->refusal == "too_many_streams" ? 429
                                                          : 400;
         audit_refusal(c->scope, st->head.method, st->head.path, status, st->refusal, st->began);
+    } else if (!st->handled && st->head_complete) {
+        // A request reset in the read that brought it (HEADERS and RST_STREAM together, as a
+        // rapid-reset client sends them): never started, still one record.
+        audit_refusal(c->scope, st->head.method, st->head.path, 0, "client_aborted", st->began);
     }
     if (!st->handled) {
         // Buffered request bytes nobody will read go back to the connection window.
@@ -543,9 +552,15 @@ public:
             if (st.body_stopped) {
                 co_return BodyChunk{{}, false, false, BodyFailure::Aborted};
             }
+            // Trailers over the budget (on_header) make a body that ended malformed.
+            const bool bad_end = st.req_end && st.refusal == "bad_framing";
             if (!st.in.empty()) {
                 st.front_out = true;
-                co_return BodyChunk{st.in.front(), st.req_end && st.in.size() == 1, true};
+                co_return BodyChunk{st.in.front(), st.req_end && !bad_end && st.in.size() == 1,
+                                    true};
+            }
+            if (bad_end) {
+                co_return BodyChunk{{}, false, false, BodyFailure::Framing};
             }
             if (st.req_end) {
                 co_return BodyChunk{{}, true, true};

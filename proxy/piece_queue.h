@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <boost/container/small_vector.hpp>
@@ -35,6 +36,18 @@ public:
             piece.reserve(kHeapBytes);  // out of the string object's own buffer
         }
     }
+    /// Queues `bytes` behind the last piece when that is not the front (whose bytes a reader
+    /// may hold) and holds fewer than kCoalesceBelow bytes; else as a piece of their own. A
+    /// peer's DATA frames of one byte each had cost a slot (32 bytes) and a heap block (48)
+    /// per byte: eighty times the flow-control window they are counted against.
+    void append(std::string_view bytes) {
+        if (size() >= 2 && items_.back().size() < kCoalesceBelow) {
+            items_.back().append(bytes);
+            return;
+        }
+        emplace_back(bytes);
+    }
+    static constexpr size_t kCoalesceBelow = 16 * 1024;
     void pop_front() {
         items_[head_] = std::string();  // give the piece's memory back now
         if (++head_ == items_.size()) {

@@ -198,6 +198,7 @@ class RawH2:
         self.streams: dict[int, dict] = {}
         self.goaway = None
         self.closed = False
+        self.ping_acks: list[bytes] = []  # opaque data of the PING ACKs received
 
     def send_headers(self, hdrs, end_stream=True) -> int:
         from hyperframe.frame import HeadersFrame
@@ -259,6 +260,8 @@ class RawH2:
                     self.goaway = f.error_code
                 if isinstance(f, PingFrame) and "ACK" not in f.flags:
                     self.reply(PingFrame(0, opaque_data=f.opaque_data, flags=["ACK"]))
+                elif isinstance(f, PingFrame):
+                    self.ping_acks.append(bytes(f.opaque_data))
 
     def reply(self, frame) -> None:
         """Sends a frame the client owes the peer (a window update, a PING ACK). A peer that

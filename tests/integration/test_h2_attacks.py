@@ -427,6 +427,62 @@ def test_empty_frame_flood_goaway(world, e2, h2up, marker, good_client, kind):
     assert e2.alive()
 
 
+def test_a_request_reset_in_the_read_that_brought_it_is_audited(world, e2, h2up, marker):
+    """HEADERS and RST_STREAM(CANCEL) in one write, as a rapid-reset client sends them: the
+    stream closes before a handler starts, and each such request still gets its one audit
+    record (client_aborted); nothing reaches the upstream."""
+    c = H2Client(e2, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    try:
+        burst = b""
+        for i in range(5):
+            sid = raw.next_sid
+            raw.next_sid += 2
+            burst += HeadersFrame(sid, data=raw.enc.encode([
+                (":method", "GET"), (":scheme", "https"),
+                (":authority", f"api.test:{h2up.port}"), (":path", f"/echo/{marker}-rr{i}")]),
+                flags=["END_HEADERS", "END_STREAM"]).serialize()
+            burst += RstStreamFrame(sid, error_code=8).serialize()  # CANCEL
+        raw.send(burst)
+        raw.pump(timeout=0.5)
+    finally:
+        c.close()
+    def reset_records():
+        recs = [r for r in e2.audit_records() if f"{marker}-rr" in (r.get("path") or "")]
+        return recs if len(recs) >= 5 else None
+    recs = poll(reset_records, 5, "five audit records")
+    assert sorted(r["path"] for r in recs) == [f"/echo/{marker}-rr{i}" for i in range(5)]
+    assert all(r["reason"] == "client_aborted" and r["status"] == 0 for r in recs), recs
+    assert not h2up.find(f"{marker}-rr")
+
+
+def test_one_byte_data_frames_cost_about_what_their_bytes_do(factory, world):
+    """A client may cut an upload into DATA frames of one byte each. Queued while the upstream
+    does not take them yet (slow.test: its TLS handshake never comes), each had cost a queue
+    slot and more: 4 streams × 200 000 bytes, within the windows, grew egressd's peak RSS by
+    34 MiB. Small pieces now join the last queued one: ~2 MiB. A PING sent behind them is
+    answered once egressd has read them all."""
+    from hyperframe.frame import PingFrame
+    e = factory.start()
+    hwm0 = e.vm_hwm_kib()
+    c = H2Client(e, world, "slow.test", world.silent.port, timeout=30)
+    raw = RawH2(c)
+    try:
+        for _ in range(4):
+            sid = raw.send_headers([(":method", "POST"), (":scheme", "https"),
+                                    (":authority", f"slow.test:{world.silent.port}"),
+                                    (":path", "/upload/one-byte-frames")], end_stream=False)
+            raw.send((b"\x00\x00\x01\x00\x00" + sid.to_bytes(4, "big") + b"x") * 200_000)
+        raw.send(PingFrame(0, opaque_data=b"allread!").serialize())
+        raw.pump(until=lambda: b"allread!" in raw.ping_acks, timeout=20)
+        assert b"allread!" in raw.ping_acks, "egressd did not read the frames"
+        grown = e.vm_hwm_kib() - hwm0
+    finally:
+        c.close()
+    assert grown < 8 * 1024, f"peak RSS grew {grown} KiB for 800 000 bytes of DATA"
+    assert e.alive()
+
+
 def test_duplex_upload_timing_out_while_a_response_piece_waits(factory, world, h2up, marker):
     """HTTP/2 on both legs, the upstream answering while the upload still comes: the client
     opens no window for the response (a 10-byte trickle keeps the response part waiting with

@@ -15,7 +15,7 @@ import subprocess
 import time
 
 import pytest
-from hyperframe.frame import Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
 
 import helpers
 from clients import proxy_env, run_ca
@@ -309,6 +309,38 @@ def test_over_limit_header_block_answers_431(world, factory, h2up, marker):
     assert [x.path for x in h2up.find(marker)] == [f"/echo/{marker}-ok"]
     recs = [r for r in e.audit_records() if r.get("reason") == "header_too_large"]
     assert [r["status"] for r in recs] == [431, 431]
+
+
+def test_over_limit_trailers_answer_400_bad_framing(world, factory, h2up, marker):
+    """Request trailers over the header budget come after the head went out: the body ends
+    malformed, 400 bad_framing with its reason and a deny record, as on HTTP/1.1. (nghttp2 had
+    reset the stream with INTERNAL_ERROR, no answer, and the record said allow /
+    client_aborted.) The upstream never gets a complete request; the connection goes on."""
+    e = factory.start(add_h2_pins(world, h2up))
+    c = H2Client(e, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    try:
+        sid = raw.send_headers([(":method", "POST"), (":scheme", "https"),
+                                (":authority", f"api.test:{h2up.port}"),
+                                (":path", f"/echo/{marker}-trailers")], end_stream=False)
+        raw.send(DataFrame(sid, data=b"hello").serialize())
+        many = [(f"x-t{i}", "v") for i in range(150)]  # h2_max_header_fields: 100
+        raw.send(HeadersFrame(sid, data=raw.enc.encode(many),
+                              flags=["END_HEADERS", "END_STREAM"]).serialize())
+        st = raw.streams[sid]
+        raw.pump(until=lambda: st["ended"] or st["reset"] is not None, timeout=10)
+        assert st["status"] == 400, st
+        assert dict(st["headers"]).get("x-egress-reason") == "bad_framing", st
+        ok = raw.send_headers([(":method", "GET"), (":scheme", "https"),
+                               (":authority", f"api.test:{h2up.port}"),
+                               (":path", f"/echo/{marker}-after")])
+        raw.pump(until=lambda: raw.streams[ok]["ended"], timeout=10)
+        assert raw.streams[ok]["status"] == 200, raw.streams[ok]
+    finally:
+        c.close()
+    rec = e.wait_audit(lambda a: f"{marker}-trailers" in (a.get("path") or ""))[-1]
+    assert (rec["decision"], rec["status"], rec["reason"]) == ("deny", 400, "bad_framing"), rec
+    assert [r.path for r in h2up.find(marker)] == [f"/echo/{marker}-after"]
 
 
 def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, marker):

@@ -71,6 +71,32 @@ TEST(PieceQueue, APieceInHandStaysPutWhileMoreAreQueued) {
     }
 }
 
+TEST(PieceQueue, SmallPiecesJoinTheLastOneButNeverTheFront) {
+    // A peer's one-byte DATA frames: one slot and one heap block per byte had let a stream's
+    // queue cost ~80 times the window its bytes are counted against.
+    PieceQueue q;
+    q.append("a");
+    const char* in_hand = q.front().data();
+    for (int i = 0; i < 100000; ++i) {
+        q.append("b");
+    }
+    EXPECT_EQ(q.front().data(), in_hand);  // the front is never appended to
+    EXPECT_EQ(q.front(), "a");
+    EXPECT_LE(q.slots(), 2 + 100000 / PieceQueue::kCoalesceBelow);
+    size_t bytes = 0;
+    for (const auto& piece : q) {
+        bytes += piece.size();
+        EXPECT_LE(piece.size(), PieceQueue::kCoalesceBelow);
+    }
+    EXPECT_EQ(bytes, 100001U);
+    // Larger pieces are not joined once the last one is full.
+    PieceQueue big;
+    big.append("x");
+    big.append(std::string(PieceQueue::kCoalesceBelow, 'y'));
+    big.append("z");
+    EXPECT_EQ(big.size(), 3U);
+}
+
 TEST(PieceQueue, FirstPiecesUseInlineSlots) {
     PieceQueue q;
     EXPECT_TRUE(q.slots_inline());
