@@ -53,6 +53,8 @@ bool all_zero(const Bytes& a, size_t from, size_t to) {
 AddressClass classify_v4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
     if ((a == 169 && b == 254 && c == 169 && d == 254) ||
         (a == 169 && b == 254 && c == 170 && (d == 2 || d == 23)) ||  // ECS task, EKS Pod Identity
+        (a == 169 && b == 254 && c == 0 && d == 23) ||    // Tencent Cloud
+        (a == 169 && b == 254 && c == 42 && d == 42) ||   // Scaleway
         (a == 100 && b == 100 && c == 100 && d == 200) ||
         (a == 168 && b == 63 && c == 129 && d == 16)) {  // Azure WireServer
         return AddressClass::Metadata;
@@ -146,7 +148,20 @@ AddressClass classify_v6_outer(const Bytes& x) {
     // exception says (metadata needs an exception naming it exactly).
     static const Bytes kOpenStackMetadata = {0xfe, 0x80, 0, 0, 0,    0,    0,    0,
                                              0,    0,    0, 0, 0xa9, 0xfe, 0xa9, 0xfe};
-    if (x == kEc2Metadata || x == kEksPodIdentity || x == kOpenStackMetadata) {
+    // Google Cloud's (fd20:ce::254), Oracle Cloud's (fd00:c1::a9fe:a9fe), Scaleway's
+    // (fd00:42::42) and Linode's (fd00:a9fe:a9fe::1) IPv6 metadata services: unique local
+    // addresses, metadata whatever an fc00::/7 exception says.
+    static const Bytes kGcpMetadata = {0xfd, 0x20, 0x00, 0xce, 0, 0, 0, 0,
+                                       0,    0,    0,    0,    0, 0, 0x02, 0x54};
+    static const Bytes kOciMetadata = {0xfd, 0x00, 0x00, 0xc1, 0, 0,    0,    0,
+                                       0,    0,    0,    0,    0xa9, 0xfe, 0xa9, 0xfe};
+    static const Bytes kScalewayMetadata = {0xfd, 0x00, 0x00, 0x42, 0, 0, 0, 0,
+                                            0,    0,    0,    0,    0, 0, 0, 0x42};
+    static const Bytes kLinodeMetadata = {0xfd, 0x00, 0xa9, 0xfe, 0xa9, 0xfe, 0, 0,
+                                          0,    0,    0,    0,    0,    0,    0, 0x01};
+    if (x == kEc2Metadata || x == kEksPodIdentity || x == kOpenStackMetadata ||
+        x == kGcpMetadata || x == kOciMetadata || x == kScalewayMetadata ||
+        x == kLinodeMetadata) {
         return AddressClass::Metadata;
     }
     if (all_zero(x, 0, 16)) {

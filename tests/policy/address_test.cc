@@ -102,6 +102,8 @@ const ClassCase kV4Cases[] = {
     {"100.100.100.200", AddressClass::Metadata},
     {"169.254.170.2", AddressClass::Metadata},   // ECS task credentials
     {"169.254.170.23", AddressClass::Metadata},  // EKS Pod Identity agent
+    {"169.254.0.23", AddressClass::Metadata},    // Tencent Cloud
+    {"169.254.42.42", AddressClass::Metadata},   // Scaleway
     {"169.254.170.3", AddressClass::LinkLocal},
     {"224.0.0.1", AddressClass::Multicast},
     {"239.255.255.255", AddressClass::Multicast},
@@ -130,6 +132,11 @@ INSTANTIATE_TEST_SUITE_P(
         ClassCase{"fc00::1", AddressClass::UniqueLocal},
         ClassCase{"fdff:ffff::1", AddressClass::UniqueLocal},
         ClassCase{"fd00:ec2::254", AddressClass::Metadata},
+        ClassCase{"fd20:ce::254", AddressClass::Metadata},          // Google Cloud
+        ClassCase{"fd00:c1::a9fe:a9fe", AddressClass::Metadata},    // Oracle Cloud
+        ClassCase{"fd00:42::42", AddressClass::Metadata},           // Scaleway
+        ClassCase{"fd00:a9fe:a9fe::1", AddressClass::Metadata},     // Linode
+        ClassCase{"fd20:ce::255", AddressClass::UniqueLocal},
         ClassCase{"fd00:ec2::23", AddressClass::Metadata},  // EKS Pod Identity agent
         ClassCase{"fd00:ec2::24", AddressClass::UniqueLocal},
         ClassCase{"fe80::a9fe:a9fe", AddressClass::Metadata},  // OpenStack's IPv6 metadata
@@ -268,6 +275,11 @@ INSTANTIATE_TEST_SUITE_P(
         VetCase{{"169.254.169.254/32"}, "169.254.169.254", true, ""},
         VetCase{{"169.254.169.254/32"}, "::ffff:169.254.169.254", true, ""},
         VetCase{{"fd00::/8"}, "fd00:ec2::254", false, "denied_address:metadata"},
+        VetCase{{"fd00::/8"}, "fd20:ce::254", false, "denied_address:metadata"},
+        VetCase{{"fc00::/7"}, "fd00:c1::a9fe:a9fe", false, "denied_address:metadata"},
+        VetCase{{"169.254.0.0/16"}, "169.254.0.23", false, "denied_address:metadata"},
+        VetCase{{"169.254.0.0/16"}, "169.254.42.42", false, "denied_address:metadata"},
+        VetCase{{"fd20:ce::254/128"}, "fd20:ce::254", true, ""},
         VetCase{{"fd00:ec2::254/128"}, "fd00:ec2::254", true, ""},
         // AWS container credential endpoints (ECS task role, EKS Pod Identity) are metadata.
         VetCase{{"169.254.0.0/16"}, "169.254.170.2", false, "denied_address:metadata"},
