@@ -211,9 +211,13 @@ enum class PlainHead : uint8_t { NotHttp, NeedMore, Agrees, Mismatch };
 
 /// Whether `line` (a first line without its end, or what came of it so far: `whole` false) is
 /// an HTTP/1 request line, "token SP target SP HTTP/": Yes, No, or Maybe (a prefix of one).
+/// The separators are runs of SP and HTAB, as nginx and HAProxy read them (RFC 9112 has one
+/// SP): with one SP only, "GET  /x HTTP/1.1" passed as not HTTP, and a server routed it by its
+/// Host all the same. Such a line then fails the strict parse: a mismatch.
 enum class Shape : uint8_t { No, Maybe, Yes };
 Shape request_line_shape(std::string_view line, bool whole) {
-    const size_t i = line.find(' ');
+    constexpr std::string_view kBlank = " \t";
+    const size_t i = line.find_first_of(kBlank);
     if (i == std::string_view::npos) {  // a method so far, or nothing
         return !whole && (line.empty() || policy::valid_header_name(line)) ? Shape::Maybe
                                                                             : Shape::No;
@@ -221,12 +225,16 @@ Shape request_line_shape(std::string_view line, bool whole) {
     if (!policy::valid_header_name(line.substr(0, i))) {
         return Shape::No;
     }
-    const size_t target_end = line.find(' ', i + 1);
-    if (target_end == std::string_view::npos) {
+    const size_t target = line.find_first_not_of(kBlank, i);
+    const size_t target_end =
+        target == std::string_view::npos ? target : line.find_first_of(kBlank, target);
+    const size_t version =
+        target_end == std::string_view::npos ? target_end : line.find_first_not_of(kBlank, target_end);
+    if (version == std::string_view::npos) {
         return whole ? Shape::No : Shape::Maybe;
     }
     constexpr std::string_view kVersion = "HTTP/";
-    const std::string_view rest = line.substr(target_end + 1);
+    const std::string_view rest = line.substr(version);
     const size_t n = std::min(rest.size(), kVersion.size());
     if (rest.substr(0, n) != kVersion.substr(0, n)) {
         return Shape::No;

@@ -529,14 +529,20 @@ def test_a_plain_http_first_request_in_a_blind_tunnel_must_name_the_connect_host
     assert not world.upstream.find(f"{marker}-x")
     # Shaped past the parser, as a CDN would still route them: empty lines first (servers
     # skip them), an absolute-form target naming another host (it overrides Host), bare LF
-    # line ends, a field name that is no token. Each is refused, nothing relayed.
+    # line ends, a field name that is no token, doubled separators. Each is refused, nothing
+    # relayed.
     for i, shaped in enumerate((
             f"\r\n\r\nGET /echo/{marker}-s0 HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
             f"GET http://forbidden.example/echo/{marker}-s1 HTTP/1.1\r\n"
             f"Host: tunnel.test:{P}\r\n\r\n",
             f"GET /echo/{marker}-s2 HTTP/1.1\nHost: forbidden.example\n\n",
             f"GET /echo/{marker}-s3 HTTP/1.1\r\nHost: forbidden.example\r\nX@Y: 1\r\n\r\n",
-            f"GET /echo/{marker}-s4 HTTP/1.1\r\nHost: tunnel.test:{P}\r\nX@Y: 1\r\n\r\n")):
+            f"GET /echo/{marker}-s4 HTTP/1.1\r\nHost: tunnel.test:{P}\r\nX@Y: 1\r\n\r\n",
+            # Runs of SP or HTAB between the parts (nginx, HAProxy and the test upstream
+            # read them as one separator).
+            f"GET  /echo/{marker}-s5 HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
+            f"GET /echo/{marker}-s6  HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
+            f"GET\t/echo/{marker}-s7 HTTP/1.1\r\nHost: forbidden.example\r\n\r\n")):
         r = first_flight(shaped.encode())
         assert_refusal(r, 421, "host_mismatch")
         assert not world.upstream.find(f"{marker}-s{i}"), i
