@@ -219,9 +219,14 @@ std::string_view Scrubber::feed_in_place(std::span<char> piece, size_t headroom,
     }
     if (!tail_.empty()) {
         spill.clear();
+        const size_t before = replacements_;
         feed({piece.data(), piece.size()}, spill);
         if (last) {
             finish(spill);
+        }
+        if (replacements_ != before) {
+            // Scrubbed in `spill`: the piece as it was read still holds what was replaced.
+            egress::secure_zero(piece.data(), piece.size());
         }
         return spill;
     }

@@ -81,7 +81,8 @@ public:
     /// them) go in front of `piece`: into its `headroom` (that many bytes before
     /// piece.data() that the caller owns and lets the scrubber overwrite), when they fit, so
     /// the result is the held bytes and a prefix of `piece`, one span and no copy of the
-    /// piece; otherwise it falls back to feed() into `spill` and returns `spill`. `last` also
+    /// piece; otherwise it falls back to feed() into `spill` and returns `spill` (and zeroes
+    /// `piece` when a needle was replaced: the copy is scrubbed, not the piece). `last` also
     /// does what finish() does.
     std::string_view feed_in_place(std::span<char> piece, size_t headroom, bool last,
                                    std::string& spill);

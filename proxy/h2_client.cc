@@ -59,6 +59,9 @@ struct H2ClientSession::Impl {
     ~Impl() {
         // The session goes first: nothing its callbacks reference may die before it.
         session.reset();
+        if (wipe_reads) {
+            egress::secure_zero(read_buf.get(), kReadBytes);
+        }
     }
     std::unique_ptr<TlsStream> stream;
     H2Io io;
@@ -70,7 +73,10 @@ struct H2ClientSession::Impl {
     bool goaway = false;
     net::steady_timer watchdog;
     std::unique_ptr<uint8_t[]> read_buf = std::make_unique<uint8_t[]>(kReadBytes);
-    bool wipe_reads = false;  // a response echoed a credential: reads are wiped once parsed
+    // A response echoed a credential: the reader wipes its buffer after each read is parsed
+    // (all of it after the first, what earlier reads left too), and when the session goes.
+    bool wipe_reads = false;
+    bool wiped_all = false;
     static constexpr size_t kReadBytes = 16 * 1024;
 
     H2ClientStreamState* find(int32_t id) {
@@ -243,8 +249,9 @@ awaitable<void> read_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
         next = arrival_after(n, Impl::kReadBytes);
         im.io.last_activity = Clock::now();
         ssize_t rv = nghttp2_session_mem_recv(im.session.get(), buf, n);
-        if (im.wipe_reads) {
-            egress::secure_zero(buf, n);  // nghttp2 copied what it keeps
+        if (im.wipe_reads) {  // nghttp2 copied what it keeps
+            egress::secure_zero(buf, im.wiped_all ? n : Impl::kReadBytes);
+            im.wiped_all = true;
         }
         if (rv < 0) {
             spdlog::debug("h2 upstream: {}", nghttp2_strerror(static_cast<int>(rv)));
@@ -424,10 +431,9 @@ void H2ClientSession::shutdown() {
 }
 
 void H2ClientSession::wipe_reads() {
+    // Not the buffer itself, now: a read may have filled it already (one that completes at
+    // its start posts its completion), its bytes not yet parsed. The reader wipes it.
     impl_->wipe_reads = true;
-    // What the last reads left: the reader waits on this buffer, and writes to it only when
-    // its read completes, on this thread.
-    egress::secure_zero(impl_->read_buf.get(), Impl::kReadBytes);
     impl_->stream->cleanse_plaintext();
 }
 

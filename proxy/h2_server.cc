@@ -233,7 +233,9 @@ int on_header(nghttp2_session*, const nghttp2_frame* frame, const uint8_t* name,
         // sync) but not kept, and the body fails as malformed once the stream ends: 400
         // bad_framing and a deny record, as on HTTP/1.1 (a reset here, INTERNAL_ERROR, had
         // answered nothing and been recorded as the client's abort).
-        st->refusal = "bad_framing";
+        if (st->refusal.empty()) {  // not over a refusal of the head (431) or stream (429)
+            st->refusal = "bad_framing";
+        }
         return 0;
     }
     if (!within || st->refusal == "header_too_large") {

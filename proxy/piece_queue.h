@@ -1,5 +1,6 @@
 #pragma once
 // A FIFO of body pieces for the HTTP/2 codecs (light: no Asio, no nghttp2).
+#include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <string>
@@ -7,6 +8,8 @@
 #include <utility>
 
 #include <boost/container/small_vector.hpp>
+
+#include "common/secure_zero.h"
 
 namespace egress::proxy {
 
@@ -40,16 +43,27 @@ public:
     /// may hold) and holds fewer than kCoalesceBelow bytes; else as a piece of their own. A
     /// peer's DATA frames of one byte each had cost a slot (32 bytes) and a heap block (48)
     /// per byte: eighty times the flow-control window they are counted against.
+    /// A piece that grows moves to a larger block, and the old one is zeroed first: it holds
+    /// a peer's bytes not yet scrubbed (an upstream's echo of a credential).
     void append(std::string_view bytes) {
         if (size() >= 2 && items_.back().size() < kCoalesceBelow) {
-            items_.back().append(bytes);
+            std::string& back = items_.back();
+            if (back.size() + bytes.size() > back.capacity()) {
+                std::string grown;
+                grown.reserve(std::max(2 * back.capacity(), back.size() + bytes.size()));
+                grown.append(back);
+                egress::secure_zero(back.data(), back.size());
+                back.swap(grown);
+            }
+            back.append(bytes);
             return;
         }
         emplace_back(bytes);
     }
     static constexpr size_t kCoalesceBelow = 16 * 1024;
     void pop_front() {
-        items_[head_] = std::string();  // give the piece's memory back now
+        std::string().swap(items_[head_]);  // give the piece's memory back now (an assignment
+                                            // of an empty string keeps the block)
         if (++head_ == items_.size()) {
             clear();
         } else if (head_ >= 16 && head_ * 2 >= items_.size()) {

@@ -7,6 +7,7 @@ Endpoints (like upstream.Upstream):
                 (a server streaming back, as gRPC's bidirectional calls do)
     /trailers   JSON echo as above, then response trailers grpc-status: 0, x-trailer: t1
     /reflect    the request's Authorization / X-Api-Key value in header x-seen and the body
+    /reflect-late  that value in the body only, in a DATA frame after 2000 bytes of filler
     /status/N   an empty response with status N
 Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
 
@@ -268,6 +269,14 @@ class H2Upstream:
             if total == 0 or p.get(":method") == "HEAD":
                 st.body_iter = None
                 st.done = True
+        elif base == "/reflect-late":
+            # The value in the body only, after a filler: its own DATA frame, not the first.
+            value = dict(st.regular).get("authorization") or dict(st.regular).get("x-api-key") or ""
+            late = b"seen=" + value.encode("latin-1") + b";end\n"
+            filler = b"f" * 2000
+            st.body_iter = iter([filler, late])
+            conn.send_headers(st.sid, [(":status", "200"), ("content-type", "text/plain"),
+                                       ("content-length", str(len(filler) + len(late)))])
         elif base == "/reflect":
             value = dict(st.regular).get("authorization") or dict(st.regular).get("x-api-key") or ""
             body = b"seen=" + value.encode("latin-1") + b";end\n"

@@ -315,7 +315,7 @@ def test_over_limit_trailers_answer_400_bad_framing(world, factory, h2up, marker
     """Request trailers over the header budget come after the head went out: the body ends
     malformed, 400 bad_framing with its reason and a deny record, as on HTTP/1.1. (nghttp2 had
     reset the stream with INTERNAL_ERROR, no answer, and the record said allow /
-    client_aborted.) The upstream never gets a complete request; the connection goes on."""
+    client_aborted.) The h2 upstream's stream is reset, never complete; the connection goes on."""
     e = factory.start(add_h2_pins(world, h2up))
     c = H2Client(e, world, "api.test", h2up.port)
     raw = RawH2(c)
@@ -341,6 +341,37 @@ def test_over_limit_trailers_answer_400_bad_framing(world, factory, h2up, marker
     rec = e.wait_audit(lambda a: f"{marker}-trailers" in (a.get("path") or ""))[-1]
     assert (rec["decision"], rec["status"], rec["reason"]) == ("deny", 400, "bad_framing"), rec
     assert [r.path for r in h2up.find(marker)] == [f"/echo/{marker}-after"]
+
+
+def test_an_over_limit_head_stays_refused_when_its_trailers_are_over_too(world, factory, h2up,
+                                                                          marker):
+    """A head over the header budget, its body and over-budget trailers, all in one write:
+    the trailers' malformed body must not replace the head's refusal (the head, its fields
+    past the budget dropped, had gone through the pipeline and upstream): 431."""
+    e = factory.start(add_h2_pins(world, h2up))
+    c = H2Client(e, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    try:
+        sid = raw.next_sid
+        raw.next_sid += 2
+        raw.streams[sid] = {"status": None, "reset": None, "ended": False, "headers": [],
+                            "body": b""}
+        head = [(":method", "POST"), (":scheme", "https"), (":authority", f"api.test:{h2up.port}"),
+                (":path", f"/echo/{marker}-both")] + [(f"x-f{i}", "v") for i in range(150)]
+        many = [(f"x-t{i}", "v") for i in range(150)]
+        raw.send(HeadersFrame(sid, data=raw.enc.encode(head), flags=["END_HEADERS"]).serialize()
+                 + DataFrame(sid, data=b"hello").serialize()
+                 + HeadersFrame(sid, data=raw.enc.encode(many),
+                                flags=["END_HEADERS", "END_STREAM"]).serialize())
+        st = raw.streams[sid]
+        raw.pump(until=lambda: st["ended"] or st["reset"] is not None, timeout=10)
+        assert st["status"] == 431, st
+        assert dict(st["headers"]).get("x-egress-reason") == "header_too_large", st
+    finally:
+        c.close()
+    rec = e.wait_audit(lambda a: f"{marker}-both" in (a.get("path") or ""))[-1]
+    assert (rec["status"], rec["reason"]) == (431, "header_too_large"), rec
+    assert not h2up.heads(f"{marker}-both"), "the head reached the upstream"
 
 
 def test_reset_streams_do_not_exceed_concurrent_stream_limit(world, factory, marker):

@@ -155,8 +155,17 @@ def test_an_echoed_credential_is_wiped_once_relayed(factory, world, h2up):
                      "-f")
             assert r.returncode == 0, r.stderr
             assert tag.encode() in r.stdout and secret.encode() not in r.stdout
+        if up == "h2":
+            # The echo in a DATA frame of its own after the first: scrubbed in a copy (the
+            # scrubber holds bytes from the piece before), so the piece as read is wiped.
+            for i in range(3):
+                r = curl(world, e, f"https://api.test:{P}/reflect-late/{tag}-{down}-late{i}",
+                         down == "h2", "-f")
+                assert r.returncode == 0, r.stderr
+                assert r.stdout.startswith(b"f" * 2000) and b"seen=" in r.stdout
+                assert secret.encode() not in r.stdout
     sent = world.upstream.find(tag) + h2up.find(tag)
-    assert len(sent) == 12
+    assert len(sent) == 18
     assert all(r.header("Authorization") == [f"Bearer {secret}"] for r in sent)
     deadline = time.monotonic() + 5
     while True:
