@@ -767,7 +767,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
         // destination (and its path without the scheme and authority), never the previous
         // request's on a keep-alive connection.
         Outcome<policy::HostPort> dest = Refusal{400, "bad_request_target", ""};
-        std::string audit_path;  // "" for CONNECT
+        std::string rec_path;  // "" for CONNECT and what is not absolute-form
         if (is_connect) {
             auto hp = policy::parse_authority(parser.target(), std::nullopt);
             if (hp) {
@@ -788,11 +788,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                 }
             }
             if (url) {
-                const auto path = url->encoded_path();
-                audit_path.assign(path.data(), path.size());
-                if (audit_path.empty()) {
-                    audit_path = "/";
-                }
+                rec_path = audit_path(parser.target());
             }
         }
         scope.target = policy::HostPort{};
@@ -809,7 +805,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
             // is not.
             scope.run.reset();
             co_await write_refusal(stream, limits.refusal_timeout, id.status, id.reason, false);
-            audit_refusal(scope, method, audit_path, id.status, id.reason, started, 0,
+            audit_refusal(scope, method, rec_path, id.status, id.reason, started, 0,
                           id.ended_run.empty() ? nullptr : &id.ended_run);
             co_return;
         }
@@ -821,13 +817,13 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
             if (!admission.admit(*scope.run, limits.connections_per_run, stream.socket())) {
                 co_await write_refusal(stream, limits.refusal_timeout, 429,
                                        "too_many_connections", false);
-                audit_refusal(scope, method, audit_path, 429, "too_many_connections", started);
+                audit_refusal(scope, method, rec_path, 429, "too_many_connections", started);
                 co_return;
             }
             if (!still_live(w, *scope.run)) {
                 const char* reason = run_end_reason(*scope.run);
                 co_await write_refusal(stream, limits.refusal_timeout, 403, reason, false);
-                audit_refusal(scope, method, audit_path, 403, reason, started);
+                audit_refusal(scope, method, rec_path, 403, reason, started);
                 co_return;
             }
         } else if (scope.run->policy.id != id.run->policy.id) {
@@ -835,7 +831,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                                    false);
             // Named by the identity this request proved, not the connection's first one.
             const std::string proved = id.run->policy.id;
-            audit_refusal(scope, method, audit_path, 403, "identity_changed", started, 0, &proved);
+            audit_refusal(scope, method, rec_path, 403, "identity_changed", started, 0, &proved);
             co_return;
         } else {
             scope.run = std::move(id.run);  // the same run, maybe rebuilt since (a reload)
@@ -843,7 +839,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
 
         if (auto* r = std::get_if<Refusal>(&dest)) {
             co_await write_refusal(stream, limits.refusal_timeout, r->status, r->reason, false);
-            audit_refusal(scope, method, audit_path, r->status, r->reason, started);
+            audit_refusal(scope, method, rec_path, r->status, r->reason, started);
             co_return;
         }
 
@@ -855,7 +851,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
             bool ka = !is_connect && parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
                                    parser.method() == http::verb::head);
-            audit_refusal(scope, method, audit_path, 403, reason, started);
+            audit_refusal(scope, method, rec_path, 403, reason, started);
             if (!ka) {
                 co_return;
             }
@@ -1063,7 +1059,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
         }
         if (!reason.empty()) {
             co_await write_refusal(stream, limits.refusal_timeout, status, reason, false);
-            audit_refusal(scope, method, std::string(parser.target()), status, reason, started);
+            audit_refusal(scope, method, audit_path(parser.target()), status, reason, started);
             co_return;
         }
         scope.target = *dest;
@@ -1076,7 +1072,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
             bool ka = parser.keep_alive() && parser.is_done();
             co_await write_refusal(stream, limits.refusal_timeout, 403, reason, ka,
                                    parser.method() == http::verb::head);
-            audit_refusal(scope, method, std::string(parser.target()), 403, reason, started);
+            audit_refusal(scope, method, audit_path(parser.target()), 403, reason, started);
             if (!ka) {
                 co_return;
             }

@@ -870,6 +870,25 @@ public:
     size_t max_header_bytes_ = 65536;
 };
 
+}  // namespace
+
+std::string audit_path(std::string_view target) {
+    if (target.starts_with('/')) {
+        return std::string(target);
+    }
+    std::string path;
+    if (auto url = boost::urls::parse_absolute_uri(target)) {
+        const auto p = url->encoded_path();
+        path.assign(p.data(), p.size());
+        if (path.empty()) {
+            path = "/";
+        }
+    }
+    return path;
+}
+
+namespace {
+
 /// One HTTP/1.1 request: head → protocol-neutral head → the shared core.
 template <class ClientStream>
 awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
@@ -880,20 +899,8 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
     auto head_or = to_request_head(parser, scope.tls, absolute_form);
     if (auto* r = std::get_if<Refusal>(&head_or)) {
         co_await write_refusal(client, limits.refusal_timeout, r->status, r->reason, false);
-        // The record names the path (its query removed when written), never an absolute-form
-        // target's scheme and authority: as the forward port's other refusals do.
-        std::string path;
-        if (!absolute_form) {
-            path = parser.target();
-        } else if (auto url = boost::urls::parse_absolute_uri(parser.target())) {
-            const auto p = url->encoded_path();
-            path.assign(p.data(), p.size());
-            if (path.empty()) {
-                path = "/";
-            }
-        }
-        audit_refusal(scope, std::string(parser.method_string()), path, r->status, r->reason,
-                      started);
+        audit_refusal(scope, std::string(parser.method_string()), audit_path(parser.target()),
+                      r->status, r->reason, started);
         co_return false;
     }
     co_return co_await serve_exchange(down, std::move(std::get<policy::RequestHead>(head_or)),

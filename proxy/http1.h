@@ -55,6 +55,11 @@ struct UnreadBodyNote {
 /// Serves requests on an intercepted TLS connection until it closes.
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer, Scope& scope);
 
+/// What an audit record of a refused request names as its path (the query is removed when the
+/// record is written): an origin-form target as it is, an absolute-form one's path, never its
+/// scheme and authority (userinfo included); "" for the authority form and '*'.
+std::string audit_path(std::string_view target);
+
 /// Handles one absolute-form http:// request whose header is already parsed.
 /// Returns whether the client connection may be kept alive.
 awaitable<bool> forward_plain_http(TcpStream& client, beast::flat_buffer& buffer,

@@ -495,6 +495,22 @@ def test_sni_mismatch_421(world, egressd, marker):
     audited(egressd, "sni_mismatch", 421)
 
 
+def test_an_absolute_target_in_a_tunnel_is_recorded_by_its_path_only(world, egressd, marker):
+    """Inside an intercepted tunnel an absolute-form target is refused (400
+    bad_request_target); its record names the path only, as the forward port's refusals do:
+    never the target's scheme and authority, the client's userinfo among them."""
+    mark = audit_mark(egressd)
+    c = helpers.tunnel(egressd.proxy_port, "api.test", world.U, world.auth(), run_ca(egressd, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"http://user:pw@other.test/echo/{marker}",
+                            f"api.test:{world.U}")
+    finally:
+        c.close()
+    assert_refusal(r, 400, "bad_request_target")
+    rec = one_record_since(egressd, mark, 400, "bad_request_target")
+    assert rec["path"] == f"/echo/{marker}", rec
+
+
 def test_a_plain_http_first_request_in_a_blind_tunnel_must_name_the_connect_host(world,
                                                                                 egressd,
                                                                                 marker):
