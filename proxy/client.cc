@@ -1149,6 +1149,12 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
 
     auto peeked = co_await peek_first_bytes(socket, started + limits.header_timeout);
     if (peeked.eof) {
+        if (Clock::now() >= started + limits.header_timeout) {
+            // egressd gives up on a ClientHello that did not come whole: a refusal, recorded
+            // (status 0: the connection is closed, there is nothing to answer in). A client
+            // that closed first is a client leaving.
+            audit_refusal(scope, "", "", 0, "header_timeout", started);
+        }
         co_return;
     }
     using Status = tls::ClientHelloPeek::Status;

@@ -197,6 +197,32 @@ print(f"closed {{left!r}} after {{time.monotonic() - started:.1f}}", flush=True)
     assert rec[-1]["reason"] == "host_not_allowed", rec[-1]
 
 
+def test_a_client_hello_that_stalls_is_closed_and_audited(netns_setup, world):
+    """A connection that sends part of a ClientHello and nothing more is closed at
+    header_timeout, and the refusal is recorded (header_timeout, status 0: no answer can be
+    written before a handshake), as a slow request head is on the other listeners; it left no
+    record."""
+    e, sb, _ = netns_setup
+    e.rewrite_config(lambda c: c["limits"].update({"header_timeout": "1s"}))
+    e.reload()
+    try:
+        r = sb.run("python3", "-c",
+                   "import socket, time\n"
+                   f"s = socket.create_connection(('api.test', {world.U}), timeout=5)\n"
+                   "s.sendall(bytes([0x16, 3, 1, 2, 0, 1, 0]))\n"
+                   "s.settimeout(5)\n"
+                   "try:\n"
+                   "    print('closed' if s.recv(10) == b'' else 'data')\n"
+                   "except ConnectionResetError:\n"
+                   "    print('closed')\n", timeout=20)  # reset: its bytes were never read
+        assert r.returncode == 0 and r.stdout.strip() == "closed", (r.stdout, r.stderr)
+        rec = e.wait_audit(lambda x: x.get("reason") == "header_timeout")[-1]
+        assert rec["decision"] == "deny" and rec["status"] == 0 and rec["run"] == "r1", rec
+    finally:
+        e.rewrite_config(lambda c: c["limits"].pop("header_timeout", None))
+        e.reload()
+
+
 def test_other_ports_and_egressd_itself_are_unreachable(netns_setup, world):
     e, sb, _ = netns_setup
     admin_port = int(e.config["listen"]["admin"].rsplit(":", 1)[1])
