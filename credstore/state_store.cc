@@ -470,15 +470,21 @@ Result<StateSnapshot> apply_mutations(const StateSnapshot& base,
             case Mutation::Kind::ReplaceSecrets:
                 // Each listed secret replaces the stored one with the same name, scope and version.
                 // A secret deleted or rotated since it was read is not resurrected or rolled back.
+                // A rewrap keeps the sealing's data (nonce, ciphertext, creation time): the stored
+                // record must still be that sealing. A secret deleted and created again is
+                // version 1 again, and another replica's rotation (keys rotate on etcd) would
+                // otherwise have put its old value back over the new one.
                 for (const SealedSecret& s : m.secrets) {
                     auto it = next.secrets.find(secret_key(s.name, s.scope));
                     if (it == next.secrets.end()) {
                         return make_error("not_found: secret " + describe(s.name, s.scope));
                     }
-                    if (it->second.version != s.version) {
+                    const SealedSecret& now = it->second;
+                    if (now.version != s.version || now.nonce != s.nonce ||
+                        now.ciphertext != s.ciphertext || now.created_at != s.created_at) {
                         return make_error("conflict: secret " + describe(s.name, s.scope) +
-                                          " changed (now version " +
-                                          std::to_string(it->second.version) + ")");
+                                          " changed (now version " + std::to_string(now.version) +
+                                          ")");
                     }
                     it->second = s;
                 }

@@ -49,6 +49,15 @@ constexpr uint64_t kMaxAnswerBytes = 256u << 20;
 // How often an open watch is checked (watch_check): one tiny read per replica.
 constexpr std::chrono::milliseconds kWatchCheckEvery{1000};
 
+/// A write etcd took that this replica could not read back: an error (503, "etcd
+/// unreachable"), not the success whose answer says the change is in force here.
+Error not_in_force(int64_t revision, const std::string& why) {
+    return make_error("etcd unreachable: the change was written (revision " +
+                      std::to_string(revision) +
+                      ") but this replica could not read it back, so it is not in force here "
+                      "yet (" + why + ")");
+}
+
 struct Endpoint {
     std::string text;  // as configured, for messages
     std::string host;
@@ -354,11 +363,17 @@ public:
                                  "{}: reading the state again",
                                  revision, other_cluster ? " of another etcd cluster" : "",
                                  seen_before);
-                    (void)run_sync(resync());
+                    if (auto read = run_sync(resync()); !read) {
+                        return not_in_force(revision, read.error());
+                    }
                 } else if (!wait_seen(revision)) {
                     spdlog::warn("etcd: the watch has not delivered revision {} within {} ms; "
                                  "reading the state", revision, options_.timeout.count());
-                    (void)run_sync(resync());
+                    if (auto read = run_sync(resync()); !read) {
+                        // Not a success: the answer promises that this replica shows the
+                        // change (a revoke's 200: its connections here are cut).
+                        return not_in_force(revision, read.error());
+                    }
                 }
                 return static_cast<uint64_t>(revision);
             }

@@ -272,6 +272,25 @@ TEST(ApplyMutations, RunsAndReplaceSecrets) {
     EXPECT_EQ(after->secrets.at(secret_key("npm", scope("acme"))).kek_id, "file:0123abcd");
 }
 
+TEST(ApplyMutations, ReplaceSecretsRefusesASecretCreatedAgain) {
+    // A rewrap of the sealing read before; meanwhile the secret was deleted and created again
+    // (version 1 again, another sealing): the rewrap must not put the old value back.
+    SealedSecret created_again = fake_secret("gh", scope("acme"));
+    created_again.nonce = "bmV3bm9uY2UxMjM0";
+    created_again.ciphertext = "bmV3IHZhbHVl";
+    StateSnapshot base;
+    auto next = apply_mutations(base, {put_secret(created_again)});
+    ASSERT_TRUE(next.ok());
+    Mutation replace;
+    replace.kind = Mutation::Kind::ReplaceSecrets;
+    SealedSecret rewrapped_old = fake_secret("gh", scope("acme"));
+    rewrapped_old.kek_id = "file:new";
+    replace.secrets = {rewrapped_old};
+    auto after = apply_mutations(*next, {replace});
+    ASSERT_FALSE(after.ok());
+    EXPECT_TRUE(after.error().starts_with("conflict: secret gh")) << after.error();
+}
+
 // ---- JSON ----------------------------------------------------------------------------------
 
 TEST(SnapshotJson, RoundTrip) {

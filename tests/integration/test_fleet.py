@@ -590,6 +590,33 @@ def test_a_read_in_flight_does_not_roll_back_what_the_watch_brought(factory, wor
         relay.close()
 
 
+def test_a_write_this_replica_cannot_read_back_is_not_answered_as_done(factory, world, etcd):
+    """A revoke etcd took, but whose change replica A could not read back (its watch silent
+    past state.etcd.timeout, and the read of the state timing out too), had been answered 200
+    while A still served the run. It is 503 store_unavailable now, saying it was written; once
+    A reads etcd again the run is revoked there."""
+    prefix = f"/egressd-unread-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    relay = GatewayRelay(etcd.client_port)
+    try:
+        a = start_replica(factory, make_replica(factory, world, prefix, [relay.url], key,
+                                                timeout="1s"))
+        put_secret(a, "unread_tok", sval("unread"), org="acme")
+        run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "unread_tok")])
+        relay.pause_watch.set()
+        relay.hold_range.set()
+        r = api(a, "DELETE", f"/v1/runs/{run.id}", timeout=30)
+        assert r.status == 503 and r.json["error"] == "store_unavailable", (r.status, r.body)
+        assert "was written" in r.json["detail"], r.json
+        relay.hold_range.clear()
+        relay.release.set()
+        relay.pause_watch.clear()
+        helpers.poll(lambda: connect_status(on(run, a), api_host(world)) == (403, "run_revoked"),
+                     15.0, "A to read the revocation")
+    finally:
+        relay.close()
+
+
 def test_a_run_keeps_one_lease_however_often_it_is_written(fleet, world):
     """A run's record is rewritten when a pin is added or it is revoked: it keeps the lease it
     was created with (one lease per run in etcd), instead of a new one per write that left the
