@@ -271,6 +271,20 @@ struct Args {
 
 /// Splits argv after the command words. `valued` options take a value (`--x V` or `--x=V`);
 /// `boolean` ones do not; anything else starting with "--" is a usage error.
+/// The message for an argument that is no known option: it names the argument only when it is
+/// shaped like an option ("--" and lowercase letters, digits and '-'); anything else may be a
+/// secret value typed where an option goes, and is never echoed.
+std::string unknown_option(const std::string& arg) {
+    bool shaped = arg.size() > 2 && arg.size() <= 34 && arg.rfind("--", 0) == 0;
+    for (size_t i = 2; shaped && i < arg.size(); ++i) {
+        const char c = arg[i];
+        shaped = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+    }
+    return shaped ? "unknown option '" + arg + "'"
+                  : std::string("unknown option (not shown: it may be a value typed where an "
+                                "option goes; values are read from standard input)");
+}
+
 Args parse_args(const std::vector<std::string>& in, const std::vector<std::string>& valued,
                 const std::vector<std::string>& boolean) {
     Args a;
@@ -286,7 +300,7 @@ Args parse_args(const std::vector<std::string>& in, const std::vector<std::strin
         if (!only_pos && (arg == "-h" || arg == "--help")) throw Help{};
         if (only_pos || arg.size() < 2 || arg.rfind("--", 0) != 0) {
             if (!only_pos && arg.size() > 1 && arg[0] == '-' && arg != "-") {
-                throw Usage("unknown option '" + arg + "'");
+                throw Usage(unknown_option(arg));
             }
             a.pos.push_back(arg);
             continue;
@@ -311,7 +325,7 @@ Args parse_args(const std::vector<std::string>& in, const std::vector<std::strin
             if (value) throw Usage("--" + name + " takes no value");
             a.flags.push_back(name);
         } else {
-            throw Usage("unknown option '--" + name + "'");
+            throw Usage(unknown_option("--" + name));
         }
     }
     return a;
@@ -737,6 +751,9 @@ Wiped read_secret_value() {
 
 // --- commands -------------------------------------------------------------------------------
 
+/// The largest admin token file read (egressd reads at most as much: load_secret_file).
+constexpr size_t kMaxTokenFileBytes = 16 * 1024;
+
 struct Ctx {
     Endpoint ep;
     std::optional<std::string> token_file;
@@ -749,15 +766,35 @@ struct Ctx {
             if (fd < 0) {
                 throw Failure("--token-file " + *token_file + ": " + std::strerror(errno));
             }
-            char buf[1024];
-            ssize_t n = ::read(fd, buf, sizeof buf);
-            int err = errno;
+            // Read whole (a pipe gives it in pieces), up to egressd's own bound on a token.
+            char buf[4096];
+            tok.reserve(kMaxTokenFileBytes + sizeof buf);  // never moved: no copy left behind
+            int err = 0;
+            for (;;) {
+                const ssize_t n = ::read(fd, buf, sizeof buf);
+                if (n < 0 && errno == EINTR) {
+                    continue;
+                }
+                if (n <= 0) {
+                    err = n < 0 ? errno : 0;
+                    break;
+                }
+                tok.append(buf, static_cast<size_t>(n));
+                if (tok.size() > kMaxTokenFileBytes) {
+                    break;
+                }
+            }
             ::close(fd);
-            if (n < 0) {
+            egress::secure_zero(buf, sizeof buf);
+            if (err != 0) {
+                egress::secure_wipe(tok);
                 throw Failure("--token-file " + *token_file + ": " + std::strerror(err));
             }
-            tok.assign(buf, static_cast<size_t>(n));
-            egress::secure_zero(buf, sizeof buf);
+            if (tok.size() > kMaxTokenFileBytes) {
+                egress::secure_wipe(tok);
+                throw Failure("--token-file " + *token_file + " is larger than " +
+                              std::to_string(kMaxTokenFileBytes) + " bytes");
+            }
         } else if (const char* env = std::getenv("EGRESSD_ADMIN_TOKEN")) {
             tok = env;
         } else {

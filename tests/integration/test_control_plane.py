@@ -902,6 +902,30 @@ def test_egressctl_value_never_an_argument(cp):
         assert r.err.startswith("egressctl: ") and r.err.count("\n") == 1, r.err
 
 
+def test_egressctl_reads_a_long_token_whole_and_never_echoes_a_value(factory, world):
+    """egressd takes admin tokens up to 16 KiB; egressctl read --token-file with one read of
+    1024 bytes, so a longer token was cut and every call got 401. And an argument starting
+    with '-' that is no option (a value typed where it does not go) was echoed in the usage
+    error; now it is named only when shaped like an option."""
+    tok = pysecrets.token_urlsafe(1500)[:2000]
+
+    def extra(cfg):
+        path = cfg["admin"]["token_file"]
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(tok + "\n")
+    e = factory.start(mutate=cp_mutate(world, extra=extra))
+    r = ctl(e, "secret", "list")
+    assert r.returncode == 0, r.err
+    value = "-Sv" + pysecrets.token_hex(8)
+    r = ctl(e, "secret", "put", "n", "--scope", "org=acme", value, stdin="x")
+    assert r.returncode == 2 and r.err.startswith("egressctl: unknown option"), r.err
+    assert value not in r.err and value[1:] not in r.err, r.err
+    r = ctl(e, "secret", "list", "--frobnicate")
+    assert r.returncode == 2 and "'--frobnicate'" in r.err, r.err
+
+
 def test_egressctl_errors(cp, world, api_secret):
     r = ctl(cp, "run", "create", "--scope", "org=acme", "--pin", f"{api_host(world)}=x:bearer")
     assert r.returncode == 1
