@@ -63,6 +63,11 @@ using WipingBuffer = beast::basic_flat_buffer<egress::WipingAllocator<char>>;
 using WipingBody =
     http::basic_string_body<char, std::char_traits<char>, egress::WipingAllocator<char>>;
 
+constexpr const char* kForbiddenHost =
+    R"({"error":"forbidden_host","detail":"Host must be a loopback name with this port"})";
+constexpr const char* kUnauthorized =
+    R"({"error":"unauthorized","detail":"missing or wrong bearer token"})";
+
 struct ReadErrorReply {
     http::status status;
     std::string body;
@@ -192,6 +197,9 @@ awaitable<void> answer_and_close(Stream& stream, ReadErrorReply reply, const Adm
     http::response<http::string_body> res{reply.status, 11};
     res.set(http::field::server, "egressd");
     res.set(http::field::content_type, "application/json");
+    if (reply.status == http::status::unauthorized) {
+        res.set(http::field::www_authenticate, "Bearer realm=\"egressd-admin\"");
+    }
     res.body() = std::move(reply.body);
     res.keep_alive(false);
     res.prepare_payload();
@@ -223,9 +231,29 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         http::request_parser<WipingBody, egress::WipingAllocator<char>> parser;
         parser.body_limit(limits.max_body_bytes);
         parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
-        // The whole request, and the wait for it on a keep-alive connection.
+        // The whole request, and the wait for it on a keep-alive connection. The head first:
+        // an API call without the token is answered before its body is read (a client that
+        // cannot authenticate had every connection hold up to admin.max_body_bytes).
         stream.expires_after(limits.read_timeout);
-        auto [ec, n] = co_await http::async_read(stream, buf, parser, use_nothrow);
+        auto [ec, n] = co_await http::async_read_header(stream, buf, parser, use_nothrow);
+        if (!ec && parser.get().target().substr(0, 4) == "/v1/" && shared.control != nullptr) {
+            // A named reply: GCC 12 destroys a temporary in a co_await's operand twice.
+            std::optional<ReadErrorReply> early;
+            if (loopback && !host_is_loopback_name(parser.get()[http::field::host], port)) {
+                early = ReadErrorReply{http::status::forbidden, kForbiddenHost};
+            } else if (!shared.control->authorized(parser.get()[http::field::authorization])) {
+                early = ReadErrorReply{http::status::unauthorized, kUnauthorized};
+            }
+            if (early) {
+                buf.shrink_to_fit();
+                co_await answer_and_close(stream, std::move(*early), limits);
+                co_return;
+            }
+        }
+        if (!ec && !parser.is_done()) {
+            auto [bec, bn] = co_await http::async_read(stream, buf, parser, use_nothrow);
+            ec = bec;
+        }
         // What was read stays in the buffer's block after it is consumed: shrink_to_fit moves
         // what is left (a pipelined request) to a new block and frees the old one, zeroed.
         buf.shrink_to_fit();
@@ -246,7 +274,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         const bool get = req.method() == http::verb::get;
         if (loopback && !host_is_loopback_name(req[http::field::host], port)) {
             res.result(http::status::forbidden);
-            res.body() = R"({"error":"forbidden_host","detail":"Host must be a loopback name with this port"})";
+            res.body() = kForbiddenHost;
         } else if (probe && !get) {
             res.result(http::status::method_not_allowed);
             res.set(http::field::allow, "GET");
@@ -290,7 +318,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             if (!r) {
                 res.result(http::status::unauthorized);
                 res.set(http::field::www_authenticate, "Bearer realm=\"egressd-admin\"");
-                res.body() = R"({"error":"unauthorized","detail":"missing or wrong bearer token"})";
+                res.body() = kUnauthorized;
             } else {
                 res.result(static_cast<http::status>(r->status));
                 res.body() = std::move(r->body);

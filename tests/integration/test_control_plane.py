@@ -90,6 +90,26 @@ def test_api_requires_the_admin_token(cp, auth):
     assert not [r for r in api_ok(cp, "GET", "/v1/secrets")["secrets"] if r["name"] == "nope"]
 
 
+def test_an_api_call_without_the_token_is_answered_before_its_body(cp):
+    """The token is checked on the request head: a call without it is answered 401 at once,
+    its body never read (egressd had waited for up to admin.max_body_bytes of it, for
+    admin.read_timeout, on every such connection)."""
+    s = socket.create_connection(("127.0.0.1", cp.admin_port), timeout=2)
+    try:
+        s.sendall(f"POST /v1/secrets HTTP/1.1\r\nHost: 127.0.0.1:{cp.admin_port}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n".encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = s.recv(4096)  # times out (2 s) if egressd waits for the body
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        s.close()
+    assert got.startswith(b"HTTP/1.1 401"), got[:200]
+    assert b"WWW-Authenticate: Bearer" in got, got[:400]
+
+
 @pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer"])
 def test_the_bearer_scheme_is_case_insensitive(cp, scheme):
     """RFC 9110 11.1: an authentication scheme's name is case-insensitive."""
