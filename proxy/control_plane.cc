@@ -1085,9 +1085,10 @@ bool constraint_covers(const std::string& n, const std::string& p) {
 /// hosts are intercepted) the global allow list.
 std::vector<std::string> run_constraints(const credstore::RunRecord& run, const Config& cfg) {
     std::vector<std::string> out;
+    std::set<std::string> seen;  // not a scan of `out` per name: quadratic in the run's hosts
     auto add = [&](const std::string& text) {
         auto n = constraint_name(text);
-        if (!n.empty() && std::find(out.begin(), out.end(), n) == out.end()) {
+        if (!n.empty() && seen.insert(n).second) {
             out.push_back(n);
         }
     };
@@ -1117,6 +1118,19 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
     if (!ttl) return error(400, "invalid_request", ttl.error());
     auto allow = get_strings(*o, "allow_hosts", "");
     if (!allow) return error(400, "invalid_request", allow.error());
+    auto cidrs = get_strings(*o, "source_cidrs", "");
+    if (!cidrs) return error(400, "invalid_request", cidrs.error());
+    // The run's lists are bounded as its pins are: each entry is a name constraint of its
+    // CA, or a range every transparent connection's lookup goes through.
+    const size_t most = current_config()->admin_limits.max_pins_per_run;
+    for (const auto& [name, list] : {std::pair{"allow_hosts", &*allow},
+                                     std::pair{"source_cidrs", &*cidrs}}) {
+        if (list->size() > most) {
+            return error(400, "invalid_request",
+                         std::string(name) + ": more than admin.max_pins_per_run (" +
+                             std::to_string(most) + ")");
+        }
+    }
     for (size_t i = 0; i < allow->size(); ++i) {
         auto pat = policy::HostPattern::parse((*allow)[i]);
         if (!pat) {
@@ -1125,8 +1139,6 @@ ApiResponse ControlPlane::create_run(std::string_view body) {
         }
         (*allow)[i] = pat->text();
     }
-    auto cidrs = get_strings(*o, "source_cidrs", "");
-    if (!cidrs) return error(400, "invalid_request", cidrs.error());
     for (size_t i = 0; i < cidrs->size(); ++i) {
         auto c = policy::Cidr::parse((*cidrs)[i]);
         if (!c) {

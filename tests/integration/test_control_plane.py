@@ -2184,6 +2184,13 @@ def test_admin_max_runs_and_max_pins_per_run_bound_the_store(factory, world):
     pin = bearer_pin(api_host(world), "lim_tok")
     r = api(e, "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": [pin, pin, pin]})
     assert r.status == 400 and "admin.max_pins_per_run (2)" in r.json["detail"], r.body
+    # A run's allow list and source ranges are bounded the same way (they were not: 75 000
+    # hosts fit in a 1 MiB body, each a name constraint of its CA).
+    for field, values in (("allow_hosts", ["a.test", "b.test", "c.test"]),
+                          ("source_cidrs", ["10.9.0.1/32", "10.9.0.2/32", "10.9.0.3/32"])):
+        r = api(e, "POST", "/v1/runs", {"scope": {"org": "acme"}, "pins": [pin], field: values})
+        assert r.status == 400 and r.json["detail"].startswith(field), r.body
+        assert "admin.max_pins_per_run (2)" in r.json["detail"], r.body
     one = create_run(e, world, {"org": "acme"}, [pin, pin])
     r = api(e, "POST", f"/v1/runs/{one.id}/pins", pin)
     assert r.status == 409 and "admin.max_pins_per_run (2)" in r.json["detail"], r.body
