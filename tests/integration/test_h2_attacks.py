@@ -16,7 +16,7 @@ from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, RstStre
 
 from clients import run_ca
 from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
-from helpers import poll
+from helpers import SANITIZER, poll
 
 ENHANCE_YOUR_CALM = 11
 
@@ -479,7 +479,8 @@ def test_one_byte_data_frames_cost_about_what_their_bytes_do(factory, world):
         grown = e.vm_hwm_kib() - hwm0
     finally:
         c.close()
-    assert grown < 8 * 1024, f"peak RSS grew {grown} KiB for 800 000 bytes of DATA"
+    if not SANITIZER:  # a sanitizer's quarantine and shadow say nothing of egressd's
+        assert grown < 8 * 1024, f"peak RSS grew {grown} KiB for 800 000 bytes of DATA"
     assert e.alive()
 
 
