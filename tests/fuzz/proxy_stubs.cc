@@ -18,8 +18,12 @@ Worker::~Worker() = default;
 void audit_refusal(Scope&, const std::string&, const std::string&, int status,
                    const std::string& reason, std::chrono::steady_clock::time_point, uint64_t,
                    const std::string*) {
-    if (status < 400 || status > 599 || reason.empty()) {
-        std::abort();  // every refusal is a 4xx/5xx with a reason
+    // Every refusal is a 4xx/5xx with a reason, or status 0 where no answer can be written:
+    // a request reset in the read that brought it (client_aborted), a header block or a
+    // ClientHello that never completed (header_timeout).
+    const bool unanswerable = status == 0 && (reason == "client_aborted" || reason == "header_timeout");
+    if (!unanswerable && (status < 400 || status > 599 || reason.empty())) {
+        std::abort();
     }
 }
 
