@@ -213,7 +213,10 @@ enum class PlainHead : uint8_t { NotHttp, NeedMore, Agrees, Mismatch };
 /// an HTTP/1 request line, "token SP target SP HTTP/": Yes, No, or Maybe (a prefix of one).
 /// The separators are runs of SP and HTAB, as nginx and HAProxy read them (RFC 9112 has one
 /// SP): with one SP only, "GET  /x HTTP/1.1" passed as not HTTP, and a server routed it by its
-/// Host all the same. Such a line then fails the strict parse: a mismatch.
+/// Host all the same. The version is the line's last word (blanks after it aside): a blank
+/// inside the target ("GET /a\tb HTTP/1.1", which lenient parsers take) leaves it a request
+/// line. Such lines then fail the strict parse: a mismatch. A line not yet whole is a Maybe
+/// once its method is a token: its last word has not come.
 enum class Shape : uint8_t { No, Maybe, Yes };
 Shape request_line_shape(std::string_view line, bool whole) {
     constexpr std::string_view kBlank = " \t";
@@ -225,21 +228,17 @@ Shape request_line_shape(std::string_view line, bool whole) {
     if (!policy::valid_header_name(line.substr(0, i))) {
         return Shape::No;
     }
+    if (!whole) {
+        return Shape::Maybe;
+    }
+    const size_t end = line.find_last_not_of(kBlank);  // past it: trailing blanks
     const size_t target = line.find_first_not_of(kBlank, i);
-    const size_t target_end =
-        target == std::string_view::npos ? target : line.find_first_of(kBlank, target);
-    const size_t version =
-        target_end == std::string_view::npos ? target_end : line.find_first_not_of(kBlank, target_end);
-    if (version == std::string_view::npos) {
-        return whole ? Shape::No : Shape::Maybe;
+    const size_t last_blank = line.substr(0, end + 1).find_last_of(kBlank);
+    if (target == std::string_view::npos || last_blank < target) {
+        return Shape::No;  // "GET" and blanks, or "GET /x" (HTTP/0.9: no Host to route by)
     }
-    constexpr std::string_view kVersion = "HTTP/";
-    const std::string_view rest = line.substr(version);
-    const size_t n = std::min(rest.size(), kVersion.size());
-    if (rest.substr(0, n) != kVersion.substr(0, n)) {
-        return Shape::No;
-    }
-    return n == kVersion.size() ? Shape::Yes : (whole ? Shape::No : Shape::Maybe);
+    return line.substr(last_blank + 1, end - last_blank).starts_with("HTTP/") ? Shape::Yes
+                                                                              : Shape::No;
 }
 
 /// What a plain-text first flight says of the tunnel's host. Not shaped as an HTTP/1 request

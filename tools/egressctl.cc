@@ -780,7 +780,7 @@ struct Ctx {
                     break;
                 }
                 tok.append(buf, static_cast<size_t>(n));
-                if (tok.size() > kMaxTokenFileBytes) {
+                if (tok.size() > kMaxTokenFileBytes + 2) {  // a line end may follow it
                     break;
                 }
             }
@@ -790,9 +790,12 @@ struct Ctx {
                 egress::secure_wipe(tok);
                 throw Failure("--token-file " + *token_file + ": " + std::strerror(err));
             }
+            while (!tok.empty() && std::isspace(static_cast<unsigned char>(tok.back()))) {
+                tok.pop_back();
+            }
             if (tok.size() > kMaxTokenFileBytes) {
                 egress::secure_wipe(tok);
-                throw Failure("--token-file " + *token_file + " is larger than " +
+                throw Failure("--token-file " + *token_file + " holds more than " +
                               std::to_string(kMaxTokenFileBytes) + " bytes");
             }
         } else if (const char* env = std::getenv("EGRESSD_ADMIN_TOKEN")) {

@@ -558,7 +558,10 @@ def test_a_plain_http_first_request_in_a_blind_tunnel_must_name_the_connect_host
             # read them as one separator).
             f"GET  /echo/{marker}-s5 HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
             f"GET /echo/{marker}-s6  HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
-            f"GET\t/echo/{marker}-s7 HTTP/1.1\r\nHost: forbidden.example\r\n\r\n")):
+            f"GET\t/echo/{marker}-s7 HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
+            # A blank inside the target (lenient parsers take it), blanks after the version.
+            f"GET /echo/{marker}-s8\tx HTTP/1.1\r\nHost: forbidden.example\r\n\r\n",
+            f"GET /echo/{marker}-s9 HTTP/1.1 \r\nHost: forbidden.example\r\n\r\n")):
         r = first_flight(shaped.encode())
         assert_refusal(r, 421, "host_mismatch")
         assert not world.upstream.find(f"{marker}-s{i}"), i
