@@ -139,29 +139,18 @@ Embedded embedded_v4(const Bytes& x) {
 }
 
 AddressClass classify_v6_outer(const Bytes& x) {
-    static const Bytes kEc2Metadata = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0,    0,
-                                       0,    0,    0,    0,    0, 0, 0x02, 0x54};
-    // The EKS Pod Identity agent's IPv6 address (its IPv4 one is 169.254.170.23).
-    static const Bytes kEksPodIdentity = {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0, 0,
-                                          0,    0,    0,    0,    0, 0, 0, 0x23};
-    // OpenStack's IPv6 metadata service: link-local too, but metadata whatever an fe80::/10
-    // exception says (metadata needs an exception naming it exactly).
-    static const Bytes kOpenStackMetadata = {0xfe, 0x80, 0, 0, 0,    0,    0,    0,
-                                             0,    0,    0, 0, 0xa9, 0xfe, 0xa9, 0xfe};
-    // Google Cloud's (fd20:ce::254), Oracle Cloud's (fd00:c1::a9fe:a9fe), Scaleway's
-    // (fd00:42::42) and Linode's (fd00:a9fe:a9fe::1) IPv6 metadata services: unique local
-    // addresses, metadata whatever an fc00::/7 exception says.
-    static const Bytes kGcpMetadata = {0xfd, 0x20, 0x00, 0xce, 0, 0, 0, 0,
-                                       0,    0,    0,    0,    0, 0, 0x02, 0x54};
-    static const Bytes kOciMetadata = {0xfd, 0x00, 0x00, 0xc1, 0, 0,    0,    0,
-                                       0,    0,    0,    0,    0xa9, 0xfe, 0xa9, 0xfe};
-    static const Bytes kScalewayMetadata = {0xfd, 0x00, 0x00, 0x42, 0, 0, 0, 0,
-                                            0,    0,    0,    0,    0, 0, 0, 0x42};
-    static const Bytes kLinodeMetadata = {0xfd, 0x00, 0xa9, 0xfe, 0xa9, 0xfe, 0, 0,
-                                          0,    0,    0,    0,    0,    0,    0, 0x01};
-    if (x == kEc2Metadata || x == kEksPodIdentity || x == kOpenStackMetadata ||
-        x == kGcpMetadata || x == kOciMetadata || x == kScalewayMetadata ||
-        x == kLinodeMetadata) {
+    // IPv6 metadata services, one table: metadata whatever a wider exception says (fe80::/10,
+    // fc00::/7), as metadata needs an exception naming it exactly.
+    static const Bytes kMetadata[] = {
+        {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x54},  // AWS fd00:ec2::254
+        {0xfd, 0x00, 0x0e, 0xc2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x23},     // EKS Pod Identity
+        {0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xa9, 0xfe, 0xa9, 0xfe},  // OpenStack
+        {0xfd, 0x20, 0x00, 0xce, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x54},  // Google fd20:ce::254
+        {0xfd, 0x00, 0x00, 0xc1, 0, 0, 0, 0, 0, 0, 0, 0, 0xa9, 0xfe, 0xa9, 0xfe},  // Oracle
+        {0xfd, 0x00, 0x00, 0x42, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x42},     // Scaleway
+        {0xfd, 0x00, 0xa9, 0xfe, 0xa9, 0xfe, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x01},  // Linode
+    };
+    if (std::find(std::begin(kMetadata), std::end(kMetadata), x) != std::end(kMetadata)) {
         return AddressClass::Metadata;
     }
     if (all_zero(x, 0, 16)) {

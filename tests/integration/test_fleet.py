@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import contextlib
 import os
 import re
 import secrets as pysecrets
@@ -549,18 +550,28 @@ def test_more_runs_expiring_at_once_than_one_transaction_takes_are_all_swept(fac
         assert connect_status(r, api_host(world)) == (403, "run_expired")
 
 
+@contextlib.contextmanager
+def relayed_replica(factory, world, etcd, tag: str, timeout: str):
+    """Replica A on a prefix of its own, reading etcd through a GatewayRelay (which can hold
+    back its watch and its reads); yields (relay, A, prefix, the fleet's master key)."""
+    prefix = f"/egressd-{tag}-{pysecrets.token_hex(3)}/"
+    key = os.urandom(32)
+    relay = GatewayRelay(etcd.client_port)
+    try:
+        a = start_replica(factory, make_replica(factory, world, prefix, [relay.url], key,
+                                                timeout=timeout))
+        yield relay, a, prefix, key
+    finally:
+        relay.close()
+
+
 def test_a_read_in_flight_does_not_roll_back_what_the_watch_brought(factory, world, etcd):
     """Replica A reads the whole state again (its write lost a race: another replica changed
     the record first) while its watch runs on. The watch brings a revocation from B before
     that read's older answer lands: the older answer must not replace the newer state (the
     watch never sends the revocation again; A had served the revoked run for good)."""
-    prefix = f"/egressd-race-{pysecrets.token_hex(3)}/"
-    key = os.urandom(32)
-    relay = GatewayRelay(etcd.client_port)
-    try:
-        # (A's etcd timeout outlasts the held read: a read that timed out would install nothing.)
-        a = start_replica(factory, make_replica(factory, world, prefix, [relay.url], key,
-                                                timeout="30s"))
+    # (A's etcd timeout outlasts the held read: a read that timed out would install nothing.)
+    with relayed_replica(factory, world, etcd, "race", timeout="30s") as (relay, a, prefix, key):
         b = start_replica(factory, make_replica(factory, world, prefix, [etcd.url], key))
         put_secret(b, "race_tok", sval("race1"), org="acme")
         run = create_run(b, world, {"org": "acme"}, [bearer_pin(api_host(world), "race_tok")])
@@ -586,8 +597,6 @@ def test_a_read_in_flight_does_not_roll_back_what_the_watch_brought(factory, wor
         helpers.poll(lambda: "race_other" in secret_names(a), 10.0, "A to see a later write")
         assert connect_status(on(run, a), api_host(world)) == (403, "run_revoked")
         assert api_ok(a, "GET", f"/v1/runs/{run.id}")["revoked"] is True
-    finally:
-        relay.close()
 
 
 def test_a_write_this_replica_cannot_read_back_is_not_answered_as_done(factory, world, etcd):
@@ -595,12 +604,7 @@ def test_a_write_this_replica_cannot_read_back_is_not_answered_as_done(factory, 
     past state.etcd.timeout, and the read of the state timing out too), had been answered 200
     while A still served the run. It is 503 store_unavailable now, saying it was written; once
     A reads etcd again the run is revoked there."""
-    prefix = f"/egressd-unread-{pysecrets.token_hex(3)}/"
-    key = os.urandom(32)
-    relay = GatewayRelay(etcd.client_port)
-    try:
-        a = start_replica(factory, make_replica(factory, world, prefix, [relay.url], key,
-                                                timeout="1s"))
+    with relayed_replica(factory, world, etcd, "unread", timeout="1s") as (relay, a, _, _):
         put_secret(a, "unread_tok", sval("unread"), org="acme")
         run = create_run(a, world, {"org": "acme"}, [bearer_pin(api_host(world), "unread_tok")])
         relay.pause_watch.set()
@@ -613,8 +617,6 @@ def test_a_write_this_replica_cannot_read_back_is_not_answered_as_done(factory, 
         relay.pause_watch.clear()
         helpers.poll(lambda: connect_status(on(run, a), api_host(world)) == (403, "run_revoked"),
                      15.0, "A to read the revocation")
-    finally:
-        relay.close()
 
 
 def test_a_run_keeps_one_lease_however_often_it_is_written(fleet, world):
