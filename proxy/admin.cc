@@ -214,19 +214,69 @@ awaitable<void> answer_and_close(Stream& stream, ReadErrorReply reply, const Adm
     co_await linger_close(stream.socket(), std::chrono::seconds(1), 4 * limits.max_body_bytes);
 }
 
+void AdminConnections::admit(Slot& s, size_t limit) {
+    while (open_.size() >= limit) {
+        auto victim = std::find_if(open_.begin(), open_.end(),
+                                   [](const Slot* o) { return !o->protected_; });
+        if (victim == open_.end()) {
+            return;  // not admitted
+        }
+        Slot* v = *victim;
+        open_.erase(victim);
+        v->linked_ = false;
+        v->shut_(v->socket_);  // its pending read or write ends; the connection closes
+        if (closed_++ % 1000 == 0) {
+            spdlog::warn("admin.max_connections ({}) reached: closing the least recently active "
+                         "connection not inside an API call ({} so far)",
+                         limit, closed_);
+        }
+    }
+    s.at_ = open_.insert(open_.end(), &s);
+    s.linked_ = true;
+}
+
+void AdminConnections::leave(Slot& s) {
+    if (s.linked_) {
+        open_.erase(s.at_);
+        s.linked_ = false;
+    }
+}
+
+void AdminConnections::touch(Slot& s) {
+    s.protected_ = false;
+    if (s.linked_) {
+        open_.splice(open_.end(), open_, s.at_);
+    }
+}
+
 template <class Socket>
 awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
     using Stream = beast::basic_stream<typename Socket::protocol_type>;
     Stream stream(std::move(socket));
     uint16_t port = 0;
     const bool loopback = is_loopback_tcp(stream.socket(), port);
-    WipingBuffer buf;
-    for (;;) {
-        // The admin.* bounds as configured now (a reload applies to the next request).
+    // The admin.* bounds as configured now (a reload applies to the next request).
+    const auto current_limits = [&shared] {
         AdminLimits limits;
         if (auto rt = shared.runtime.load()) {
             limits = rt->config->admin_limits;
         }
+        return limits;
+    };
+    AdminLimits limits = current_limits();
+    AdminConnections::Slot slot(shared.admin_connections, stream.socket(),
+                                limits.max_connections);
+    if (!slot.admitted()) {
+        ReadErrorReply full{http::status::service_unavailable,
+                            R"({"error":"too_many_connections","detail":"admin.max_connections )"
+                            "(" + std::to_string(limits.max_connections) +
+                                ") open, each inside an API call\"}"};
+        co_await answer_and_close(stream, std::move(full), limits);
+        co_return;
+    }
+    WipingBuffer buf;
+    for (;;) {
+        limits = current_limits();
         // Fields too: the Authorization field holds the admin token.
         http::request_parser<WipingBody, egress::WipingAllocator<char>> parser;
         parser.body_limit(limits.max_body_bytes);
@@ -247,6 +297,11 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             if (early) {
                 buf.shrink_to_fit();
                 co_await answer_and_close(stream, std::move(*early), limits);
+                co_return;
+            }
+            // Authorized: not closed to make room until answered (unless it was already, with
+            // this head read: then it is not acted on).
+            if (!slot.protect()) {
                 co_return;
             }
         }
@@ -343,6 +398,7 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
         if (wec || !req.keep_alive()) {
             co_return;
         }
+        slot.done();
     }
 }
 

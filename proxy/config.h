@@ -148,6 +148,9 @@ struct AdminLimits {
     // is closed after it.
     std::chrono::milliseconds read_timeout{30'000};
     std::chrono::milliseconds write_timeout{5'000};  // an answer must be written within this
+    // Open admin connections (AdminConnections in proxy/worker.h): over it, the least recently
+    // active one not inside an authorized API call is closed.
+    size_t max_connections = 128;
     // The store's bounds: every run (with its CA) and pin is in each replica's memory and in
     // every runtime rebuild, so a runaway caller must not grow them without end.
     size_t max_runs = 10'000;         // runs in the store (revoked ones until they expire): 409

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <list>
 #include <map>
 #include <set>
 #include <mutex>
@@ -75,6 +76,58 @@ private:
     std::map<std::string, std::map<uint64_t, Entry>> by_run_;
 };
 
+/// The admin listener's open connections, least recently active first (admin_ioc's one
+/// thread only: no lock). admin.max_connections bounds them, as limits.max_unidentified_connections
+/// bounds the proxy's: a new connection over it closes the least recently active one that is not
+/// inside an authorized API call (waiting for or reading a request, answering a probe, lingering
+/// after an error: what an unauthenticated client can hold), so a flood of idle connections
+/// neither exhausts descriptors nor locks out probes and egressctl. An authorized call is never
+/// cut; when every connection is inside one, the new one is answered 503.
+class AdminConnections {
+public:
+    /// One connection's place, in its coroutine frame.
+    class Slot {
+    public:
+        template <class Socket>
+        Slot(AdminConnections& owner, Socket& socket, size_t limit)
+            : owner_(owner), socket_(&socket), shut_([](void* s) {
+                  error_code ignored;
+                  static_cast<Socket*>(s)->shutdown(net::socket_base::shutdown_both, ignored);
+              }) {
+            owner_.admit(*this, limit);
+        }
+        ~Slot() { owner_.leave(*this); }
+        Slot(const Slot&) = delete;
+        Slot& operator=(const Slot&) = delete;
+        /// False when the limit was reached and every open connection is inside an API call.
+        bool admitted() const { return linked_; }
+        /// An authorized API call begins: not closed to make room until it is answered. False
+        /// when the connection was closed to make room already (its request is not acted on).
+        bool protect() {
+            protected_ = linked_;
+            return linked_;
+        }
+        /// The call is answered: closable again, as the most recently active connection.
+        void done() { owner_.touch(*this); }
+
+    private:
+        friend class AdminConnections;
+        AdminConnections& owner_;
+        void* socket_;
+        void (*shut_)(void*);
+        bool protected_ = false;
+        bool linked_ = false;
+        std::list<Slot*>::iterator at_;
+    };
+
+private:
+    void admit(Slot& s, size_t limit);
+    void leave(Slot& s);
+    void touch(Slot& s);
+    std::list<Slot*> open_;
+    uint64_t closed_ = 0;
+};
+
 /// Process-wide state, shared read-mostly by every worker. What a request writes per request
 /// (its id, the in-flight count, metrics) is kept per worker (Worker below): a line every core
 /// writes costs each request a cache miss and a locked instruction on a contended line.
@@ -107,6 +160,7 @@ struct Shared {
     std::optional<std::chrono::milliseconds> max_staleness;
     std::atomic<uint64_t> next_req_id{1};  // workers take request ids from here in blocks
     ConnectionRegistry connections;
+    AdminConnections admin_connections;  // admin_ioc's thread only
     ControlPlane* control = nullptr;  // set when the admin API is enabled
     /// The control thread: `control`'s calls run there, off the admin listener's thread.
     net::any_io_executor control_executor;

@@ -59,6 +59,7 @@ void expect_default(const Config& c) {
     EXPECT_EQ(c.admin_limits.max_header_bytes, 16u * 1024);
     EXPECT_EQ(c.admin_limits.read_timeout, milliseconds(30'000));
     EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(5'000));
+    EXPECT_EQ(c.admin_limits.max_connections, 128u);
     EXPECT_EQ(c.state_backend, "file");
     EXPECT_EQ(c.state_path, d.state_path);
     EXPECT_EQ(c.etcd.endpoints, d.etcd.endpoints);
@@ -169,6 +170,7 @@ admin:
   max_header_bytes: 4096
   read_timeout: 3s
   write_timeout: 250ms
+  max_connections: 9
   max_runs: 50
   max_pins_per_run: 7
 state:
@@ -289,6 +291,7 @@ TEST(ConfigParse, FullConfigRoundTrip) {
     EXPECT_EQ(c.admin_limits.max_header_bytes, 4096u);
     EXPECT_EQ(c.admin_limits.read_timeout, milliseconds(3'000));
     EXPECT_EQ(c.admin_limits.write_timeout, milliseconds(250));
+    EXPECT_EQ(c.admin_limits.max_connections, 9u);
     EXPECT_EQ(c.admin_limits.max_runs, 50u);
     EXPECT_EQ(c.admin_limits.max_pins_per_run, 7u);
     EXPECT_EQ(c.state_backend, "etcd");
@@ -690,6 +693,8 @@ const ErrorRow kErrorRows[] = {
      "limits.drain_timeout: duration '3000000h' is over the longest allowed, 87600h"},
     {"IntegerOutOfRange", "limits: {connections_per_run: 0}\n",
      "limits.connections_per_run: expected an integer in 1.."},
+    {"NoAdminConnections", "admin: {max_connections: 0}\n",
+     "admin.max_connections: expected an integer in 1..100000"},
     {"NoDialAddresses", "limits: {max_dial_addresses: 0}\n",
      "limits.max_dial_addresses: expected an integer in 1..64"},
     {"TooManyDialAddresses", "limits: {max_dial_addresses: 65}\n",

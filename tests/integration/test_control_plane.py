@@ -2465,6 +2465,72 @@ def test_admin_read_and_write_timeouts_are_config_keys(factory, world):
     assert api(e, "GET", "/v1/secrets").status == 200
 
 
+def test_admin_max_connections_bounds_the_admin_listener(factory, world):
+    """admin.max_connections bounds the admin listener's open connections (a sidecar's is
+    reachable from the pod): a new connection over it closes the least recently active one that
+    is not inside an authorized API call (one that never sent a request, an idle keep-alive
+    one), so probes and egressctl still get in; an authorized call is never cut to make room,
+    and while every connection is inside one the newcomer is answered 503 naming the key."""
+    e = factory.start(mutate=cp_mutate(world, extra=_admin_limits(max_connections=3)))
+    port = e.admin_port
+    host = f"Host: 127.0.0.1:{port}\r\n"
+
+    def connect() -> helpers.Conn:
+        return helpers.Conn(socket.create_connection(("127.0.0.1", port), timeout=10))
+
+    def healthz(c: helpers.Conn) -> int:
+        c.send(f"GET /healthz HTTP/1.1\r\n{host}\r\n".encode())
+        return helpers.read_response(c).status
+
+    def closed(c: helpers.Conn) -> bool:
+        return helpers.poll(lambda: helpers.closed_by_peer(c), 5, "the connection closed")
+
+    idle = [connect() for _ in range(3)]  # never send anything
+    d = connect()
+    assert healthz(d) == 200
+    assert closed(idle[0])
+    assert not helpers.closed_by_peer(idle[1]) and not helpers.closed_by_peer(idle[2])
+    assert healthz(d) == 200  # d is now the most recently active
+    f = connect()
+    assert healthz(f) == 200
+    assert closed(idle[1])  # not d, which is older but was active since
+    assert not helpers.closed_by_peer(d) and not helpers.closed_by_peer(idle[2])
+
+    # Three authorized calls whose bodies are still to come: each new connection makes room
+    # by closing an idle one, then its head puts it inside a call.
+    bodies, calls = [], []
+    for i in range(3):
+        value = sval(f"conn{i}")
+        bodies.append(json.dumps({"name": f"conn_{i}_{pysecrets.token_hex(3)}",
+                                  "scope": {"org": "acme"}, "value": value}).encode())
+        a = connect()
+        a.send((f"POST /v1/secrets HTTP/1.1\r\n{host}Authorization: Bearer {admin_token(e)}"
+                f"\r\nContent-Type: application/json\r\nContent-Length: {len(bodies[i])}"
+                "\r\n\r\n").encode())
+        calls.append(a)
+        time.sleep(0.3)  # its head read before the next connection comes
+    for c in (idle[2], d, f):
+        assert closed(c)
+    full = helpers.read_response(connect())  # answered without a request, then closed
+    assert full.status == 503, (full.status, full.body[:200])
+    assert (full.header("Connection") or "").lower() == "close"
+    j = json.loads(full.body)
+    assert j["error"] == "too_many_connections", j
+    assert "admin.max_connections (3)" in j["detail"], j
+    assert not any(helpers.closed_by_peer(a) for a in calls)
+
+    # An answered call's connection can be closed for room again; the others are not cut.
+    calls[0].send(bodies[0])
+    assert helpers.read_response(calls[0]).status == 201
+    g = connect()
+    assert healthz(g) == 200
+    assert closed(calls[0])
+    for a, body in zip(calls[1:], bodies[1:]):
+        a.send(body)
+        assert helpers.read_response(a).status == 201
+    assert "admin.max_connections (3) reached" in e.stderr_text()
+
+
 def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
     """The admin token and master key are written to a temp file, then renamed into place: a
     create interrupted by a crash leaves only the temp file, which the next start replaces."""
