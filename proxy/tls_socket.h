@@ -111,8 +111,9 @@ public:
     /// From now on OpenSSL wipes the plaintext of each record once it is read out, and its
     /// record buffers when it gives them back (SSL_OP_CLEANSE_PLAINTEXT: by default a record
     /// is decrypted where it lies and stays there, in the buffer or in the heap block that
-    /// held it, until overwritten); the buffers it holds now are given back (wiped) unless a
-    /// record is half read or half written. For a connection whose peer echoed a credential.
+    /// held it, until overwritten), also while the stream keeps its buffers; the buffers it
+    /// holds now are given back (wiped) unless a record is half read or half written. For a
+    /// connection whose peer echoed a credential.
     void cleanse_plaintext();
 
     template <class Token>
@@ -215,6 +216,12 @@ private:
         bool expired = false;
         bool closed = false;
         bool keep_buffers = false;  // SSL_MODE_RELEASE_BUFFERS is off
+        // The context wipes records (SSL_OP_CLEANSE_PLAINTEXT: an upstream's, whose records may
+        // echo a credential): while buffers are released, as OpenSSL frees a drained read
+        // buffer inside the SSL_read that copies the echo out. A stream that keeps its buffers
+        // reads without it (they are wiped when given back); cleanse_plaintext() keeps it on.
+        bool cleanse_released = false;
+        bool cleanse_always = false;  // cleanse_plaintext() was called
         bool used = false;          // an OpenSSL call ran since release_due was set
         uint32_t calls = 0;         // OpenSSL calls while the mode is on
         Clock::time_point release_due = Clock::time_point::max();

@@ -190,7 +190,14 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
     if (SSL_CTX_set_min_proto_version(ctx.get(), TLS1_2_VERSION) != 1) {
         return ssl_error("setting the client TLS minimum version failed");
     }
-    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION);
+    // An upstream may echo the credential injected into the request. OpenSSL decrypts a record
+    // where it lies, and a stream in SSL_MODE_RELEASE_BUFFERS (proxy/tls_socket.h) frees the
+    // drained read buffer inside the very SSL_read that copies the echo out, before the relay
+    // can see it: unwiped, the freed block kept the credential until malloc reused it. With
+    // SSL_OP_CLEANSE_PLAINTEXT each record's plaintext is wiped as it is read out and every
+    // record buffer as it is given back (proxy/tls_socket.cc lifts it while a busy stream
+    // keeps its buffers, and sets it again before they are freed).
+    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION | SSL_OP_CLEANSE_PLAINTEXT);
     SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
     if (ca_file == "system") {
         if (SSL_CTX_set_default_verify_paths(ctx.get()) != 1) {
