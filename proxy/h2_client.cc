@@ -435,6 +435,19 @@ void H2ClientSession::wipe_reads() {
     // its start posts its completion), its bytes not yet parsed. The reader wipes it.
     impl_->wipe_reads = true;
     impl_->stream->cleanse_plaintext();
+    // The response's fields went through the HPACK decoder: a reflected credential the
+    // upstream's encoder indexed stays in this session's dynamic table until evicted. Its size
+    // goes to 0 and back: when the upstream acknowledges the first SETTINGS, nghttp2 empties
+    // the table (the wiping pool zeroes each entry's block), and the upstream's encoder starts
+    // its table over (RFC 7541 4.2: it must signal the smaller size first).
+    if (!impl_->io.dead) {
+        const nghttp2_settings_entry none{NGHTTP2_SETTINGS_HEADER_TABLE_SIZE, 0};
+        const nghttp2_settings_entry back{NGHTTP2_SETTINGS_HEADER_TABLE_SIZE,
+                                          NGHTTP2_DEFAULT_HEADER_TABLE_SIZE};
+        nghttp2_submit_settings(impl_->session.get(), NGHTTP2_FLAG_NONE, &none, 1);
+        nghttp2_submit_settings(impl_->session.get(), NGHTTP2_FLAG_NONE, &back, 1);
+        impl_->io.wsig.notify();
+    }
 }
 
 // --- stream ------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ public:
     /// GOAWAY and close once in-flight streams are done.
     void shutdown();
     /// A stream's response echoed a credential: the session's read buffer and OpenSSL's
-    /// records are wiped now and after every read from now on (Upstream::wipe_reads).
+    /// records are wiped now and after every read from now on (Upstream::wipe_reads), and the
+    /// HPACK decoder's dynamic table is emptied once the upstream acknowledges it.
     void wipe_reads();
 
     struct Impl;
