@@ -219,7 +219,7 @@ void AdminConnections::admit(Slot& s, size_t limit) {
         auto victim = std::find_if(open_.begin(), open_.end(),
                                    [](const Slot* o) { return !o->protected_; });
         if (victim == open_.end()) {
-            return;  // not admitted
+            break;  // only after a reload lowered the limit under the calls in progress
         }
         Slot* v = *victim;
         open_.erase(victim);
@@ -235,7 +235,23 @@ void AdminConnections::admit(Slot& s, size_t limit) {
     s.linked_ = true;
 }
 
+AdminConnections::Slot::Protect AdminConnections::Slot::protect(size_t limit) {
+    if (!linked_) {
+        return Protect::Closed;
+    }
+    if (owner_.protected_ + 1 >= limit) {
+        return Protect::Full;
+    }
+    protected_ = true;
+    ++owner_.protected_;
+    return Protect::Done;
+}
+
 void AdminConnections::leave(Slot& s) {
+    if (s.protected_) {
+        s.protected_ = false;
+        --protected_;
+    }
     if (s.linked_) {
         open_.erase(s.at_);
         s.linked_ = false;
@@ -243,7 +259,10 @@ void AdminConnections::leave(Slot& s) {
 }
 
 void AdminConnections::touch(Slot& s) {
-    s.protected_ = false;
+    if (s.protected_) {
+        s.protected_ = false;
+        --protected_;
+    }
     if (s.linked_) {
         open_.splice(open_.end(), open_, s.at_);
     }
@@ -266,14 +285,6 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
     AdminLimits limits = current_limits();
     AdminConnections::Slot slot(shared.admin_connections, stream.socket(),
                                 limits.max_connections);
-    if (!slot.admitted()) {
-        ReadErrorReply full{http::status::service_unavailable,
-                            R"({"error":"too_many_connections","detail":"admin.max_connections )"
-                            "(" + std::to_string(limits.max_connections) +
-                                ") open, each inside an API call\"}"};
-        co_await answer_and_close(stream, std::move(full), limits);
-        co_return;
-    }
     WipingBuffer buf;
     for (;;) {
         limits = current_limits();
@@ -301,7 +312,19 @@ awaitable<void> serve_admin_client(Socket socket, Shared& shared) {
             }
             // Authorized: not closed to make room until answered (unless it was already, with
             // this head read: then it is not acted on).
-            if (!slot.protect()) {
+            const auto inside = slot.protect(limits.max_connections);
+            if (inside == AdminConnections::Slot::Protect::Closed) {
+                co_return;
+            }
+            if (inside == AdminConnections::Slot::Protect::Full) {
+                buf.shrink_to_fit();
+                ReadErrorReply full{
+                    http::status::service_unavailable,
+                    "{\"error\":\"too_many_connections\",\"detail\":\"admin.max_connections (" +
+                        std::to_string(limits.max_connections) +
+                        "): that many API calls less one are in progress (one connection stays "
+                        "free for probes)\"}"};
+                co_await answer_and_close(stream, std::move(full), limits);
                 co_return;
             }
         }

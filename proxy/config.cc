@@ -700,7 +700,7 @@ public:
                        {"read_timeout", set_timeout(c.admin_limits.read_timeout)},
                        {"write_timeout", set_timeout(c.admin_limits.write_timeout)},
                        {"max_connections",
-                        set_count(c.admin_limits.max_connections, 1, 100'000)},
+                        set_count(c.admin_limits.max_connections, 2, 100'000)},
                        {"max_runs", set_count(c.admin_limits.max_runs, 1, 1'000'000)},
                        {"max_pins_per_run",
                         set_count(c.admin_limits.max_pins_per_run, 1, 100'000)}})},

@@ -149,7 +149,7 @@ struct AdminLimits {
     std::chrono::milliseconds read_timeout{30'000};
     std::chrono::milliseconds write_timeout{5'000};  // an answer must be written within this
     // Open admin connections (AdminConnections in proxy/worker.h): over it, the least recently
-    // active one not inside an authorized API call is closed.
+    // active one not inside an authorized API call is closed; one fewer calls at once (503).
     size_t max_connections = 128;
     // The store's bounds: every run (with its CA) and pin is in each replica's memory and in
     // every runtime rebuild, so a runaway caller must not grow them without end.

@@ -285,7 +285,15 @@ void TlsSocket::fire_by(const std::shared_ptr<Core>& core, Clock::time_point at)
 void TlsSocket::cleanse_plaintext() {
     core_->cleanse_always = true;
     SSL_set_options(core_->ssl, SSL_OP_CLEANSE_PLAINTEXT);
-    SSL_free_buffers(core_->ssl);  // refused (0) while a record is half read or written
+    // Refused (0) while a record is half read or written, or read ahead is still unread (a
+    // large body): a busy stream then gives its buffers back (wiped) as soon as they drain,
+    // not at its next idle second, which a pooled connection kept busy may never have.
+    if (SSL_free_buffers(core_->ssl) == 0 && core_->keep_buffers) {
+        SSL_set_mode(core_->ssl, SSL_MODE_RELEASE_BUFFERS);
+        SSL_set_default_read_buffer_len(core_->ssl, 0);
+        core_->keep_buffers = false;
+        core_->calls = 0;
+    }
 }
 
 void TlsSocket::start_keeping_buffers(const std::shared_ptr<Core>& core) {

@@ -76,13 +76,15 @@ private:
     std::map<std::string, std::map<uint64_t, Entry>> by_run_;
 };
 
-/// The admin listener's open connections, least recently active first (admin_ioc's one
-/// thread only: no lock). admin.max_connections bounds them, as limits.max_unidentified_connections
-/// bounds the proxy's: a new connection over it closes the least recently active one that is not
-/// inside an authorized API call (waiting for or reading a request, answering a probe, lingering
-/// after an error: what an unauthenticated client can hold), so a flood of idle connections
-/// neither exhausts descriptors nor locks out probes and egressctl. An authorized call is never
-/// cut; when every connection is inside one, the new one is answered 503.
+/// The admin listeners' open connections (TCP and unix socket together), least recently
+/// active first (admin_ioc's one thread only: no lock). admin.max_connections bounds them, as
+/// limits.max_unidentified_connections bounds the proxy's: a new connection over it closes the
+/// least recently active one that is not inside an authorized API call (waiting for or reading
+/// a request, answering a probe, lingering after an error: all an unauthenticated client can
+/// hold), so a flood of idle connections neither exhausts descriptors nor locks out probes and
+/// egressctl. An API call inside its connection is never cut, and at most max_connections - 1
+/// are: the call that would take the last place is answered 503, so there is always a
+/// connection to close for a newcomer (a liveness probe while calls queue on a stalled etcd).
 class AdminConnections {
 public:
     /// One connection's place, in its coroutine frame.
@@ -99,14 +101,11 @@ public:
         ~Slot() { owner_.leave(*this); }
         Slot(const Slot&) = delete;
         Slot& operator=(const Slot&) = delete;
-        /// False when the limit was reached and every open connection is inside an API call.
-        bool admitted() const { return linked_; }
-        /// An authorized API call begins: not closed to make room until it is answered. False
-        /// when the connection was closed to make room already (its request is not acted on).
-        bool protect() {
-            protected_ = linked_;
-            return linked_;
-        }
+        enum class Protect { Done, Closed, Full };
+        /// An authorized API call begins: not closed to make room until it is answered.
+        /// Closed: the connection was closed to make room already (its request is not acted
+        /// on); Full: max_connections - 1 calls are in progress (answer 503).
+        Protect protect(size_t limit);
         /// The call is answered: closable again, as the most recently active connection.
         void done() { owner_.touch(*this); }
 
@@ -125,6 +124,7 @@ private:
     void leave(Slot& s);
     void touch(Slot& s);
     std::list<Slot*> open_;
+    size_t protected_ = 0;  // slots inside an API call
     uint64_t closed_ = 0;
 };
 

@@ -194,9 +194,10 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
     // where it lies, and a stream in SSL_MODE_RELEASE_BUFFERS (proxy/tls_socket.h) frees the
     // drained read buffer inside the very SSL_read that copies the echo out, before the relay
     // can see it: unwiped, the freed block kept the credential until malloc reused it. With
-    // SSL_OP_CLEANSE_PLAINTEXT each record's plaintext is wiped as it is read out and every
-    // record buffer as it is given back (proxy/tls_socket.cc lifts it while a busy stream
-    // keeps its buffers, and sets it again before they are freed).
+    // SSL_OP_CLEANSE_PLAINTEXT each record's plaintext is wiped as it is read out and the read
+    // buffer as it is given back (proxy/tls_socket.cc lifts it while a busy stream keeps its
+    // buffers, and sets it again before they are freed). The write buffer holds only
+    // ciphertext when freed: a record is encrypted where it was copied, in the same call.
     SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION | SSL_OP_CLEANSE_PLAINTEXT);
     SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
     if (ca_file == "system") {

@@ -2465,8 +2465,9 @@ def test_admin_max_connections_bounds_the_admin_listener(factory, world):
     """admin.max_connections bounds the admin listener's open connections (a sidecar's is
     reachable from the pod): a new connection over it closes the least recently active one that
     is not inside an authorized API call (one that never sent a request, an idle keep-alive
-    one), so probes and egressctl still get in; an authorized call is never cut to make room,
-    and while every connection is inside one the newcomer is answered 503 naming the key."""
+    one), so probes and egressctl still get in. A call in progress is never cut to make room,
+    and at most max_connections - 1 are in progress: the call that would take the last place is
+    answered 503 naming the key, so a probe always finds a connection to close."""
     e = factory.start(mutate=cp_mutate(world, extra=_admin_limits(max_connections=3)))
     port = e.admin_port
     host = f"Host: 127.0.0.1:{port}\r\n"
@@ -2492,8 +2493,8 @@ def test_admin_max_connections_bounds_the_admin_listener(factory, world):
     assert closed(idle[1])  # not d, which is older but was active since
     assert not helpers.closed_by_peer(d) and not helpers.closed_by_peer(idle[2])
 
-    # Three authorized calls whose bodies are still to come: each new connection makes room
-    # by closing an idle one, then its head puts it inside a call.
+    # Authorized calls whose bodies are still to come: each new connection makes room by
+    # closing an idle one, then its head puts it inside a call.
     bodies, calls = [], []
     for i in range(3):
         value = sval(f"conn{i}")
@@ -2507,23 +2508,28 @@ def test_admin_max_connections_bounds_the_admin_listener(factory, world):
         time.sleep(0.3)  # its head read before the next connection comes
     for c in (idle[2], d, f):
         assert closed(c)
-    full = helpers.read_response(connect())  # answered without a request, then closed
+    full = helpers.read_response(calls[2])  # the third call at once: the last place is kept
     assert full.status == 503, (full.status, full.body[:200])
     assert (full.header("Connection") or "").lower() == "close"
     j = json.loads(full.body)
     assert j["error"] == "too_many_connections", j
     assert "admin.max_connections (3)" in j["detail"], j
-    assert not any(helpers.closed_by_peer(a) for a in calls)
+    g = connect()
+    assert healthz(g) == 200  # a probe still gets in
+    assert not helpers.closed_by_peer(calls[0]) and not helpers.closed_by_peer(calls[1])
 
-    # An answered call's connection can be closed for room again; the others are not cut.
+    # An answered call's connection is closable again; the one in progress is not cut.
     calls[0].send(bodies[0])
     assert helpers.read_response(calls[0]).status == 201
-    g = connect()
-    assert healthz(g) == 200
-    assert closed(calls[0])
-    for a, body in zip(calls[1:], bodies[1:]):
-        a.send(body)
-        assert helpers.read_response(a).status == 201
+    h = connect()
+    assert healthz(h) == 200
+    assert closed(g)  # the least recently active one not inside a call
+    assert not helpers.closed_by_peer(calls[0]) and not helpers.closed_by_peer(calls[1])
+    calls[1].send(bodies[1])
+    assert helpers.read_response(calls[1]).status == 201
+    names = {s["name"] for s in api_ok(e, "GET", "/v1/secrets")["secrets"]}
+    created = {json.loads(b)["name"] for b in bodies}
+    assert names & created == created - {json.loads(bodies[2])["name"]}
     assert "admin.max_connections (3) reached" in e.stderr_text()
 
 
