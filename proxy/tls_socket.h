@@ -112,7 +112,8 @@ public:
     /// record buffers when it gives them back (SSL_OP_CLEANSE_PLAINTEXT: by default a record
     /// is decrypted where it lies and stays there, in the buffer or in the heap block that
     /// held it, until overwritten), also while the stream keeps its buffers; the buffers it
-    /// holds now are given back (wiped) unless a record is half read or half written. For a
+    /// holds now are given back (wiped), or, while a record is half read or written or read
+    /// ahead is unread, as soon as they drain (the stream releases them again). For a
     /// connection whose peer echoed a credential.
     void cleanse_plaintext();
 
