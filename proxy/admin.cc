@@ -247,11 +247,15 @@ AdminConnections::Slot::Protect AdminConnections::Slot::protect(size_t limit) {
     return Protect::Done;
 }
 
-void AdminConnections::leave(Slot& s) {
+void AdminConnections::unprotect(Slot& s) {
     if (s.protected_) {
         s.protected_ = false;
         --protected_;
     }
+}
+
+void AdminConnections::leave(Slot& s) {
+    unprotect(s);
     if (s.linked_) {
         open_.erase(s.at_);
         s.linked_ = false;
@@ -259,10 +263,7 @@ void AdminConnections::leave(Slot& s) {
 }
 
 void AdminConnections::touch(Slot& s) {
-    if (s.protected_) {
-        s.protected_ = false;
-        --protected_;
-    }
+    unprotect(s);
     if (s.linked_) {
         open_.splice(open_.end(), open_, s.at_);
     }

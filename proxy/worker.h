@@ -123,6 +123,7 @@ private:
     void admit(Slot& s, size_t limit);
     void leave(Slot& s);
     void touch(Slot& s);
+    void unprotect(Slot& s);
     std::list<Slot*> open_;
     size_t protected_ = 0;  // slots inside an API call
     uint64_t closed_ = 0;
