@@ -78,6 +78,28 @@ struct H2ClientSession::Impl {
     bool wipe_reads = false;
     bool wiped_all = false;
     static constexpr size_t kReadBytes = 16 * 1024;
+    // SETTINGS frames of ours submitted and acknowledged (acknowledgements come in order), and
+    // the HPACK table reset of wipe_reads(): at most one pair in flight. An echo while one is
+    // in flight asks for one more after it (the upstream's encoder may have indexed it once it
+    // had its table back), so an upstream that never acknowledges gets one pair, not a pair
+    // per echoing response piling up in nghttp2's queue of unacknowledged settings.
+    uint64_t settings_sent = 0;
+    uint64_t settings_acked = 0;
+    uint64_t table_reset_done_at = 0;  // settings_acked when the pending reset is complete
+    bool table_reset_again = false;
+
+    void reset_table() {
+        const nghttp2_settings_entry none{NGHTTP2_SETTINGS_HEADER_TABLE_SIZE, 0};
+        const nghttp2_settings_entry back{NGHTTP2_SETTINGS_HEADER_TABLE_SIZE,
+                                          NGHTTP2_DEFAULT_HEADER_TABLE_SIZE};
+        for (const auto* e : {&none, &back}) {
+            if (nghttp2_submit_settings(session.get(), NGHTTP2_FLAG_NONE, e, 1) == 0) {
+                ++settings_sent;
+            }
+        }
+        table_reset_done_at = settings_sent;
+        table_reset_again = false;
+    }
 
     H2ClientStreamState* find(int32_t id) {
         auto it = streams.find(id);
@@ -152,6 +174,13 @@ int on_frame_recv(nghttp2_session*, const nghttp2_frame* frame, void* user_data)
     auto* im = static_cast<Impl*>(user_data);
     if (frame->hd.type == NGHTTP2_GOAWAY) {
         im->goaway = true;
+        return 0;
+    }
+    if (frame->hd.type == NGHTTP2_SETTINGS && (frame->hd.flags & NGHTTP2_FLAG_ACK) != 0) {
+        ++im->settings_acked;
+        if (im->table_reset_again && im->settings_acked >= im->table_reset_done_at) {
+            im->reset_table();  // the read loop wakes the writer after this read
+        }
         return 0;
     }
     auto* st = im->find(frame->hd.stream_id);
@@ -341,7 +370,9 @@ std::shared_ptr<H2ClientSession> H2ClientSession::start(std::unique_ptr<TlsStrea
         {NGHTTP2_SETTINGS_INITIAL_WINDOW_SIZE, opts.stream_window},
         {NGHTTP2_SETTINGS_MAX_HEADER_LIST_SIZE, static_cast<uint32_t>(opts.max_header_list_bytes)},
     };
-    nghttp2_submit_settings(s, NGHTTP2_FLAG_NONE, settings, std::size(settings));
+    if (nghttp2_submit_settings(s, NGHTTP2_FLAG_NONE, settings, std::size(settings)) == 0) {
+        im.settings_sent = 1;
+    }
     nghttp2_session_set_local_window_size(s, NGHTTP2_FLAG_NONE, 0,
                                           static_cast<int32_t>(opts.connection_window));
 
@@ -441,12 +472,12 @@ void H2ClientSession::wipe_reads() {
     // the table (the wiping pool zeroes each entry's block), and the upstream's encoder starts
     // its table over (RFC 7541 4.2: it must signal the smaller size first).
     if (!impl_->io.dead) {
-        const nghttp2_settings_entry none{NGHTTP2_SETTINGS_HEADER_TABLE_SIZE, 0};
-        const nghttp2_settings_entry back{NGHTTP2_SETTINGS_HEADER_TABLE_SIZE,
-                                          NGHTTP2_DEFAULT_HEADER_TABLE_SIZE};
-        nghttp2_submit_settings(impl_->session.get(), NGHTTP2_FLAG_NONE, &none, 1);
-        nghttp2_submit_settings(impl_->session.get(), NGHTTP2_FLAG_NONE, &back, 1);
-        impl_->io.wsig.notify();
+        if (impl_->settings_acked < impl_->table_reset_done_at) {
+            impl_->table_reset_again = true;  // after the pair in flight
+        } else {
+            impl_->reset_table();
+            impl_->io.wsig.notify();
+        }
     }
 }
 

@@ -11,6 +11,10 @@ Endpoints (like upstream.Upstream):
     /status/N   an empty response with status N
 Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
 
+`settings_frames[i]` counts the SETTINGS frames (not acknowledgements) the i-th connection
+received; with `ack_settings = False` they are never acknowledged (an upstream that ignores
+them: the ACKs python3-h2 makes are dropped on the way out).
+
 Every request head that arrives is also recorded in `heads` (its path), when it arrives: a
 stream that never ends (an upload still coming, a stream reset before its end) is answered and
 recorded in `requests` only at its end, if at all, but reached the upstream all the same.
@@ -41,6 +45,18 @@ import h2.events
 import h2.exceptions
 
 from upstream import Seen, iter_payload
+
+
+def _without_settings_acks(data: bytes) -> bytes:
+    """`data` (whole frames, as python3-h2 hands them out) without SETTINGS ACK frames."""
+    kept, i = [], 0
+    while i < len(data):
+        length = int.from_bytes(data[i:i + 3], "big")
+        end = i + 9 + length
+        if not (data[i + 3] == 0x4 and data[i + 4] & 0x1):
+            kept.append(data[i:end])
+        i = end
+    return b"".join(kept)
 
 
 class _Stream:
@@ -74,6 +90,8 @@ class H2Upstream:
         self.goaway_after = 0     # 0: never
         self.refused = 0          # streams refused unprocessed (GOAWAY'd or REFUSED_STREAM)
         self.max_header_list_size = 1 << 16  # decoded request head it takes (h2's default)
+        self.ack_settings = True
+        self.settings_frames: list[int] = []  # per connection, in accept order
         self._refused_paths: set[str] = set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -124,12 +142,19 @@ class H2Upstream:
             raw.close()
             return
         sni = None
+        with self.lock:
+            index = len(self.settings_frames)
+            self.settings_frames.append(0)
+
+        def send(data: bytes):
+            s.sendall(data if self.ack_settings else _without_settings_acks(data))
+
         conn = h2.connection.H2Connection(
             config=h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
         conn.decoder.max_header_list_size = self.max_header_list_size
         conn.initiate_connection()
         conn.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100})
-        s.sendall(conn.data_to_send())
+        send(conn.data_to_send())
         streams: dict[int, _Stream] = {}
         served = [0]
         try:
@@ -137,7 +162,7 @@ class H2Upstream:
                 self._pump(conn, streams)
                 out = conn.data_to_send()
                 if out:
-                    s.sendall(out)
+                    send(out)
                     continue
                 data = s.recv(65536)
                 if not data:
@@ -145,8 +170,11 @@ class H2Upstream:
                 try:
                     events = conn.receive_data(data)
                 except h2.exceptions.ProtocolError:
-                    s.sendall(conn.data_to_send())
+                    send(conn.data_to_send())
                     break
+                with self.lock:
+                    self.settings_frames[index] += sum(
+                        isinstance(ev, h2.events.RemoteSettingsChanged) for ev in events)
                 last = None
                 for ev in events:
                     if last is not None and getattr(ev, "stream_id", 0) > last:
@@ -168,12 +196,12 @@ class H2Upstream:
                     # windows egressd gives are far larger than these answers)
                     while any(st.responded and not st.done for st in streams.values()):
                         self._pump(conn, streams)
-                        s.sendall(conn.data_to_send())
+                        send(conn.data_to_send())
                     with self.lock:
                         self.refused += len([sid for sid, st in streams.items()
                                              if sid > last and not st.responded])
                     conn.close_connection(last_stream_id=last)
-                    s.sendall(conn.data_to_send())
+                    send(conn.data_to_send())
                     # Streams the client had sent past `last` that are still in flight
                     # (in this read or the next): refused too, counted at the client.
                     # What the client sent is read and dropped before the close, as nginx's
@@ -183,7 +211,7 @@ class H2Upstream:
                     while s.recv(65536):
                         pass
                     break
-                s.sendall(conn.data_to_send())
+                send(conn.data_to_send())
         except (OSError, ssl.SSLError, ConnectionError):
             pass
         finally:

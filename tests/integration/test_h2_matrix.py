@@ -183,6 +183,43 @@ def test_an_echoed_credential_is_wiped_once_relayed(factory, world, h2up):
     assert after == before, f"secret tail in egressd's memory: {before} before, {after} after"
 
 
+def test_hpack_table_resets_stay_one_at_a_time(factory, world):
+    """After a response that echoes the credential the pooled HTTP/2 session empties its HPACK
+    table with a pair of SETTINGS (size 0, then back). One pair at a time: an upstream that
+    never acknowledges SETTINGS gets one pair for any number of echoing responses, instead of
+    a pair per response piling up in nghttp2's queue of unacknowledged settings (before: 11
+    SETTINGS frames after 5 echoes); one that acknowledges gets a pair for every echo."""
+    counts = {}
+    for acks in (False, True):
+        up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+        try:
+            up.ack_settings = acks
+            # one event loop: one pool, so one session takes every request
+            e = factory.start(add_h2_pins(world, up, {"worker_threads": 1}))
+            tag = "hpack-reset-" + os.urandom(3).hex()
+            for i in range(5):
+                r = curl(world, e, f"https://api.test:{up.port}/reflect/{tag}-{i}", False,
+                         "-f", "-i")
+                assert r.returncode == 0, r.stderr
+                assert b"x-seen:" in r.stdout.lower()
+                assert world.secrets["api_token"].encode() not in r.stdout
+            # One request more on the session, which echoes nothing: the SETTINGS submitted
+            # after the last echo go out before its HEADERS, and are counted before it is seen.
+            r = curl(world, e, f"https://api.test:{up.port}/bytes/64?{tag}-last", False,
+                     "-f", "-o", "/dev/null")
+            assert r.returncode == 0, r.stderr
+            assert len(up.find(tag)) == 6
+            assert up.connections == 1, (acks, up.settings_frames)
+            time.sleep(0.3)
+            counts[acks] = up.settings_frames[0]
+            e.stop()
+        finally:
+            up.close()
+    # the first SETTINGS, and one pair: none more however many echoes follow unacknowledged
+    assert counts[False] == 3, counts
+    assert counts[True] == 11, counts
+
+
 @pytest.mark.parametrize("case", MATRIX)
 def test_host_agreement(world, e2, h2up, marker, case):
     """A Host / :authority naming another host than the CONNECT target: 421, nothing sent."""
