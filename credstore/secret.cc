@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <openssl/crypto.h>
+#include <openssl/rand.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/xattr.h>
@@ -192,36 +193,84 @@ Result<SecretPtr> load_owner_only_secret_file(std::string_view key, const std::s
     return secret;
 }
 
-Result<bool> create_secret_file(const std::string& path, std::string_view bytes) {
+namespace {
+
+/// Writes `bytes` to `fd` whole and syncs it; false with errno set otherwise.
+bool write_synced(int fd, std::string_view bytes) {
+    return ::fchmod(fd, 0600) == 0 &&
+           ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()) &&
+           ::fsync(fd) == 0;
+}
+
+/// 0: linked; EEXIST: `path` exists (another creator won); another errno: failed.
+/// The file is unnamed until it is linked (O_TMPFILE): nothing is left behind by a crash.
+/// -1: this filesystem (or a missing /proc) does not allow it; the caller uses a named temp.
+int create_unnamed(const std::string& dir, const std::string& path, std::string_view bytes) {
+    const int fd = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        return errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL ? -1 : errno;
+    }
+    int rc = 0;
+    if (!write_synced(fd, bytes)) {
+        rc = errno;
+    } else {
+        const std::string self = "/proc/self/fd/" + std::to_string(fd);
+        if (::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path.c_str(), AT_SYMLINK_FOLLOW) != 0) {
+            rc = errno == ENOENT && ::access("/proc/self/fd", F_OK) != 0 ? -1 : errno;
+        }
+    }
+    ::close(fd);
+    return rc;
+}
+
+/// The same with a named temp beside `path`, of a name no other creator uses, linked (not
+/// renamed: link never replaces) and then removed. A crash between the two leaves the temp.
+int create_named(const std::string& path, std::string_view bytes) {
+    unsigned char nonce[8];
+    if (RAND_bytes(nonce, sizeof nonce) != 1) {
+        return EIO;
+    }
+    std::string tmp = path + ".tmp.";
+    for (unsigned char c : nonce) {
+        tmp += "0123456789abcdef"[c >> 4];
+        tmp += "0123456789abcdef"[c & 15];
+    }
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        return errno;
+    }
+    int rc = write_synced(fd, bytes) ? 0 : errno;
+    ::close(fd);
+    if (rc == 0 && ::link(tmp.c_str(), path.c_str()) != 0) {
+        rc = errno;
+    }
+    ::unlink(tmp.c_str());
+    return rc;
+}
+
+}  // namespace
+
+Result<bool> create_secret_file(const std::string& path, std::string_view bytes, CreateVia via) {
     struct stat st{};
     if (::lstat(path.c_str(), &st) == 0) {
         return false;
     }
-    const std::string tmp = path + ".tmp";
-    // Nothing refers to a temp file: it is what a crash left between create and rename.
-    if (::unlink(tmp.c_str()) != 0 && errno != ENOENT) {
-        return make_error("cannot remove stale " + tmp + ": " + std::strerror(errno));
-    }
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd < 0) {
-        return make_error("cannot create " + tmp + ": " + std::strerror(errno));
-    }
-    const bool ok = ::fchmod(fd, 0600) == 0 &&
-                    ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()) &&
-                    ::fsync(fd) == 0;
-    const std::string why = std::strerror(errno);
-    ::close(fd);
-    if (!ok) {
-        ::unlink(tmp.c_str());
-        return make_error("cannot write " + tmp + ": " + why);
-    }
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-        const std::string rename_why = std::strerror(errno);
-        ::unlink(tmp.c_str());
-        return make_error("cannot rename " + tmp + " to " + path + ": " + rename_why);
-    }
+    // What an interrupted create of an older egressd left (it used this one name).
+    ::unlink((path + ".tmp").c_str());
     const size_t slash = path.rfind('/');
     const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+    // Linked into place, never renamed: when creators race (replicas starting at once on a
+    // shared volume), exactly one link succeeds and the others find its whole file.
+    int rc = via == CreateVia::Unnamed ? create_unnamed(dir, path, bytes) : -1;
+    if (rc == -1) {
+        rc = create_named(path, bytes);
+    }
+    if (rc == EEXIST) {
+        return false;
+    }
+    if (rc != 0) {
+        return make_error("cannot create " + path + ": " + std::strerror(rc));
+    }
     const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0 || ::fsync(dfd) != 0) {
         const std::string dir_why = std::strerror(errno);

@@ -74,12 +74,16 @@ std::optional<std::string> not_owner_only(std::string_view key, const std::strin
 Result<SecretPtr> load_owner_only_secret_file(std::string_view key, const std::string& path);
 
 /// Creates the file `path` (mode 0600) holding `bytes`, so that it never exists incomplete: the
-/// bytes go to `path.tmp` (a leftover from an interrupted create is removed first), which is
-/// fsync'ed, renamed to `path`, and the folder fsync'ed. A crash leaves either no `path` or the
-/// whole file, never an empty one that would block every later start. Returns false, writing
-/// nothing, if `path` exists. Assumes one egressd per folder (as the state store does). Errors
-/// name the path, never the content.
-Result<bool> create_secret_file(const std::string& path, std::string_view bytes);
+/// bytes go to an unnamed file in its folder (O_TMPFILE; where the filesystem has none, a temp
+/// of a random name beside it), which is fsync'ed, linked to `path` (link never replaces a
+/// file), and the folder fsync'ed. A crash leaves either no `path` or the whole file, never an
+/// empty one that would block every later start. Returns false, writing nothing, if `path`
+/// exists, also when another process created it meanwhile: of creators that race, exactly one
+/// gets true and the others read its file. Errors name the path, never the content.
+/// `Named` skips the unnamed file (for tests of the fallback).
+enum class CreateVia { Unnamed, Named };
+Result<bool> create_secret_file(const std::string& path, std::string_view bytes,
+                                CreateVia via = CreateVia::Unnamed);
 
 /// Constant-time comparison for tokens.
 bool constant_time_equals(std::string_view a, std::string_view b);

@@ -7,12 +7,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 namespace egress::credstore {
@@ -202,7 +205,64 @@ TEST(CreateSecretFile, WritesWholeFile0600AndReplacesALeftoverTemp) {
 
     auto missing_dir = create_secret_file("/nonexistent/egress/token", "tok");
     ASSERT_FALSE(missing_dir.ok());
-    EXPECT_NE(missing_dir.error().find("/nonexistent/egress/token.tmp"), std::string::npos);
+    EXPECT_NE(missing_dir.error().find("cannot create /nonexistent/egress/token: "),
+              std::string::npos)
+        << missing_dir.error();
+}
+
+class CreateSecretFileVia : public ::testing::TestWithParam<CreateVia> {};
+
+INSTANTIATE_TEST_SUITE_P(BothWays, CreateSecretFileVia,
+                         ::testing::Values(CreateVia::Unnamed, CreateVia::Named));
+
+TEST_P(CreateSecretFileVia, ConcurrentCreatorsAgreeOnOneFile) {
+    // Replicas sharing a volume may start at once and each make the master key: exactly one
+    // creates the file, the others find it and read it, and the file holds the creator's
+    // bytes (before: two "created" it, the second rename replacing the key the first had
+    // already used, or one failed on the other's temp file).
+    TempFile dir_marker("");
+    constexpr int kThreads = 6;
+    for (int round = 0; round < 100; ++round) {
+        const std::string path = dir_marker.path() + ".race" + std::to_string(round);
+        std::atomic<int> ready{0};
+        std::vector<std::optional<Result<bool>>> results(kThreads);
+        std::vector<std::thread> threads;
+        for (int i = 0; i < kThreads; ++i) {
+            threads.emplace_back([&, i] {
+                ready.fetch_add(1);
+                while (ready.load() < kThreads) {
+                }
+                results[i] = create_secret_file(path, "key-" + std::to_string(i) + "\n",
+                                                GetParam());
+            });
+        }
+        for (auto& t : threads) {
+            t.join();
+        }
+        int created = 0;
+        std::string winner;
+        for (int i = 0; i < kThreads; ++i) {
+            ASSERT_TRUE(results[i]->ok()) << "round " << round << ": " << results[i]->error();
+            if (**results[i]) {
+                ++created;
+                winner = "key-" + std::to_string(i) + "\n";
+            }
+        }
+        ASSERT_EQ(created, 1) << "round " << round;
+        std::ifstream in(path, std::ios::binary);
+        EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), winner);
+        struct stat st{};
+        ASSERT_EQ(stat(path.c_str(), &st), 0);
+        EXPECT_EQ(st.st_mode & 0777, 0600U);
+        std::remove(path.c_str());
+    }
+    // No temp file is left beside them (the named way removes its own).
+    const std::string dir = dir_marker.path().substr(0, dir_marker.path().rfind('/'));
+    const std::string base = dir_marker.path().substr(dir.size() + 1) + ".race";
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+        EXPECT_EQ(entry.path().filename().string().rfind(base, 0), std::string::npos)
+            << entry.path();
+    }
 }
 
 TEST(ConstantTimeEquals, Compares) {

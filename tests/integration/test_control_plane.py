@@ -2534,8 +2534,9 @@ def test_admin_max_connections_bounds_the_admin_listener(factory, world):
 
 
 def test_leftover_temp_files_do_not_block_the_first_start(factory, world):
-    """The admin token and master key are written to a temp file, then renamed into place: a
-    create interrupted by a crash leaves only the temp file, which the next start replaces."""
+    """The admin token and master key are written to an unnamed file, then linked into place;
+    `<file>.tmp`, what an interrupted create of an older egressd left, does not block a start
+    and is removed."""
     e = factory.make(cp_mutate(world))
     var = os.path.dirname(e.config["admin"]["token_file"])
     os.makedirs(var, exist_ok=True)
