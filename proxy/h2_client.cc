@@ -78,6 +78,9 @@ struct H2ClientSession::Impl {
     bool wipe_reads = false;
     bool wiped_all = false;
     static constexpr size_t kReadBytes = 16 * 1024;
+    // Since when the session has had no stream: its idle timeout counts from here, not from
+    // the last frame read (an upstream's PINGs would keep an unused session open for ever).
+    Clock::time_point idle_since = Clock::now();
     // SETTINGS frames of ours submitted and acknowledged (acknowledgements come in order), and
     // the HPACK table reset of wipe_reads(): at most one pair in flight. An echo while one is
     // in flight asks for one more after it (the upstream's encoder may have indexed it once it
@@ -264,6 +267,9 @@ int on_stream_close(nghttp2_session*, int32_t stream_id, uint32_t error_code, vo
     st.out_bytes = 0;
     st.out_off = 0;
     im->streams.erase(it);  // the owner keeps its shared_ptr
+    if (im->streams.empty()) {
+        im->idle_since = Clock::now();
+    }
     return 0;
 }
 
@@ -317,7 +323,7 @@ awaitable<void> watch_loop(std::shared_ptr<H2ClientSession> self, Impl& im) {
         if (im.streams.empty()) {
             im.pool.trim();  // a pooled connection between bursts holds no spare blocks
         }
-        if (im.streams.empty() && now - im.io.last_activity > im.opts.idle_timeout) {
+        if (im.streams.empty() && now - im.idle_since > im.opts.idle_timeout) {
             im.goaway = true;
             nghttp2_session_terminate_session(im.session.get(), NGHTTP2_NO_ERROR);
             im.io.wsig.notify();

@@ -275,6 +275,25 @@ UpstreamPool::~UpstreamPool() {
     }
 }
 
+namespace {
+
+/// Whether a pooled session can serve no request now or later: closed, or with no stream open
+/// and none it may open (a GOAWAY, or SETTINGS_MAX_CONCURRENT_STREAMS 0). The latter is shut
+/// down: kept, every request would dial a session beside it, and an upstream that answers
+/// once, then allows no stream and keeps the connection busy (PINGs) would pile them up.
+bool useless(const H2Pooled& p) {
+    if (!p.session->alive()) {
+        return true;
+    }
+    if (!p.session->has_capacity() && p.session->open_streams() == 0) {
+        p.session->shutdown();
+        return true;
+    }
+    return false;
+}
+
+}  // namespace
+
 std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key,
                                                   const policy::AddressPolicy& addresses) {
     auto it = h2_.find(key);
@@ -283,7 +302,7 @@ std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key,
     }
     auto& v = it->second;
     std::erase_if(v, [&](const H2Pooled& p) {
-        return !p.session->alive() || !addresses.vet(dialled_address(p.peer.address())).allowed;
+        return useless(p) || !addresses.vet(dialled_address(p.peer.address())).allowed;
     });
     for (auto& p : v) {
         if (p.session->has_capacity()) {
@@ -296,7 +315,11 @@ std::optional<H2Pooled> UpstreamPool::acquire_h2(const std::string& key,
     return std::nullopt;
 }
 
-void UpstreamPool::add_h2(const std::string& key, H2Pooled s) { h2_[key].push_back(std::move(s)); }
+void UpstreamPool::add_h2(const std::string& key, H2Pooled s) {
+    auto& v = h2_[key];
+    std::erase_if(v, useless);
+    v.push_back(std::move(s));
+}
 
 bool UpstreamPool::begin_dial(const std::string& key, net::any_io_executor ex) {
     if (auto h1 = h1_only_.find(key); h1 != h1_only_.end() && h1->second) {

@@ -15,6 +15,11 @@ Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
 received; with `ack_settings = False` they are never acknowledged (an upstream that ignores
 them: the ACKs python3-h2 makes are dropped on the way out).
 
+An upstream that stops taking streams: `streams_after_first = N` sends
+SETTINGS_MAX_CONCURRENT_STREAMS N with a connection's first answer; `ping_every = S`
+sends a PING whenever the connection has been quiet S seconds (so it is never idle on the wire).
+`live` is the number of connections open now.
+
 Every request head that arrives is also recorded in `heads` (its path), when it arrives: a
 stream that never ends (an upload still coming, a stream reset before its end) is answered and
 recorded in `requests` only at its end, if at all, but reached the upstream all the same.
@@ -91,6 +96,9 @@ class H2Upstream:
         self.refused = 0          # streams refused unprocessed (GOAWAY'd or REFUSED_STREAM)
         self.max_header_list_size = 1 << 16  # decoded request head it takes (h2's default)
         self.ack_settings = True
+        self.streams_after_first: int | None = None
+        self.ping_every = 0.0
+        self.live = 0
         self.settings_frames: list[int] = []  # per connection, in accept order
         self._refused_paths: set[str] = set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -145,6 +153,7 @@ class H2Upstream:
         with self.lock:
             index = len(self.settings_frames)
             self.settings_frames.append(0)
+            self.live += 1
 
         def send(data: bytes):
             s.sendall(data if self.ack_settings else _without_settings_acks(data))
@@ -164,7 +173,15 @@ class H2Upstream:
                 if out:
                     send(out)
                     continue
-                data = s.recv(65536)
+                if self.ping_every:
+                    s.settimeout(self.ping_every)
+                try:
+                    data = s.recv(65536)
+                except TimeoutError:
+                    if not self.ping_every:
+                        raise
+                    conn.ping(b"keepbusy")
+                    continue
                 if not data:
                     break
                 try:
@@ -215,6 +232,8 @@ class H2Upstream:
         except (OSError, ssl.SSLError, ConnectionError):
             pass
         finally:
+            with self.lock:
+                self.live -= 1
             try:
                 s.close()
             except OSError:
@@ -261,6 +280,10 @@ class H2Upstream:
 
     def _respond(self, conn, st: _Stream):
         st.responded = True
+        if self.streams_after_first is not None and not getattr(conn, "limited", False):
+            conn.limited = True  # once per connection, ahead of its first answer
+            conn.update_settings(
+                {h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.streams_after_first})
         p = st.pseudo
         path = p.get(":path", "/")
         if self._refuse_first(path, "/refuse-once/"):

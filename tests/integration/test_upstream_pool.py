@@ -269,3 +269,34 @@ def test_an_allow_networks_exception_in_ipv4_mapped_form_carries_tunnels_and_is_
     assert world.upstream.find(f"{marker}-tunnel")
     time.sleep(0.2)
     assert not [x for x in e.audit_records() if x.get("reason") == "policy_changed"]
+
+
+def test_h2_sessions_that_take_no_stream_are_closed_not_piled_up(world, factory, marker):
+    """An HTTP/2 upstream that answers a connection's first stream, then allows none
+    (SETTINGS_MAX_CONCURRENT_STREAMS 0) and keeps the connection busy with PINGs: every request
+    needs a new session, and each session left is closed, not kept beside the new ones (before:
+    one open connection per request, for as long as the PINGs came, whatever
+    upstream_idle_timeout said). And a session without streams is closed after
+    upstream_idle_timeout however often the upstream PINGs."""
+    from h2_upstream import H2Upstream
+    up = H2Upstream(world.pki.server_cert, world.pki.server_key)
+    try:
+        up.streams_after_first = 0
+        up.ping_every = 0.2
+        e = factory.start(add_h2_pins(world, up, {"worker_threads": 1,
+                                                  "upstream_idle_timeout": "2s"}))
+        for i in range(12):
+            c = helpers.tunnel(e.proxy_port, "api.test", up.port, world.auth(), run_ca(e, "r1"))
+            try:
+                r = helpers.request(c, "GET", f"/echo/{marker}-{i}", f"api.test:{up.port}")
+                assert r.status == 200, (r.status, r.egress_reason)
+            finally:
+                c.close()
+        assert len(up.find(marker)) == 12
+        assert up.connections == 12  # each session took one stream
+        # The sessions left before each new one was added are shut down: at most the last.
+        helpers.poll(lambda: up.live <= 1, 3, "the unusable sessions to close")
+        # And the last one, unused, after upstream_idle_timeout in spite of its PINGs.
+        helpers.poll(lambda: up.live == 0, 5, "the idle session to close")
+    finally:
+        up.close()
