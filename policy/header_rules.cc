@@ -106,6 +106,10 @@ bool is_egress_namespace(std::string_view name) {
     return istarts_with(name, "x-egress-");
 }
 
+size_t strip_egress_namespace(std::vector<Header>& headers) {
+    return std::erase_if(headers, [](const Header& h) { return is_egress_namespace(h.name); });
+}
+
 bool valid_header_name(std::string_view name) {
     return !name.empty() && std::all_of(name.begin(), name.end(), is_tchar);
 }

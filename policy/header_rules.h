@@ -18,6 +18,10 @@ bool is_transport_header(std::string_view name);
 
 /// The proxy's own namespace, "x-egress-*": the sandbox may not send these.
 bool is_egress_namespace(std::string_view name);
+/// Removes the fields of that namespace from an upstream's response head or trailers: a
+/// client can then take X-Egress-Reason as egressd's word (an upstream could otherwise dress
+/// its own 403 as a refusal of egressd's). Returns the number removed.
+size_t strip_egress_namespace(std::vector<Header>& headers);
 
 /// RFC 9110 token characters, non-empty.
 bool valid_header_name(std::string_view name);

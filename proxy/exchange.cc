@@ -1252,7 +1252,9 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         }
     }
 
-    // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed.
+    // Response: head scrubbed, body streamed (scrubbed), trailers scrubbed; egressd's own
+    // namespace is egressd's alone in both.
+    policy::strip_egress_namespace(resp->headers);
     if (scrubber.active()) {
         scrubber.scrub_in_place(resp->reason);  // an h1 reason phrase is upstream text too
         scrubber.scrub_fields(resp->headers);
@@ -1374,6 +1376,7 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
                 Headers trailers;
                 if (chunk.last) {
                     trailers = up->response_trailers();
+                    policy::strip_egress_namespace(trailers);
                     scrubber.scrub_fields(trailers);
                 }
                 if (!co_await down.send_body(out, chunk.last,

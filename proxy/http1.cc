@@ -734,14 +734,20 @@ public:
     }
     awaitable<Outcome<ResponseHead>> read_head(bool head_request,
                                                std::chrono::milliseconds wait) override {
+        // One deadline for the final head and every interim (1xx) head before it: an upstream
+        // sending 102 Processing more often than `wait` would otherwise hold the client for
+        // ever (HTTP/2's wait is bounded the same way).
+        const auto deadline = std::chrono::steady_clock::now() + wait;
         for (;;) {
             rp_.emplace();
             rp_->body_limit(boost::none);
             rp_->header_limit(static_cast<uint32_t>(max_header_bytes_));
+            rp_->field_limit(max_header_fields_);  // the head's and, later, the trailers'
             if (head_request) {
                 rp_->skip(true);
             }
-            lowest(stream()).expires_after(wait);
+            lowest(stream()).expires_after(std::max<std::chrono::steady_clock::duration>(
+                deadline - std::chrono::steady_clock::now(), std::chrono::milliseconds(1)));
             auto ec = co_await read_header(stream(), buffer(), *rp_, Arrival::Later);
             lowest(stream()).expires_never();
             if (ec) {
@@ -868,6 +874,7 @@ private:
 
 public:
     size_t max_header_bytes_ = 65536;
+    size_t max_header_fields_ = 100;
 };
 
 }  // namespace
@@ -917,6 +924,7 @@ std::unique_ptr<Upstream> make_h1_upstream(Worker& w, std::unique_ptr<TlsConn> c
                                                       std::move(host_header),
                                                       rt->config->limits.idle_timeout);
     up->max_header_bytes_ = rt->config->limits.max_header_bytes;
+    up->max_header_fields_ = rt->config->limits.max_header_fields;
     return up;
 }
 
@@ -926,6 +934,7 @@ std::unique_ptr<Upstream> make_h1_plain_upstream(Dialed d, std::string host_head
                                                       d.peer, false, std::move(host_header),
                                                       limits.idle_timeout);
     up->max_header_bytes_ = limits.max_header_bytes;
+    up->max_header_fields_ = limits.max_header_fields;
     return up;
 }
 

@@ -9,6 +9,7 @@ Endpoints (like upstream.Upstream):
     /reflect    the request's Authorization / X-Api-Key value in header x-seen and the body
     /reflect-late  that value in the body only, in a DATA frame after 2000 bytes of filler
     /status/N   an empty response with status N
+    /fields     ?set=Name:Value fields in the head, ?tset=Name:Value in trailers (repeatable)
 Flow control is honoured both ways: large bodies wait for WINDOW_UPDATEs.
 
 `settings_frames[i]` counts the SETTINGS frames (not acknowledgements) the i-th connection
@@ -328,6 +329,13 @@ class H2Upstream:
             st.body_iter = iter([filler, late])
             conn.send_headers(st.sid, [(":status", "200"), ("content-type", "text/plain"),
                                        ("content-length", str(len(filler) + len(late)))])
+        elif base == "/fields":
+            # ?set=Name:Value fields in the head, ?tset=Name:Value in trailers (repeatable)
+            pairs = urllib.parse.parse_qsl(urllib.parse.urlsplit(path).query)
+            sets = [tuple(kv.split(":", 1)) for k, kv in pairs if k == "set" and ":" in kv]
+            tsets = [tuple(kv.split(":", 1)) for k, kv in pairs if k == "tset" and ":" in kv]
+            self._send(conn, st, 200, [("content-type", "text/plain")] + sets, b"ok",
+                       trailers=tsets or None)
         elif base == "/reflect":
             value = dict(st.regular).get("authorization") or dict(st.regular).get("x-api-key") or ""
             body = b"seen=" + value.encode("latin-1") + b";end\n"

@@ -97,6 +97,67 @@ def test_max_header_fields_answers_431_and_bounds_trailers(world, factory, marke
     assert (r.status, r.egress_reason) == (431, "header_too_large")
 
 
+def test_max_header_fields_bounds_an_upstream_response_head_and_trailers(world, factory, marker):
+    """limits.max_header_fields bounds an HTTP/1.1 upstream's response head (502
+    upstream_bad_response, audited) and its trailer section (the response is cut, not relayed
+    whole), as h2_max_header_fields bounds an HTTP/2 upstream's; fewer fields are relayed
+    (before: 12 000 fields went through)."""
+    e = factory.start(mutate=_limits(max_header_fields=20))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/fields/25/{marker}-head", f"api.test:{world.U}")
+        assert (r.status, r.egress_reason) == (502, "upstream_bad_response")
+    finally:
+        c.close()
+    [rec] = e.wait_audit(lambda a: f"{marker}-head" in (a.get("path") or ""))
+    assert (rec["status"], rec["reason"]) == (502, "upstream_bad_response"), rec
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/fields/15/{marker}-few", f"api.test:{world.U}")
+        assert r.status == 200 and r.body == b"ok"
+        assert r.header("X-F14") == "14"
+    finally:
+        c.close()
+    for n, whole in ((25, False), (15, True)):
+        c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+        try:
+            c.send((f"GET /fields/1/{marker}-t{n}?trailers={n} HTTP/1.1\r\n"
+                    f"Host: api.test:{world.U}\r\nTE: trailers\r\nConnection: close\r\n\r\n"
+                    ).encode())
+            c.sock.settimeout(10)
+            raw = c.read_to_eof()
+        finally:
+            c.close()
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+        assert (b"\r\n0\r\n" in raw) == whole, (n, raw[-300:])
+        assert (b"x-t%d: %d" % (n - 1, n - 1) in raw.lower()) == whole, n
+
+
+def test_interim_heads_do_not_extend_the_wait_for_the_answer(world, factory, marker):
+    """idle_timeout bounds the wait for an HTTP/1.1 upstream's answer however many interim
+    (1xx) heads come before it: an upstream sending 102 Processing every 300 ms gets the client
+    504 upstream_timeout near the limit (before: each interim head started the wait over, and
+    the client waited as long as the upstream went on); a few quick ones are passed over."""
+    e = factory.start(mutate=_limits(idle_timeout="1s"))
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    started = time.monotonic()
+    try:
+        r = helpers.request(c, "GET", f"/interim/10/300/{marker}", f"api.test:{world.U}")
+    finally:
+        c.close()
+    waited = time.monotonic() - started
+    assert (r.status, r.egress_reason) == (504, "upstream_timeout")
+    assert 0.5 < waited < 2.5, waited
+    [rec] = e.wait_audit(lambda a: marker in (a.get("path") or ""))
+    assert (rec["status"], rec["reason"]) == (504, "upstream_timeout"), rec
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+    try:
+        r = helpers.request(c, "GET", f"/interim/2/100/{marker}-quick", f"api.test:{world.U}")
+    finally:
+        c.close()
+    assert r.status == 200 and r.body == b'{"interim":true}'
+
+
 def test_max_header_bytes_bounds_an_upstream_response_head(world, factory, marker):
     """An upstream's response head over limits.max_header_bytes is 502 upstream_bad_response
     (431 is the client's answer for its own head); one under it is relayed."""

@@ -18,6 +18,9 @@
     /bighead/N       200 whose head has an N-byte field (X-Pad)
     /status/N        an empty response with status N (?upgrade=P: with "Upgrade: P";
                      ?accept=A: with "Sec-WebSocket-Accept: A")
+    /interim/N/MS    N interim heads (102 Processing) MS ms apart, then a 200
+    /fields/N        200 with N head fields (?trailers=T: and T trailer fields, chunked;
+                     ?set=Name:Value: a field as given, ?tset=Name:Value: a trailer; repeatable)
     /reflect-reason  401 whose reason phrase carries the request's Authorization value
     /reflect-name    200 whose field names carry the request's Authorization token
     /reflect-gzip    the Authorization value in a gzip-encoded body, whatever Accept-Encoding said
@@ -382,6 +385,33 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.flush()
                 self._chunk(body[cut:])
             self.wfile.write(b"0\r\n\r\n")
+        elif len(parts) >= 4 and parts[1] == "interim" and parts[2].isdigit() \
+                and parts[3].isdigit():
+            # N interim heads (102 Processing), one every MS ms, then the answer
+            for _ in range(min(int(parts[2]), 100)):
+                self.wfile.write(b"HTTP/1.1 102 Processing\r\n\r\n")
+                self.wfile.flush()
+                time.sleep(min(int(parts[3]), 5000) / 1000)
+            self._send(200, b'{"interim":true}')
+        elif len(parts) >= 3 and parts[1] == "fields" and parts[2].isdigit():
+            # N fields in the head (?trailers=T: T trailer fields, chunked); ?set=Name:Value
+            # adds a field as given (repeatable)
+            n, t = min(int(parts[2]), 100000), min(int(q.get("trailers", "0")), 100000)
+            pairs = urllib.parse.parse_qsl(url.query)
+            sets = [kv.split(":", 1) for k, kv in pairs if k == "set" and ":" in kv]
+            tsets = [kv.split(":", 1) for k, kv in pairs if k == "tset" and ":" in kv]
+            head = [b"HTTP/1.1 200 OK\r\n", b"Content-Type: text/plain\r\n"]
+            head += [b"X-F%d: %d\r\n" % (i, i) for i in range(n)]
+            head += [f"{k}: {v}\r\n".encode("latin-1") for k, v in sets]
+            if t or tsets:
+                head.append(b"Transfer-Encoding: chunked\r\n\r\n")
+                body = b"2\r\nok\r\n0\r\n" + b"".join(
+                    b"X-T%d: %d\r\n" % (i, i) for i in range(t)) + b"".join(
+                    f"{k}: {v}\r\n".encode("latin-1") for k, v in tsets) + b"\r\n"
+            else:
+                head.append(b"Content-Length: 2\r\n\r\n")
+                body = b"ok"
+            self.wfile.write(b"".join(head) + body)
         elif len(parts) == 3 and parts[1] == "delay" and parts[2].isdigit():
             time.sleep(min(int(parts[2]), 10000) / 1000)  # answers after N ms (at most 10 s)
             self._send(200, b'{"delayed":true}')
