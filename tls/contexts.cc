@@ -198,7 +198,10 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
     // buffer as it is given back (proxy/tls_socket.cc lifts it while a busy stream keeps its
     // buffers, and sets it again before they are freed). The write buffer holds only
     // ciphertext when freed: a record is encrypted where it was copied, in the same call.
-    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION | SSL_OP_CLEANSE_PLAINTEXT);
+    // No renegotiation an upstream asks for (a TLS 1.2 HelloRequest): a new handshake under a
+    // connection already verified, which a hostile upstream could ask for again and again.
+    SSL_CTX_set_options(ctx.get(), SSL_OP_NO_COMPRESSION | SSL_OP_CLEANSE_PLAINTEXT |
+                                       SSL_OP_NO_RENEGOTIATION);
     SSL_CTX_set_verify(ctx.get(), SSL_VERIFY_PEER, nullptr);
     if (ca_file == "system") {
         if (SSL_CTX_set_default_verify_paths(ctx.get()) != 1) {

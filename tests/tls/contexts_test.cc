@@ -45,6 +45,49 @@ protected:
         }
         return r;
     }
+
+    /// A TLS 1.2 connection to a server holding a leaf for api.test.
+    HandshakeResult connect_12(SSL_CTX* cctx, SSL_CTX* sctx, SslPtr* client_out,
+                               SslPtr* server_out) {
+        SslPtr client(SSL_new(cctx));
+        SSL_set_max_proto_version(client.get(), TLS1_2_VERSION);
+        auto prepared = prepare_client(client.get(), "api.test");
+        EXPECT_TRUE(prepared.ok()) << (prepared.ok() ? "" : prepared.error());
+        SslPtr server = server_ssl(sctx, "api.test");
+        HandshakeResult r = testing::handshake(client.get(), server.get());
+        *client_out = std::move(client);
+        *server_out = std::move(server);
+        return r;
+    }
+
+    /// Whether a TLS 1.2 upstream that asks to renegotiate (HelloRequest) gets a new handshake
+    /// out of a client made from `cctx`.
+    bool upstream_renegotiates(SSL_CTX* cctx, SSL_CTX* sctx, HandshakeResult& first) {
+        SslPtr client;
+        SslPtr server;
+        first = connect_12(cctx, sctx, &client, &server);
+        if (!first.ok) {
+            return false;
+        }
+        SSL_clear_options(server.get(), SSL_OP_NO_RENEGOTIATION);  // a server that asks for it
+        if (SSL_renegotiate(server.get()) != 1) {
+            return false;
+        }
+        bool server_done = false;
+        char byte;
+        for (int round = 0; round < 20 && !server_done; ++round) {
+            SSL_read(client.get(), &byte, 1);  // the client takes the request (or refuses it)
+            const int rc = SSL_do_handshake(server.get());
+            if (rc == 1 && SSL_renegotiate_pending(server.get()) == 0) {
+                server_done = true;
+            } else if (rc <= 0 && SSL_get_error(server.get(), rc) != SSL_ERROR_WANT_READ &&
+                       SSL_get_error(server.get(), rc) != SSL_ERROR_WANT_WRITE) {
+                break;  // refused: the client said no_renegotiation
+            }
+        }
+        ERR_clear_error();
+        return server_done || SSL_total_renegotiations(client.get()) > 0;
+    }
 };
 
 TEST_F(ContextsTest, ServerContextSettings) {
@@ -169,6 +212,23 @@ TEST_F(ContextsTest, ClientContextSettings) {
     EXPECT_NE(SSL_CTX_get_session_cache_mode(ctx.get()) & SSL_SESS_CACHE_CLIENT, 0);
     auto system = make_client_context("system", {"h2", "http/1.1"});
     EXPECT_TRUE(system.ok()) << (system.ok() ? "" : system.error());
+}
+
+TEST_F(ContextsTest, ClientRefusesAnUpstreamsRenegotiation) {
+    // An upstream may not start a new handshake mid-connection (a TLS 1.2 HelloRequest): the
+    // client answers no_renegotiation, as egressd's server side does to its clients, so a
+    // hostile upstream cannot make egressd redo handshakes (or swap certificates) under a
+    // connection already verified. The check can fail: without the option it renegotiates.
+    auto cctx = client_ctx({"http/1.1"});
+    auto sctx = server_ctx({"http/1.1"});
+    ASSERT_NE(cctx, nullptr);
+    ASSERT_NE(sctx, nullptr);
+    HandshakeResult first;
+    EXPECT_FALSE(upstream_renegotiates(cctx.get(), sctx.get(), first));
+    ASSERT_TRUE(first.ok) << first.error;
+    SSL_CTX_clear_options(cctx.get(), SSL_OP_NO_RENEGOTIATION);
+    EXPECT_TRUE(upstream_renegotiates(cctx.get(), sctx.get(), first));
+    ASSERT_TRUE(first.ok) << first.error;
 }
 
 TEST_F(ContextsTest, ClientContextNamesABadCaFile) {
