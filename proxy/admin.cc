@@ -119,7 +119,7 @@ bool is_loopback_tcp<tcp::socket>(tcp::socket& s, uint16_t& port) {
 }  // namespace
 
 uint64_t ConnectionRegistry::add(const std::string& run, size_t limit, net::any_io_executor ex,
-                                 std::weak_ptr<int> fd_token) {
+                                 std::weak_ptr<RegisteredConn> fd_token) {
     std::lock_guard lock(mu_);
     auto& entries = by_run_[run];
     if (entries.size() >= limit) {
@@ -132,7 +132,7 @@ uint64_t ConnectionRegistry::add(const std::string& run, size_t limit, net::any_
     uint64_t inode = 0;
     if (auto fd = fd_token.lock()) {
         struct stat st{};
-        if (::fstat(*fd, &st) == 0) {
+        if (::fstat(fd->fd, &st) == 0) {
             inode = static_cast<uint64_t>(st.st_ino);
         }
     }
@@ -151,7 +151,8 @@ void ConnectionRegistry::remove(const std::string& run, uint64_t id) {
     }
 }
 
-size_t ConnectionRegistry::close_run(const std::string& run, std::chrono::milliseconds wait) {
+size_t ConnectionRegistry::close_run(const std::string& run, std::chrono::milliseconds wait,
+                                     const char* why) {
     struct Pending {
         std::mutex mu;
         std::condition_variable cv;
@@ -168,12 +169,15 @@ size_t ConnectionRegistry::close_run(const std::string& run, std::chrono::millis
         n = it->second.size();
         pending->left = n;
         for (auto& [id, e] : it->second) {
-            net::post(e.ex, [tok = e.fd_token, inode = e.inode, pending] {
-                auto fd = tok.lock();
+            net::post(e.ex, [tok = e.fd_token, inode = e.inode, pending, why] {
+                auto conn = tok.lock();
                 struct stat st{};
-                if (fd && inode != 0 && ::fstat(*fd, &st) == 0 &&
+                if (conn && inode != 0 && ::fstat(conn->fd, &st) == 0 &&
                     static_cast<uint64_t>(st.st_ino) == inode) {
-                    ::shutdown(*fd, SHUT_RDWR);
+                    if (why != nullptr) {
+                        conn->cut = why;
+                    }
+                    ::shutdown(conn->fd, SHUT_RDWR);
                 }
                 std::lock_guard done(pending->mu);
                 if (--pending->left == 0) {

@@ -30,7 +30,7 @@ public:
     /// the Run: a connection that outlives a rebuild of its run (a rotated secret) does not
     /// keep the old one's secrets in memory.
     bool admit(const Run& run, size_t limit, tcp::socket& socket) {
-        fd_token_ = std::make_shared<int>(socket.native_handle());
+        fd_token_ = std::make_shared<RegisteredConn>(RegisteredConn{socket.native_handle()});
         registration_ =
             shared_.connections.add(run.policy.id, limit, socket.get_executor(), fd_token_);
         if (registration_ == 0) {
@@ -40,6 +40,8 @@ public:
         run_id_ = run.policy.id;
         return true;
     }
+    /// Where the reason the connection was cut will be (read on the connection's executor).
+    const char* const* cut_why() const { return fd_token_ ? &fd_token_->cut : nullptr; }
     ~RunAdmission() {
         fd_token_.reset();  // same thread as any posted shutdown: the fd is never stale
         if (registration_ != 0) {
@@ -50,7 +52,7 @@ public:
 private:
     Shared& shared_;
     std::string run_id_;
-    std::shared_ptr<int> fd_token_;
+    std::shared_ptr<RegisteredConn> fd_token_;
     uint64_t registration_ = 0;
 };
 
@@ -618,6 +620,8 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
         rec.reason = "policy_changed";  // relayed, then ended: the destination is now refused
         spdlog::info("conn={} tunnel to {}:{} closed: the policy no longer allows it",
                      scope.conn_id, scope.target.host, scope.target.port);
+    } else if (const char* cut = scope.cut()) {
+        rec.reason = cut;  // relayed, then cut with its run's connections
     }
     rec.bytes_in = up_bytes;
     rec.bytes_out = down_bytes;
@@ -819,6 +823,7 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
                 audit_refusal(scope, method, rec_path, 429, "too_many_connections", started);
                 co_return;
             }
+            scope.cut_why = admission.cut_why();
             if (!still_live(w, *scope.run)) {
                 const char* reason = run_end_reason(*scope.run);
                 co_await write_refusal(stream, limits.refusal_timeout, 403, reason, false);
@@ -1141,6 +1146,7 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
         audit_refusal(scope, "", "", 429, "too_many_connections", started);
         co_return;
     }
+    scope.cut_why = admission.cut_why();
     if (!still_live(w, *scope.run)) {
         audit_refusal(scope, "", "", 403, run_end_reason(*scope.run), started);
         co_return;

@@ -722,6 +722,11 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         if (!reason.empty()) {
             rec.reason = reason;
         }
+        if (const char* cut = scope.cut()) {
+            // Ended because egressd cut its connection (a revoke...), not by its client: a
+            // download cut short, a WebSocket closed.
+            rec.reason = cut;
+        }
         rec.duration_ms = ms_since(started);
         if (!kind.empty()) {
             shared.metrics.upstream_error(kind);

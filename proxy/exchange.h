@@ -38,6 +38,10 @@ struct Scope {
     /// What audit records of the connection itself (not of a request) name as the method:
     /// "CONNECT" on the forward port, "TLS" on the transparent listener.
     std::string method = "CONNECT";
+    /// Why the connection was cut under its requests (a revoke, an expiry, a reload that
+    /// changed the run's token or sources), once it was: their records say so (RunAdmission).
+    const char* const* cut_why = nullptr;
+    const char* cut() const { return cut_why != nullptr ? *cut_why : nullptr; }
 };
 
 using Headers = std::vector<policy::Header>;

@@ -14,6 +14,7 @@
 #include "proxy/control_plane.h"
 #include "proxy/cpus.h"
 #include "proxy/etcd_store.h"
+#include "proxy/exchange.h"
 #include "proxy/upstream.h"
 #include "proxy/worker.h"
 #include "tls/contexts.h"
@@ -409,12 +410,14 @@ struct Server::Impl {
             auto now = (*next)->runs.find(id);
             if (now == (*next)->runs.end()) {
                 // Waited for (at most 1 s): the revoke's answer means they are cut.
-                size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
+                size_t n = shared.connections.close_run(id, std::chrono::seconds(1),
+                                                        run_end_reason(*run));
                 spdlog::info("run {} revoked or expired: closing {} connections", id, n);
             } else if (!same_admission(*run, *now->second)) {
                 // A connection admitted with the old token (or from a source no longer the
                 // run's) must not go on under the new terms: its client authenticates again.
-                size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
+                size_t n = shared.connections.close_run(id, std::chrono::seconds(1),
+                                                        "run_changed");
                 spdlog::info("run {}: its token or sources changed: closing {} connections", id,
                              n);
             }
@@ -582,7 +585,7 @@ struct Server::Impl {
                 }
                 it->second = run->policy.expires_at;
             }
-            size_t n = shared.connections.close_run(id, std::chrono::seconds(1));
+            size_t n = shared.connections.close_run(id, std::chrono::seconds(1), "run_expired");
             spdlog::info("run {} expired: closing {} connections", id, n);
         }
         // Forget runs no longer served (swept, revoked, removed by a reload).

@@ -45,6 +45,14 @@ struct Cuttable {
     Cuttable* next = nullptr;
 };
 
+/// A registered client connection's descriptor, and why it was cut (set on the connection's
+/// own executor, before the shutdown): its requests' audit records say so rather than
+/// client_aborted.
+struct RegisteredConn {
+    int fd = -1;
+    const char* cut = nullptr;  // "run_revoked", "run_expired", "run_changed"
+};
+
 /// Open client connections by run, so revoking a run closes them at once. close_run posts
 /// a shutdown(fd) to each connection's own executor. The connection resets its token when it
 /// ends, and the socket's inode is checked before the shutdown, so an fd number that was
@@ -56,19 +64,22 @@ public:
     /// run rebuilt (a rotated secret, a reload) keeps its count, and a connection holds no
     /// reference to the Run (its pins' secrets) it was admitted under.
     uint64_t add(const std::string& run, size_t limit, net::any_io_executor ex,
-                 std::weak_ptr<int> fd_token);
+                 std::weak_ptr<RegisteredConn> fd_token);
     void remove(const std::string& run, uint64_t id);
     /// With `wait`, returns once every shutdown has run (or `wait` passed): a revoke answers
     /// after its run's connections are cut. Never with a wait from a worker's own thread.
+    /// `why` goes to each connection's RegisteredConn::cut (null: the drain, which says so
+    /// itself).
     size_t close_run(const std::string& run,
-                     std::chrono::milliseconds wait = std::chrono::milliseconds(0));
+                     std::chrono::milliseconds wait = std::chrono::milliseconds(0),
+                     const char* why = nullptr);
     /// Shuts down every registered connection (close_run for each run): the drain deadline.
     size_t close_all();
 
 private:
     struct Entry {
         net::any_io_executor ex;
-        std::weak_ptr<int> fd_token;
+        std::weak_ptr<RegisteredConn> fd_token;
         uint64_t inode = 0;  // the socket's inode: a reused fd number is never shut down
     };
     std::mutex mu_;

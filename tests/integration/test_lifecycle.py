@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -386,6 +387,48 @@ def test_a_static_token_changed_by_reload_closes_what_the_old_one_opened(world, 
     e.reload()
     assert helpers.request(c, "GET", f"/echo/{marker}-3", f"api.test:{world.U}").status == 200
     c.close()
+
+
+def test_a_request_cut_with_its_runs_connections_is_audited_as_such(world, factory, marker):
+    """A reload that changes a static run's token cuts the connections the old token opened,
+    a download in flight with them; the request's audit record says why (run_changed), not
+    client_aborted: egressd cut it, the client did not leave. So does a tunnel's."""
+    tf = os.path.join(world.new_dir("tok-"), "r1.token")
+
+    def write_token(value: str):
+        with open(tf, "w") as f:
+            f.write(value + "\n")
+        os.chmod(tf, 0o600)
+    old = "old-" + os.urandom(8).hex()
+    write_token(old)
+    e = factory.start(lambda c: c["runs"][0].update(token_file=tf))
+    old_auth = helpers.basic_auth("r1", old)
+    blind, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", old_auth)
+    assert r.status == 200
+    c = helpers.tunnel(e.proxy_port, "api.test", world.U, old_auth, run_ca(e, "r1"))
+    try:
+        c.send(f"GET /bytes/4000000?pace=50&{marker} HTTP/1.1\r\nHost: api.test:{world.U}\r\n"
+               "\r\n".encode())
+        c.sock.settimeout(10)
+        assert c.sock.recv(65536).startswith(b"HTTP/1.1 200")  # the download is under way
+        write_token("new-" + os.urandom(8).hex())
+        e.reload()
+        deadline = time.monotonic() + 10  # the download's connection is cut: EOF or reset
+        try:
+            while c.sock.recv(65536) and time.monotonic() < deadline:
+                pass
+        except (ConnectionError, ssl.SSLError):
+            pass
+        assert time.monotonic() < deadline, "the download's connection was not cut"
+        poll(lambda: helpers.closed_by_peer(blind), 10, "the tunnel to be cut")
+    finally:
+        c.close()
+        blind.close()
+    [rec] = e.wait_audit(lambda a: (a.get("path") or "").startswith("/bytes/4000000"))
+    assert (rec["decision"], rec["status"], rec["reason"]) == ("allow", 200, "run_changed"), rec
+    assert 0 < rec["bytes_out"] < 4000000
+    [tun] = e.wait_audit(lambda a: a.get("host") == "tunnel.test" and a.get("status") == 200)
+    assert tun["reason"] == "run_changed", tun
 
 
 def sighup_ignored(pid: int) -> bool:

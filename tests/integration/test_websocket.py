@@ -302,4 +302,5 @@ def test_revoking_the_run_closes_its_open_websocket(world, factory, ws, marker):
         c.close()
     rec = _record(e, marker)
     assert rec["status"] == 101 and rec["run"] == run.id, rec
+    assert rec["reason"] == "run_revoked", rec  # egressd cut it, not its client
     assert e.leaks(extra_needles=[value.encode()]) == []
