@@ -888,7 +888,10 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     TcpStream stream(std::move(socket));
     bool unread = false;
     co_await proxy_requests(stream, w, unread);
-    if (unread) {
+    if (w.shared.draining.load()) {
+        ClosingGuard closing(w);  // no wait since the last response stopped counting in flight
+        co_await drain_close(stream.socket(), w);  // (nothing if the socket went to a TLS stream)
+    } else if (unread) {
         co_await linger_close(stream.socket(), w.runtime()->config->limits.linger_timeout);
     }
 }
@@ -1092,7 +1095,10 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
 awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t port) {
     bool unread = false;
     co_await transparent_requests(stream, scope, port, unread);
-    if (unread) {
+    if (scope.worker->shared.draining.load()) {
+        ClosingGuard closing(*scope.worker);
+        co_await drain_close(stream.socket(), *scope.worker);
+    } else if (unread) {
         co_await linger_close(stream.socket(), scope.runtime->config->limits.linger_timeout);
     }
 }

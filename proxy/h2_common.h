@@ -236,6 +236,9 @@ struct H2Io {
     bool dead = false;
     bool writing = false;
     bool wipe_written = false;  // frames may carry a secret: zero each buffer once written
+    /// The owner closes the socket itself, lingering (the server's drain): the writer, done,
+    /// only stops the reader.
+    bool linger = false;
     std::chrono::steady_clock::time_point write_started{};
     std::chrono::steady_clock::time_point last_activity = std::chrono::steady_clock::now();
     /// Body bytes queued for nghttp2 on all streams, and how many may be: past the budget a
@@ -322,7 +325,12 @@ struct H2Io {
             co_await wsig.wait(std::chrono::hours(24));
         }
         dead = true;
-        close_socket();
+        if (linger) {
+            error_code ignored;
+            stream->socket().cancel(ignored);  // the reader's wait ends; the socket stays open
+        } else {
+            close_socket();
+        }
     }
 };
 

@@ -94,6 +94,7 @@ struct Conn {
     Clock::time_point started = Clock::now();
     bool settings_acked = false;
     bool goaway_sent = false;
+    std::optional<ClosingGuard> closing;  // from the drain's GOAWAY until the close is done
     // flood accounting
     uint64_t total_streams = 0;
     uint64_t premature_resets = 0;
@@ -826,6 +827,8 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
         }
         if (c->scope.worker->shared.draining.load() && !c->goaway_sent) {
             c->goaway_sent = true;
+            c->io.linger = true;  // closed by the drain: lingering (serve_intercepted_h2)
+            c->closing.emplace(*c->scope.worker);
             nghttp2_submit_goaway(s, NGHTTP2_FLAG_NONE, nghttp2_session_get_last_proc_stream_id(s),
                                   NGHTTP2_NO_ERROR, nullptr, 0);
             c->io.wsig.notify();
@@ -960,6 +963,16 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
     // Every stream handler holds the connection; wait for them before the TLS stream goes.
     while (c->handlers > 0) {
         co_await c->handlers_done.wait(std::chrono::seconds(1));
+    }
+    if (c->io.linger) {
+        // Our close_notify without waiting for the client's, then the drain's lingering close:
+        // the client's unread WINDOW_UPDATEs would otherwise reset the connection and discard
+        // the response bytes the kernel has not sent yet.
+        SSL_set_shutdown(client.native_handle(), SSL_RECEIVED_SHUTDOWN);
+        client.expires_after(std::chrono::seconds(1));
+        co_await client.async_shutdown(use_nothrow);
+        co_await drain_close(client.socket(), *c->scope.worker);
+        c->closing.reset();
     }
 }
 

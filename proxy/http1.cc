@@ -1065,10 +1065,19 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
             break;
         }
     }
+    // Ended by the drain: counted from here, before any wait, until its lingering close.
+    std::optional<ClosingGuard> closing;
+    if (scope.worker->shared.draining.load()) {
+        closing.emplace(*scope.worker);
+    }
     // Send our close_notify without waiting for the peer's (it may never come).
     SSL_set_shutdown(client.native_handle(), SSL_RECEIVED_SHUTDOWN);
     lowest(client).expires_after(std::chrono::seconds(1));
     co_await client.async_shutdown(use_nothrow);
+    if (closing) {
+        co_await drain_close(lowest(client).socket(), *scope.worker);
+        co_return;
+    }
     if (unread) {
         co_await linger_close(lowest(client).socket(),
                               scope.runtime->config->limits.linger_timeout);

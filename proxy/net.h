@@ -13,6 +13,9 @@
 #include <cstddef>
 #include <limits>
 
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
+
 #include "common/secure_zero.h"
 #include "proxy/tls_socket.h"
 
@@ -148,6 +151,12 @@ using TcpStream = beast::tcp_stream;
 /// TLS on the socket itself (proxy/tls_socket.h), not asio::ssl::stream's BIO pair.
 using TlsStream = TlsSocket;
 
+/// Bytes sent on socket `fd` the peer has not acknowledged yet (SIOCOUTQ; 0 if unknown).
+inline int unacked_bytes(int fd) {
+    int n = 0;
+    return ::ioctl(fd, SIOCOUTQ, &n) == 0 ? n : 0;
+}
+
 /// Ends a connection after an answer sent while the peer may still be sending (a refusal of a
 /// request with a body, an upstream's early answer, an admin request over its size): our side
 /// is shut down for sending, then what the peer sends is read and dropped until it closes,
@@ -155,9 +164,13 @@ using TlsStream = TlsSocket;
 /// connection, and a reset can discard the answer before the peer reads it (RFC 9112 9.6;
 /// nginx's lingering close). The dropped bytes are wiped: the admin API's may be secrets.
 /// Reads the socket itself: on TLS, after our close_notify, the records are not decrypted.
+/// With `hold_until` (a drain's close), `limit` counts from the peer's last bytes (a slow
+/// reader's WINDOW_UPDATEs), and past it the close waits on while the peer has not
+/// acknowledged all we sent; it ends at `hold_until` whatever the peer does.
 template <class Socket>
 awaitable<void> linger_close(Socket& s, std::chrono::milliseconds limit,
-                             size_t max_bytes = std::numeric_limits<size_t>::max()) {
+                             size_t max_bytes = std::numeric_limits<size_t>::max(),
+                             std::chrono::steady_clock::time_point hold_until = {}) {
     error_code ec;
     s.shutdown(net::socket_base::shutdown_send, ec);  // the answer ends with our FIN
     if (ec) {
@@ -165,12 +178,21 @@ awaitable<void> linger_close(Socket& s, std::chrono::milliseconds limit,
     }
     std::array<char, 16 * 1024> sink;
     net::steady_timer timer(s.get_executor());
+    const bool hold = hold_until != std::chrono::steady_clock::time_point{};
     timer.expires_after(limit);
+    if (hold && timer.expiry() > hold_until) {
+        timer.expires_at(hold_until);
+    }
     using namespace net::experimental::awaitable_operators;
     for (size_t dropped = 0; dropped < max_bytes;) {
         auto r = co_await (s.async_read_some(net::buffer(sink), use_nothrow) ||
                            timer.async_wait(use_nothrow));
         if (r.index() == 1) {
+            const auto now = std::chrono::steady_clock::now();
+            if (hold && now < hold_until && unacked_bytes(s.native_handle()) > 0) {
+                timer.expires_at(std::min(now + std::chrono::milliseconds(50), hold_until));
+                continue;
+            }
             break;  // the time is up
         }
         auto [rec, n] = std::get<0>(r);
@@ -178,6 +200,9 @@ awaitable<void> linger_close(Socket& s, std::chrono::milliseconds limit,
             break;  // the peer closed (it has the answer) or reset
         }
         dropped += n;
+        if (hold) {
+            timer.expires_at(std::min(std::chrono::steady_clock::now() + limit, hold_until));
+        }
     }
     egress::secure_zero(sink.data(), sink.size());
 }

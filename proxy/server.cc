@@ -682,10 +682,22 @@ struct Server::Impl {
         return n;
     }
 
-    /// Returns when nothing is in flight or at `deadline`.
-    awaitable<void> wait_inflight(std::chrono::steady_clock::time_point deadline) {
+    /// Connections the drain ended still closing, on every worker.
+    int64_t closing() const {
+        int64_t n = 0;
+        for (const auto& w : workers) {
+            n += w->closing.load(std::memory_order_relaxed);
+        }
+        return n;
+    }
+
+    /// Returns when nothing is in flight (with `closes`: and no close of the drain's is under
+    /// way) or at `deadline`.
+    awaitable<void> wait_inflight(std::chrono::steady_clock::time_point deadline,
+                                  bool closes = false) {
         net::steady_timer t(co_await net::this_coro::executor);
-        while (inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
+        while ((inflight() > 0 || (closes && closing() > 0)) &&
+               std::chrono::steady_clock::now() < deadline) {
             t.expires_after(std::chrono::milliseconds(20));
             co_await t.async_wait(use_nothrow);
         }
@@ -902,6 +914,8 @@ int Server::run() {
         // The current runtime: a SIGHUP may have changed drain_timeout since the start.
         const auto drain = s.runtime.load()->config->limits.drain_timeout;
         spdlog::info("signal {}: draining (up to {} ms)", sig, drain.count());
+        const auto deadline = std::chrono::steady_clock::now() + drain;
+        s.drain_deadline.store(deadline.time_since_epoch().count());
         s.draining.store(true);
         error_code ignored;
         impl_->proxy_acceptor->close(ignored);
@@ -918,8 +932,8 @@ int Server::run() {
         // Wait for in-flight requests and tunnels, bounded by drain_timeout.
         net::co_spawn(
             impl_->workers[0]->ioc,
-            [this, &s, drain]() -> awaitable<void> {
-                co_await impl_->wait_inflight(std::chrono::steady_clock::now() + drain);
+            [this, &s, deadline]() -> awaitable<void> {
+                co_await impl_->wait_inflight(deadline);
                 if (const int64_t n = impl_->inflight(); n > 0) {
                     // Shut the connections down so each request and tunnel ends through its
                     // error path and writes its audit record (reason drain_timeout); a loop
@@ -943,6 +957,10 @@ int Server::run() {
                 }
                 co_await impl_->wait_h2_closed(std::chrono::steady_clock::now() +
                                                kH2GoawayWait);
+                // The connections the drain ended close lingering while their clients read
+                // the rest (drain_close), within the drain's deadline. wait_h2_closed ran a
+                // turn of every worker's loop: a close begun as its last request ended counts.
+                co_await impl_->wait_inflight(deadline, true);
                 for (auto& w : impl_->workers) {
                     w->ioc.stop();
                 }

@@ -161,6 +161,9 @@ struct Shared {
     policy::RequestPipeline pipeline;
     std::vector<tcp::endpoint> own_listeners;  // for the self-connection check
     std::atomic<bool> draining{false};
+    /// The drain's deadline (steady_clock ticks), stored before `draining`: the lingering
+    /// closes of the connections it ends (drain_close) wait no longer.
+    std::atomic<std::chrono::steady_clock::rep> drain_deadline{0};
     /// Set when drain_timeout ran out and the connections still open were shut down: an allow
     /// record written after that says reason "drain_timeout" (Worker::audit), whichever error
     /// path its request or tunnel ended through.
@@ -229,6 +232,10 @@ struct Worker {
     /// Requests and tunnels in progress on this worker (the drain on SIGTERM waits for every
     /// worker's to reach 0). Written by this worker's thread only, read by the drain.
     std::atomic<int64_t> inflight{0};
+    /// Connections the drain ended that are still closing (ClosingGuard): once nothing is in
+    /// flight, the drain waits for these too, so a response already written is not destroyed
+    /// by a reset or by the exit while the client still reads it.
+    std::atomic<int64_t> closing{0};
     /// This worker's request counters (Metrics::Shard).
     Metrics::Shard& metrics;
     /// Upstream TLS sessions (tickets) by pool key, for resumption. Declared before ioc so
@@ -282,14 +289,14 @@ private:
     uint64_t req_id_end_ = 0;
 };
 
-/// Counts one request or tunnel in flight on its worker for the drain on SIGTERM. Only the
-/// worker's own thread writes the count: a plain load and store, no locked instruction.
-class InflightGuard {
+/// Adds one to a worker's count while it lives. Only the worker's own thread writes the
+/// count: a plain load and store, no locked instruction.
+class CountGuard {
 public:
-    explicit InflightGuard(Worker& w) : n_(w.inflight) { add(1); }
-    ~InflightGuard() { add(-1); }
-    InflightGuard(const InflightGuard&) = delete;
-    InflightGuard& operator=(const InflightGuard&) = delete;
+    explicit CountGuard(std::atomic<int64_t>& n) : n_(n) { add(1); }
+    ~CountGuard() { add(-1); }
+    CountGuard(const CountGuard&) = delete;
+    CountGuard& operator=(const CountGuard&) = delete;
 
 private:
     void add(int64_t d) {
@@ -297,6 +304,33 @@ private:
     }
     std::atomic<int64_t>& n_;
 };
+
+/// Counts one request or tunnel in flight on its worker for the drain on SIGTERM.
+class InflightGuard : public CountGuard {
+public:
+    explicit InflightGuard(Worker& w) : CountGuard(w.inflight) {}
+};
+
+/// Counts one connection the drain ended while it closes (Worker::closing). Taken with no
+/// suspension after its last request stopped counting in flight: the drain looks at the
+/// closes only after every worker's loop has turned since it saw nothing in flight.
+class ClosingGuard : public CountGuard {
+public:
+    explicit ClosingGuard(Worker& w) : CountGuard(w.closing) {}
+};
+
+/// The close of a connection the drain ended (the caller holds a ClosingGuard): a lingering
+/// close (linger_close), as the client may still send (HTTP/2 WINDOW_UPDATEs, a pipelined
+/// request) and closing with its bytes unread would reset the connection and discard what
+/// the kernel had not sent yet. Past limits.linger_timeout it waits on while the client has
+/// not acknowledged everything, until the drain's deadline.
+template <class Socket>
+awaitable<void> drain_close(Socket& s, Worker& w) {
+    const std::chrono::steady_clock::time_point deadline(
+        std::chrono::steady_clock::duration(w.shared.drain_deadline.load()));
+    co_await linger_close(s, w.runtime()->config->limits.linger_timeout,
+                          std::numeric_limits<size_t>::max(), deadline);
+}
 
 /// Serves one client connection on the forward-proxy port (CONNECT and absolute-form).
 awaitable<void> serve_proxy_client(tcp::socket socket, Worker& worker);

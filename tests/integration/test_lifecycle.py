@@ -799,6 +799,98 @@ def _record(events, receive, data):
     return got
 
 
+def _read_body(c: helpers.Conn, n: int) -> tuple[bytes, str | None]:
+    """Up to `n` body bytes (those already buffered first), and the error that ended the
+    reading early (its type only)."""
+    got, err = bytearray(c.buf), None
+    c.buf = b""
+    try:
+        while len(got) < n:
+            d = c.sock.recv(1 << 16)
+            if not d:
+                err = "eof"
+                break
+            got += d
+    except OSError as ex:  # ssl.SSLError too
+        err = type(ex).__name__
+    return bytes(got[:n]), err
+
+
+@pytest.mark.parametrize("leg", ["intercepted", "absolute_form"])
+def test_a_response_done_in_the_drain_survives_a_pipelined_request(world, factory, marker, leg):
+    """A response egressd finished during the drain reaches a client that pipelined a next
+    request behind it and reads it late: the connection the drain closes after it lingers
+    (reads and drops what the client sent, until the client took everything). Closed with the
+    next request unread, it was reset and the response bytes still in egressd's kernel were
+    lost (the client got ~120 KB of 2 MiB, then ECONNRESET), while the audit said 200 whole."""
+    e = factory.start(mutate=lambda c: c["limits"].update({"drain_timeout": "20s"}))
+    n = 2 * MiB
+    if leg == "intercepted":
+        up, host = world.upstream, f"api.test:{world.U}"
+        c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+
+        def req(path):
+            return f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    else:
+        up, host = world.plain, f"plain.test:{world.plain.port}"
+        c = helpers.Conn(socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10))
+        c.sock.settimeout(10)
+
+        def req(path):
+            return (f"GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n"
+                    f"Proxy-Authorization: {world.auth()}\r\n\r\n").encode()
+    try:
+        c.send(req(f"/bytes/{n}?pace=100&id={marker}"))
+        head = c.read_until(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head.split(b"\r\n")[0]
+        c.send(req(f"/echo/{marker}-next"))
+        poll(lambda: up.progress(marker) > 0, 10, "the download under way")
+        e.proc.send_signal(signal.SIGTERM)
+        # The client reads nothing until egressd has written the response into the kernel's
+        # buffers (no longer in flight) and linger_timeout (2 s) has passed.
+        poll(lambda: up.progress(marker) >= n, 20, "the whole body sent")
+        time.sleep(3)
+        body, err = _read_body(c, n)
+        assert len(body) == n, f"got {len(body)} of {n} body bytes ({err})"
+        assert hashlib.sha256(body).hexdigest() == payload_sha256(n)
+    finally:
+        c.close()
+    assert e.proc.wait(timeout=30) == 0
+    assert not up.find(f"{marker}-next"), "the pipelined request was served in the drain"
+
+
+def test_an_h2_response_done_in_the_drain_reaches_a_slow_reader(world, factory, marker):
+    """An HTTP/2 response egressd finished during the drain reaches a client still reading it
+    slowly (~320 KB/s): after the GOAWAY the connection closes lingering. Closed with the
+    client's WINDOW_UPDATEs unread, it was reset and the client got ~800 KB of 2 MiB, while
+    the audit said 200 whole."""
+    from hyperframe.frame import WindowUpdateFrame
+    from h2_helpers import H2Client, RawH2
+    e = factory.start(mutate=lambda c: c["limits"].update({"drain_timeout": "20s"}))
+    h = H2Client(e, world, "api.test", world.U, timeout=30, settings={4: 16 * MiB})
+    try:
+        raw = RawH2(h)
+        raw.send(WindowUpdateFrame(0, window_increment=8 * MiB).serialize())
+        n = 2 * MiB
+        sid = raw.send_headers([(":method", "GET"), (":scheme", "https"),
+                                (":authority", f"api.test:{world.U}"),
+                                (":path", f"/bytes/{n}?pace=100&id={marker}")])
+        st = raw.streams[sid]
+        recv = h.sock.recv
+        h.sock.recv = lambda k: (time.sleep(0.05), recv(min(k, 16384)))[1]  # ~320 KB/s
+        raw.pump(until=lambda: world.upstream.progress(marker) >= 256 * 1024, timeout=20)
+        e.proc.send_signal(signal.SIGTERM)
+        raw.pump(until=lambda: st["ended"] or st["reset"] is not None, timeout=40)
+        assert st["status"] == 200 and st["reset"] is None, (st["status"], st["reset"], len(st["body"]), st["headers"][:3], raw.closed, raw.goaway)
+        assert len(st["body"]) == n and st["ended"], (len(st["body"]), raw.closed)
+        assert hashlib.sha256(st["body"]).hexdigest() == payload_sha256(n)
+        raw.pump(until=lambda: raw.goaway is not None, timeout=10)
+        assert raw.goaway == 0
+    finally:
+        h.close()
+    assert e.proc.wait(timeout=30) == 0
+
+
 def test_static_run_ca_validity_and_its_expiry(world, factory, marker):
     """A run with ttl: null lives as long as the process: its CA gets
     limits.static_ca_validity (default 8760h), not 24 h. When it runs out the log says so and
