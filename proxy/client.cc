@@ -632,8 +632,12 @@ awaitable<void> run_tunnel(TcpStream& client, beast::flat_buffer& buf, Scope& sc
 
 /// TLS interception of a pinned (or intercepted) host with a leaf minted by the run CA.
 /// `announce` as for run_tunnel; without it the ClientHello is still unread in the socket.
+/// `begun` counts the connection in flight from its CONNECT (or ClientHello) until its TLS
+/// handshake is done and its first request's head read (HTTP/1.1), or its HTTP/2 session
+/// starts (the drain's GOAWAY then says which streams were taken).
 awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope& scope,
-                              Clock::time_point started, bool announce) {
+                              Clock::time_point started, bool announce,
+                              std::optional<InflightGuard>& begun) {
     Worker& w = *scope.worker;
     if (buf.size() > 0) {
         // A client that pipelines its ClientHello behind CONNECT before the 200: the bytes
@@ -712,11 +716,12 @@ awaitable<void> run_intercept(TcpStream& client, beast::flat_buffer& buf, Scope&
     scope.tls = true;
     if (tls::negotiated_alpn(tls.native_handle()) == "h2") {
         scope.proto_in = "h2";
+        begun.reset();
         co_await serve_intercepted_h2(tls, scope);
         co_return;
     }
     beast::flat_buffer tls_buf;
-    co_await serve_intercepted_http1(tls, tls_buf, scope);
+    co_await serve_intercepted_http1(tls, tls_buf, scope, begun);
 }
 
 /// Called right after a connection was registered for its run (RunAdmission::admit): the
@@ -750,8 +755,9 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
         refresh();
         H1RequestParser parser;
         UnreadBodyNote note{parser, unread};
+        std::optional<InflightGuard> begun;  // from the head's first byte (read_request_head)
         auto got = co_await read_request_head(stream, buf, parser, first,
-                                              scope.runtime->config->limits);
+                                              scope.runtime->config->limits, w, begun);
         // The identity is checked against the runtime of this head, not of the accept or of
         // the previous request: a head may come seconds later, after a revoke.
         refresh();
@@ -865,13 +871,15 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
             scope.proto_in = dd.carry == policy::Carry::Tunnel ? "tunnel" : "http/1.1";
             scope.method = "CONNECT";
             if (dd.carry == policy::Carry::Tunnel) {
+                begun.reset();  // the tunnel counts itself
                 co_await run_tunnel(stream, buf, scope, started, true);
             } else {
-                co_await run_intercept(stream, buf, scope, started, true);
+                co_await run_intercept(stream, buf, scope, started, true, begun);
             }
             co_return;
         }
         scope.proto_in = "http/1.1";
+        begun.reset();  // the request counts itself from here (serve_exchange)
         bool keep = co_await forward_plain_http(stream, buf, parser, scope);
         if (!keep || shared.draining.load()) {
             co_return;
@@ -1046,7 +1054,8 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
         const auto& limits = scope.runtime->config->limits;
         H1RequestParser parser;
         UnreadBodyNote note{parser, unread};
-        auto got = co_await read_request_head(stream, buf, parser, first, limits);
+        std::optional<InflightGuard> begun;  // from the head's first byte (read_request_head)
+        auto got = co_await read_request_head(stream, buf, parser, first, limits, w, begun);
         first = false;
         if (got != HeadRead::Ok) {
             co_await refuse_head(stream, got, scope, started);
@@ -1085,6 +1094,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
             }
             continue;
         }
+        begun.reset();  // the request counts itself from here (serve_exchange)
         bool keep = co_await forward_origin_http(stream, buf, parser, scope);
         if (!keep || shared.draining.load()) {
             co_return;
@@ -1211,7 +1221,8 @@ awaitable<void> serve_transparent_client(tcp::socket socket, Worker& w) {
         scope.proto_in = "tunnel";
         co_await run_tunnel(stream, none, scope, started, false);
     } else {
-        co_await run_intercept(stream, none, scope, started, false);
+        std::optional<InflightGuard> begun(std::in_place, w);  // its ClientHello is here
+        co_await run_intercept(stream, none, scope, started, false, begun);
     }
 }
 

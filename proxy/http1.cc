@@ -981,7 +981,8 @@ template awaitable<void> write_refusal<TlsStream>(TlsStream&, std::chrono::milli
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
                                       H1RequestParser& parser, bool first,
-                                      const Limits& limits) {
+                                      const Limits& limits, Worker& w,
+                                      std::optional<InflightGuard>& begun) {
     parser.header_limit(static_cast<uint32_t>(limits.max_header_bytes));
     parser.field_limit(limits.max_header_fields);
     parser.body_limit(boost::none);
@@ -995,7 +996,19 @@ awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
         buf.commit(n);
     }
     ReadDeadline deadline(s, limits.header_timeout);
-    auto ec = co_await read_header(s, buf, parser);
+    error_code ec;
+    if (buf.size() == 0) {
+        // A connection's first head: its first bytes alone, so it counts from them.
+        auto [rec, n] = co_await read_some(s, buf.prepare(4096));
+        buf.commit(n);
+        ec = rec == net::error::eof ? error_code(http::error::end_of_stream) : rec;
+    }
+    if (buf.size() > 0 && !begun) {
+        begun.emplace(w);
+    }
+    if (!ec) {
+        ec = co_await read_header(s, buf, parser);
+    }
     if (!ec) {
         co_return HeadRead::Ok;
     }
@@ -1034,14 +1047,16 @@ awaitable<void> refuse_head(Stream& s, HeadRead result, Scope& scope, Clock::tim
 }
 
 template awaitable<HeadRead> read_request_head<TcpStream>(
-    TcpStream&, beast::flat_buffer&, H1RequestParser&, bool, const Limits&);
+    TcpStream&, beast::flat_buffer&, H1RequestParser&, bool, const Limits&, Worker&,
+    std::optional<InflightGuard>&);
 template awaitable<HeadRead> read_request_head<TlsStream>(
-    TlsStream&, beast::flat_buffer&, H1RequestParser&, bool, const Limits&);
+    TlsStream&, beast::flat_buffer&, H1RequestParser&, bool, const Limits&, Worker&,
+    std::optional<InflightGuard>&);
 template awaitable<void> refuse_head<TcpStream>(TcpStream&, HeadRead, Scope&, Clock::time_point);
 template awaitable<void> refuse_head<TlsStream>(TlsStream&, HeadRead, Scope&, Clock::time_point);
 
 awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer,
-                                        Scope& scope) {
+                                        Scope& scope, std::optional<InflightGuard>& begun) {
     bool first = true;
     bool unread = false;  // the last request's body was not read to its end
     for (;;) {
@@ -1050,7 +1065,8 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
         // The limits of the runtime the scope holds now: a request may have moved the scope
         // to a reloaded one, and the runtime it held before may be gone with its config.
         auto got = co_await read_request_head(client, buffer, parser, first,
-                                              scope.runtime->config->limits);
+                                              scope.runtime->config->limits, *scope.worker,
+                                              begun);
         first = false;
         if (got != HeadRead::Ok) {
             co_await refuse_head(client, got, scope, started);
@@ -1060,6 +1076,7 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
         if (scope.worker->shared.draining.load()) {
             parser.close();
         }
+        begun.reset();  // the request counts itself from here (serve_exchange)
         bool keep = co_await handle_request(client, buffer, parser, scope, false);
         if (!keep || scope.worker->shared.draining.load()) {
             break;
@@ -1070,6 +1087,7 @@ awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& b
     if (scope.worker->shared.draining.load()) {
         closing.emplace(*scope.worker);
     }
+    begun.reset();
     // Send our close_notify without waiting for the peer's (it may never come).
     SSL_set_shutdown(client.native_handle(), SSL_RECEIVED_SHUTDOWN);
     lowest(client).expires_after(std::chrono::seconds(1));

@@ -33,11 +33,15 @@ enum class HeadRead : uint8_t {
 /// Reads one request head into `parser`. A keep-alive connection (`first` false, nothing
 /// buffered) may idle for idle_timeout before the next request's first byte; from then on (and
 /// from accept on the first request) the whole head must arrive within header_timeout, so a
-/// slowloris client is cut off at header_timeout wherever it starts.
+/// slowloris client is cut off at header_timeout wherever it starts. From the head's first
+/// byte `begun` counts it in flight (the drain waits for a head under way; a connection idle
+/// between requests is not waited for): the caller lets go when the request's own count
+/// begins (serve_exchange, run_tunnel), or once a refused head is answered.
 template <class Stream>
 awaitable<HeadRead> read_request_head(Stream& s, beast::flat_buffer& buf,
                                       H1RequestParser& parser, bool first,
-                                      const Limits& limits);
+                                      const Limits& limits, Worker& w,
+                                      std::optional<InflightGuard>& begun);
 
 /// Answers a failed head read (408 header_timeout, 431, 400) and audits it; nothing for Closed.
 template <class Stream>
@@ -52,8 +56,10 @@ struct UnreadBodyNote {
     ~UnreadBodyNote() { unread = parser.body_unread(); }
 };
 
-/// Serves requests on an intercepted TLS connection until it closes.
-awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer, Scope& scope);
+/// Serves requests on an intercepted TLS connection until it closes. `begun`: the CONNECT's
+/// count in flight, kept until its first request's head is read.
+awaitable<void> serve_intercepted_http1(TlsStream& client, beast::flat_buffer& buffer, Scope& scope,
+                                        std::optional<InflightGuard>& begun);
 
 /// What an audit record of a refused request names as its path (the query is removed when the
 /// record is written): an origin-form target as it is, an absolute-form one's path, never its

@@ -859,6 +859,72 @@ def test_a_response_done_in_the_drain_survives_a_pipelined_request(world, factor
     assert not up.find(f"{marker}-next"), "the pipelined request was served in the drain"
 
 
+@pytest.mark.parametrize("case", ["intercepted_head", "absolute_form_head", "connect_before_tls",
+                                  "h2_header_block"])
+def test_a_request_begun_before_sigterm_is_served(world, factory, marker, case):
+    """Work a client had begun when SIGTERM came counts in flight, as nginx counts a
+    connection from the first byte of a head: a request head half received, an intercepted
+    CONNECT answered whose TLS handshake was still to come, an HTTP/2 header block still
+    incomplete. Its rest, sent 1 s after SIGTERM, is served; egressd used to exit at once
+    with nothing else in flight, and the request was lost (EOF; the upstream never saw it)."""
+    from hyperframe.frame import ContinuationFrame, HeadersFrame
+    from h2_helpers import H2Client, RawH2
+    e = factory.start(mutate=lambda c: c["limits"].update({"drain_timeout": "20s"}))
+    host, up = f"api.test:{world.U}", world.upstream
+
+    def sigterm():
+        time.sleep(0.2)  # what was sent has reached egressd
+        e.proc.send_signal(signal.SIGTERM)
+        poll(lambda: "draining" in e.stderr_text(), 10, "the drain")
+        time.sleep(1)  # past the 500 ms the drain gives HTTP/2 connections for their GOAWAY
+
+    status, h = None, None
+    try:
+        if case == "intercepted_head":
+            c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
+            c.send(f"GET /echo/{marker} HTTP/1.1\r\nHost: {host}\r\n".encode())
+            sigterm()
+            c.send(b"\r\n")
+            status = helpers.read_response(c).status
+        elif case == "absolute_form_head":
+            host, up = f"plain.test:{world.plain.port}", world.plain
+            c = helpers.Conn(socket.create_connection(("127.0.0.1", e.proxy_port), timeout=10))
+            c.sock.settimeout(10)
+            c.send((f"GET http://{host}/echo/{marker} HTTP/1.1\r\nHost: {host}\r\n"
+                    f"Proxy-Authorization: {world.auth()}\r\n").encode())
+            sigterm()
+            c.send(b"\r\n")
+            status = helpers.read_response(c).status
+        elif case == "connect_before_tls":
+            c, r = helpers.proxy_connect(e.proxy_port, host, world.auth())
+            assert r.status == 200
+            sigterm()
+            t = helpers.tls_wrap(c, "api.test", run_ca(e, "r1"))
+            status = helpers.request(t, "GET", f"/echo/{marker}", host).status
+        else:
+            h = H2Client(e, world, "api.test", world.U)
+            raw = RawH2(h)
+            block = raw.enc.encode([(":method", "GET"), (":scheme", "https"),
+                                    (":authority", host), (":path", f"/echo/{marker}")])
+            sid = raw.next_sid
+            raw.next_sid += 2
+            st = raw.streams[sid] = {"status": None, "reset": None, "ended": False,
+                                     "headers": [], "body": b""}
+            raw.send(HeadersFrame(sid, data=block[:5], flags=["END_STREAM"]).serialize())
+            sigterm()
+            raw.send(ContinuationFrame(sid, data=block[5:], flags=["END_HEADERS"]).serialize())
+            raw.pump(until=lambda: st["ended"] or st["reset"] is not None, timeout=10)
+            status = st["status"] if st["ended"] else (st["status"], st["reset"], raw.closed)
+    except (OSError, ConnectionError) as ex:  # ssl.SSLError too
+        status = type(ex).__name__
+    finally:
+        if h is not None:
+            h.close()
+    assert status == 200, status
+    assert up.find(marker), "the upstream never saw the request"
+    assert e.proc.wait(timeout=30) == 0
+
+
 def test_an_h2_response_done_in_the_drain_reaches_a_slow_reader(world, factory, marker):
     """An HTTP/2 response egressd finished during the drain reaches a client still reading it
     slowly (~320 KB/s): after the GOAWAY the connection closes lingering. Closed with the
