@@ -195,11 +195,19 @@ Result<SecretPtr> load_owner_only_secret_file(std::string_view key, const std::s
 
 namespace {
 
-/// Writes `bytes` to `fd` whole and syncs it; false with errno set otherwise.
-bool write_synced(int fd, std::string_view bytes) {
-    return ::fchmod(fd, 0600) == 0 &&
-           ::write(fd, bytes.data(), bytes.size()) == static_cast<ssize_t>(bytes.size()) &&
-           ::fsync(fd) == 0;
+/// Writes `bytes` to `fd` whole and syncs it: 0, or the errno (EIO for a short write).
+int write_synced(int fd, std::string_view bytes) {
+    if (::fchmod(fd, 0600) != 0) {
+        return errno;
+    }
+    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+    if (n < 0) {
+        return errno;
+    }
+    if (static_cast<size_t>(n) != bytes.size()) {
+        return EIO;
+    }
+    return ::fsync(fd) == 0 ? 0 : errno;
 }
 
 /// 0: linked; EEXIST: `path` exists (another creator won); another errno: failed.
@@ -210,10 +218,8 @@ int create_unnamed(const std::string& dir, const std::string& path, std::string_
     if (fd < 0) {
         return errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL ? -1 : errno;
     }
-    int rc = 0;
-    if (!write_synced(fd, bytes)) {
-        rc = errno;
-    } else {
+    int rc = write_synced(fd, bytes);
+    if (rc == 0) {
         const std::string self = "/proc/self/fd/" + std::to_string(fd);
         if (::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, path.c_str(), AT_SYMLINK_FOLLOW) != 0) {
             rc = errno == ENOENT && ::access("/proc/self/fd", F_OK) != 0 ? -1 : errno;
@@ -239,7 +245,7 @@ int create_named(const std::string& path, std::string_view bytes) {
     if (fd < 0) {
         return errno;
     }
-    int rc = write_synced(fd, bytes) ? 0 : errno;
+    int rc = write_synced(fd, bytes);
     ::close(fd);
     if (rc == 0 && ::link(tmp.c_str(), path.c_str()) != 0) {
         rc = errno;
@@ -266,6 +272,12 @@ Result<bool> create_secret_file(const std::string& path, std::string_view bytes,
         rc = create_named(path, bytes);
     }
     if (rc == EEXIST) {
+        // Another creator linked it a moment ago: its folder fsync too, before the caller
+        // uses the key (best effort: the creator reports its own failure).
+        if (const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); dfd >= 0) {
+            ::fsync(dfd);
+            ::close(dfd);
+        }
         return false;
     }
     if (rc != 0) {

@@ -722,9 +722,10 @@ awaitable<bool> serve_exchange(Downstream& down, policy::RequestHead head, Scope
         if (!reason.empty()) {
             rec.reason = reason;
         }
-        if (const char* cut = scope.cut()) {
-            // Ended because egressd cut its connection (a revoke...), not by its client: a
-            // download cut short, a WebSocket closed.
+        // Ended because egressd cut its connection (a revoke...), not by its client: a
+        // download cut short, a WebSocket whose relay ended. Other outcomes keep their reason.
+        if (const char* cut = scope.cut();
+            cut != nullptr && (reason == "client_aborted" || (reason.empty() && status == 101))) {
             rec.reason = cut;
         }
         rec.duration_ms = ms_since(started);

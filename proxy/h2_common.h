@@ -326,8 +326,12 @@ struct H2Io {
         }
         dead = true;
         if (linger) {
+            // The reader's wait ends, and any it starts later fails at once (a cancel alone
+            // misses a wait the TLS stream re-arms after a partial record); the socket stays
+            // open for the lingering close.
+            stream->expires_after(std::chrono::milliseconds(0));
             error_code ignored;
-            stream->socket().cancel(ignored);  // the reader's wait ends; the socket stays open
+            stream->socket().cancel(ignored);
         } else {
             close_socket();
         }

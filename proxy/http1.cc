@@ -905,6 +905,7 @@ awaitable<bool> handle_request(ClientStream& client, beast::flat_buffer& cbuf,
     H1Downstream<ClientStream> down(client, cbuf, parser, limits, scope.worker->shared.draining);
     auto head_or = to_request_head(parser, scope.tls, absolute_form);
     if (auto* r = std::get_if<Refusal>(&head_or)) {
+        InflightGuard inflight(*scope.worker);  // a refusal being written is in flight too
         co_await write_refusal(client, limits.refusal_timeout, r->status, r->reason, false);
         audit_refusal(scope, std::string(parser.method_string()), audit_path(parser.target()),
                       r->status, r->reason, started);
