@@ -138,6 +138,12 @@ class Egressd:
         self.proc.send_signal(signal.SIGHUP)
         poll(lambda: self.stderr_text().count(expect) > before, 10, f"{expect!r} log line")
 
+    def last_line(self, containing: str) -> str:
+        """The last line of egressd's stderr holding `containing` ("" if none): a request's
+        log line may land after the line a test waited for, so "the last line" is not it."""
+        return next((ln for ln in reversed(self.stderr_text().splitlines()) if containing in ln),
+                    "")
+
     def check(self) -> subprocess.CompletedProcess:
         self.write_config()
         return subprocess.run([self.binary, "--check", "--config", self.config_path],

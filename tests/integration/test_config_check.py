@@ -356,7 +356,7 @@ def test_a_reload_naming_the_master_key_as_ca_cert_out_is_refused(factory, world
     key_before = _digest(key)
     e.rewrite_config(lambda c: c["runs"][0].__setitem__("ca_cert_out", key))
     e.reload("reload refused")
-    line = e.stderr_text().splitlines()[-1]
+    line = e.last_line("reload refused")
     assert "runs[0].ca_cert_out: names the file of keys.master_key_file" in line, line
     assert _digest(key) == key_before, "the master key was changed"
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))

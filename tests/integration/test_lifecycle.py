@@ -243,7 +243,7 @@ def test_a_reload_of_an_emptied_config_file_is_refused(world, factory, marker):
         with open(e.config_path, "w") as f:
             f.write(text)
         e.reload("reload refused")
-        line = e.stderr_text().splitlines()[-1]
+        line = e.last_line("reload refused")
         assert "config is empty" in line, line
         c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), ca)
         assert helpers.request(c, "GET", f"/echo/{marker}-{i}", f"api.test:{world.U}").status == 200
@@ -265,7 +265,7 @@ def test_a_reload_refuses_a_broken_file_that_only_a_restart_would_read(world, fa
     e = factory.start()
     e.rewrite_config(lambda c: c["upstream"].__setitem__("ca_file", "/nonexistent/ca.pem"))
     e.reload("reload refused")
-    line = e.stderr_text().splitlines()[-1]
+    line = e.last_line("reload refused")
     assert "upstream.ca_file: " in line and "/nonexistent/ca.pem" in line, line
     assert "reloaded" not in line
     c = helpers.tunnel(e.proxy_port, "api.test", world.U, world.auth(), run_ca(e, "r1"))
@@ -1165,7 +1165,7 @@ def test_sighup_rereads_the_admin_token(factory):
 
     os.rename(token_file, token_file + ".gone")
     e.reload(expect="reload refused")
-    assert "admin.token_file: " in e.stderr_text().splitlines()[-1]
+    assert "admin.token_file: " in e.last_line("reload refused")
     assert api(e, "GET", "/v1/secrets", token=new).status == 200
     os.rename(token_file + ".gone", token_file)
     # A token file others may read grants them the admin API: refused, as a master key file
@@ -1173,7 +1173,7 @@ def test_sighup_rereads_the_admin_token(factory):
     os.chmod(token_file, 0o644)
     e.reload(expect="reload refused")
     assert ("admin.token_file: " + token_file + " is readable by group or others (mode 0644)"
-            in e.stderr_text().splitlines()[-1])
+            in e.last_line("reload refused"))
     assert api(e, "GET", "/v1/secrets", token=new).status == 200
     other = factory.make()
     other.config["admin"]["token_file"] = token_file
