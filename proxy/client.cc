@@ -887,6 +887,19 @@ awaitable<void> proxy_requests(TcpStream& stream, Worker& w, bool& unread) {
     }
 }
 
+/// Ends a client connection served in the clear (the proxy port's, the transparent port's
+/// plain HTTP): a lingering close when the drain ended it (counted until it is closed; taken
+/// with no wait since its last response stopped counting in flight; nothing to read if the
+/// socket went to a TLS stream), or when a request body was left unread.
+awaitable<void> end_plain_client(TcpStream& stream, Worker& w, bool unread) {
+    if (w.shared.draining.load()) {
+        ClosingGuard closing(w);
+        co_await drain_close(stream.socket(), w);
+    } else if (unread) {
+        co_await linger_close(stream.socket(), w.runtime()->config->limits.linger_timeout);
+    }
+}
+
 }  // namespace
 
 awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
@@ -896,12 +909,7 @@ awaitable<void> serve_proxy_client(tcp::socket socket, Worker& w) {
     TcpStream stream(std::move(socket));
     bool unread = false;
     co_await proxy_requests(stream, w, unread);
-    if (w.shared.draining.load()) {
-        ClosingGuard closing(w);  // no wait since the last response stopped counting in flight
-        co_await drain_close(stream.socket(), w);  // (nothing if the socket went to a TLS stream)
-    } else if (unread) {
-        co_await linger_close(stream.socket(), w.runtime()->config->limits.linger_timeout);
-    }
+    co_await end_plain_client(stream, w, unread);
 }
 
 namespace {
@@ -1105,12 +1113,7 @@ awaitable<void> transparent_requests(TcpStream& stream, Scope& scope, uint16_t p
 awaitable<void> serve_transparent_http(TcpStream& stream, Scope& scope, uint16_t port) {
     bool unread = false;
     co_await transparent_requests(stream, scope, port, unread);
-    if (scope.worker->shared.draining.load()) {
-        ClosingGuard closing(*scope.worker);
-        co_await drain_close(stream.socket(), *scope.worker);
-    } else if (unread) {
-        co_await linger_close(stream.socket(), scope.runtime->config->limits.linger_timeout);
-    }
+    co_await end_plain_client(stream, *scope.worker, unread);
 }
 
 }  // namespace

@@ -674,19 +674,16 @@ struct Server::Impl {
     }
 
     /// Requests and tunnels in flight on every worker.
-    int64_t inflight() const {
-        int64_t n = 0;
-        for (const auto& w : workers) {
-            n += w->inflight.load(std::memory_order_relaxed);
-        }
-        return n;
-    }
+    int64_t inflight() const { return total(&Worker::inflight); }
 
     /// Connections the drain ended still closing, on every worker.
-    int64_t closing() const {
+    int64_t closing() const { return total(&Worker::closing); }
+
+    /// One of the workers' counts, summed over them.
+    int64_t total(std::atomic<int64_t> Worker::*count) const {
         int64_t n = 0;
         for (const auto& w : workers) {
-            n += w->closing.load(std::memory_order_relaxed);
+            n += ((*w).*count).load(std::memory_order_relaxed);
         }
         return n;
     }
