@@ -236,11 +236,9 @@ int create_named(const std::string& path, std::string_view bytes) {
     if (RAND_bytes(nonce, sizeof nonce) != 1) {
         return EIO;
     }
-    std::string tmp = path + ".tmp.";
-    for (unsigned char c : nonce) {
-        tmp += "0123456789abcdef"[c >> 4];
-        tmp += "0123456789abcdef"[c & 15];
-    }
+    uint64_t n = 0;
+    std::memcpy(&n, nonce, sizeof n);
+    const std::string tmp = path + ".tmp." + std::to_string(n);
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) {
         return errno;
