@@ -6,6 +6,8 @@
 #include <string>
 #include <string_view>
 
+#include "common/hex.h"
+
 namespace egress {
 
 /// Length of the well-formed UTF-8 sequence starting at v[i] (RFC 3629: no overlong forms,
@@ -87,7 +89,6 @@ inline void append_utf8_or_latin1(std::string& out, std::string_view v) {
 /// caller may wipe. At most 6 * v.size() + 2 bytes ("\u00XX" for a control character).
 template <class Out>
 void append_json_string(Out& out, std::string_view v) {
-    static constexpr char kHex[] = "0123456789abcdef";
     out.push_back('"');
     append_utf8(out, v, [&](char ch) {
         const auto c = static_cast<unsigned char>(ch);
@@ -96,8 +97,7 @@ void append_json_string(Out& out, std::string_view v) {
             out.push_back(ch);
         } else if (c < 0x20) {
             out.append(std::string_view("\\u00"));
-            out.push_back(kHex[c >> 4]);
-            out.push_back(kHex[c & 15]);
+            append_hex(out, &c, 1);
         } else {
             out.push_back(ch);
         }

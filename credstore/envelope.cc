@@ -19,6 +19,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "common/hex.h"
 #include "common/secure_zero.h"
 
 extern char** environ;
@@ -475,13 +476,7 @@ std::string sha256_hex(std::string_view bytes) {
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int n = 0;
     EVP_Digest(bytes.data(), bytes.size(), md, &n, sha256, nullptr);
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out;
-    out.reserve(2 * n);
-    for (unsigned int i = 0; i < n; ++i) {
-        out.push_back(kHex[md[i] >> 4]);
-        out.push_back(kHex[md[i] & 15]);
-    }
+    std::string out = egress::to_hex(md, n);
     egress::secure_zero(md, sizeof md);  // a digest of key material is key material
     return out;
 }

@@ -1,5 +1,6 @@
 #include "credstore/run_mac.h"
 
+#include "common/hex.h"
 #include "credstore/envelope.h"
 
 namespace egress::credstore {
@@ -26,17 +27,6 @@ void scope(std::string& out, const Scope& s) {
     field(out, s.project);
     field(out, s.user);
     field(out, s.workflow);
-}
-
-std::string hex(std::string_view raw) {
-    static constexpr char kDigits[] = "0123456789abcdef";
-    std::string out;
-    out.reserve(raw.size() * 2);
-    for (unsigned char c : raw) {
-        out += kDigits[c >> 4];
-        out += kDigits[c & 0xf];
-    }
-    return out;
 }
 
 }  // namespace
@@ -89,7 +79,7 @@ std::string run_mac_input(const RunRecord& r) {
 }
 
 std::string run_mac(const RunRecord& r, const SecretValue& key) {
-    return hex(hmac_sha256(key.reveal(), run_mac_input(r)));
+    return egress::to_hex(hmac_sha256(key.reveal(), run_mac_input(r)));
 }
 
 void sign_run(RunRecord& r, const SecretValue& key) { r.mac = run_mac(r, key); }

@@ -14,6 +14,7 @@
 #include <boost/json/static_resource.hpp>
 #include <boost/json/value.hpp>
 
+#include "common/hex.h"
 #include "common/secure_zero.h"
 #include "credstore/envelope.h"
 #include "policy/header_rules.h"
@@ -27,7 +28,6 @@ constexpr std::string_view kEmptyHash =
     "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 constexpr std::string_view kUnsigned = "UNSIGNED-PAYLOAD";
 constexpr std::string_view kStreamingSigned = "STREAMING-AWS4-HMAC-SHA256-PAYLOAD";
-constexpr char kHex[] = "0123456789abcdef";
 
 bool is_hex64(std::string_view s) {
     return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) {
@@ -43,15 +43,12 @@ bool unreserved(char c) {
 /// SigV4's UriEncode: every byte but the unreserved ones (and '/' with keep_slash) as %XX,
 /// uppercase hex.
 void uri_encode(std::string_view s, bool keep_slash, std::string& out) {
-    static constexpr char kUpper[] = "0123456789ABCDEF";
     for (const char c : s) {
         if (unreserved(c) || (keep_slash && c == '/')) {
             out.push_back(c);
         } else {
-            const auto b = static_cast<unsigned char>(c);
             out.push_back('%');
-            out.push_back(kUpper[b >> 4]);
-            out.push_back(kUpper[b & 15]);
+            egress::append_hex(out, &c, 1, /*upper=*/true);
         }
     }
 }
@@ -162,16 +159,6 @@ void append_trimmed(std::string_view v, std::string& out) {
 }
 
 using Mac = std::array<unsigned char, 32>;
-
-std::string hex(const unsigned char* p, size_t n) {
-    std::string out;
-    out.reserve(2 * n);
-    for (size_t i = 0; i < n; ++i) {
-        out.push_back(kHex[p[i] >> 4]);
-        out.push_back(kHex[p[i] & 15]);
-    }
-    return out;
-}
 
 // HMAC-SHA256 through an algorithm fetched once: HMAC() fetches its own from the provider on
 // every call in OpenSSL 3, which was most of a signature's cost (credstore::sha256_hex does
@@ -493,7 +480,7 @@ AwsSignature aws_sign(RequestHead& head, const InjectSpec& spec, AwsCredentials&
     value.reserve(160 + signed_headers.size());
     value.append(kAlgorithm).append(" Credential=").append(creds.access_key_id).append("/");
     value.append(scope).append(", SignedHeaders=").append(signed_headers);
-    std::string signature = hex(sig.data(), sig.size());
+    std::string signature = egress::to_hex(sig.data(), sig.size());
     value.append(", Signature=").append(signature);
     head.set("authorization", std::move(value));
     head.never_index = "authorization";
@@ -580,7 +567,7 @@ AwsChunkSigner::Status AwsChunkSigner::parse(size_t max_chunk) {
         to_sign.append(kEmptyHash).append("\n").append(credstore::sha256_hex(data));
         const Mac sig = creds_->keys.sign(std::string_view(prev_.date).substr(0, 8), spec_,
                                           creds_->secret_access_key->reveal(), to_sign);
-        prev_.signature = hex(sig.data(), sig.size());
+        prev_.signature = egress::to_hex(sig.data(), sig.size());
         out_.append(rest.substr(0, rest.find(';') + kExt.size())).append(prev_.signature);
         out_.append("\r\n").append(data).append("\r\n");
         pos += need;

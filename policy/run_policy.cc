@@ -14,6 +14,7 @@
 #include <boost/url/pct_string_view.hpp>
 #include <boost/url/rfc/unreserved_chars.hpp>
 
+#include "common/hex.h"
 #include "common/secure_zero.h"
 #include "policy/aws_sigv4.h"
 #include "policy/header_rules.h"
@@ -404,14 +405,13 @@ std::string percent_form(std::string_view s, const char* keep, bool lower, bool 
 /// System.Text.Json writes by default: also '"' '+' '\'' '`' as \u00XX, hex in uppercase
 /// ("\u002B"). Bytes that are not UTF-8 are left as they are.
 std::string json_form(std::string_view s, bool slash, bool html, bool ascii, bool dotnet = false) {
-    const char* const kHex = dotnet ? "0123456789ABCDEF" : "0123456789abcdef";
     std::string out;
     out.reserve(s.size() * 6 + 8);  // at most \u00XX per byte: it never grows (unwiped copies)
     auto u_escape = [&](uint32_t cp) {
+        const unsigned char unit[2] = {static_cast<unsigned char>(cp >> 8),
+                                       static_cast<unsigned char>(cp & 0xff)};
         out.append("\\u");
-        for (int shift = 12; shift >= 0; shift -= 4) {
-            out.push_back(kHex[(cp >> shift) & 15]);
-        }
+        egress::append_hex(out, unit, 2, /*upper=*/dotnet);
     };
     for (size_t i = 0; i < s.size(); ++i) {
         const auto c = static_cast<unsigned char>(s[i]);

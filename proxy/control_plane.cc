@@ -25,6 +25,7 @@
 #include <boost/url/url_view.hpp>
 #include <spdlog/spdlog.h>
 
+#include "common/hex.h"
 #include "common/secure_zero.h"
 #include "common/wiping_json.h"
 #include "policy/header_rules.h"
@@ -76,12 +77,7 @@ std::string random_hex(size_t bytes) {
         spdlog::default_logger()->flush();
         std::abort();
     }
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out;
-    for (unsigned char c : raw) {
-        out.push_back(kHex[c >> 4]);
-        out.push_back(kHex[c & 15]);
-    }
+    std::string out = egress::to_hex(raw);
     egress::secure_zero(raw.data(), raw.size());
     return out;
 }
