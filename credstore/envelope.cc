@@ -483,14 +483,6 @@ std::string sha256_hex(std::string_view bytes) {
 
 // ---- base64 --------------------------------------------------------------------------------
 
-std::string base64_encode(std::string_view bytes) {
-    std::string out(4 * ((bytes.size() + 2) / 3) + 1, '\0');
-    const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()), bytes_of(bytes),
-                                  static_cast<int>(bytes.size()));
-    out.resize(n < 0 ? 0 : static_cast<size_t>(n));
-    return out;
-}
-
 Result<std::string> base64_decode(std::string_view text) {
     // EVP_DecodeBlock skips whitespace and ignores padding; validate strictly first.
     if (text.size() % 4 != 0) {

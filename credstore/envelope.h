@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/base64.h"
 #include "common/result.h"
 #include "credstore/scope.h"
 #include "credstore/secret.h"
@@ -77,8 +78,9 @@ std::string sha256_hex(std::string_view bytes);
 /// HMAC-SHA256 of `data` under `key`, 32 raw bytes (OpenSSL EVP_MAC); empty if OpenSSL fails.
 std::string hmac_sha256(std::string_view key, std::string_view data);
 
-/// Base64 helpers (OpenSSL EVP), shared by the store.
-std::string base64_encode(std::string_view bytes);
+/// Base64 helpers (OpenSSL EVP), shared by the store: the one encoder (common/base64.h), and
+/// a strict decoder.
+using egress::base64_encode;
 Result<std::string> base64_decode(std::string_view text);
 
 }  // namespace egress::credstore

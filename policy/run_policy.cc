@@ -14,6 +14,7 @@
 #include <boost/url/pct_string_view.hpp>
 #include <boost/url/rfc/unreserved_chars.hpp>
 
+#include "common/base64.h"
 #include "common/hex.h"
 #include "common/secure_zero.h"
 #include "policy/aws_sigv4.h"
@@ -40,15 +41,6 @@ size_t count_occurrences(std::string_view s, std::string_view needle) {
         ++n;
     }
     return n;
-}
-
-std::string base64(std::string_view in) {
-    std::string out(4 * ((in.size() + 2) / 3) + 1, '\0');
-    const int n = EVP_EncodeBlock(reinterpret_cast<unsigned char*>(out.data()),
-                                  reinterpret_cast<const unsigned char*>(in.data()),
-                                  static_cast<int>(in.size()));
-    out.resize(static_cast<size_t>(n));
-    return out;
 }
 
 bool run_live(const RunPolicy& run, TimePoint now) {
@@ -360,7 +352,7 @@ std::string injected_header_value(const InjectSpec& spec, std::string_view secre
             std::string credentials;
             credentials.reserve(spec.username.size() + 1 + secret.size());
             credentials.append(spec.username).append(":").append(secret);
-            std::string blob = base64(credentials);
+            std::string blob = egress::base64_encode(credentials);
             std::string value = "Basic " + blob;
             egress::secure_zero(credentials.data(), credentials.size());
             egress::secure_zero(blob.data(), blob.size());
