@@ -72,6 +72,7 @@ int run_compare(const std::vector<std::string>& base, const std::string& a_args,
       return code;
     }
     side.options = std::move(*options);
+    json = json || side.options.json;  // --json in a side's words is for the whole report
   }
   // Both sides must be able to start (resolution, --cacert) before A's first run: a B that
   // cannot is found now, not after A ran.
@@ -140,6 +141,7 @@ int main_impl(int argc, char** argv) {
   std::optional<std::pair<std::string, std::string>> compare;
   int pairs = 3;
   bool json = false;
+  bool pairs_set = false;
   for (std::size_t i = 0; i < args.size(); ++i) {
     if (args[i] == "--compare") {
       if (i + 2 >= args.size()) {
@@ -156,12 +158,16 @@ int main_impl(int argc, char** argv) {
       if (ec != std::errc() || p != v.data() + v.size() || pairs < 1 || pairs > 1000) {
         return usage_error("--pairs must be an integer in 1..1000");
       }
+      pairs_set = true;
     } else {
       json = json || args[i] == "--json";
       base.push_back(args[i]);
     }
   }
   if (!compare) {
+    if (pairs_set) {
+      return usage_error("--pairs goes with --compare");
+    }
     return run_single(base);
   }
   return run_compare(base, compare->first, compare->second, pairs, json);

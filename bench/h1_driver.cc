@@ -10,6 +10,7 @@
 
 #include "bench/driver.h"
 #include "bench/scheduler.h"
+#include "bench/ticket_wait.h"
 #include "bench/transport.h"
 
 namespace egress::bench {
@@ -17,6 +18,8 @@ namespace http = boost::beast::http;
 namespace {
 
 constexpr std::size_t kReadBuffer = 64 * 1024;  // reads of up to 64 KiB
+/// A response head's limit (Beast's default is 8 KiB; a server's cookies and CSP go past it).
+constexpr std::uint32_t kHeaderLimit = 1024 * 1024;
 
 /// A response body that is counted and dropped.
 struct DiscardBody {
@@ -92,21 +95,47 @@ struct Exchange {
   std::optional<Failure> failure;
   unsigned status = 0;
   bool keep_alive = false;
+  bool received_any = false;  // a byte of an answer came (with a failure: it may be partial)
   std::uint64_t bytes = 0;
   std::uint64_t body_bytes = 0;
 };
+
+/// RFC 9110 9.2.2: a request the client may send again when the connection failed before
+/// any answer came (RFC 9112 9.3.1).
+bool idempotent(std::string_view method) {
+  return method == "GET" || method == "HEAD" || method == "OPTIONS" || method == "TRACE" ||
+         method == "PUT" || method == "DELETE";
+}
+
+/// A response head no request of ours can have: not a status at all, or a switch to a
+/// protocol egress-bench does not speak.
+std::optional<Failure> unusable_status(unsigned status) {
+  if (status < 100) {
+    return Failure{ErrorKind::kParse, 0, "status " + std::to_string(status) + " is no status"};
+  }
+  if (status == 101) {
+    return Failure{ErrorKind::kParse, 0, "101 Switching Protocols: no upgrade can be followed"};
+  }
+  return std::nullopt;
+}
 
 
 class Http1Driver final : public ConnectionDriver {
  public:
   Http1Driver(const RunContext& context, const SerializedRequest& request, RunStats& stats,
               net::any_io_executor executor)
-      : context_(context), request_(request), stats_(stats), timer_(std::move(executor)) {}
+      : context_(context),
+        request_(request),
+        stats_(stats),
+        timer_(std::move(executor)),
+        retry_safe_(idempotent(context.options.method)) {}
 
   net::awaitable<void> run() override;
 
  private:
-  net::awaitable<std::optional<Ticket>> take_ticket();
+  net::awaitable<std::optional<Ticket>> take_ticket() {
+    return bench::take_ticket(context_.scheduler, timer_);
+  }
   net::awaitable<std::optional<Failure>> open();
   template <class Stream>
   net::awaitable<Exchange> exchange(Stream& stream);
@@ -117,7 +146,9 @@ class Http1Driver final : public ConnectionDriver {
   const SerializedRequest& request_;
   RunStats& stats_;
   net::steady_timer timer_;
+  const bool retry_safe_;
   Connection conn_;
+  std::string warmup_protocol_;  // conn_'s, opened in the warmup, not listed yet
   beast::flat_buffer buffer_;
 };
 
@@ -149,21 +180,24 @@ net::awaitable<void> Http1Driver::run() {
         continue;
       }
     }
-    const Exchange x = co_await conn_.visit([this](auto& s) { return exchange(s); });
+    Exchange x = co_await conn_.visit([this](auto& s) { return exchange(s); });
+    if (x.failure && !x.received_any && !new_connection && retry_safe_ &&
+        (x.failure->kind == ErrorKind::kRead || x.failure->kind == ErrorKind::kWrite)) {
+      // The server closed the kept-alive connection while it idled (its keep-alive timeout:
+      // in open loop a connection waits for its ticket's time, its first one too): sent
+      // again once on a new connection, as clients do; the second outcome is recorded.
+      conn_.close();
+      if (auto failure = co_await open()) {
+        record_failure(*ticket, *failure);
+        continue;
+      }
+      x = co_await conn_.visit([this](auto& s) { return exchange(s); });
+    }
     record(*ticket, x);
     if (new_connection || x.failure || !x.keep_alive) {
       conn_.close();
     }
   }
-}
-
-net::awaitable<std::optional<Ticket>> Http1Driver::take_ticket() {
-  auto ticket = context_.scheduler.next(Clock::now());
-  if (ticket && ticket->intended > Clock::now()) {
-    timer_.expires_at(ticket->intended);
-    co_await timer_.async_wait(use_nothrow);
-  }
-  co_return ticket;
 }
 
 net::awaitable<std::optional<Failure>> Http1Driver::open() {
@@ -173,9 +207,15 @@ net::awaitable<std::optional<Failure>> Http1Driver::open() {
   auto failure = co_await context_.transport.open(conn_, opened);
   if (failure) {
     conn_.close();
+    failure->waited_us = micros_since(started, Clock::now());
     co_return failure;
   }
-  if (started >= context_.scheduler.measure_start()) {  // a warmup connection is not counted
+  warmup_protocol_.clear();
+  if (started < context_.scheduler.measure_start()) {
+    // A warmup connection is not counted; its protocol is listed once it carries a counted
+    // request (a keep-alive run's warmup opens every connection it measures on).
+    warmup_protocol_ = opened.protocol;
+  } else {
     stats_.connect_latency.record(micros_since(started, Clock::now()));
     ++stats_.connections_opened;
     ++stats_.protocols[opened.protocol];
@@ -192,11 +232,12 @@ net::awaitable<Exchange> Http1Driver::exchange(Stream& stream) {
   Exchange x;
   beast::get_lowest_layer(stream).expires_after(context_.options.timeout);
   auto [wec, written] = co_await net::async_write(stream, request_.buffer(), use_nothrow);
-  if (wec) {
-    x.failure = wec == beast::error::timeout ? Failure{ErrorKind::kTimeout, 0, "timed out"}
-                                             : Failure{ErrorKind::kWrite, 0, wec.message()};
+  if (wec == beast::error::timeout) {
+    x.failure = Failure{ErrorKind::kTimeout, 0, "timed out"};
     co_return x;
   }
+  // A write that failed may have met an answer the server sent early and closed on (413 to
+  // an upload it will not take): it is read below, and the write error stands without one.
   if (buffer_.capacity() < kReadBuffer) {
     buffer_.reserve(kReadBuffer);  // Beast reads up to capacity − size at a time
   }
@@ -209,6 +250,7 @@ net::awaitable<Exchange> Http1Driver::exchange(Stream& stream) {
   for (;;) {
     auto& p = reading.emplace();
     p.body_limit(boost::none);
+    p.header_limit(kHeaderLimit);
     p.skip(request_.head_method);
     auto [ec, n] = co_await http::async_read(stream, buffer_, p, use_nothrow);
     rec = ec;
@@ -219,6 +261,11 @@ net::awaitable<Exchange> Http1Driver::exchange(Stream& stream) {
     }
   }
   auto& parser = *reading;
+  x.received_any = read > 0 || buffer_.size() > 0;
+  if (rec && wec) {
+    x.failure = Failure{ErrorKind::kWrite, 0, wec.message()};
+    co_return x;
+  }
   if (rec) {
     if (rec == beast::error::timeout) {
       x.failure = Failure{ErrorKind::kTimeout, 0, "timed out"};
@@ -232,17 +279,24 @@ net::awaitable<Exchange> Http1Driver::exchange(Stream& stream) {
   }
   beast::get_lowest_layer(stream).expires_never();
   x.status = parser.get().result_int();
-  x.keep_alive = parser.get().keep_alive();
+  if ((x.failure = unusable_status(x.status))) {
+    co_return x;
+  }
+  x.keep_alive = parser.get().keep_alive() && !wec;  // the request may be half written
   x.bytes = read;
   x.body_bytes = parser.get().body();
   co_return x;
 }
 
 void Http1Driver::record_failure(const Ticket& ticket, const Failure& failure) {
-  stats_.record_failure(ticket.counted, failure.key(), failure.message);
+  stats_.record_failure(ticket.counted, ticket.intended, failure);
 }
 
 void Http1Driver::record(const Ticket& ticket, const Exchange& x) {
+  if (ticket.counted && !warmup_protocol_.empty()) {
+    ++stats_.protocols[warmup_protocol_];
+    warmup_protocol_.clear();
+  }
   if (x.failure) {
     record_failure(ticket, *x.failure);
     return;

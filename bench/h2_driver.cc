@@ -14,6 +14,7 @@
 
 #include "bench/driver.h"
 #include "bench/scheduler.h"
+#include "bench/ticket_wait.h"
 #include "bench/transport.h"
 #include "policy/request_head.h"
 #include "proxy/h2_client.h"
@@ -100,7 +101,9 @@ class Http2Driver final : public ConnectionDriver {
   net::awaitable<void> run() override;
 
  private:
-  net::awaitable<std::optional<Ticket>> take_ticket(net::steady_timer& timer);
+  net::awaitable<std::optional<Ticket>> take_ticket(net::steady_timer& timer) {
+    return bench::take_ticket(context_.scheduler, timer);
+  }
   net::awaitable<std::optional<Failure>> open();
   net::awaitable<void> close();
   net::awaitable<void> worker(std::shared_ptr<H2ClientSession> session,
@@ -116,6 +119,7 @@ class Http2Driver final : public ConnectionDriver {
   net::steady_timer timer_;  // the driver's own open-loop waits
   net::steady_timer latch_;  // wakes run() when the last worker ends
   std::shared_ptr<H2ClientSession> session_;
+  std::string warmup_protocol_;  // the session's, opened in the warmup, not listed yet
   SSL* ssl_ = nullptr;  // the session's TLS object, to keep its ticket resumable on close
   std::deque<Ticket> pending_;  // taken but not sent: the session stopped taking streams
   int running_ = 0;
@@ -134,6 +138,12 @@ net::awaitable<void> Http2Driver::run() {
     co_return co_await take_ticket(timer_);
   };
   for (;;) {
+    if (context_.scheduler.stopped()) {
+      for (const Ticket& t : pending_) {
+        context_.scheduler.give_back(t);  // Ctrl-C: not sent on a new connection
+      }
+      pending_.clear();
+    }
     if (pending_.empty() && context_.scheduler.finished(Clock::now())) {
       co_return;
     }
@@ -240,24 +250,21 @@ net::awaitable<void> Http2Driver::worker(std::shared_ptr<H2ClientSession> sessio
   }
 }
 
-net::awaitable<std::optional<Ticket>> Http2Driver::take_ticket(net::steady_timer& timer) {
-  auto ticket = context_.scheduler.next(Clock::now());
-  if (ticket && ticket->intended > Clock::now()) {
-    timer.expires_at(ticket->intended);
-    co_await timer.async_wait(use_nothrow);
-  }
-  co_return ticket;
-}
-
 net::awaitable<std::optional<Failure>> Http2Driver::open() {
   const auto started = Clock::now();
   Connection conn;
   TransportSetup::Opened opened;
   if (auto failure = co_await context_.transport.open(conn, opened)) {
     conn.close();
+    failure->waited_us = micros_since(started, Clock::now());
     co_return failure;
   }
-  if (started >= context_.scheduler.measure_start()) {  // a warmup connection is not counted
+  warmup_protocol_.clear();
+  if (started < context_.scheduler.measure_start()) {
+    // A warmup connection is not counted; its protocol is listed once it carries a counted
+    // request (a keep-alive run's warmup opens every connection it measures on).
+    warmup_protocol_ = opened.protocol;
+  } else {
     stats_.connect_latency.record(micros_since(started, Clock::now()));
     ++stats_.connections_opened;
     ++stats_.protocols[opened.protocol];
@@ -308,12 +315,16 @@ net::awaitable<void> Http2Driver::close() {
 
 net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2ClientStream& stream) {
   Exchange x;
-  const auto started = Clock::now();
-  const auto timeout = context_.options.timeout;
+  // --timeout bounds the whole exchange, as for HTTP/1.1: each wait gets what is left of it
+  // (a server dripping a byte per wait would otherwise hold the stream, and the run, open).
+  const auto deadline = Clock::now() + context_.options.timeout;
+  auto left = [&] {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));
+  };
+  // Why a wait failed, by what the stream and the session say; a wait that ran out with both
+  // still open is the timeout.
   auto failure = [&](ErrorKind kind, std::string_view what) -> Failure {
-    if (Clock::now() - started >= timeout) {
-      return {ErrorKind::kTimeout, 0, "timed out " + std::string(what)};
-    }
     if (stream.error_code() != 0) {
       return {kind, 0,
               "stream reset (error " + std::to_string(stream.error_code()) + ") " +
@@ -322,14 +333,20 @@ net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2Clien
     if (!session.alive()) {
       return {kind, 0, "connection closed " + std::string(what)};
     }
-    return {kind, 0, "stream closed " + std::string(what)};
+    if (stream.responded()) {
+      return {kind, 0, "stream closed " + std::string(what)};
+    }
+    return {ErrorKind::kTimeout, 0, "timed out " + std::string(what)};
   };
-  if (!request_.end_stream && !co_await stream.write(request_.body, true)) {
+  // A server may answer before it has read the whole body (413) and end the stream: the
+  // answer is read, not the write's failure recorded.
+  if (!request_.end_stream && !co_await stream.write(request_.body, true) &&
+      !stream.responded()) {
     x.failure = failure(ErrorKind::kWrite, "while sending the request body");
     co_return x;
   }
   H2ClientResponse response;
-  if (!co_await stream.response(response)) {
+  if (!co_await stream.response(response, left())) {
     x.failure = failure(ErrorKind::kRead, "before the response head");
     co_return x;
   }
@@ -339,9 +356,13 @@ net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2Clien
     x.bytes += h.name.size() + h.value.size();
   }
   for (;;) {
-    auto piece = co_await stream.read();
+    auto piece = co_await stream.read(left());
     if (!piece.ok) {
       x.failure = failure(ErrorKind::kRead, "during the response body");
+      co_return x;
+    }
+    if (!piece.eof && Clock::now() >= deadline) {
+      x.failure = Failure{ErrorKind::kTimeout, 0, "timed out during the response body"};
       co_return x;
     }
     x.body_bytes += piece.data.size();  // the last bytes may come with eof
@@ -354,10 +375,14 @@ net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2Clien
 }
 
 void Http2Driver::record_failure(const Ticket& ticket, const Failure& failure) {
-  stats_.record_failure(ticket.counted, failure.key(), failure.message);
+  stats_.record_failure(ticket.counted, ticket.intended, failure);
 }
 
 void Http2Driver::record(const Ticket& ticket, const Exchange& x) {
+  if (ticket.counted && !warmup_protocol_.empty()) {
+    ++stats_.protocols[warmup_protocol_];
+    warmup_protocol_.clear();
+  }
   if (x.failure) {
     record_failure(ticket, *x.failure);
     return;

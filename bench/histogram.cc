@@ -46,13 +46,16 @@ std::uint64_t LatencyHistogram::highest_equivalent(std::size_t index) {
   return lowest + ((std::uint64_t{1} << b) - 1);
 }
 
-void LatencyHistogram::record(std::uint64_t value_us) {
+void LatencyHistogram::record(std::uint64_t value_us, std::uint64_t n) {
+  if (n == 0) {
+    return;
+  }
   const std::uint64_t v = std::min(value_us, kMaxTrackable);
-  ++counts_[index_of(v)];
-  ++total_;
+  counts_[index_of(v)] += n;
+  total_ += n;
   min_ = std::min(min_, v);
   max_ = std::max(max_, v);
-  sum_ += static_cast<long double>(v);
+  sum_ += static_cast<long double>(v) * static_cast<long double>(n);
 }
 
 void LatencyHistogram::merge(const LatencyHistogram& other) {

@@ -16,7 +16,9 @@ class LatencyHistogram {
   LatencyHistogram();
 
   /// Records one value in microseconds. Never fails; values above kMaxTrackable are clamped.
-  void record(std::uint64_t value_us);
+  void record(std::uint64_t value_us) { record(value_us, 1); }
+  /// Records `value_us` `n` times.
+  void record(std::uint64_t value_us, std::uint64_t n);
   /// Adds every count of `other` into this histogram.
   void merge(const LatencyHistogram& other);
 

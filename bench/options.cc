@@ -1,5 +1,7 @@
 #include "bench/options.h"
 
+#include "common/base64.h"
+
 #include <algorithm>
 #include <boost/url/parse.hpp>
 #include <boost/url/url_view.hpp>
@@ -101,7 +103,7 @@ std::string parse_proxy(std::string_view text, ProxyUrl& out) {
   out.display = "http://";
   if (u.has_userinfo()) {
     const std::string credentials = u.user() + ":" + u.password();
-    out.authorization = "Basic " + base64_encode(credentials);
+    out.authorization = "Basic " + egress::base64_encode(credentials);
     // The user as written (percent-encoded): decoded, it may be any bytes, and the display
     // goes into the JSON report, which must stay valid UTF-8.
     out.display += std::string(u.encoded_user()) + (u.has_password() ? ":***@" : "@");
@@ -214,35 +216,6 @@ std::optional<std::vector<std::string>> split_words(std::string_view text) {
   return words;
 }
 
-std::string base64_encode(std::string_view data) {
-  static constexpr char kAlphabet[] =
-      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  out.reserve((data.size() + 2) / 3 * 4);
-  std::size_t i = 0;
-  for (; i + 2 < data.size(); i += 3) {
-    const std::uint32_t n = (std::uint8_t(data[i]) << 16) | (std::uint8_t(data[i + 1]) << 8) |
-                            std::uint8_t(data[i + 2]);
-    out += kAlphabet[(n >> 18) & 63];
-    out += kAlphabet[(n >> 12) & 63];
-    out += kAlphabet[(n >> 6) & 63];
-    out += kAlphabet[n & 63];
-  }
-  if (i + 1 == data.size()) {
-    const std::uint32_t n = std::uint8_t(data[i]) << 16;
-    out += kAlphabet[(n >> 18) & 63];
-    out += kAlphabet[(n >> 12) & 63];
-    out += "==";
-  } else if (i + 2 == data.size()) {
-    const std::uint32_t n = (std::uint8_t(data[i]) << 16) | (std::uint8_t(data[i + 1]) << 8);
-    out += kAlphabet[(n >> 18) & 63];
-    out += kAlphabet[(n >> 12) & 63];
-    out += kAlphabet[(n >> 6) & 63];
-    out += '=';
-  }
-  return out;
-}
-
 const char* usage_text() {
   return R"(usage: egress-bench [options] URL
        egress-bench [common options] --compare 'ARGS A' 'ARGS B' [--pairs K]
@@ -262,8 +235,8 @@ Drives HTTP load at URL (https:// or http://), directly or through a forward pro
   --requests N         stop after exactly N counted requests (with --duration: first bound wins)
   --warmup D           run for D before measuring; those requests are not counted (default 0)
   --new-connection     one request per connection: connect, CONNECT, TLS handshake every time
-  --rate R             open loop: R requests/s in total on a fixed schedule; latency is measured
-                       from each request's intended send time
+  --rate R             open loop: R requests/s in total on a fixed schedule (0.001 to 1e7);
+                       latency is measured from each request's intended send time
   -H 'Name: value'     extra request header (repeatable)
   --method M           request method (default GET, or POST with --body-size)
   --body-size N        send a request body of N bytes
@@ -284,6 +257,7 @@ ParseResult parse_options(const std::vector<std::string>& args) {
   ParseResult result;
   BenchOptions& o = result.options;
   bool method_set = false;
+  bool streams_set = false;
   std::string proxy_text;
   auto fail = [&](std::string message) {
     result.error = std::move(message);
@@ -340,6 +314,7 @@ ParseResult parse_options(const std::vector<std::string>& args) {
       auto n = parse_uint<int>(v);
       if (!n || *n < 1 || *n > 1000) return fail("--streams must be an integer in 1..1000");
       o.streams = *n;
+      streams_set = true;
     } else if (a == "--requests" || a == "-n") {
       if (!value(v)) return result;
       auto n = parse_uint<std::uint64_t>(v);
@@ -366,7 +341,8 @@ ParseResult parse_options(const std::vector<std::string>& args) {
     } else if (a == "--rate" || a == "-r") {
       if (!value(v)) return result;
       auto r = parse_double(v);
-      if (!r || *r <= 0 || *r > 1e7) return fail("--rate must be a number in (0, 1e7]");
+      // At least one request per 1000 s: a smaller rate's schedule would not fit the clock.
+      if (!r || *r < 1e-3 || *r > 1e7) return fail("--rate must be a number in [0.001, 1e7]");
       o.rate = *r;
     } else if (!a.empty() && a.front() == '-') {
       return fail("unknown option '" + a + "'");
@@ -395,6 +371,9 @@ ParseResult parse_options(const std::vector<std::string>& args) {
   o.threads = std::min(o.threads, o.connections);
   if (o.protocol == Protocol::kHttp2 && !o.target.tls) {
     return fail("--h2 needs an https:// target (no cleartext h2c)");
+  }
+  if (streams_set && o.protocol != Protocol::kHttp2) {
+    return fail("--streams needs --h2 (HTTP/1.1 has one request in flight per connection)");
   }
   return result;
 }

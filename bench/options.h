@@ -73,9 +73,6 @@ std::optional<Duration> parse_duration(std::string_view text);
 /// double quotes group, backslash escapes outside single quotes. nullopt on an unclosed quote.
 std::optional<std::vector<std::string>> split_words(std::string_view text);
 
-/// Standard base64 (with padding).
-std::string base64_encode(std::string_view data);
-
 /// Usage text for --help and usage errors.
 const char* usage_text();
 

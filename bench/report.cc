@@ -109,7 +109,9 @@ json::object run_json(const BenchOptions& options, const RunResult& r) {
   o["requests"] = std::move(requests);
   o["not_sent"] = r.not_sent;
   o["rps"] = r.rps();
-  o["latency_us"] = histogram_json(r.stats.latency);
+  auto latency = histogram_json(r.stats.latency);
+  latency["lower_bounds"] = r.stats.latency_lower_bounds;
+  o["latency_us"] = std::move(latency);
   o["connect_latency_us"] = histogram_json(r.stats.connect_latency);
   json::object errors;
   for (const auto& [k, n] : r.stats.errors) {
@@ -228,6 +230,10 @@ void print_text(std::ostream& out, const BenchOptions& o, const RunResult& r) {
       out << " " << p.text << " " << s.latency.value_at_percentile(p.p);
     }
     out << "  max " << s.latency.max() << "  mean " << fixed(s.latency.mean(), 1) << "\n";
+    if (s.latency_lower_bounds > 0) {
+      out << "                (" << s.latency_lower_bounds << " of " << s.latency.count()
+          << " are lower bounds: timed out, or not sent by the window's end)\n";
+    }
   } else {
     out << "latency (us)    n/a (no response)\n";
   }

@@ -124,14 +124,19 @@ RunResult run_benchmark(const BenchOptions& options) {
   }
   const auto measure_start = scheduler.measure_start();
   result.not_sent = scheduler.not_sent();
+  result.stats.latency_lower_bounds += scheduler.record_not_sent(result.stats.latency);
   auto end = std::max(result.stats.last_completion, measure_start);
   if (plan.rate && *plan.rate > 0) {
     // Open loop: n tickets (counted, or due and not sent) were offered over n / rate, the
     // first due at the window's start. Up to the last completion only, the window lacked the
     // last ticket's interval (req/s read n/(n-1) of the rate); a run that fell behind ends at
-    // its last completion.
-    const auto offered = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+    // its last completion. Never past the window (--rate 0.1 --duration 2s offers one
+    // request in 2 s, not in 10).
+    auto offered = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
         static_cast<double>(result.counted() + result.not_sent) / *plan.rate));
+    if (plan.duration) {
+      offered = std::min(offered, *plan.duration);
+    }
     end = std::max(end, measure_start + offered);
   }
   result.elapsed_s = std::chrono::duration<double>(end - measure_start).count();

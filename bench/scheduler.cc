@@ -20,7 +20,9 @@ Scheduler::Scheduler(const SchedulePlan& plan) : plan_(plan) {
 }
 
 Clock::time_point Scheduler::intended_at(std::uint64_t index) const {
-  const double ns = static_cast<double>(index) * 1e9 / *plan_.rate;
+  // Saturated far beyond any run (--rate is at least 0.001/s, --duration at most 1e18 ns):
+  // llround of a double past int64 is undefined.
+  const double ns = std::min(static_cast<double>(index) * 1e9 / *plan_.rate, 4e18);
   return plan_.start + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(ns))));
 }
@@ -47,6 +49,12 @@ void Scheduler::stop() {
   stopped_at_.compare_exchange_strong(expected, Clock::now().time_since_epoch().count(),
                                       std::memory_order_relaxed);
   stopped_.store(true, std::memory_order_relaxed);
+}
+
+void Scheduler::give_back(const Ticket& ticket) {
+  if (plan_.rate && ticket.counted) {
+    sent_.fetch_sub(1, std::memory_order_relaxed);
+  }
 }
 
 std::optional<Ticket> Scheduler::next(Clock::time_point now) {
@@ -111,15 +119,20 @@ bool Scheduler::finished(Clock::time_point now) const {
          counted_.load(std::memory_order_relaxed) >= *plan_.requests;
 }
 
-std::uint64_t Scheduler::not_sent() const {
-  if (!plan_.rate || !measure_end_) {
-    return 0;
-  }
+Clock::time_point Scheduler::window_end() const {
   Clock::time_point end = *measure_end_;
   if (stopped_.load(std::memory_order_relaxed)) {
     const Clock::time_point at{Clock::duration(stopped_at_.load(std::memory_order_relaxed))};
     end = std::min(end, at);
   }
+  return end;
+}
+
+std::uint64_t Scheduler::not_sent() const {
+  if (!plan_.rate || !measure_end_) {
+    return 0;
+  }
+  const Clock::time_point end = window_end();
   const std::uint64_t all = due_before(end);
   std::uint64_t due = all > warmup_tickets_ ? all - warmup_tickets_ : 0;
   if (plan_.requests) {
@@ -127,6 +140,24 @@ std::uint64_t Scheduler::not_sent() const {
   }
   const std::uint64_t sent = sent_.load(std::memory_order_relaxed);
   return due > sent ? due - sent : 0;
+}
+
+std::uint64_t Scheduler::record_not_sent(LatencyHistogram& h) const {
+  const std::uint64_t n = not_sent();
+  if (n == 0) {
+    return 0;
+  }
+  const Clock::time_point end = window_end();
+  const std::uint64_t last = due_before(end);  // one past the last ticket due in the window
+  const std::uint64_t first = last - n;
+  // In groups of at most n / 65536 tickets (a run far behind a high rate has millions), each
+  // recorded at its smallest bound, its latest ticket's: still a lower bound for every one.
+  const std::uint64_t step = std::max<std::uint64_t>(1, (n + 65535) / 65536);
+  for (std::uint64_t i = first; i < last; i += step) {
+    const std::uint64_t count = std::min(step, last - i);
+    h.record(micros_since(intended_at(i + count - 1), end), count);
+  }
+  return n;
 }
 
 }  // namespace egress::bench

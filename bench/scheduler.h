@@ -39,17 +39,27 @@ class Scheduler {
   bool finished(Clock::time_point now) const;
   /// Ends the run early (e.g. SIGINT). Thread-safe and async-signal-safe.
   void stop();
+  bool stopped() const { return stopped_.load(std::memory_order_relaxed); }
+  /// A ticket taken but not sent because stop() came while it waited for its time: not sent
+  /// (not_sent() counts it if it was due before the stop).
+  void give_back(const Ticket& ticket);
 
   /// Open loop with --duration, after the run: counted tickets due in the measured window (up
   /// to stop(), if it came first) that were never handed out, because the client was behind
   /// (every connection busy) when the window ended. 0 in closed loop or without --duration.
   std::uint64_t not_sent() const;
+  /// Records the not_sent() tickets in `h` as lower bounds of their latency: each waited at
+  /// least from its due time to the window's end (or the stop). They are taken to be the
+  /// last ones due, the smallest bounds. Returns how many were recorded.
+  std::uint64_t record_not_sent(LatencyHistogram& h) const;
 
   /// Start of the measured interval.
   Clock::time_point measure_start() const { return measure_start_; }
 
  private:
   Clock::time_point intended_at(std::uint64_t index) const;
+  /// Open loop with --duration: the window's end, or the stop if it came first.
+  Clock::time_point window_end() const;
   /// Open loop: how many tickets are due before `t` (the first index due at or after it).
   std::uint64_t due_before(Clock::time_point t) const;
 

@@ -43,6 +43,7 @@ void RunStats::add_error(const std::string& key, std::string_view message) {
 
 void RunStats::merge(const RunStats& other) {
   latency.merge(other.latency);
+  latency_lower_bounds += other.latency_lower_bounds;
   connect_latency.merge(other.connect_latency);
   ok += other.ok;
   failed += other.failed;
@@ -68,13 +69,18 @@ void RunStats::merge(const RunStats& other) {
   last_completion = std::max(last_completion, other.last_completion);
 }
 
-void RunStats::record_failure(bool counted, const std::string& key, std::string_view message) {
+void RunStats::record_failure(bool counted, Clock::time_point intended, const Failure& failure) {
   if (!counted) {
     ++warmup_requests;
     return;
   }
-  add_error(key, message);
-  last_completion = std::max(last_completion, Clock::now());
+  add_error(failure.key(), failure.message);
+  const auto now = Clock::now();
+  if (failure.kind == ErrorKind::kTimeout) {
+    latency.record(std::max(failure.waited_us, micros_since(intended, now)));
+    ++latency_lower_bounds;
+  }
+  last_completion = std::max(last_completion, now);
 }
 
 void RunStats::record_response(bool counted, Clock::time_point intended, unsigned status,
@@ -89,7 +95,7 @@ void RunStats::record_response(bool counted, Clock::time_point intended, unsigne
   bytes_sent += sent;
   bytes_received += bytes;
   body_bytes_received += body;
-  if (status < status_counts.size()) {
+  if (status < status_counts.size()) {  // Beast takes any three digits
     ++status_counts[status];
   }
   if (status >= 400) {

@@ -168,13 +168,16 @@ net::awaitable<std::optional<Failure>> TransportSetup::open(Connection& conn,
       co_return io_failure(wec, ErrorKind::kProxyIo);
     }
     beast::flat_buffer buffer;
-    http::response_parser<http::empty_body> parser;
-    parser.skip(true);  // a 2xx CONNECT response has no body; others end the connection anyway
-    auto [rec, read] = co_await http::async_read(stream, buffer, parser, use_nothrow);
-    if (rec) {
-      co_return io_failure(rec, ErrorKind::kProxyIo);
-    }
-    const unsigned status = parser.get().result_int();
+    unsigned status = 0;
+    do {  // interim heads (a 100 before the 200) are skipped, as for requests
+      http::response_parser<http::empty_body> parser;
+      parser.skip(true);  // a 2xx CONNECT response has no body; others end the connection
+      auto [rec, read] = co_await http::async_read(stream, buffer, parser, use_nothrow);
+      if (rec) {
+        co_return io_failure(rec, ErrorKind::kProxyIo);
+      }
+      status = parser.get().result_int();
+    } while (status >= 100 && status < 200 && status != 101);
     if (status / 100 != 2) {
       co_return Failure{ErrorKind::kProxyStatus, status,
                         "proxy answered CONNECT with " + std::to_string(status)};

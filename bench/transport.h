@@ -36,14 +36,6 @@ using TcpStream = beast::tcp_stream;
 /// The proxy's TLS stream (proxy/tls_socket.h): the HTTP/2 driver hands it to the proxy's client.
 using TlsStream = proxy::TlsSocket;
 
-/// A failed request or connection attempt, as recorded in RunStats.
-struct Failure {
-  ErrorKind kind;
-  unsigned status = 0;
-  std::string message;
-  std::string key() const { return error_key(kind, status); }
-};
-
 /// One open (or closed) benchmark connection: cleartext or TLS.
 class Connection {
  public:

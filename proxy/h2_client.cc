@@ -553,7 +553,8 @@ awaitable<bool> H2ClientStream::response(H2ClientResponse& out,
     }
 }
 
-awaitable<H2ClientStream::Piece> H2ClientStream::read() {
+awaitable<H2ClientStream::Piece> H2ClientStream::read(
+    std::optional<std::chrono::milliseconds> wait) {
     auto& st = *state_;
     auto& im = *session_->impl_;
     if (st.front_out) {
@@ -584,7 +585,7 @@ awaitable<H2ClientStream::Piece> H2ClientStream::read() {
         if (st.closed || im.io.dead) {
             co_return Piece{{}, false, false};
         }
-        if (!co_await st.signal.wait(im.opts.io_timeout)) {
+        if (!co_await st.signal.wait(wait.value_or(im.opts.io_timeout))) {
             co_return Piece{{}, false, false};
         }
     }

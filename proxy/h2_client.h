@@ -71,13 +71,14 @@ public:
                              std::optional<std::chrono::milliseconds> wait = std::nullopt);
     /// Next response body piece (valid until the next call). eof=true at the end: with the
     /// last bytes when the end had come by then, else with none. Bytes returned by the
-    /// previous call are consumed (window update) first.
+    /// previous call are consumed (window update) first. `wait` replaces io_timeout (a
+    /// caller with a deadline for the whole response: egress-bench).
     struct Piece {
         std::span<char> data;  // the stream's buffer until the next read(); may be rewritten
         bool eof = false;
         bool ok = true;
     };
-    awaitable<Piece> read();
+    awaitable<Piece> read(std::optional<std::chrono::milliseconds> wait = std::nullopt);
     /// Response trailers, after read() reported eof.
     const std::vector<policy::Header>& trailers() const;
     /// Whether the server has answered completely (its response ended, END_STREAM) or reset

@@ -66,6 +66,17 @@ int main() {
     CHECK(p999 >= 999000 && p999 <= 999000 * 1.001);
     CHECK(a.max() == 1000000 && a.min() == 1);
   }
+  {  // record(v, n) is n records of v.
+    LatencyHistogram once, many;
+    for (int i = 0; i < 500; ++i) once.record(3000);
+    once.record(10);
+    many.record(3000, 500);
+    many.record(10, 1);
+    many.record(99999, 0);  // nothing
+    CHECK(many.count() == once.count() && many.count() == 501);
+    CHECK(many.value_at_percentile(50) == once.value_at_percentile(50));
+    CHECK(many.min() == 10 && many.max() == 3000 && many.mean() == once.mean());
+  }
   {  // Clamping.
     LatencyHistogram h;
     h.record(~std::uint64_t{0});

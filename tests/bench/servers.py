@@ -9,9 +9,13 @@
 * ``Proxy``: a threaded forward proxy on 127.0.0.1. CONNECT is relayed byte for byte;
   absolute-form requests are parsed and forwarded one by one. It counts CONNECTs and records
   request lines and Proxy-Authorization values; it can require credentials (407), refuse hosts
-  (403) and send every CONNECT to 127.0.0.1 whatever the name (``resolve_to``).
+  (403), send every CONNECT to 127.0.0.1 whatever the name (``resolve_to``) and send a 100
+  before a CONNECT's 200 (``interim_connect``).
 * ``H2Origin``: an HTTP/2 origin (python3-h2, TLS, ALPN "h2" only) on 127.0.0.1, recording every
   request and counting connections; ``/status/N`` answers N.
+* ``ScriptedOrigin``: a cleartext HTTP/1.1 server on 127.0.0.1 whose answers a test scripts
+  (``answer(conn_index, request_index, head) -> bytes | None``: None stalls the connection),
+  with an optional keep-alive idle timeout; it counts requests received.
 * ``silent_listener()`` / ``closed_port()``: a port that never answers / refuses.
 """
 from __future__ import annotations
@@ -214,6 +218,8 @@ class _ProxyHandler(socketserver.BaseRequestHandler):
                         return
                     upstream = socket.create_connection((proxy.resolve_to or host, int(port)))
                     _nodelay(upstream)
+                    if proxy.interim_connect:  # a 100 first: clients skip interim heads
+                        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                     if buf:
                         upstream.sendall(buf)
@@ -256,8 +262,10 @@ class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
 
 class Proxy:
-    def __init__(self, require_auth: str | None = None, deny_hosts=(), resolve_to=None):
+    def __init__(self, require_auth: str | None = None, deny_hosts=(), resolve_to=None,
+                 interim_connect=False):
         self.require_auth = require_auth
+        self.interim_connect = interim_connect
         self.deny_hosts = set(deny_hosts)
         self.resolve_to = resolve_to
         self.lock = threading.Lock()
@@ -285,6 +293,76 @@ class Proxy:
         self.server.server_close()
 
 
+class ScriptedOrigin:
+    """Cleartext HTTP/1.1 on 127.0.0.1. For each request head received, ``answer(conn, n,
+    head)`` (the connection's index, the request's index on it from 1, the head) gives the
+    bytes to send: None holds the connection silent until the client leaves; the string
+    "close" closes it without an answer. A request body is not read (an answer before the
+    body). ``idle_timeout`` (seconds) closes a connection that idles that long between
+    requests, as a server's keep-alive timeout does."""
+
+    def __init__(self, answer, idle_timeout: float | None = None):
+        self.answer = answer
+        self.idle_timeout = idle_timeout
+        self.lock = threading.Lock()
+        self.received = 0
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, path="/"):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _accept(self):
+        while True:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+                index = self.connections
+            threading.Thread(target=self._serve, args=(s, index), daemon=True).start()
+
+    def _serve(self, s: socket.socket, index: int):
+        _nodelay(s)
+        buf = b""
+        n = 0
+        try:
+            while True:
+                s.settimeout(self.idle_timeout or IDLE_TIMEOUT)
+                try:
+                    head, buf = _read_head(s, buf)
+                except TimeoutError:
+                    return
+                if head is None:
+                    return
+                n += 1
+                with self.lock:
+                    self.received += 1
+                out = self.answer(index, n, head)
+                if out is None:
+                    s.settimeout(IDLE_TIMEOUT)
+                    while s.recv(65536):
+                        pass
+                    return
+                if out == "close":
+                    return
+                s.sendall(out)
+                buf = b""  # a body the answer came before is not read
+        except OSError:
+            return
+        finally:
+            s.close()
+
+    def stop(self):
+        self.sock.close()
+
+
 def silent_listener() -> socket.socket:
     """A listening socket nobody accepts on: the kernel completes TCP handshakes, then silence."""
     s = socket.socket()
@@ -310,7 +388,9 @@ class H2Origin:
     connections) is refused with RST_STREAM REFUSED_STREAM, the connection going on. With
     ``delay`` (seconds) every answer is held back that long after its request ended, other
     streams going on meanwhile; ``max_open`` is the most streams one connection had open at
-    once (received, not yet answered)."""
+    once (received, not yet answered). With ``trickle`` (seconds) an answer is its head, then
+    one body byte every ``trickle`` seconds without end; with ``trickle_reset`` (seconds) too,
+    the stream is reset (INTERNAL_ERROR) that long after its head."""
 
     BODY = b"hello from h2 origin\n"
 
@@ -325,6 +405,8 @@ class H2Origin:
         self.goaway_after = 0
         self.refuse_nth = 0
         self.delay = 0.0
+        self.trickle = 0.0
+        self.trickle_reset = 0.0
         self.max_open = 0
         self.received = 0
         self.refused = 0
@@ -367,18 +449,20 @@ class H2Origin:
         conn.initiate_connection()
         streams: dict[int, list] = {}  # id -> [headers, body_len]
         held: list[tuple[float, int, list | None]] = []  # (due, id, stream): answers `delay` holds
+        trickling: dict[int, list[float]] = {}  # id -> [next byte due, reset due]
         answered = 0
         try:
             conn_sock.sendall(conn.data_to_send())
             while True:
                 wait = IDLE_TIMEOUT
-                if held:
-                    wait = max(0.001, min(due for due, _, _ in held) - time.monotonic())
+                dues = [due for due, _, _ in held] + [min(t) for t in trickling.values()]
+                if dues:
+                    wait = max(0.001, min(dues) - time.monotonic())
                 conn_sock.settimeout(wait)
                 try:
                     data = conn_sock.recv(65536)
                 except TimeoutError:
-                    if not held:
+                    if not held and not trickling:
                         return
                     data = None
                 if data == b"":
@@ -415,7 +499,7 @@ class H2Origin:
                         if self.delay:
                             held.append((time.monotonic() + self.delay, ev.stream_id, st))
                             continue
-                        self._respond(conn, ev.stream_id, st)
+                        self._respond(conn, ev.stream_id, st, trickling)
                         answered += 1
                         if answered == self.goaway_after:
                             last = ev.stream_id
@@ -425,7 +509,16 @@ class H2Origin:
                 now = time.monotonic()
                 for item in [h for h in held if h[0] <= now]:
                     held.remove(item)
-                    self._respond(conn, item[1], item[2])
+                    self._respond(conn, item[1], item[2], trickling)
+                for sid, t in list(trickling.items()):
+                    if sid not in conn.streams or conn.streams[sid].closed:
+                        del trickling[sid]  # the client reset it
+                    elif t[1] <= now:
+                        conn.reset_stream(sid, error_code=h2.errors.ErrorCodes.INTERNAL_ERROR)
+                        del trickling[sid]
+                    elif t[0] <= now:
+                        conn.send_data(sid, b"x")
+                        t[0] = now + self.trickle
                 if last is not None:
                     with self.lock:
                         self.refused += len([i for i in streams if i > last])
@@ -440,7 +533,7 @@ class H2Origin:
         finally:
             conn_sock.close()
 
-    def _respond(self, conn, sid: int, st):
+    def _respond(self, conn, sid: int, st, trickling: dict):
         if st is None:
             return
         headers, body_len = st
@@ -449,6 +542,12 @@ class H2Origin:
         with self.lock:
             self.requests.append((method, path, headers, body_len))
         status = int(path.split("/")[2]) if path.startswith("/status/") else 200
+        if self.trickle:
+            conn.send_headers(sid, [(":status", str(status))])
+            now = time.monotonic()
+            trickling[sid] = [now + self.trickle,
+                                    now + (self.trickle_reset or float("inf"))]
+            return
         body = b"" if method == "HEAD" else self.BODY
         conn.send_headers(sid, [(":status", str(status)),
                                 ("content-length", str(len(self.BODY)))],

@@ -517,6 +517,170 @@ def test_compare_interrupted_reports_the_complete_pairs(origin, pki):
     assert "interrupted, left out" in err
 
 
+# --- what the review of 2026-12-07 found (each failed before) -------------------------------
+
+OK_200 = b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nhello\n"
+
+
+@pytest.fixture
+def scripted():
+    made = []
+
+    def make(answer, **kw):
+        o = servers.ScriptedOrigin(answer, **kw)
+        made.append(o)
+        return o
+    yield make
+    for o in made:
+        o.stop()
+
+
+def test_a_stalled_server_shows_in_the_latency(scripted):
+    """Open loop against a server whose connections answer 3 requests, then stall: the timed
+    out requests, and those due but never sent, are in the percentiles as lower bounds (only
+    the fast answers were: p99 and max of a few ms)."""
+    o = scripted(lambda conn, n, head: OK_200 if n <= 3 else None)
+    out = bench_json("--rate", 20, "--connections", 4, "--duration", "2s", "--timeout", "1s",
+                     o.url(), expect=0)
+    lat = out["latency_us"]
+    timeouts = out["errors"].get("timeout", 0)
+    assert timeouts >= 4, out
+    assert lat["lower_bounds"] == timeouts + out["not_sent"], out
+    assert lat["count"] == out["requests"]["ok"] + lat["lower_bounds"], out
+    assert lat["max"] >= 1_000_000 and lat["p99"] >= 900_000, lat
+
+
+def test_a_timeout_in_closed_loop_is_a_lower_bound(pki):
+    s = servers.silent_listener()
+    try:
+        out = bench_json("--cacert", pki["ca"], "--requests", 2, "--timeout", "200ms",
+                         f"https://127.0.0.1:{s.getsockname()[1]}/", expect=1)
+    finally:
+        s.close()
+    assert out["latency_us"]["count"] == out["latency_us"]["lower_bounds"] == 2, out
+    assert out["latency_us"]["min"] >= 200_000, out
+
+
+def test_ctrl_c_stops_an_open_loop_run_waiting_for_its_tickets(scripted):
+    """--rate 2 with 20 connections: each connection holds a ticket due up to 10 s ahead.
+    Ctrl-C after ~1 s ends the run then; the waiting tickets are not sent (all 20 were, over
+    9.5 s)."""
+    o = scripted(lambda conn, n, head: OK_200)
+    p = subprocess.Popen([BIN, "--json", "--rate", "2", "--connections", "20", "--requests",
+                          "20", o.url()], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and o.received < 2:
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=5)
+    finally:
+        p.kill()
+    rep = json.loads(out)
+    assert rep["interrupted"] is True, rep
+    assert 2 <= rep["requests"]["total"] <= 4 and o.received <= 4, (rep, o.received)
+
+
+def test_h2_whole_exchange_is_bounded_by_the_timeout(h2_origin, pki):
+    """A server dripping a body byte every 200 ms: --timeout 1s ends each stream at ~1 s
+    (each wait was bounded, not the exchange: the run never ended)."""
+    h2_origin.trickle = 0.2
+    started = time.monotonic()
+    out = bench_json("--h2", "--cacert", pki["ca"], "--requests", 2, "--timeout", "1s",
+                     h2_origin.url(), expect=1)
+    assert out["errors"] == {"timeout": 2}, out
+    assert "during the response body" in out["error_samples"]["timeout"]
+    assert time.monotonic() - started < RUN_TIMEOUT / 2
+
+
+def test_h2_a_reset_is_a_reset_not_a_timeout(h2_origin, pki):
+    h2_origin.trickle = 0.1
+    h2_origin.trickle_reset = 0.4
+    out = bench_json("--h2", "--cacert", pki["ca"], "--requests", 2, "--timeout", "2s",
+                     h2_origin.url(), expect=1)
+    assert out["errors"] == {"read": 2}, out
+    assert "stream reset (error 2)" in out["error_samples"]["read"], out
+
+
+def test_a_keepalive_connection_the_server_closed_while_idle_is_reopened(scripted):
+    """Open loop, 4 connections at 5 req/s: each idles 0.8 s between its requests, and the
+    server closes connections idle 0.3 s (a keep-alive timeout). The request is sent again on
+    a new connection, as clients do (each had counted as a read or write error)."""
+    o = scripted(lambda conn, n, head: OK_200, idle_timeout=0.3)
+    out = bench_json("--rate", 5, "--connections", 4, "--duration", "2s", o.url())
+    assert out["errors"] == {}, out
+    assert out["requests"]["ok"] == out["requests"]["total"] >= 8, out
+    assert o.connections > 4, o.connections
+
+
+def test_a_post_is_not_sent_again(scripted):
+    o = scripted(lambda conn, n, head: OK_200, idle_timeout=0.3)
+    out = bench_json("--rate", 5, "--connections", 2, "--duration", "1s", "--method", "POST",
+                     o.url(), expect=0)
+    assert set(out["errors"]) <= {"read", "write"} and out["requests"]["errors"] > 0, out
+    assert o.received == out["requests"]["ok"], (o.received, out)  # none twice
+
+
+def test_a_large_response_head_is_read(scripted):
+    big = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 20000 + b"\r\nContent-Length: 6\r\n\r\nhello\n"
+    o = scripted(lambda conn, n, head: big)
+    out = bench_json("--requests", 3, o.url())
+    assert out["errors"] == {} and out["status"] == {"200": 3}, out
+
+
+def test_an_answer_before_the_upload_ends_is_recorded(scripted):
+    """A server that answers 413 to a 20 MB upload and closes: the 413 is what the run
+    records, not the write's reset."""
+    o = scripted(lambda conn, n, head: b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n"
+                 b"Connection: close\r\n\r\n")
+    out = bench_json("--requests", 3, "--body-size", 20_000_000, o.url(), expect=1)
+    assert out["errors"] == {"status_4xx": 3} and out["status"] == {"413": 3}, out
+
+
+@pytest.mark.parametrize("head,key", [
+    (b"HTTP/1.1 000 Zero\r\nContent-Length: 6\r\n\r\nhello\n", "parse"),
+    (b"HTTP/1.1 099 Low\r\nContent-Length: 6\r\n\r\nhello\n", "parse"),
+    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n",
+     "parse"),
+    (b"HTTP/1.1 999 Odd\r\nContent-Length: 6\r\n\r\nhello\n", "status_9xx"),
+])
+def test_statuses_no_request_can_have(scripted, head, key):
+    o = scripted(lambda conn, n, h: head)
+    out = bench_json("--requests", 2, o.url(), expect=1)
+    assert out["requests"]["ok"] == 0 and out["errors"] == {key: 2}, out
+    if key == "status_9xx":
+        assert out["status"] == {"999": 2}, out
+
+
+def test_an_interim_answer_to_connect_is_skipped(origin, pki):
+    p = servers.Proxy(interim_connect=True)
+    try:
+        out = bench_json("--cacert", pki["ca"], "--requests", 3, "--proxy", p.url(),
+                         origin.url())
+    finally:
+        p.stop()
+    assert out["errors"] == {} and out["requests"]["ok"] == 3, out
+
+
+def test_protocols_of_keepalive_connections_opened_in_the_warmup(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--warmup", "300ms", "--duration", "500ms",
+                     origin.url())
+    assert out["requests"]["warmup"] > 0 and out["connections_opened"] == 0, out
+    assert out["alpn"] == {"http/1.1": 1}, out
+
+
+def test_measured_time_is_not_longer_than_the_window(origin, pki):
+    out = bench_json("--cacert", pki["ca"], "--rate", "0.1", "--duration", "1s", origin.url())
+    assert out["requests"]["total"] == 1 and out["elapsed_s"] <= 1.0, out
+
+
+def test_json_inside_a_compare_side_is_honoured(origin, pki):
+    r = bench("--cacert", pki["ca"], "--requests", 2, origin.url(), "--pairs", 1,
+              "--compare", "--json", "")
+    assert json.loads(r.stdout)["pairs"] == 1
+
+
 # --- usage -----------------------------------------------------------------------------------
 
 # --- HTTP/2 (the proxy's H2ClientSession) ---------------------------------------------------
@@ -693,6 +857,9 @@ def test_h2_needs_https(plain_origin):
     ["--bogus", "https://127.0.0.1/"],
     ["https://a/", "https://b/"],
     ["--compare", "'unbalanced", "", "https://127.0.0.1/"],
+    ["--streams", "5", "https://127.0.0.1/"],  # --streams without --h2 was ignored
+    ["--pairs", "3", "https://127.0.0.1/"],  # --pairs without --compare was ignored
+    ["--rate", "0.0000001", "https://127.0.0.1/"],  # its schedule overflowed the clock
 ])
 def test_usage_errors(args):
     bench(*args, expect=2)
