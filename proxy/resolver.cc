@@ -175,15 +175,50 @@ void Resolver::cancel_all() {
     }
 }
 
+namespace {
+
+size_t server_count(ares_channel channel) {
+    ares_addr_node* list = nullptr;
+    if (ares_get_servers(channel, &list) != ARES_SUCCESS) {
+        return 1;
+    }
+    size_t n = 0;
+    for (ares_addr_node* p = list; p != nullptr; p = p->next) {
+        ++n;
+    }
+    ares_free_data(list);
+    return std::max<size_t>(n, 1);
+}
+
+}  // namespace
+
+int Resolver::try_timeout_ms(std::chrono::milliseconds budget, size_t servers) {
+    // c-ares (1.18, Debian 12's) asks each server in turn for `tries` rounds and doubles the
+    // per-try timeout each round, so two rounds over N servers last 3·N·t, and a lookup only
+    // ends when its last query does: with t = budget / 2, the AAAA query of a name whose
+    // AAAA a firewall drops outlived the budget, and its A answer (there at once) was lost;
+    // a dead first server cost half the budget per lookup. One t of the budget is left over.
+    const auto n = static_cast<int64_t>(std::max<size_t>(servers, 1));
+    return static_cast<int>(std::max<int64_t>(budget.count() / (3 * n + 1), 1));
+}
+
 Resolver::Resolver(net::io_context& ioc, std::vector<std::string> servers,
                    std::map<std::string, AddrList> overrides, std::chrono::milliseconds timeout)
     : impl_(std::make_unique<Impl>(ioc, std::move(overrides), timeout)) {
     static const int lib_init = ares_library_init(ARES_LIB_INIT_ALL);
     (void)lib_init;
+    size_t nservers = servers.size();
+    if (nservers == 0) {  // resolv.conf's: counted on a channel made for that
+        ares_channel probe = nullptr;
+        if (ares_init(&probe) == ARES_SUCCESS) {
+            nservers = server_count(probe);
+            ares_destroy(probe);
+        }
+    }
     ares_options opts{};
     opts.sock_state_cb = &Impl::sock_state_cb;
     opts.sock_state_cb_data = impl_.get();
-    opts.timeout = static_cast<int>(std::max<int64_t>(timeout.count() / 2, 100));
+    opts.timeout = try_timeout_ms(timeout, nservers);
     opts.tries = 2;
     // No search domains: the name the policy allowed is the name looked up. resolv.conf's
     // `search` (or LOCALDOMAIN) with `ndots:5`, as Kubernetes pods have, would first ask for
@@ -226,8 +261,8 @@ net::awaitable<Result<AddrList>> Resolver::resolve(std::string host) {
     if (!impl_->init_ok) {
         co_return make_error("dns_failure: resolver unavailable: " + impl_->init_error);
     }
-    // c-ares' own timeout and tries bound one query per server, not the lookup: with several
-    // servers and retries it runs for several times dns_timeout. The deadline is ours.
+    // c-ares' schedule is sized to end inside the budget (try_timeout_ms); the deadline is
+    // ours all the same.
     auto lookup = std::make_shared<Lookup>(impl_->ioc);
     lookup->done.expires_after(impl_->timeout);
     ares_addrinfo_hints hints{};

@@ -35,6 +35,10 @@ public:
     /// Fails every lookup in flight at once ("dns_failure: ... cancelled"): the drain's cut.
     void cancel_all();
 
+    /// c-ares' per-try timeout for `servers` servers and 2 tries, so that every server's
+    /// tries end inside `budget`: budget / (3·servers + 1), at least 1 ms.
+    static int try_timeout_ms(std::chrono::milliseconds budget, size_t servers);
+
 private:
     struct Impl;
     std::unique_ptr<Impl> impl_;

@@ -68,6 +68,8 @@ class DnsServer:
     scripts: dict[str, Script] = field(default_factory=dict)
     log: list[Query] = field(default_factory=list)
     mute: bool = False  # True: every query is logged and never answered (a lookup that hangs)
+    drop: set = field(default_factory=set)  # query types logged, never answered ({"AAAA"}: a
+    #                                         firewall that drops them)
 
     def __post_init__(self):
         self.lock = threading.Lock()
@@ -119,7 +121,7 @@ class DnsServer:
             req = dnslib.DNSRecord.parse(data)
         except Exception:  # noqa: BLE001 (garbage: no answer)
             return None
-        if self.mute:
+        if self.mute or any(dnslib.QTYPE.get(q.qtype, "") in self.drop for q in req.questions):
             with self.lock:
                 for q in req.questions:
                     name = str(q.qname).lower().rstrip(".")

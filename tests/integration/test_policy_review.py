@@ -9,6 +9,7 @@ import time
 
 import dnslib
 
+import dns_server
 import helpers
 from clients import run_ca
 from upstream import Upstream
@@ -141,6 +142,45 @@ def test_dns_timeout_bounds_a_lookup_over_several_silent_servers(world, factory)
             s.close()
 
 
+def test_a_name_whose_aaaa_queries_are_dropped_resolves_to_its_a_answer(world, factory):
+    # A resolver path that drops AAAA queries (some firewalls do) while the A answer comes at
+    # once: c-ares ends a lookup with its last query, and its schedule (two tries, the second
+    # one twice as long) outlasted dns_timeout, so every such name failed (502 dns_failure at
+    # the budget). It is sized to end inside the budget now: the A answer is used.
+    dns = dns_server.DnsServer(drop={"AAAA"})
+    try:
+        dns.set("v4only.budget.test", dns_server.fixed("127.0.0.1"))
+        e = factory.start(lambda c: _dns_limits(c, [dns.address], "v4only.budget.test", "2s"))
+        c, r = helpers.proxy_connect(e.proxy_port, f"v4only.budget.test:{world.U}", world.auth(),
+                                     timeout=30)
+        c.close()
+        assert r.status == 200, (r.status, r.egress_reason)
+        assert dns.queries("v4only.budget.test", "AAAA"), "no AAAA query was dropped"
+    finally:
+        dns.close()
+
+
+def test_two_silent_servers_before_a_good_one_are_within_the_budget(world, factory):
+    # resolv.conf-style order: the first two servers never answer. Each try took half the
+    # budget, so the third server was asked only as the budget ran out (502 dns_failure).
+    silent = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    dns = dns_server.DnsServer()
+    try:
+        for s in silent:
+            s.bind(("127.0.0.1", 0))
+        dns.set("third.budget.test", dns_server.fixed("127.0.0.1"))
+        servers = [f"127.0.0.1:{s.getsockname()[1]}" for s in silent] + [dns.address]
+        e = factory.start(lambda c: _dns_limits(c, servers, "third.budget.test", "2s"))
+        c, r = helpers.proxy_connect(e.proxy_port, f"third.budget.test:{world.U}", world.auth(),
+                                     timeout=30)
+        c.close()
+        assert r.status == 200, (r.status, r.egress_reason)
+    finally:
+        dns.close()
+        for s in silent:
+            s.close()
+
+
 class LateDns:
     """A DNS server on 127.0.0.1 that answers every query `delay` seconds late:
     A -> 127.0.0.1, anything else an empty answer."""
@@ -191,9 +231,10 @@ class LateDns:
 
 
 def test_dns_answer_after_the_deadline_is_ignored(world, factory):
-    # dns_timeout 2s: c-ares waits 1 s, retries and waits 2 s more, so an answer at 2.6 s still
-    # completes its lookup, after egressd stopped waiting for it. That late completion must be
-    # dropped harmlessly: refused in time, and the worker keeps serving.
+    # dns_timeout 2s and an answer at 2.6 s: after egressd stopped waiting (and after c-ares'
+    # own schedule, sized to end inside the budget; with the schedule it had, this answer still
+    # completed the lookup late). A late answer must be dropped harmlessly: refused in time,
+    # and the worker keeps serving.
     dns = LateDns(delay=2.6)
     try:
         e = factory.start(lambda c: _dns_limits(c, [dns.address], "late.budget.test", "2s"))

@@ -34,10 +34,12 @@ std::optional<Answer> resolve_on(net::io_context& ioc, Resolver& r, std::string 
     return out;
 }
 
-TEST(Resolver, DeadlineEndsTheLookupNotCAres) {
+TEST(Resolver, CAresScheduleEndsInsideTheBudget) {
     net::io_context ioc;
-    // Three servers that never answer (bound, never read): c-ares alone would try each twice,
-    // for 4.5 x the timeout; the lookup must end at the resolver's own deadline instead.
+    // Three servers that never answer (bound, never read): c-ares tries each twice, and its
+    // per-try timeout is sized so that all of it ends inside the budget: the lookup ends with
+    // c-ares' own timeout, before the resolver's deadline (with half the budget per try it
+    // would have run 4.5 x the budget, cut by the deadline).
     std::vector<net::ip::udp::socket> silent;
     std::vector<std::string> servers;
     for (int i = 0; i < 3; ++i) {
@@ -48,8 +50,25 @@ TEST(Resolver, DeadlineEndsTheLookupNotCAres) {
     std::optional<Answer> out = resolve_on(ioc, r, "nx.resolver-test.invalid");
     ASSERT_TRUE(out.has_value());
     ASSERT_FALSE(out->ok());
+    EXPECT_EQ(out->error(), "dns_failure: Timeout while contacting DNS servers");
+}
+
+TEST(Resolver, DeadlineEndsTheLookupNotCAres) {
+    net::io_context ioc;
+    // A budget too small for c-ares' schedule (its tries are at least 1 ms: 3 servers x 3 ms
+    // > 5 ms): the lookup ends at the resolver's own deadline, c-ares finishing later.
+    std::vector<net::ip::udp::socket> silent;
+    std::vector<std::string> servers;
+    for (int i = 0; i < 3; ++i) {
+        silent.emplace_back(ioc, net::ip::udp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+        servers.push_back("127.0.0.1:" + std::to_string(silent.back().local_endpoint().port()));
+    }
+    Resolver r(ioc, servers, {}, 5ms);
+    std::optional<Answer> out = resolve_on(ioc, r, "nx.resolver-test.invalid");
+    ASSERT_TRUE(out.has_value());
+    ASSERT_FALSE(out->ok());
     // Our deadline's message, not c-ares' own "Timeout while contacting DNS servers".
-    EXPECT_EQ(out->error(), "dns_failure: no answer within 300ms");
+    EXPECT_EQ(out->error(), "dns_failure: no answer within 5ms");
 
     // c-ares keeps retrying, then completes the abandoned lookup; the loop then runs out of
     // work (every socket and timer released), with nothing resumed twice.
@@ -89,6 +108,19 @@ TEST(Resolver, LiteralsAndOverridesNeedNoQuery) {
     out = resolve_on(ioc, r, "api.test");
     ASSERT_TRUE(out && out->ok());
     EXPECT_EQ((*out)->front().to_string(), "10.1.2.3");
+}
+
+TEST(Resolver, EveryServersTriesFitTheBudget) {
+    using std::chrono::milliseconds;
+    // Two rounds over N servers, the second at twice the timeout: 3·N·t, with one t spare.
+    EXPECT_EQ(Resolver::try_timeout_ms(milliseconds(5000), 1), 1250);
+    EXPECT_EQ(Resolver::try_timeout_ms(milliseconds(2000), 3), 200);
+    EXPECT_EQ(Resolver::try_timeout_ms(milliseconds(2000), 0), 500);  // none listed: one
+    EXPECT_EQ(Resolver::try_timeout_ms(milliseconds(5), 3), 1);        // at least 1 ms
+    for (size_t n = 1; n <= 8; ++n) {
+        const int t = Resolver::try_timeout_ms(milliseconds(5000), n);
+        EXPECT_LT(3 * static_cast<int>(n) * t, 5000) << n;
+    }
 }
 
 }  // namespace
