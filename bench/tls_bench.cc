@@ -61,6 +61,23 @@ void BM_LeafMint(benchmark::State& state) {
 }
 BENCHMARK(BM_LeafMint)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
+// A name-constrained CA (4 names). Arg 0: a leaf for a permitted name (checked, then signed);
+// 1: a refusal of a name outside them (outside_run_ca: checked, nothing signed).
+void BM_LeafMintConstrained(benchmark::State& state) {
+    std::vector<std::string> permitted;
+    for (int64_t i = 0; i < 4; ++i) permitted.push_back(numbered("api", i, ".example.com"));
+    const auto ca = must_ca(permitted);
+    const bool outside = state.range(0) != 0;
+    state.SetLabel(outside ? "refused" : "minted");
+    const std::string host = outside ? "h1.elsewhere.test" : "api1.example.com";
+    for (auto _ : state) {
+        auto leaf = ca->mint(host);
+        if (leaf.ok() == outside) state.SkipWithError("unexpected mint outcome");
+        benchmark::DoNotOptimize(leaf);
+    }
+}
+BENCHMARK(BM_LeafMintConstrained)->ArgName("outside")->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+
 // Steady state: requests cycle over `hosts` hosts of one run (capacity 1024). The CA and the
 // cache live across the benchmark's runs, and every run first warms the cache with each host
 // once (untimed), so hits/misses/hit_ratio count only the timed, steady-state requests.

@@ -363,6 +363,35 @@ Result<std::unique_ptr<RunCa>> RunCa::load(const std::string& cert_pem, std::str
     return ca;
 }
 
+bool RunCa::names_allowed(std::string_view host, ASN1_OCTET_STRING* ip, bool has_cn) const {
+    auto* nc = static_cast<NAME_CONSTRAINTS*>(
+        X509_get_ext_d2i(cert_.get(), NID_name_constraints, nullptr, nullptr));
+    if (nc == nullptr) {
+        ERR_clear_error();
+        return true;
+    }
+    // OpenSSL's own check, the one a verifier applies, on a probe holding only the names the
+    // leaf would carry (subject CN, SAN): nothing is signed. The check reads the extensions
+    // OpenSSL caches on a certificate, and caching them encodes it (for its fingerprint), which
+    // a certificate built from nothing cannot do (no signature algorithm): the probe is a copy
+    // of the CA's own certificate with its subject and extensions replaced, never used for
+    // anything else.
+    X509Ptr probe(X509_dup(cert_.get()));
+    bool built = probe != nullptr;
+    while (built && X509_get_ext_count(probe.get()) > 0) {
+        X509_EXTENSION_free(X509_delete_ext(probe.get(), 0));
+    }
+    X509_NAME* subject = built ? X509_NAME_new() : nullptr;
+    built = subject != nullptr && (!has_cn || add_common_name(subject, host)) &&
+            X509_set_subject_name(probe.get(), subject) == 1 &&
+            add_san(probe.get(), host, ip, !has_cn) && X509_check_purpose(probe.get(), -1, 0) == 1;
+    X509_NAME_free(subject);
+    const int verdict = built ? NAME_CONSTRAINTS_check(probe.get(), nc) : X509_V_ERR_UNSPECIFIED;
+    NAME_CONSTRAINTS_free(nc);
+    ERR_clear_error();
+    return verdict == X509_V_OK;
+}
+
 Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
                                                 std::chrono::seconds leaf_validity) const {
     if (leaf_validity <= std::chrono::seconds(0)) {
@@ -389,14 +418,23 @@ Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
         now + static_cast<std::time_t>(std::min(leaf_validity, kMaxValidity).count());
     const std::time_t not_after = std::min(ca_not_after, wanted);
 
+    // IP leaves carry no CN: verifiers apply DNS name constraints to a CN when there is no
+    // DNS SAN, and an address is not a DNS name.
+    const bool has_cn = host.size() <= kMaxCommonName && ip == nullptr;
+    // A name-constrained CA hands out no leaf its own constraints forbid: every client would
+    // refuse it. The names it may certify are fixed at the run's creation; a reload since
+    // (unpinned: intercept, a wider allow list) may route other hosts here. Checked before
+    // anything is signed: such a host costs no signature (its refusals do not spend the mint
+    // budget, so a sandbox could otherwise make one per CONNECT).
+    if (!names_allowed(host, ip.get(), has_cn)) {
+        return make_error(std::string(kOutsideRunCa));
+    }
+
     X509Ptr cert(X509_new());
     if (cert == nullptr) {
         return ssl_error("X509_new failed");
     }
     X509_NAME* subject = X509_get_subject_name(cert.get());
-    // IP leaves carry no CN: verifiers apply DNS name constraints to a CN when there is no
-    // DNS SAN, and an address is not a DNS name.
-    const bool has_cn = host.size() <= kMaxCommonName && ip == nullptr;
     if (X509_set_version(cert.get(), X509_VERSION_3) != 1 || !set_random_serial(cert.get()) ||
         !set_validity(cert.get(), now - kBackdate.count(), not_after) ||
         (has_cn && !add_common_name(subject, host)) ||
@@ -417,23 +455,6 @@ Result<std::shared_ptr<const Leaf>> RunCa::mint(const std::string& host_in,
     }
     if (X509_sign(cert.get(), ca_key_.get(), EVP_sha256()) <= 0) {
         return ssl_error("signing the leaf for '" + host_in + "' failed");
-    }
-    // A name-constrained CA hands out no leaf its own constraints forbid: every client would
-    // refuse it. The names it may certify are fixed at the run's creation; a reload since
-    // (unpinned: intercept, a wider allow list) may route other hosts here. OpenSSL's own
-    // check, the one a verifier applies, on a parsed copy (the check reads the extensions
-    // OpenSSL caches when a certificate is parsed, not the ones just added).
-    if (auto* nc = static_cast<NAME_CONSTRAINTS*>(
-            X509_get_ext_d2i(cert_.get(), NID_name_constraints, nullptr, nullptr))) {
-        X509Ptr parsed(X509_dup(cert.get()));
-        const int verdict = parsed != nullptr && X509_check_purpose(parsed.get(), -1, 0) == 1
-                                ? NAME_CONSTRAINTS_check(parsed.get(), nc)
-                                : X509_V_ERR_UNSPECIFIED;
-        NAME_CONSTRAINTS_free(nc);
-        ERR_clear_error();
-        if (verdict != X509_V_OK) {
-            return make_error(std::string(kOutsideRunCa));
-        }
     }
     ERR_clear_error();
 

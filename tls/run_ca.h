@@ -72,6 +72,9 @@ public:
 
 private:
     RunCa() = default;
+    /// Whether this CA's name constraints (if any) let a leaf carry `host` (its SAN, the IP
+    /// `ip` when not null, and a CN when `has_cn`). No key operation.
+    bool names_allowed(std::string_view host, ASN1_OCTET_STRING* ip, bool has_cn) const;
     PKeyPtr ca_key_;
     PKeyPtr leaf_key_;
     X509Ptr cert_;
