@@ -18,6 +18,9 @@ namespace http = boost::beast::http;
 namespace {
 
 constexpr std::size_t kReadBuffer = 64 * 1024;  // reads of up to 64 KiB
+/// A wait for a ticket at least this long leaves a kept-alive connection idle (a server may
+/// close it meanwhile); a closed loop's tickets come in microseconds.
+constexpr auto kIdled = std::chrono::milliseconds(1);
 /// A response head's limit (Beast's default is 8 KiB; a server's cookies and CSP go past it).
 constexpr std::uint32_t kHeaderLimit = 1024 * 1024;
 
@@ -148,6 +151,7 @@ class Http1Driver final : public ConnectionDriver {
   net::steady_timer timer_;
   const bool retry_safe_;
   Connection conn_;
+  std::uint64_t answered_on_conn_ = 0;  // exchanges on conn_ (0: it is fresh)
   std::string warmup_protocol_;  // conn_'s, opened in the warmup, not listed yet
   beast::flat_buffer buffer_;
 };
@@ -169,11 +173,15 @@ net::awaitable<void> Http1Driver::run() {
         continue;
       }
     }
+    const auto asked = Clock::now();
     auto ticket = co_await take_ticket();
     if (!ticket) {
       conn_.close();  // the run is over: nothing of it (a socket, a deadline's timer) outlives it
       co_return;
     }
+    // The kept-alive connection sat idle before this request: it answered one before, or it
+    // waited for this ticket's time (open loop).
+    const bool idled = answered_on_conn_ > 0 || Clock::now() - asked >= kIdled;
     if (new_connection) {
       if (auto failure = co_await open()) {
         record_failure(*ticket, *failure);
@@ -181,11 +189,13 @@ net::awaitable<void> Http1Driver::run() {
       }
     }
     Exchange x = co_await conn_.visit([this](auto& s) { return exchange(s); });
-    if (x.failure && !x.received_any && !new_connection && retry_safe_ &&
+    if (x.failure && !x.received_any && !new_connection && idled && retry_safe_ &&
         (x.failure->kind == ErrorKind::kRead || x.failure->kind == ErrorKind::kWrite)) {
       // The server closed the kept-alive connection while it idled (its keep-alive timeout:
       // in open loop a connection waits for its ticket's time, its first one too): sent
-      // again once on a new connection, as clients do; the second outcome is recorded.
+      // again once on a new connection, as clients do; the second outcome is recorded, and
+      // the retry counted (a proxy that drops connections must not look clean).
+      ++stats_.retries;
       conn_.close();
       if (auto failure = co_await open()) {
         record_failure(*ticket, *failure);
@@ -194,6 +204,7 @@ net::awaitable<void> Http1Driver::run() {
       x = co_await conn_.visit([this](auto& s) { return exchange(s); });
     }
     record(*ticket, x);
+    ++answered_on_conn_;
     if (new_connection || x.failure || !x.keep_alive) {
       conn_.close();
     }
@@ -203,6 +214,7 @@ net::awaitable<void> Http1Driver::run() {
 net::awaitable<std::optional<Failure>> Http1Driver::open() {
   const auto started = Clock::now();
   buffer_.clear();
+  answered_on_conn_ = 0;
   TransportSetup::Opened opened;
   auto failure = co_await context_.transport.open(conn_, opened);
   if (failure) {

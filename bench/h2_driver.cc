@@ -26,6 +26,9 @@ using proxy::H2ClientResponse;
 using proxy::H2ClientSession;
 using proxy::H2ClientStream;
 
+/// Request bodies go out in slices of this size, each bounded by the exchange's deadline.
+constexpr std::size_t kBodySlice = 64 * 1024;
+
 /// The request every stream of the run sends, built once.
 struct H2Request {
   policy::RequestHead head;
@@ -338,15 +341,38 @@ net::awaitable<Exchange> Http2Driver::exchange(H2ClientSession& session, H2Clien
     }
     return {ErrorKind::kTimeout, 0, "timed out " + std::string(what)};
   };
-  // A server may answer before it has read the whole body (413) and end the stream: the
-  // answer is read, not the write's failure recorded.
-  if (!request_.end_stream && !co_await stream.write(request_.body, true) &&
-      !stream.responded()) {
+  // The body in slices, each write's waits bounded by what is left of the deadline (a server
+  // granting window a little at a time cannot stretch the exchange past it).
+  H2ClientResponse response;
+  bool head_early = false;
+  for (std::size_t at = 0; !request_.end_stream && at < request_.body.size();) {
+    const std::size_t n = std::min(kBodySlice, request_.body.size() - at);
+    const bool last = at + n == request_.body.size();
+    const std::string_view slice = std::string_view(request_.body).substr(at, n);
+    const auto wait = left();
+    const bool written = co_await stream.write(slice, last, nullptr, wait);
+    if (written) {
+      at += n;
+      if (Clock::now() >= deadline && !last) {
+        x.failure = Failure{ErrorKind::kTimeout, 0, "timed out while sending the request body"};
+        co_return x;
+      }
+      continue;
+    }
+    // A server may answer before it has read the whole body (413) and end the stream: that
+    // answer is read, not the write's failure recorded.
+    // (No co_await inside && : GCC 12 miscompiles it.)
+    if (stream.responded()) {
+      const auto now = std::chrono::milliseconds(1);
+      head_early = co_await stream.response(response, now);
+      if (head_early) {
+        break;
+      }
+    }
     x.failure = failure(ErrorKind::kWrite, "while sending the request body");
     co_return x;
   }
-  H2ClientResponse response;
-  if (!co_await stream.response(response, left())) {
+  if (!head_early && !co_await stream.response(response, left())) {
     x.failure = failure(ErrorKind::kRead, "before the response head");
     co_return x;
   }

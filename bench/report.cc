@@ -108,6 +108,7 @@ json::object run_json(const BenchOptions& options, const RunResult& r) {
   requests["warmup"] = r.stats.warmup_requests;
   o["requests"] = std::move(requests);
   o["not_sent"] = r.not_sent;
+  o["retries"] = r.stats.retries;
   o["rps"] = r.rps();
   auto latency = histogram_json(r.stats.latency);
   latency["lower_bounds"] = r.stats.latency_lower_bounds;
@@ -221,6 +222,9 @@ void print_text(std::ostream& out, const BenchOptions& o, const RunResult& r) {
   if (r.not_sent > 0) {
     out << "; " << r.not_sent << " not sent (due in the window, but every connection was busy:"
         << " the client fell behind the rate)";
+  }
+  if (s.retries > 0) {
+    out << "; " << s.retries << " sent again (their kept-alive connection closed while idle)";
   }
   out << "\n";
   out << "requests/s      " << fixed(r.rps(), 1) << "\n";

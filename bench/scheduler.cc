@@ -148,7 +148,12 @@ std::uint64_t Scheduler::record_not_sent(LatencyHistogram& h) const {
     return 0;
   }
   const Clock::time_point end = window_end();
-  const std::uint64_t last = due_before(end);  // one past the last ticket due in the window
+  // One past the last ticket due in the window (and in --requests' budget: none beyond it
+  // existed).
+  std::uint64_t last = due_before(end);
+  if (plan_.requests) {
+    last = std::min(last, warmup_tickets_ + *plan_.requests);
+  }
   const std::uint64_t first = last - n;
   // In groups of at most n / 65536 tickets (a run far behind a high rate has millions), each
   // recorded at its smallest bound, its latest ticket's: still a lower bound for every one.

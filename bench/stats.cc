@@ -48,6 +48,7 @@ void RunStats::merge(const RunStats& other) {
   ok += other.ok;
   failed += other.failed;
   warmup_requests += other.warmup_requests;
+  retries += other.retries;
   bytes_received += other.bytes_received;
   body_bytes_received += other.body_bytes_received;
   bytes_sent += other.bytes_sent;

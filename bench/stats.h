@@ -60,6 +60,9 @@ struct RunStats {
   std::uint64_t ok = 0;              // counted, status < 400
   std::uint64_t failed = 0;          // counted, any error (including 4xx/5xx)
   std::uint64_t warmup_requests = 0;
+  /// HTTP/1.1 requests sent again on a new connection: their kept-alive connection failed
+  /// before any answer byte after it had idled (counted or not).
+  std::uint64_t retries = 0;
   std::uint64_t bytes_received = 0;  // HTTP bytes of counted responses (head + body)
   std::uint64_t body_bytes_received = 0;
   std::uint64_t bytes_sent = 0;  // HTTP bytes of counted requests

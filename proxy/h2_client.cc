@@ -528,10 +528,12 @@ void H2ClientStream::reset() {
 }
 
 awaitable<bool> H2ClientStream::write(std::string_view data, bool last,
-                                      const std::vector<policy::Header>* trailers) {
+                                      const std::vector<policy::Header>* trailers,
+                                      std::optional<std::chrono::milliseconds> wait) {
     auto& im = *session_->impl_;
-    const bool queued = co_await h2_send_body(im.io, *state_, data, last, trailers,
-                                              im.opts.max_send_buffer, im.opts.io_timeout);
+    const bool queued =
+        co_await h2_send_body(im.io, *state_, data, last, trailers, im.opts.max_send_buffer,
+                              wait.value_or(im.opts.io_timeout));
     co_return queued && !im.io.dead;
 }
 

@@ -63,8 +63,10 @@ public:
 
     /// Queues request body bytes; waits while more than max_send_buffer are queued.
     /// `last` ends the request, with `trailers` when non-null. False: stream/session failed.
+    /// `wait` replaces io_timeout for each wait.
     awaitable<bool> write(std::string_view data, bool last,
-                          const std::vector<policy::Header>* trailers = nullptr);
+                          const std::vector<policy::Header>* trailers = nullptr,
+                          std::optional<std::chrono::milliseconds> wait = std::nullopt);
     /// Waits for the final response head (1xx skipped) and moves it into `out`: call once.
     /// False: reset (after no head), closed or timed out. `wait` replaces io_timeout.
     awaitable<bool> response(H2ClientResponse& out,

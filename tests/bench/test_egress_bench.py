@@ -612,6 +612,18 @@ def test_a_keepalive_connection_the_server_closed_while_idle_is_reopened(scripte
     assert out["errors"] == {}, out
     assert out["requests"]["ok"] == out["requests"]["total"] >= 8, out
     assert o.connections > 4, o.connections
+    # The first attempts met closed connections: the server got each request once.
+    assert out["retries"] > 0 and o.received == out["requests"]["total"], (o.received, out)
+
+
+def test_a_connection_failing_its_first_request_in_closed_loop_is_not_retried(scripted):
+    """A server that closes every connection at its first request: each failure is recorded
+    once, the request not sent twice (a retry there would hide a proxy dropping
+    connections)."""
+    o = scripted(lambda conn, n, head: "close")
+    out = bench_json("--requests", 3, o.url(), expect=1)
+    assert out["errors"] == {"read": 3} and out["retries"] == 0, out
+    assert o.received == 3, o.received
 
 
 def test_a_post_is_not_sent_again(scripted):
