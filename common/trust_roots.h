@@ -15,6 +15,7 @@
 
 #include <openssl/x509.h>
 
+#include "common/regular_file.h"
 #include "common/result.h"
 
 namespace egress {
@@ -32,10 +33,11 @@ inline std::vector<std::string> default_root_files() {
 /// file, without its name (the caller names the key or option that gave it).
 inline Result<std::string> read_root_file(const std::string& path) {
     constexpr size_t kMaxBytes = 64u << 20;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        return make_error(std::strerror(errno));
+    auto opened = open_regular_file(path);
+    if (!opened) {
+        return make_error(opened.error());
     }
+    const int fd = *opened;
     std::string text;
     char buf[65536];
     for (;;) {

@@ -20,6 +20,7 @@
 #include <filesystem>
 
 #include "common/hex.h"
+#include "common/regular_file.h"
 #include "common/secure_zero.h"
 
 extern char** environ;
@@ -528,12 +529,13 @@ Result<std::unique_ptr<KeyProvider>> open_master_key_file(const std::string& pat
             return make_error(created.error());
         }
     }
-    Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (fd.get() < 0 || ::fstat(fd.get(), &st) != 0) {
-        return make_error("keys.master_key_file: " + path + ": " + errno_text());
+    auto opened = egress::open_regular_file(path);
+    if (!opened) {
+        return make_error("keys.master_key_file: " + path + ": " + opened.error());
     }
-    if (!S_ISREG(st.st_mode)) {
-        return make_error("keys.master_key_file: " + path + " is not a regular file");
+    Fd fd(*opened);
+    if (::fstat(fd.get(), &st) != 0) {
+        return make_error("keys.master_key_file: " + path + ": " + errno_text());
     }
     if (auto why = not_owner_only("keys.master_key_file", path, st)) {
         return make_error(*why);

@@ -1,5 +1,7 @@
 #include "credstore/secret.h"
 
+#include "common/regular_file.h"
+
 #include <fcntl.h>
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
@@ -117,18 +119,30 @@ Result<bool> validate_secret_bytes(std::string_view bytes) {
 }
 
 Result<SecretPtr> load_secret_file(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) {
-        return make_error("secret file " + path + ": cannot open: " + std::strerror(errno));
+    auto fd = egress::open_regular_file(path);
+    if (!fd) {
+        return make_error("secret file " + path + ": cannot open: " + fd.error());
     }
     // Read at most one byte past what a valid secret plus "\r\n" may hold.
     std::string content(kMaxSecretBytes + 3, '\0');
-    in.read(content.data(), static_cast<std::streamsize>(content.size()));
-    if (in.bad()) {
-        egress::secure_wipe(content);
-        return make_error("secret file " + path + ": read error");
+    size_t n = 0;
+    int err = 0;
+    while (n < content.size()) {
+        const ssize_t got = ::read(*fd, content.data() + n, content.size() - n);
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got <= 0) {
+            err = got < 0 ? errno : 0;
+            break;
+        }
+        n += static_cast<size_t>(got);
     }
-    const size_t n = static_cast<size_t>(in.gcount());
+    ::close(*fd);
+    if (err != 0) {
+        egress::secure_wipe(content);
+        return make_error("secret file " + path + ": read error: " + std::strerror(err));
+    }
     std::string_view value(content.data(), n);
     if (value.ends_with("\r\n")) {
         value.remove_suffix(2);

@@ -6,6 +6,8 @@
 // all problems are collected and returned together, each as "yaml.path: problem".
 #include "proxy/config.h"
 
+#include "common/regular_file.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 #include <yaml-cpp/eventhandler.h>
@@ -1532,10 +1534,11 @@ Result<Config> parse_config(const std::string& yaml_text, const std::string& sou
 }
 
 Result<Config> load_config_file(const std::string& path) {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        return make_error(path + ": cannot read: " + std::strerror(errno));
+    auto opened = egress::open_regular_file(path);
+    if (!opened) {
+        return make_error(path + ": cannot read: " + opened.error());
     }
+    const int fd = *opened;
     std::string text;
     char buf[16384];
     for (;;) {

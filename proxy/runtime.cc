@@ -181,7 +181,15 @@ Result<std::shared_ptr<Runtime>> build_runtime(std::shared_ptr<const Config> con
             if (!pc.secret_file.empty()) {
                 pin.secret_name = std::filesystem::path(pc.secret_file).filename().string();
                 std::error_code ec;
-                if (!std::filesystem::exists(pc.secret_file, ec)) {
+                const bool there = std::filesystem::exists(pc.secret_file, ec);
+                if (ec) {
+                    // Not "missing": unreadable (a folder without x for this user, a
+                    // non-root pod's mount), a symlink loop. Said as it is, not as absent.
+                    errors.push_back(pc.yaml_path + ".secret_file: " + pc.secret_file + ": " +
+                                     ec.message());
+                    continue;
+                }
+                if (!there) {
                     warnings.lines.push_back(pc.yaml_path + ".secret_file: " + pc.secret_file +
                                              " does not exist; pin for " + pc.host.text() +
                                              " disabled until it does (then reload)");

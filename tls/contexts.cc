@@ -3,6 +3,7 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 
+#include "common/regular_file.h"
 #include "tls/client_hello.h"
 #include "tls/session_cache.h"
 #include "tls/trust_store.h"
@@ -178,6 +179,21 @@ Result<bool> use_leaf(SSL* ssl, const Leaf& leaf) {
     return true;
 }
 
+namespace {
+
+/// Why `path` cannot be read as a regular file without blocking (common/regular_file.h), or
+/// nullopt when it can.
+std::optional<std::string> unreadable_regular_file(const std::string& path) {
+    auto fd = open_regular_file(path);
+    if (!fd) {
+        return fd.error();
+    }
+    ::close(*fd);
+    return std::nullopt;
+}
+
+}  // namespace
+
 Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<std::string> alpn) {
     auto wire = alpn_wire(alpn);
     if (!wire) {
@@ -213,6 +229,10 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
         if (ca_file.empty()) {
             return make_error("CA file is empty (use \"system\" for the system store)");
         }
+        // OpenSSL opens the file itself: a FIFO there would block it (and a reload) for good.
+        if (auto why = unreadable_regular_file(ca_file)) {
+            return make_error("cannot load CA file '" + ca_file + "': " + *why);
+        }
         if (SSL_CTX_load_verify_locations(ctx.get(), ca_file.c_str(), nullptr) != 1) {
             return ssl_error("cannot load CA file '" + ca_file + "'");
         }
@@ -236,6 +256,12 @@ Result<SslCtxPtr> make_client_context(const std::string& ca_file, std::vector<st
 
 Result<bool> use_client_certificate(SSL_CTX* ctx, const std::string& cert_file,
                                     const std::string& key_file) {
+    if (auto why = unreadable_regular_file(cert_file)) {
+        return make_error("cannot load certificate file '" + cert_file + "': " + *why);
+    }
+    if (auto why = unreadable_regular_file(key_file)) {
+        return make_error("cannot load key file '" + key_file + "': " + *why);
+    }
     if (SSL_CTX_use_certificate_chain_file(ctx, cert_file.c_str()) != 1) {
         return ssl_error("cannot load certificate file '" + cert_file + "'");
     }

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+import helpers
+
 
 def test_check_accepts_the_standard_config(factory):
     r = factory.make().check()
@@ -425,3 +427,81 @@ def test_check_accepts_the_files_a_start_made(factory):
     assert r.returncode == 0, r.stderr
     after = os.stat(audit)
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+# ---------------------------------------------------------------------------------------------
+# files that are not regular files, unreadable paths, and an unopenable audit.path on reload
+# (a read-only review of config loading, 2026-12-07)
+
+def _fifo(path: str) -> str:
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mkfifo(path, 0o600)
+    return path
+
+
+@pytest.mark.parametrize("where, key", [
+    (lambda c, d: c["runs"][0]["pins"][0].__setitem__("secret_file", _fifo(f"{d}/fifo-secret")),
+     "runs[0].pins[0].secret_file"),
+    (lambda c, d: c["runs"][0].__setitem__("token_file", _fifo(f"{d}/fifo-token")),
+     "runs[0].token_file"),
+    (lambda c, d: c["upstream"].__setitem__("ca_file", _fifo(f"{d}/fifo-ca.pem")),
+     "upstream.ca_file"),
+], ids=["secret_file", "token_file", "ca_file"])
+def test_a_fifo_where_a_file_is_read_is_refused_not_waited_on(factory, where, key):
+    """A FIFO (a named pipe nobody writes) at a secret, token or CA path: open(2) blocked until
+    a writer came, so --check hung, and a reload hung the control thread (no later reload, no
+    sweep, a SIGTERM that did not end the process). Refused at once now, naming the key."""
+    e = factory.make()
+    where(e.config, e.workdir)
+    r = e.check()  # bounded: check() times out after 30 s
+    assert r.returncode != 0, r.stderr
+    assert key in r.stderr and "not a regular file" in r.stderr, r.stderr
+
+
+def test_a_fifo_secret_on_reload_is_refused_and_reloads_go_on(factory):
+    e = factory.start()
+    fifo = _fifo(f"{e.workdir}/fifo-secret")
+    e.rewrite_config(lambda c: c["runs"][0]["pins"][0].__setitem__("secret_file", fifo))
+    e.reload("reload refused")
+    assert "not a regular file" in e.last_line("reload refused"), e.last_line("reload refused")
+    e.rewrite_config(lambda c: None)  # the file as it is: the FIFO still named
+    e.reload("reload refused")  # the control thread still answers SIGHUP
+
+
+def test_a_secret_path_that_cannot_be_looked_at_is_an_error_not_missing(factory):
+    """A secret_file whose path cannot be resolved (a symlink loop here; for a non-root
+    process also a folder it may not search) was reported as not existing, and --check
+    passed with the pin disabled: the message sent the operator the wrong way."""
+    import os
+    e = factory.make()
+    loop = os.path.join(e.workdir, "loop")
+    os.makedirs(e.workdir, exist_ok=True)
+    os.symlink(loop, loop)
+    e.config["runs"][0]["pins"][0]["secret_file"] = os.path.join(loop, "token")
+    r = e.check()
+    assert r.returncode != 0, r.stderr
+    assert "runs[0].pins[0].secret_file" in r.stderr and "does not exist" not in r.stderr, \
+        r.stderr
+
+
+def test_a_reload_to_an_audit_path_that_cannot_be_opened_is_refused(factory, world):
+    """audit.path changed to a folder by a reload: the reload was applied (logged as
+    reloaded), records kept going to the old file, and each later rotation (SIGHUP after
+    logrotate moved the file) tried the folder again: no new audit file, records lost with the
+    moved one. Now the reload is refused and rotation goes on."""
+    import os
+    e = factory.start()
+    folder = os.path.join(e.workdir, "audit-folder")
+    os.makedirs(folder)
+    e.rewrite_config(lambda c: c["audit"].__setitem__("path", folder))
+    e.reload("reload refused")
+    assert "audit.path" in e.last_line("reload refused"), e.last_line("reload refused")
+    # logrotate: move the file away, SIGHUP; the configured path is recreated
+    os.rename(e.audit_path, e.audit_path + ".1")
+    e.reload("reload refused")  # the file still names the folder: refused again
+    assert os.path.exists(e.audit_path), "rotation did not reopen the audit file in effect"
+    c, r = helpers.proxy_connect(e.proxy_port, f"tunnel.test:{world.U}", world.auth())
+    c.close()
+    assert r.status == 200
+    e.wait_audit(lambda a: a.get("host") == "tunnel.test")
