@@ -123,17 +123,38 @@ struct Conn {
         }
         control_tokens -= 1.0;
     }
+    /// Frames nghttp2 may hold queued for the client: a few per stream in flight and the
+    /// acknowledgements it may owe (h2_max_outbound_ack), with room to spare.
+    size_t max_outbound_items() const {
+        return 4 * (limits.h2_max_concurrent_streams + limits.h2_max_outbound_ack) + 1024;
+    }
     void fail_all() {
         for (auto& [id, st] : streams) {
             st->client_gone();
         }
+    }
+    /// The complete requests of the current read that will not start (the read ended the
+    /// connection): each gets its one audit record now (client_aborted, no status), as a
+    /// request reset in the read that brought it does; the session goes without closing them.
+    void drop_ready() {
+        for (int32_t id : ready) {
+            auto it = streams.find(id);
+            if (it == streams.end() || it->second->handled || !it->second->refusal.empty() ||
+                !it->second->head_complete) {
+                continue;
+            }
+            auto& st = *it->second;
+            st.handled = true;  // its record is written: on_stream_close writes none
+            audit_refusal(scope, st.head.method, st.head.path, 0, "client_aborted", st.began);
+        }
+        ready.clear();
     }
     /// GOAWAY(ENHANCE_YOUR_CALM) now, once, and no stream of the current read starts. Safe in
     /// nghttp2's callbacks: a stream may be closed while the writer's mem_send sends its
     /// RST_STREAM, and the reader may then be waiting for a read that never comes.
     void calm_down() {
         calm = true;
-        ready.clear();
+        drop_ready();
         if (std::exchange(calmed, true)) {
             return;
         }
@@ -412,7 +433,13 @@ int on_data_chunk(nghttp2_session* session, uint8_t, int32_t stream_id, const ui
 int on_invalid_frame_recv(nghttp2_session*, const nghttp2_frame* frame, int lib_error,
                           void* user_data) {
     auto* c = static_cast<Conn*>(user_data);
-    if (auto* st = c->find(frame->hd.stream_id); st != nullptr && st->refusal.empty()) {
+    auto* st = c->find(frame->hd.stream_id);
+    if (st == nullptr) {
+        // No stream was made (a HEADERS over the stream limit before the client acknowledged
+        // our SETTINGS: nghttp2 queues a REFUSED_STREAM for it): no stream close will charge
+        // the reset, so it is charged here, or a client could queue them without bound.
+        c->codec_reset(false);
+    } else if (st->refusal.empty()) {
         st->refusal = frame->hd.type == NGHTTP2_DATA ? "bad_framing" : "bad_request";
         spdlog::info("conn={} h2 stream {} refused by the codec: {}", c->scope.conn_id,
                      frame->hd.stream_id, nghttp2_strerror(lib_error));
@@ -758,6 +785,7 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
         ssize_t rv = nghttp2_session_mem_recv(c->session.get(), buf.get(), n);
         if (rv < 0) {
             spdlog::info("conn={} h2: {}", c->scope.conn_id, nghttp2_strerror(static_cast<int>(rv)));
+            c->drop_ready();  // complete requests of this read never start: audited
             if (rv == NGHTTP2_ERR_FLOODED || rv == NGHTTP2_ERR_BAD_CLIENT_MAGIC) {
                 break;
             }
@@ -765,6 +793,11 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
             nghttp2_session_terminate_session(c->session.get(), NGHTTP2_PROTOCOL_ERROR);
             c->io.wsig.notify();
             break;
+        }
+        // Frames nghttp2 queued for a client that sends but does not read (its replies to
+        // the client's frames) are bounded: past that, the client goes.
+        if (nghttp2_session_get_outbound_queue_size(c->session.get()) > c->max_outbound_items()) {
+            c->calm = true;
         }
         if (c->calm) {
             c->calm_down();  // a control flood; or resets in this read (already done)
@@ -807,6 +840,9 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
 }
 
 awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
+    // After the watchdog ends the session (a timeout) it keeps watching the writer only: a
+    // client that stopped reading would hold the GOAWAY, and the connection, for ever.
+    bool terminated = false;
     while (!c->io.dead) {
         c->watchdog.expires_after(std::chrono::milliseconds(250));
         co_await c->watchdog.async_wait(use_nothrow);
@@ -820,10 +856,14 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
             c->io.close_socket();
             break;
         }
+        if (terminated) {
+            continue;
+        }
         if (!c->settings_acked && now - c->started > c->limits.h2_settings_timeout) {
             nghttp2_session_terminate_session(s, NGHTTP2_SETTINGS_TIMEOUT);
             c->io.wsig.notify();
-            break;
+            terminated = true;
+            continue;
         }
         if (c->scope.worker->shared.draining.load() && !c->goaway_sent) {
             c->goaway_sent = true;
@@ -849,8 +889,12 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
                               st->began);  // status 0: no response, the connection is closed
                 nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
                 c->io.wsig.notify();
-                co_return;
+                terminated = true;
+                break;
             }
+        }
+        if (terminated) {
+            continue;
         }
         bool idle = c->streams.empty() && c->handlers == 0;
         if (idle) {
@@ -871,7 +915,7 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
             (quiet && now - c->io.last_activity > c->limits.idle_timeout)) {
             nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
             c->io.wsig.notify();
-            break;
+            terminated = true;
         }
     }
 }

@@ -520,3 +520,102 @@ def test_duplex_upload_timing_out_while_a_response_piece_waits(factory, world, h
         c2.close()
     rec = e.wait_audit(lambda a: a.get("path") == f"/early-bytes/{64 << 20}")  # no query
     assert (rec[0]["status"], rec[0]["reason"]) == (200, "idle_timeout"), rec[0]
+
+
+# --- what a review of the HTTP/2 server found (2026-12-07) -----------------------------------
+
+def _frames_until(sock, pred, timeout: float):
+    """Reads raw frames from `sock` until pred(frame) or timeout; returns (matched, closed)."""
+    from hyperframe.frame import Frame
+    import socket as _socket
+    import ssl as _ssl
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            data = sock.recv(65536)
+        except (_socket.timeout, TimeoutError):
+            return False, False
+        except (_ssl.SSLError, OSError):
+            return False, True
+        if not data:
+            return False, True
+        buf += data
+        while len(buf) >= 9:
+            f, length = Frame.parse_frame_header(memoryview(buf[:9]))
+            if len(buf) < 9 + length:
+                break
+            f.parse_body(memoryview(buf[9:9 + length]))
+            buf = buf[9 + length:]
+            if pred(f):
+                return True, False
+    return False, False
+
+
+def test_refused_streams_before_the_settings_ack_are_charged(world, e2, h2up, marker):
+    """A client that never acknowledges egressd's SETTINGS and opens streams past the limit:
+    nghttp2 answers each with RST_STREAM(REFUSED_STREAM) without making a stream, so no stream
+    close charged it and the replies queued without bound (300 000 HEADERS: +57 MB). Each is
+    charged to the reset bucket now: past its burst, GOAWAY(ENHANCE_YOUR_CALM)."""
+    import hpack
+    from hyperframe.frame import GoAwayFrame
+    c = H2Client(e2, world, "api.test", h2up.port)  # no pump: SETTINGS never acknowledged
+    enc = hpack.Encoder()
+    A = f"api.test:{h2up.port}"
+    try:
+        sid = 1
+        try:
+            for chunk in range(10):
+                burst = b""
+                for _ in range(100):
+                    burst += HeadersFrame(sid, data=enc.encode([
+                        (":method", "POST"), (":scheme", "https"), (":authority", A),
+                        (":path", f"/upload/{marker}-{sid}")]), flags=["END_HEADERS"]).serialize()
+                    sid += 2
+                c.send_raw(burst)
+        except OSError:
+            pass  # torn down mid-burst: the GOAWAY came first
+        got, closed = _frames_until(
+            c.sock, lambda f: isinstance(f, GoAwayFrame) and f.error_code == ENHANCE_YOUR_CALM,
+            timeout=5)
+        # Within 5 s: before the settings timeout (10 s), which ends the connection anyway.
+        assert got, f"1000 streams past the limit before the SETTINGS ACK: no GOAWAY ({closed=})"
+    finally:
+        c.close()
+    assert e2.alive()
+
+
+def test_complete_requests_in_a_read_that_floods_are_audited(world, e2, h2up, marker):
+    """Twenty complete GETs, then a PING flood, in one write: the read ended in GOAWAY before
+    the requests started, and they had no audit record at all. Each gets its one record now
+    (client_aborted, no status); none reaches the upstream."""
+    from hyperframe.frame import PingFrame
+    c = H2Client(e2, world, "api.test", h2up.port)
+    raw = RawH2(c)
+    try:
+        burst = b""
+        for i in range(20):
+            sid = raw.next_sid
+            raw.next_sid += 2
+            burst += HeadersFrame(sid, data=raw.enc.encode([
+                (":method", "GET"), (":scheme", "https"),
+                (":authority", f"api.test:{h2up.port}"), (":path", f"/echo/{marker}-fl{i}")]),
+                flags=["END_HEADERS", "END_STREAM"]).serialize()
+        burst += b"".join(PingFrame(0, opaque_data=i.to_bytes(8, "big")).serialize()
+                          for i in range(400))
+        try:
+            raw.send(burst)
+        except OSError:
+            pass
+        raw.pump(until=lambda: raw.goaway is not None, timeout=5)
+    finally:
+        c.close()
+
+    def records():
+        recs = [r for r in e2.audit_records() if f"{marker}-fl" in (r.get("path") or "")]
+        return recs if len(recs) >= 20 else None
+    recs = poll(records, 5, "twenty audit records")
+    assert len(recs) == 20, recs
+    assert all(r["reason"] == "client_aborted" and r["status"] == 0 for r in recs), recs
+    assert not h2up.find(f"{marker}-fl")
