@@ -133,28 +133,12 @@ struct Conn {
             st->client_gone();
         }
     }
-    /// The complete requests of the current read that will not start (the read ended the
-    /// connection): each gets its one audit record now (client_aborted, no status), as a
-    /// request reset in the read that brought it does; the session goes without closing them.
-    void drop_ready() {
-        for (int32_t id : ready) {
-            auto it = streams.find(id);
-            if (it == streams.end() || it->second->handled || !it->second->refusal.empty() ||
-                !it->second->head_complete) {
-                continue;
-            }
-            auto& st = *it->second;
-            st.handled = true;  // its record is written: on_stream_close writes none
-            audit_refusal(scope, st.head.method, st.head.path, 0, "client_aborted", st.began);
-        }
-        ready.clear();
-    }
     /// GOAWAY(ENHANCE_YOUR_CALM) now, once, and no stream of the current read starts. Safe in
     /// nghttp2's callbacks: a stream may be closed while the writer's mem_send sends its
     /// RST_STREAM, and the reader may then be waiting for a read that never comes.
     void calm_down() {
         calm = true;
-        drop_ready();
+        ready.clear();  // never started: recorded as the connection ends (record_unstarted)
         if (std::exchange(calmed, true)) {
             return;
         }
@@ -204,6 +188,28 @@ struct Conn {
 /// short of the content-length, a malformed field; a zero WINDOW_UPDATE), FLOW_CONTROL_ERROR,
 /// STREAM_CLOSED, FRAME_SIZE_ERROR, COMPRESSION_ERROR; and with INTERNAL_ERROR when one of our
 /// header callbacks refused the block.
+/// The status a stream refused before a handler took it is audited with.
+int refusal_status(const std::string& refusal) {
+    return refusal == "header_too_large"   ? 431
+           : refusal == "too_many_streams" ? 429
+                                           : 400;
+}
+
+/// A stream no handler took and no close recorded: its one audit record (its refusal, or
+/// client_aborted for a complete request that never started), marked so none follows.
+void record_unstarted(Conn& c, ServerStream& st) {
+    if (st.handled || (!st.head_complete && st.refusal.empty())) {
+        return;
+    }
+    st.handled = true;
+    if (st.refusal.empty()) {
+        audit_refusal(c.scope, st.head.method, st.head.path, 0, "client_aborted", st.began);
+    } else {
+        audit_refusal(c.scope, st.head.method, st.head.path, refusal_status(st.refusal),
+                      st.refusal, st.began);
+    }
+}
+
 bool client_fault(const ServerStream& st, uint32_t error_code) {
     switch (error_code) {
         case NGHTTP2_NO_ERROR:
@@ -438,7 +444,10 @@ int on_invalid_frame_recv(nghttp2_session*, const nghttp2_frame* frame, int lib_
         // No stream was made (a HEADERS over the stream limit before the client acknowledged
         // our SETTINGS: nghttp2 queues a REFUSED_STREAM for it): no stream close will charge
         // the reset, so it is charged here, or a client could queue them without bound.
-        c->codec_reset(false);
+        // (Connection errors come here too: nghttp2 ends the connection for those itself.)
+        if (lib_error == NGHTTP2_ERR_REFUSED_STREAM) {
+            c->codec_reset(false);
+        }
     } else if (st->refusal.empty()) {
         st->refusal = frame->hd.type == NGHTTP2_DATA ? "bad_framing" : "bad_request";
         spdlog::info("conn={} h2 stream {} refused by the codec: {}", c->scope.conn_id,
@@ -479,18 +488,11 @@ int on_stream_close(nghttp2_session* session, int32_t stream_id, uint32_t error_
     st->out.clear();
     st->out_bytes = 0;
     st->out_off = 0;
-    if (!st->handled && !st->refusal.empty()) {
-        // Reset before a handler took it: this is the request's one audit record.
-        int status = st->refusal == "header_too_large"   ? 431
-                     : st->refusal == "too_many_streams" ? 429
-                                                         : 400;
-        audit_refusal(c->scope, st->head.method, st->head.path, status, st->refusal, st->began);
-    } else if (!st->handled && st->head_complete) {
-        // A request reset in the read that brought it (HEADERS and RST_STREAM together, as a
-        // rapid-reset client sends them): never started, still one record.
-        audit_refusal(c->scope, st->head.method, st->head.path, 0, "client_aborted", st->began);
-    }
-    if (!st->handled) {
+    const bool started = st->handled;
+    // Reset before a handler took it (refused; or a request reset in the read that brought
+    // it, HEADERS and RST_STREAM together, as a rapid-reset client sends them): its record.
+    record_unstarted(*c, *st);
+    if (!started) {
         // Buffered request bytes nobody will read go back to the connection window.
         size_t left = 0;
         for (const auto& b : st->in) {
@@ -785,7 +787,6 @@ awaitable<void> read_loop(std::shared_ptr<Conn> c) {
         ssize_t rv = nghttp2_session_mem_recv(c->session.get(), buf.get(), n);
         if (rv < 0) {
             spdlog::info("conn={} h2: {}", c->scope.conn_id, nghttp2_strerror(static_cast<int>(rv)));
-            c->drop_ready();  // complete requests of this read never start: audited
             if (rv == NGHTTP2_ERR_FLOODED || rv == NGHTTP2_ERR_BAD_CLIENT_MAGIC) {
                 break;
             }
@@ -887,6 +888,7 @@ awaitable<void> watch_loop(std::shared_ptr<Conn> c) {
                              c->scope.conn_id, id, c->limits.header_timeout.count());
                 audit_refusal(c->scope, st->head.method, st->head.path, 0, "header_timeout",
                               st->began);  // status 0: no response, the connection is closed
+                st->handled = true;  // recorded: not again as the connection ends
                 nghttp2_session_terminate_session(s, NGHTTP2_NO_ERROR);
                 c->io.wsig.notify();
                 terminated = true;
@@ -1002,6 +1004,12 @@ awaitable<void> serve_intercepted_h2(TlsStream& client, Scope& scope) {
 
     using namespace net::experimental::awaitable_operators;
     co_await (read_loop(c) && c->io.write_loop() && watch_loop(c));
+    // Streams the session goes with (nghttp2 closes none of them once it is deleted): a
+    // complete request of a read that ended the connection (a flood after it, a protocol
+    // error), or one refused whose RST_STREAM the GOAWAY dropped, gets its one record.
+    for (auto& [id, st] : c->streams) {
+        record_unstarted(*c, *st);
+    }
     c->io.dead = true;
     c->fail_all();
     // Every stream handler holds the connection; wait for them before the TLS stream goes.

@@ -490,9 +490,11 @@ struct Server::Impl {
         // A new audit.path must open, or the reload is refused: applied, records kept going
         // to the old file, and every later rotation (SIGHUP) reopened the unopenable path, so
         // records went on into the moved file and were lost with it.
+        // Checked here without switching (nor creating it): a refused reload leaves records
+        // going to the file in effect; switched to only once nothing else can refuse it.
         const bool audit_moved = config->audit.path != audit_path;
         if (audit_moved) {
-            if (auto a = shared.audit->reopen(config->audit.path); !a) {
+            if (auto a = AuditLog::check(config->audit.path); !a) {
                 spdlog::error("reload refused, keeping the running configuration: audit.path: {}",
                               a.error());
                 return;
@@ -501,18 +503,17 @@ struct Server::Impl {
         // The CA files only now: a refused reload must leave them naming the serving CAs.
         BuildWarnings file_warnings;
         if (auto w = write_ca_files(**statics, current.get(), &file_warnings); !w) {
-            if (audit_moved) {
-                if (auto a = shared.audit->reopen(audit_path); !a) {
-                    spdlog::error("reload: audit.path {} cannot be opened again ({}); records "
-                                  "go to {}",
-                                  audit_path, a.error(), config->audit.path);
-                }
-            }
             spdlog::error("reload refused, keeping the running configuration: {}", w.error());
             return;
         }
         for (const auto& w : file_warnings.lines) {
             spdlog::warn("{}", w);
+        }
+        if (audit_moved) {
+            if (auto a = shared.audit->reopen(config->audit.path); !a) {
+                spdlog::error("reload: {}; audit records keep going to the file opened before",
+                              a.error());
+            }
         }
         spdlog::set_level(spdlog::level::from_str(config->log_level));
         control->set_statics(*statics);

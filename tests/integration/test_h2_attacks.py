@@ -602,6 +602,14 @@ def test_complete_requests_in_a_read_that_floods_are_audited(world, e2, h2up, ma
                 (":method", "GET"), (":scheme", "https"),
                 (":authority", f"api.test:{h2up.port}"), (":path", f"/echo/{marker}-fl{i}")]),
                 flags=["END_HEADERS", "END_STREAM"]).serialize()
+        # and one refused for its head (too many fields): its RST_STREAM is queued when the
+        # flood's GOAWAY comes, and dropped with it; its record must not be
+        big = raw.next_sid
+        raw.next_sid += 2
+        burst += HeadersFrame(big, data=raw.enc.encode([
+            (":method", "GET"), (":scheme", "https"), (":authority", f"api.test:{h2up.port}"),
+            (":path", f"/echo/{marker}-flbig")] + [(f"x-f{j}", "v") for j in range(300)]),
+            flags=["END_HEADERS", "END_STREAM"]).serialize()
         burst += b"".join(PingFrame(0, opaque_data=i.to_bytes(8, "big")).serialize()
                           for i in range(400))
         try:
@@ -614,8 +622,11 @@ def test_complete_requests_in_a_read_that_floods_are_audited(world, e2, h2up, ma
 
     def records():
         recs = [r for r in e2.audit_records() if f"{marker}-fl" in (r.get("path") or "")]
-        return recs if len(recs) >= 20 else None
-    recs = poll(records, 5, "twenty audit records")
-    assert len(recs) == 20, recs
+        return recs if len(recs) >= 21 else None
+    recs = poll(records, 5, "twenty-one audit records")
+    assert len(recs) == 21, recs
+    big_recs = [r for r in recs if r["path"].endswith("-flbig")]
+    assert [(r["status"], r["reason"]) for r in big_recs] == [(431, "header_too_large")], recs
+    recs = [r for r in recs if not r["path"].endswith("-flbig")]
     assert all(r["reason"] == "client_aborted" and r["status"] == 0 for r in recs), recs
     assert not h2up.find(f"{marker}-fl")
