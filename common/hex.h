@@ -20,10 +20,12 @@ void append_hex(Out& out, const void* p, size_t n, bool upper = false) {
     }
 }
 
-/// The bytes at `p` as lowercase hex.
+/// The bytes at `p` as lowercase hex. One byte of room is kept past the digits: a caller may
+/// append a newline (the admin token written to its file) without a reallocation, which would
+/// free a copy of a secret unwiped.
 inline std::string to_hex(const void* p, size_t n) {
     std::string out;
-    out.reserve(2 * n);
+    out.reserve(2 * n + 1);
     append_hex(out, p, n);
     return out;
 }
