@@ -50,6 +50,15 @@ def make_pki(d: Path) -> dict:
     return {"ca": str(d / "ca.pem"), "cert": str(d / "server.pem"), "key": str(d / "server.key")}
 
 
+def _listener() -> socket.socket:
+    """A TCP listening socket on 127.0.0.1, on a port of the kernel's choosing."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
+
+
 def _nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -307,10 +316,7 @@ class ScriptedOrigin:
         self.lock = threading.Lock()
         self.received = 0
         self.connections = 0
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(128)
+        self.sock = _listener()
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -410,10 +416,7 @@ class H2Origin:
         self.max_open = 0
         self.received = 0
         self.refused = 0
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(128)
+        self.sock = _listener()
         self.port = self.sock.getsockname()[1]
         self.stopped = False
         self.thread = threading.Thread(target=self._accept, daemon=True)

@@ -210,6 +210,19 @@ class RawH2:
         self.c.send_raw(HeadersFrame(sid, data=self.enc.encode(hdrs), flags=flags).serialize())
         return sid
 
+    def get_frame(self, path: str, extra=()) -> tuple[int, bytes]:
+        """A new stream's complete GET (HEADERS with END_STREAM) to the client's authority,
+        serialized, not sent: for bursts that must reach egressd in one write."""
+        from hyperframe.frame import HeadersFrame
+        sid = self.next_sid
+        self.next_sid += 2
+        self.streams[sid] = {"status": None, "reset": None, "ended": False, "headers": [],
+                             "body": b""}
+        hdrs = [(":method", "GET"), (":scheme", "https"), (":authority", self.c.authority),
+                (":path", path), *extra]
+        return sid, HeadersFrame(sid, data=self.enc.encode(hdrs),
+                                 flags=["END_HEADERS", "END_STREAM"]).serialize()
+
     def send(self, data: bytes):
         self.c.send_raw(data)
 
@@ -275,3 +288,31 @@ class RawH2:
     def refused(self, sid) -> bool:
         st = self.streams[sid]
         return st["reset"] is not None or self.goaway is not None or (st["status"] or 0) >= 400
+
+
+def frames_until_closed(sock, timeout: float) -> tuple[float | None, int | None]:
+    """Reads raw HTTP/2 frames until the peer closes (within `timeout`): (seconds it took, or
+    None if still open; the error code of the GOAWAY that came, or None)."""
+    import time
+    from hyperframe.frame import Frame, GoAwayFrame
+    buf, goaway, t0 = b"", None, time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - t0 < timeout:
+        try:
+            data = sock.recv(65536)
+        except (socket.timeout, TimeoutError):
+            continue
+        except (ssl.SSLError, OSError):
+            return time.monotonic() - t0, goaway
+        if not data:
+            return time.monotonic() - t0, goaway
+        buf += data
+        while len(buf) >= 9:
+            f, n = Frame.parse_frame_header(memoryview(buf[:9]))
+            if len(buf) < 9 + n:
+                break
+            f.parse_body(memoryview(buf[9:9 + n]))
+            buf = buf[9 + n:]
+            if isinstance(f, GoAwayFrame):
+                goaway = f.error_code
+    return None, goaway

@@ -15,7 +15,7 @@ import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, RstStreamFrame
 
 from clients import run_ca
-from h2_helpers import H2Client, RawH2, add_h2_pins, h2up  # noqa: F401 (fixture)
+from h2_helpers import H2Client, RawH2, add_h2_pins, frames_until_closed, h2up  # noqa: F401
 from helpers import SANITIZER, poll
 
 ENHANCE_YOUR_CALM = 11
@@ -436,13 +436,8 @@ def test_a_request_reset_in_the_read_that_brought_it_is_audited(world, e2, h2up,
     try:
         burst = b""
         for i in range(5):
-            sid = raw.next_sid
-            raw.next_sid += 2
-            burst += HeadersFrame(sid, data=raw.enc.encode([
-                (":method", "GET"), (":scheme", "https"),
-                (":authority", f"api.test:{h2up.port}"), (":path", f"/echo/{marker}-rr{i}")]),
-                flags=["END_HEADERS", "END_STREAM"]).serialize()
-            burst += RstStreamFrame(sid, error_code=8).serialize()  # CANCEL
+            sid, frame = raw.get_frame(f"/echo/{marker}-rr{i}")
+            burst += frame + RstStreamFrame(sid, error_code=8).serialize()  # CANCEL
         raw.send(burst)
         raw.pump(timeout=0.5)
     finally:
@@ -524,42 +519,12 @@ def test_duplex_upload_timing_out_while_a_response_piece_waits(factory, world, h
 
 # --- what a review of the HTTP/2 server found (2026-12-07) -----------------------------------
 
-def _frames_until(sock, pred, timeout: float):
-    """Reads raw frames from `sock` until pred(frame) or timeout; returns (matched, closed)."""
-    from hyperframe.frame import Frame
-    import socket as _socket
-    import ssl as _ssl
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            data = sock.recv(65536)
-        except (_socket.timeout, TimeoutError):
-            return False, False
-        except (_ssl.SSLError, OSError):
-            return False, True
-        if not data:
-            return False, True
-        buf += data
-        while len(buf) >= 9:
-            f, length = Frame.parse_frame_header(memoryview(buf[:9]))
-            if len(buf) < 9 + length:
-                break
-            f.parse_body(memoryview(buf[9:9 + length]))
-            buf = buf[9 + length:]
-            if pred(f):
-                return True, False
-    return False, False
-
-
 def test_refused_streams_before_the_settings_ack_are_charged(world, e2, h2up, marker):
     """A client that never acknowledges egressd's SETTINGS and opens streams past the limit:
     nghttp2 answers each with RST_STREAM(REFUSED_STREAM) without making a stream, so no stream
     close charged it and the replies queued without bound (300 000 HEADERS: +57 MB). Each is
     charged to the reset bucket now: past its burst, GOAWAY(ENHANCE_YOUR_CALM)."""
     import hpack
-    from hyperframe.frame import GoAwayFrame
     c = H2Client(e2, world, "api.test", h2up.port)  # no pump: SETTINGS never acknowledged
     enc = hpack.Encoder()
     A = f"api.test:{h2up.port}"
@@ -576,11 +541,10 @@ def test_refused_streams_before_the_settings_ack_are_charged(world, e2, h2up, ma
                 c.send_raw(burst)
         except OSError:
             pass  # torn down mid-burst: the GOAWAY came first
-        got, closed = _frames_until(
-            c.sock, lambda f: isinstance(f, GoAwayFrame) and f.error_code == ENHANCE_YOUR_CALM,
-            timeout=5)
         # Within 5 s: before the settings timeout (10 s), which ends the connection anyway.
-        assert got, f"1000 streams past the limit before the SETTINGS ACK: no GOAWAY ({closed=})"
+        took, goaway = frames_until_closed(c.sock, timeout=5)
+        assert goaway == ENHANCE_YOUR_CALM, (
+            f"1000 streams past the limit before the SETTINGS ACK: GOAWAY {goaway}, {took=}")
     finally:
         c.close()
     assert e2.alive()
@@ -596,20 +560,11 @@ def test_complete_requests_in_a_read_that_floods_are_audited(world, e2, h2up, ma
     try:
         burst = b""
         for i in range(20):
-            sid = raw.next_sid
-            raw.next_sid += 2
-            burst += HeadersFrame(sid, data=raw.enc.encode([
-                (":method", "GET"), (":scheme", "https"),
-                (":authority", f"api.test:{h2up.port}"), (":path", f"/echo/{marker}-fl{i}")]),
-                flags=["END_HEADERS", "END_STREAM"]).serialize()
+            burst += raw.get_frame(f"/echo/{marker}-fl{i}")[1]
         # and one refused for its head (too many fields): its RST_STREAM is queued when the
         # flood's GOAWAY comes, and dropped with it; its record must not be
-        big = raw.next_sid
-        raw.next_sid += 2
-        burst += HeadersFrame(big, data=raw.enc.encode([
-            (":method", "GET"), (":scheme", "https"), (":authority", f"api.test:{h2up.port}"),
-            (":path", f"/echo/{marker}-flbig")] + [(f"x-f{j}", "v") for j in range(300)]),
-            flags=["END_HEADERS", "END_STREAM"]).serialize()
+        burst += raw.get_frame(f"/echo/{marker}-flbig",
+                               [(f"x-f{j}", "v") for j in range(300)])[1]
         burst += b"".join(PingFrame(0, opaque_data=i.to_bytes(8, "big")).serialize()
                           for i in range(400))
         try:

@@ -8,19 +8,18 @@ import hashlib
 import json
 import os
 import signal
-import socket
-import ssl
 import struct
 import subprocess
 import time
 
 import pytest
-from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
+from hyperframe.frame import DataFrame, HeadersFrame, RstStreamFrame
 
 import helpers
 from clients import proxy_env, run_ca
 from dns_server import DnsServer, fixed
-from h2_helpers import H2Client, RawH2, add_h2_pins, h2up, header  # noqa: F401 (fixture)
+from h2_helpers import (H2Client, RawH2, add_h2_pins, frames_until_closed,  # noqa: F401
+                        h2up, header)
 from helpers import SANITIZER, poll
 from upstream import payload_sha256
 
@@ -158,32 +157,6 @@ def test_non_reading_client_behind_an_h2_upstream_pins_streams_times_window(worl
     grown = _unread_downloads_grow_rss(e, world, h2up.port, marker, settle=1.5)
     if not SANITIZER:
         assert grown < 32 * 1024, f"peak RSS grew {grown} KiB"
-
-
-def frames_until_closed(sock, timeout: float) -> tuple[float | None, int | None]:
-    """Reads raw HTTP/2 frames until the peer closes (within `timeout`): (seconds it took, or
-    None if still open; the error code of the GOAWAY that came, or None)."""
-    buf, goaway, t0 = b"", None, time.monotonic()
-    sock.settimeout(0.2)
-    while time.monotonic() - t0 < timeout:
-        try:
-            data = sock.recv(65536)
-        except (socket.timeout, TimeoutError):
-            continue
-        except (ssl.SSLError, OSError):
-            return time.monotonic() - t0, goaway
-        if not data:
-            return time.monotonic() - t0, goaway
-        buf += data
-        while len(buf) >= 9:
-            f, n = Frame.parse_frame_header(memoryview(buf[:9]))
-            if len(buf) < 9 + n:
-                break
-            f.parse_body(memoryview(buf[9:9 + n]))
-            buf = buf[9 + n:]
-            if isinstance(f, GoAwayFrame):
-                goaway = f.error_code
-    return None, goaway
 
 
 def test_h2_settings_timeout_ends_a_client_that_never_acknowledges(world, factory, h2up):

@@ -34,18 +34,28 @@ std::optional<Answer> resolve_on(net::io_context& ioc, Resolver& r, std::string 
     return out;
 }
 
+/// DNS servers that never answer: UDP sockets bound on loopback and never read.
+struct SilentServers {
+    SilentServers(net::io_context& ioc, int n) {
+        for (int i = 0; i < n; ++i) {
+            sockets.emplace_back(ioc,
+                                 net::ip::udp::endpoint(net::ip::make_address("127.0.0.1"), 0));
+            addresses.push_back("127.0.0.1:" +
+                                std::to_string(sockets.back().local_endpoint().port()));
+        }
+    }
+    std::vector<net::ip::udp::socket> sockets;
+    std::vector<std::string> addresses;
+};
+
 TEST(Resolver, CAresScheduleEndsInsideTheBudget) {
     net::io_context ioc;
     // Two servers that never answer (bound, never read): c-ares tries each twice, and its
     // per-try timeout is sized so that all of it ends inside the budget (1 s: 4 tries end at
     // 857 ms): the lookup ends with c-ares' own timeout, before the resolver's deadline (with
     // half the budget per try it would have run 3 x the budget, cut by the deadline).
-    std::vector<net::ip::udp::socket> silent;
-    std::vector<std::string> servers;
-    for (int i = 0; i < 2; ++i) {
-        silent.emplace_back(ioc, net::ip::udp::endpoint(net::ip::make_address("127.0.0.1"), 0));
-        servers.push_back("127.0.0.1:" + std::to_string(silent.back().local_endpoint().port()));
-    }
+    SilentServers silent(ioc, 2);
+    const std::vector<std::string>& servers = silent.addresses;
     Resolver r(ioc, servers, {}, 1000ms);
     std::optional<Answer> out = resolve_on(ioc, r, "nx.resolver-test.invalid");
     ASSERT_TRUE(out.has_value());
@@ -57,12 +67,8 @@ TEST(Resolver, DeadlineEndsTheLookupNotCAres) {
     net::io_context ioc;
     // A budget too small for c-ares' schedule (its tries are at least 1 ms: 3 servers x 3 ms
     // > 5 ms): the lookup ends at the resolver's own deadline, c-ares finishing later.
-    std::vector<net::ip::udp::socket> silent;
-    std::vector<std::string> servers;
-    for (int i = 0; i < 3; ++i) {
-        silent.emplace_back(ioc, net::ip::udp::endpoint(net::ip::make_address("127.0.0.1"), 0));
-        servers.push_back("127.0.0.1:" + std::to_string(silent.back().local_endpoint().port()));
-    }
+    SilentServers silent(ioc, 3);
+    const std::vector<std::string>& servers = silent.addresses;
     Resolver r(ioc, servers, {}, 5ms);
     std::optional<Answer> out = resolve_on(ioc, r, "nx.resolver-test.invalid");
     ASSERT_TRUE(out.has_value());
